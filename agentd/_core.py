@@ -1,0 +1,92 @@
+"""The `core` payloads agentd itself emits (`accepted`, `huh`, `ack`, `answer`).
+
+They are written by hand rather than with `@xmlify` because their element names
+(`retry-allowed`) are not Python identifiers; `schemas/core.xsd` is their schema, and
+these classes serialise straight to exclusive-C14N bytes that validate against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from lxml import etree
+
+from agentd._errors import GENERIC_MESSAGES, RETRY_ALLOWED, HuhCode
+from agentd._schemas import NS_CORE
+from agentd._xml import escape_text
+
+_X = "{" + NS_CORE + "}"
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    thread: str
+    seq: int
+    tag: ClassVar[str] = "accepted"
+
+    def to_bytes(self) -> bytes:
+        return (
+            f'<accepted xmlns="{NS_CORE}"><thread>{self.thread}</thread>'
+            f"<seq>{self.seq}</seq></accepted>"
+        ).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Huh:
+    code: HuhCode
+    message: str
+    retry_allowed: bool
+    tag: ClassVar[str] = "huh"
+
+    @classmethod
+    def of(cls, code: HuhCode, message: str | None = None) -> Huh:
+        return cls(code, GENERIC_MESSAGES[code] if message is None else message, RETRY_ALLOWED[code])
+
+    def to_bytes(self) -> bytes:
+        retry = "true" if self.retry_allowed else "false"
+        return (
+            f'<huh xmlns="{NS_CORE}"><code>{self.code.value}</code>'
+            f"<message>{escape_text(self.message)}</message>"
+            f"<retry-allowed>{retry}</retry-allowed></huh>"
+        ).encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    thread: str
+    tag: ClassVar[str] = "ack"
+
+    def to_bytes(self) -> bytes:
+        return f'<ack xmlns="{NS_CORE}"><thread>{self.thread}</thread></ack>'.encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    text: str
+    tag: ClassVar[str] = "answer"
+
+    def to_bytes(self) -> bytes:
+        return f'<answer xmlns="{NS_CORE}"><text>{escape_text(self.text)}</text></answer>'.encode()
+
+
+CorePayload = Accepted | Huh | Ack | Answer
+
+
+def core_from_element(el: etree._Element) -> CorePayload:
+    """Build a core payload from an element already validated against core.xsd."""
+    tag = el.tag
+    kids = {c.tag: (c.text or "") for c in el}
+    if tag == _X + "huh":
+        return Huh(
+            HuhCode(kids[_X + "code"].strip()),
+            kids[_X + "message"],
+            kids[_X + "retry-allowed"].strip() in ("true", "1"),
+        )
+    if tag == _X + "ack":
+        return Ack(kids[_X + "thread"].strip())
+    if tag == _X + "answer":
+        return Answer(kids[_X + "text"])
+    if tag == _X + "accepted":
+        return Accepted(kids[_X + "thread"].strip(), int(kids[_X + "seq"]))
+    raise ValueError(f"not a core payload: {tag}")

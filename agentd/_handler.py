@@ -1,0 +1,60 @@
+"""What a handler sees and what it may return.
+
+A handler is untrusted code. It receives a typed payload and a `HandlerMetadata`
+captured by the pump before the call; it returns a `HandlerResponse` (or `None`).
+It can only *request* a destination: the pump sets `from` and `thread` itself and
+checks every requested destination against the listener's declared peers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from agentd._errors import HuhCode
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerMetadata:
+    thread_id: str  # opaque UUID of the frame the handler runs in
+    from_id: str  # the previous hop only
+    own_name: str
+    redelivered: bool = False  # True when replayed after a crash (at-least-once)
+    usage_instructions: str = ""  # peers' tool-prompt fragments, for LLM prompts
+
+
+class ResponseKind(Enum):
+    SEND = "send"
+    RESPOND = "respond"
+    BROADCAST = "broadcast"
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerResponse:
+    """A handler's answer. `payload` is an `@xmlify` object, a list of them, or raw
+    XML bytes holding one or more payload elements (multi-payload fan-out)."""
+
+    payload: Any = None
+    to: str | None = None
+    kind: ResponseKind = ResponseKind.SEND
+    targets: tuple[str, ...] = field(default=())
+    error_code: HuhCode | None = None
+    error_message: str = ""
+
+    @classmethod
+    def respond(cls, payload: Any) -> HandlerResponse:
+        """Send `payload` back up the call chain to the caller."""
+        return cls(payload, kind=ResponseKind.RESPOND)
+
+    @classmethod
+    def broadcast(cls, payload: Any, to: Sequence[str]) -> HandlerResponse:
+        """Send `payload` to each named peer (one envelope each)."""
+        return cls(payload, kind=ResponseKind.BROADCAST, targets=tuple(to))
+
+    @classmethod
+    def error(cls, code: HuhCode | str, message: str = "") -> HandlerResponse:
+        """Report failure to the caller as a `huh` with `code`."""
+        return cls(None, kind=ResponseKind.ERROR, error_code=HuhCode(code), error_message=message)

@@ -1,0 +1,44 @@
+"""Prometheus series (CONTRACT section 8). One registry per process; the pump and
+transports increment pre-bound children so the hot path pays a dict-free increment."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+envelopes_received = Counter(
+    "agentd_envelopes_received", "Envelopes received from clients", registry=REGISTRY
+)
+envelopes_rejected = Counter(
+    "agentd_envelopes_rejected", "Envelopes or outputs rejected, by huh code", ["code"],
+    registry=REGISTRY,
+)
+dispatch = Counter(
+    "agentd_dispatch", "Handler invocations by outcome", ["listener", "outcome"], registry=REGISTRY
+)
+handler_seconds = Histogram(
+    "agentd_handler_seconds", "Handler run time", ["listener"], registry=REGISTRY,
+    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+)
+queue_depth = Gauge("agentd_queue_depth", "Messages queued in the pump", registry=REGISTRY)
+threads_active = Gauge("agentd_threads_active", "Frames in the thread registry", registry=REGISTRY)
+security_events = Counter(
+    "agentd_security_events", "Security events by kind", ["kind"], registry=REGISTRY
+)
+bus_connections = Gauge("agentd_bus_connections", "Open bus connections", registry=REGISTRY)
+auth_failures = Counter("agentd_auth_failures", "Failed bus authentications", registry=REGISTRY)
+oob_commands = Counter(
+    "agentd_oob_commands", "Privileged commands", ["command", "outcome"], registry=REGISTRY
+)
+journal_commit_seconds = Histogram(
+    "agentd_journal_commit_seconds", "Journal group-commit time", registry=REGISTRY,
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1),
+)
+llm_requests = Counter(
+    "agentd_llm_requests", "LLM requests", ["backend", "outcome"], registry=REGISTRY
+)
+llm_tokens = Counter(
+    "agentd_llm_tokens", "LLM tokens", ["agent", "backend", "kind"], registry=REGISTRY
+)
+db_size_bytes = Gauge("agentd_db_size_bytes", "Kernel database size", registry=REGISTRY)

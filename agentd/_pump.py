@@ -1,0 +1,573 @@
+"""The message pump: the one path every message takes.
+
+    bytes -> hardened parse -> envelope schema -> profile route -> payload schema
+          -> (journal) -> per-thread queue -> handler -> HandlerResponse
+          -> serialise -> envelope bytes -> hardened parse -> ... (zero-trust re-entry)
+
+Invariants:
+- A client's envelope and a handler's output enter through the same functions
+  (`_ingest_request`, `_ingest_to_holder`) after the same `parse_envelope`; nothing
+  a handler returns is trusted for identity, thread or route. The pump sets `from`
+  (the listener's registered name) and `thread` (from the registry) itself.
+- The route is resolved against the pinned dispatch table of the message's thread
+  on every hop; a missing route and an out-of-profile route are indistinguishable.
+- Messages on one thread are handled one at a time, in order; threads are served
+  round-robin by a fixed pool of workers (`max_concurrency`), so one busy thread
+  cannot starve the others and no task is created per message.
+- Queues are bounded: client ingress waits for room (backpressure); handler output
+  beyond a hard cap is refused with `huh rate-limited` to its producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from lxml import etree
+
+from agentd import _metrics as metrics
+from agentd._core import Ack, CorePayload, Huh, core_from_element
+from agentd._envelope import (
+    NIL_THREAD,
+    Envelope,
+    PrivilegedOnBus,
+    build_envelope,
+    parse_envelope,
+)
+from agentd._errors import HuhCode, Rejection
+from agentd._handler import HandlerMetadata, HandlerResponse, ResponseKind
+from agentd._routing import Listener, Profile, Routing
+from agentd._schemas import NS_CORE, schema
+from agentd._threads import Frame, ThreadRegistry, ThreadState
+from agentd._xml import c14n, parse_untrusted
+from agentd._xmlify import XmlSpec, is_xmlified, spec_of
+
+log = logging.getLogger("agentd.pump")
+
+CORE = "core"
+_CORE_PREFIX = "{" + NS_CORE + "}"
+_CORE_SCHEMA = schema(NS_CORE)
+_XML_DECL = re.compile(rb"^\s*<\?xml[^>]*\?>")
+
+# (client id, thread uuid, envelope bytes) -> None; must not block.
+DeliverFn = Callable[[str, str, bytes], None]
+
+
+class MsgKind(Enum):
+    REQUEST = "request"  # routed by payload key; runs the callee in a child frame
+    TO_HOLDER = "to-holder"  # a response, ack or huh for the holder of the frame
+
+
+@dataclass(frozen=True)
+class PumpSettings:
+    max_concurrency: int = 256
+    per_listener_concurrency: int = 64
+    handler_timeout_s: float = 30.0
+    max_hops: int = 64
+    max_queue: int = 10_000
+    max_fanout: int = 64
+    max_envelope_bytes: int = 256 * 1024
+
+
+class Message:
+    """A message admitted into the pump. Everything but `payload` is trusted."""
+
+    __slots__ = ("envelope", "frame", "hops", "kind", "payload", "redelivered", "sender",
+                 "seq", "spec", "targets")
+
+    def __init__(
+        self,
+        kind: MsgKind,
+        sender: str,
+        frame: Frame,
+        payload: etree._Element,
+        targets: tuple[Listener, ...],
+        spec: XmlSpec | None,
+        envelope: bytes,
+        seq: int = 0,
+        redelivered: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.sender = sender
+        self.frame = frame
+        self.payload = payload
+        self.targets = targets  # REQUEST: the callees; TO_HOLDER: () for a client holder
+        self.spec = spec  # None for core payloads
+        self.envelope = envelope
+        self.seq = seq
+        self.redelivered = redelivered
+        self.hops = 0  # handler invocations on the causal chain before this message
+
+    @property
+    def is_core(self) -> bool:
+        return self.spec is None
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    """What became of a client envelope: `seq` if accepted, else `code`."""
+
+    thread: str
+    seq: int | None = None
+    code: HuhCode | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.code is None
+
+
+class _Inbox:
+    """Per-frame FIFO; `scheduled` is True while the frame is queued or running."""
+
+    __slots__ = ("frame", "items", "scheduled")
+
+    def __init__(self, frame: Frame) -> None:
+        self.frame = frame
+        self.items: deque[Message] = deque()
+        self.scheduled = False
+
+
+class Pump:
+    def __init__(
+        self,
+        routing: Routing,
+        clients: Mapping[str, str],
+        deliver: DeliverFn,
+        settings: PumpSettings | None = None,
+    ) -> None:
+        self.routing = routing
+        self.clients = dict(clients)  # client id -> profile name
+        self.deliver = deliver
+        self.settings = settings or PumpSettings()
+        self.registry = ThreadRegistry()
+        self._inboxes: dict[str, _Inbox] = {}
+        self._ready: deque[_Inbox] = deque()
+        self._idle_workers: deque[asyncio.Future[None]] = deque()
+        self._workers: list[asyncio.Task[None]] = []
+        self._queued = 0  # messages admitted and not yet handled
+        self._running = 0  # messages being handled
+        self._room_waiters: deque[asyncio.Future[None]] = deque()
+        self._idle_waiters: list[asyncio.Future[None]] = []
+        self._seq = 0
+        self._hard_cap = self.settings.max_queue * 2
+        self.handled = 0  # handler invocations, for benchmarks and status
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        for i in range(self.settings.max_concurrency):
+            self._workers.append(asyncio.create_task(self._worker(), name=f"pump-worker-{i}"))
+
+    async def stop(self) -> None:
+        for task in self._workers:
+            task.cancel()
+        for task in self._workers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._workers.clear()
+
+    async def join(self) -> None:
+        """Run until idle: return once nothing is queued or running."""
+        while self._queued or self._running:
+            fut = asyncio.get_running_loop().create_future()
+            self._idle_waiters.append(fut)
+            await fut
+
+    @property
+    def queue_depth(self) -> int:
+        return self._queued
+
+    # ---- client ingress --------------------------------------------------
+
+    async def submit(self, client: str, data: bytes) -> SubmitResult:
+        """Admit one envelope from an authenticated client. The client is sent one
+        `accepted` or one `huh` (through `deliver`), then whatever comes back."""
+        while self._queued >= self.settings.max_queue:
+            fut = asyncio.get_running_loop().create_future()
+            self._room_waiters.append(fut)
+            await fut
+        metrics.envelopes_received.inc()
+        thread = NIL_THREAD
+        try:
+            env = parse_envelope(data, max_bytes=self.settings.max_envelope_bytes)
+            thread = env.thread
+            if env.sender != client:
+                self._security_event("forged-from", client=client, claimed=env.sender)
+                raise Rejection(HuhCode.INVALID_ENVELOPE, "from does not match the client")
+            msg = self._ingest_client(client, env, data)
+        except PrivilegedOnBus:
+            self._security_event("priv-on-bus", client=client)
+            return self._refuse_client(client, thread, HuhCode.UNROUTABLE)
+        except Rejection as rej:
+            log.info("rejected client=%s code=%s detail=%s", client, rej.code.value, rej.detail)
+            return self._refuse_client(client, thread, rej.code)
+        self._seq += 1
+        msg.seq = self._seq
+        self._emit_core(client, msg.frame.uuid, _accepted_bytes(msg.frame.uuid, msg.seq))
+        self._enqueue(msg)
+        return SubmitResult(msg.frame.uuid, seq=msg.seq)
+
+    def _ingest_client(self, client: str, env: Envelope, data: bytes) -> Message:
+        frame = self.registry.get(env.thread)
+        if frame is None:
+            pname = self.clients.get(client)
+            profile = self.routing.profiles.get(pname) if pname is not None else None
+            if profile is None:
+                raise Rejection(HuhCode.UNROUTABLE, f"client {client} has no profile")
+            msg = self._ingest_request(
+                env, data, sender=client, sender_listener=None,
+                frame=None, profile=profile,
+            )
+            msg.frame = self.registry.start(client, profile, uuid=env.thread)
+            return msg
+        if frame.owner != client or not frame.is_root:
+            raise Rejection(HuhCode.UNROUTABLE, "thread not owned by this client")
+        if frame.state is not ThreadState.ACTIVE:
+            raise Rejection(HuhCode.UNROUTABLE, "conversation has ended")
+        return self._ingest_request(
+            env, data, sender=client, sender_listener=None, frame=frame, profile=frame.profile
+        )
+
+    def _refuse_client(self, client: str, thread: str, code: HuhCode) -> SubmitResult:
+        metrics.envelopes_rejected.labels(code.value).inc()
+        self._emit_core(client, thread, Huh.of(code).to_bytes())
+        return SubmitResult(thread, code=code)
+
+    def _emit_core(self, client: str, thread: str, payload: bytes) -> None:
+        self.deliver(client, thread, build_envelope(CORE, thread, payload, to=client))
+
+    # ---- the shared admission checks --------------------------------------
+
+    def _ingest_request(
+        self,
+        env: Envelope,
+        data: bytes,
+        *,
+        sender: str,
+        sender_listener: Listener | None,
+        frame: Frame | None,
+        profile: Profile,
+    ) -> Message:
+        """Route `env` against `profile`'s table (and the sender's peers), validate
+        the payload against the routed schema. Raises `Rejection`."""
+        key = env.key
+        targets = profile.table.resolve(key, env.to)
+        if sender_listener is not None:
+            allowed = tuple(t for t in targets if sender_listener.may_send_to(t.name))
+            if len(allowed) != len(targets) and (env.to is not None or not allowed):
+                log.warning(
+                    "peer violation blocked listener=%s to=%s key={%s}%s",
+                    sender_listener.name, env.to, key[0], key[1],
+                )
+                self._security_event("peer-violation", listener=sender_listener.name)
+                raise Rejection(HuhCode.UNROUTABLE, "destination is not a declared peer")
+            targets = allowed
+        targets = tuple(t for t in targets if not t.retired)
+        if not targets:
+            raise Rejection(HuhCode.UNROUTABLE, f"no route for {{{key[0]}}}{key[1]}")
+        spec = self.routing.specs[key]
+        _validate(spec, env.payload)
+        return Message(
+            MsgKind.REQUEST, sender, frame, env.payload, targets, spec, data  # type: ignore[arg-type]
+        )
+
+    def _ingest_to_holder(
+        self, env: Envelope, data: bytes, *, sender: str, frame: Frame, spec: XmlSpec | None
+    ) -> Message:
+        """A message for the holder of `frame` (a response, ack or huh)."""
+        if spec is None:
+            if not _CORE_SCHEMA.validate(env.payload):
+                raise Rejection(HuhCode.INVALID_PAYLOAD, str(_CORE_SCHEMA.error_log.last_error))
+        else:
+            _validate(spec, env.payload)
+        targets: tuple[Listener, ...] = ()
+        if not frame.is_root:
+            holder = frame.profile.table.listeners.get(frame.holder)
+            if holder is None or holder.retired:
+                raise Rejection(HuhCode.UNROUTABLE, "caller no longer routable")
+            targets = (holder,)
+        return Message(MsgKind.TO_HOLDER, sender, frame, env.payload, targets, spec, data)
+
+    # ---- scheduling ----------------------------------------------------------
+
+    def _enqueue(self, msg: Message) -> None:
+        if msg.kind is MsgKind.TO_HOLDER and not msg.targets:
+            # The holder is the external client: deliver now, in order.
+            self.deliver(msg.frame.owner, msg.frame.uuid, msg.envelope)
+            return
+        uuid = msg.frame.uuid
+        inbox = self._inboxes.get(uuid)
+        if inbox is None:
+            inbox = self._inboxes[uuid] = _Inbox(msg.frame)
+        inbox.items.append(msg)
+        self._queued += 1
+        if not inbox.scheduled:
+            inbox.scheduled = True
+            self._ready.append(inbox)
+            if self._idle_workers:
+                fut = self._idle_workers.popleft()
+                if not fut.done():
+                    fut.set_result(None)
+
+    async def _worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        ready = self._ready
+        while True:
+            if not ready:
+                fut = loop.create_future()
+                self._idle_workers.append(fut)
+                await fut
+                continue
+            inbox = ready.popleft()
+            msg = inbox.items.popleft()
+            self._queued -= 1
+            self._running += 1
+            try:
+                await self._handle(msg)
+            except Exception:  # a pump bug must not kill the worker
+                log.exception("pump error while handling a message")
+            finally:
+                self._running -= 1
+            if inbox.items:
+                ready.append(inbox)
+            else:
+                inbox.scheduled = False
+                del self._inboxes[inbox.frame.uuid]
+            if self._room_waiters and self._queued < self.settings.max_queue:
+                self._wake(self._room_waiters)
+            if not self._queued and not self._running and self._idle_waiters:
+                waiters, self._idle_waiters = self._idle_waiters, []
+                for w in waiters:
+                    if not w.done():
+                        w.set_result(None)
+
+    @staticmethod
+    def _wake(waiters: deque[asyncio.Future[None]]) -> None:
+        while waiters:
+            fut = waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
+    # ---- handling --------------------------------------------------------------
+
+    async def _handle(self, msg: Message) -> None:
+        root = msg.frame.root
+        if root.state is not ThreadState.ACTIVE:
+            log.info("dropped message on ended conversation thread=%s", root.uuid)
+            return
+        if msg.hops >= self.settings.max_hops:
+            # Two listeners ping-ponging, or a runaway chain: stop it and tell the client.
+            self._stop_chain(root, HuhCode.BUDGET_EXCEEDED, "hop limit reached")
+            return
+        if msg.kind is MsgKind.REQUEST:
+            if len(msg.targets) == 1:
+                await self._call(msg, msg.targets[0])
+            else:  # broadcast: the listeners on one key run concurrently
+                await asyncio.gather(*(self._call(msg, t) for t in msg.targets))
+        else:
+            await self._call(msg, msg.targets[0])
+
+    async def _call(self, msg: Message, listener: Listener) -> None:
+        if listener.retired:
+            self._huh_to(msg.frame, HuhCode.UNROUTABLE, msg.hops + 1)
+            return
+        if msg.kind is MsgKind.REQUEST:
+            frame = self.registry.extend(msg.frame, listener.name)
+        else:
+            frame = msg.frame
+        frame.touched = time.monotonic()
+        payload: Any = (
+            core_from_element(msg.payload) if msg.spec is None else msg.spec.from_element(msg.payload)
+        )
+        meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered)
+        handler = listener.handler
+        assert handler is not None
+        started = time.perf_counter()
+        self.handled += 1
+        async with listener.slots:
+            try:
+                async with asyncio.timeout(listener.timeout_s):
+                    result = await handler(payload, meta)
+            except TimeoutError:
+                metrics.dispatch.labels(listener.name, "timeout").inc()
+                log.warning("handler timed out listener=%s thread=%s", listener.name, frame.uuid)
+                self._fail_call(msg, frame, HuhCode.TIMEOUT)
+                return
+            except Exception:
+                metrics.dispatch.labels(listener.name, "error").inc()
+                log.exception("handler raised listener=%s thread=%s", listener.name, frame.uuid)
+                self._fail_call(msg, frame, HuhCode.INTERNAL)
+                return
+        metrics.handler_seconds.labels(listener.name).observe(time.perf_counter() - started)
+        metrics.dispatch.labels(listener.name, "ok").inc()
+        self._after(msg, listener, frame, result)
+
+    def _fail_call(self, msg: Message, frame: Frame, code: HuhCode) -> None:
+        if msg.kind is MsgKind.REQUEST:
+            self.registry.complete(frame, ThreadState.FAILED)
+            self._huh_to(msg.frame, code, msg.hops + 1)
+        elif not msg.is_core and frame.parent is not None:
+            # The holder failed while taking a response: its caller learns of it.
+            self.registry.complete(frame, ThreadState.FAILED)
+            self._huh_to(frame.parent, code, msg.hops + 1)
+
+    def _after(self, msg: Message, listener: Listener, frame: Frame, result: object) -> None:
+        """Turn a handler's return value into new messages (all re-entering)."""
+        hops = msg.hops + 1
+        if result is None:
+            if msg.kind is MsgKind.REQUEST:
+                self._reenter_core(msg.frame, Ack(msg.frame.uuid).to_bytes(), hops)
+                if not frame.children:
+                    self.registry.complete(frame)
+            return
+        if not isinstance(result, HandlerResponse):
+            log.error("handler returned %s, not HandlerResponse listener=%s",
+                      type(result).__name__, listener.name)
+            self._fail_call(msg, frame, HuhCode.INTERNAL)
+            return
+        kind = result.kind
+        if kind is ResponseKind.ERROR:
+            code = result.error_code or HuhCode.INTERNAL
+            text = (result.error_message or "")[:1024] or None
+            if frame.parent is not None:
+                self._reenter_core(frame.parent, Huh.of(code, text).to_bytes(), hops)
+            self.registry.complete(frame, ThreadState.FAILED)
+            return
+        try:
+            payloads = _serialise_all(result.payload, self.settings.max_fanout)
+        except Rejection as rej:
+            log.warning("bad handler output listener=%s detail=%s", listener.name, rej.detail)
+            self._huh_to(frame, rej.code, hops)
+            return
+        if kind is ResponseKind.RESPOND:
+            caller = frame.parent
+            assert caller is not None  # a listener never holds a root frame
+            ok = True
+            for body in payloads:
+                data = build_envelope(listener.name, caller.uuid, body, to=caller.holder)
+                ok = self._reenter(
+                    data, listener, caller, own=frame, respond=True, hops=hops
+                ) and ok
+            if ok:  # a refused answer leaves the frame open so the listener can retry
+                self.registry.complete(frame)
+            return
+        targets: Iterable[str | None] = (
+            result.targets if kind is ResponseKind.BROADCAST else (result.to,)
+        )
+        for to in targets:
+            for body in payloads:
+                data = build_envelope(listener.name, frame.uuid, body, to=to)
+                self._reenter(data, listener, frame, own=frame, respond=False, hops=hops)
+
+    def _reenter(
+        self, data: bytes, listener: Listener, frame: Frame, *, own: Frame, respond: bool, hops: int
+    ) -> bool:
+        """Handler output re-enters through the same parse and checks as client input.
+        `frame` is the envelope's thread; `own` is the listener's frame, where a `huh`
+        for its bad output goes (so an LLM agent can correct itself)."""
+        if self._queued >= self._hard_cap:
+            self._huh_to(own, HuhCode.RATE_LIMITED, hops)
+            return False
+        try:
+            env = parse_envelope(data, max_bytes=self.settings.max_envelope_bytes)
+            if env.thread != frame.uuid or env.sender != listener.name:  # pragma: no cover
+                raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
+            if respond:
+                spec = listener.response_specs.get(env.key)
+                if spec is None:
+                    raise Rejection(HuhCode.INVALID_PAYLOAD, "not a declared response class")
+                msg = self._ingest_to_holder(env, data, sender=listener.name, frame=frame, spec=spec)
+            else:
+                msg = self._ingest_request(
+                    env, data, sender=listener.name, sender_listener=listener,
+                    frame=frame, profile=frame.profile,
+                )
+        except PrivilegedOnBus:
+            self._security_event("priv-from-handler", listener=listener.name)
+            self._huh_to(own, HuhCode.UNROUTABLE, hops)
+            return False
+        except Rejection as rej:
+            log.info("handler output rejected listener=%s code=%s detail=%s",
+                     listener.name, rej.code.value, rej.detail)
+            self._huh_to(own, rej.code, hops)
+            return False
+        msg.hops = hops
+        self._enqueue(msg)
+        return True
+
+    def _huh_to(self, frame: Frame, code: HuhCode, hops: int) -> None:
+        metrics.envelopes_rejected.labels(code.value).inc()
+        self._reenter_core(frame, Huh.of(code).to_bytes(), hops)
+
+    def _reenter_core(self, frame: Frame, payload: bytes, hops: int) -> None:
+        """A core payload (ack/huh) for the holder of `frame`, re-entering like any output."""
+        data = build_envelope(CORE, frame.uuid, payload, to=frame.holder)
+        try:
+            env = parse_envelope(data)
+            msg = self._ingest_to_holder(env, data, sender=CORE, frame=frame, spec=None)
+        except Rejection as rej:
+            log.info("core message dropped thread=%s detail=%s", frame.uuid, rej.detail)
+            return
+        msg.hops = hops
+        self._enqueue(msg)
+
+    def _stop_chain(self, root: Frame, code: HuhCode, why: str) -> None:
+        log.warning("chain stopped thread=%s owner=%s why=%s", root.uuid, root.owner, why)
+        metrics.envelopes_rejected.labels(code.value).inc()
+        self._emit_core(root.owner, root.uuid, Huh.of(code).to_bytes())
+
+    def _security_event(self, kind: str, **fields: str) -> None:
+        metrics.security_events.labels(kind).inc()
+        detail = " ".join(f"{k}={v}" for k, v in fields.items())
+        log.warning("security event kind=%s %s", kind, detail)
+
+
+def _accepted_bytes(thread: str, seq: int) -> bytes:
+    return (
+        f'<accepted xmlns="{NS_CORE}"><thread>{thread}</thread><seq>{seq}</seq></accepted>'
+    ).encode()
+
+
+def _validate(spec: XmlSpec, el: etree._Element) -> None:
+    if not spec.schema.validate(el):
+        raise Rejection(HuhCode.INVALID_PAYLOAD, str(spec.schema.error_log.last_error))
+
+
+def _serialise_all(payload: object, max_fanout: int) -> list[bytes]:
+    """Handler payload(s) -> C14N payload bytes. Raw bytes are untrusted XML holding
+    one or more payload elements: they are parsed with repair (handler and LLM
+    output only) and split, one envelope each."""
+    if isinstance(payload, bytes | bytearray | str):
+        raw = payload.encode() if isinstance(payload, str) else bytes(payload)
+        raw = _XML_DECL.sub(b"", raw, count=1)
+        wrapper = parse_untrusted(b"<agentd-output>" + raw + b"</agentd-output>", repair=True)
+        bodies = [c14n(el) for el in wrapper if isinstance(el.tag, str)]
+    elif isinstance(payload, list | tuple):
+        bodies = [_one(p) for p in payload]
+    else:
+        bodies = [_one(payload)]
+    if not bodies:
+        raise Rejection(HuhCode.INVALID_PAYLOAD, "no payload element in handler output")
+    if len(bodies) > max_fanout:
+        raise Rejection(HuhCode.TOO_LARGE, f"{len(bodies)} payloads > max_fanout {max_fanout}")
+    return bodies
+
+
+def _one(obj: object) -> bytes:
+    if isinstance(obj, CorePayload):  # type: ignore[misc,arg-type]
+        raise Rejection(HuhCode.INVALID_PAYLOAD, "handlers may not emit core payloads")
+    if not is_xmlified(obj):
+        raise Rejection(HuhCode.INVALID_PAYLOAD, f"{type(obj).__name__} is not an @xmlify class")
+    try:
+        return spec_of(obj).to_bytes(obj)
+    except (ValueError, TypeError) as exc:
+        raise Rejection(HuhCode.INVALID_PAYLOAD, f"cannot serialise: {exc}") from None

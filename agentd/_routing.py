@@ -1,0 +1,171 @@
+"""Listeners, dispatch tables and profiles: the structural security of agentd.
+
+A profile *is* a dispatch table: the map from routing key (payload namespace, local
+name) to the listeners a thread of that profile may reach. The world is closed: a
+key that is not in the table has no code path to any handler. Tables are immutable
+once built; a reload builds new ones with a new version, and existing threads keep
+the table they were created with (no runtime downgrade or upgrade).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from agentd._errors import ConfigError
+from agentd._xmlify import XmlSpec, spec_of
+
+if TYPE_CHECKING:
+    from agentd._config import ListenerConfig, OrganismConfig
+
+Key = tuple[str, str]
+
+
+@dataclass(eq=False)
+class Listener:
+    """The runtime form of a declared listener. Identity matters: tables point at
+    these objects, so a thread pinned to an old table keeps reaching the listener
+    objects that table was built with."""
+
+    name: str
+    handler: Callable[..., Any] | None
+    payload_specs: tuple[XmlSpec, ...]
+    response_specs: Mapping[Key, XmlSpec]
+    peers: frozenset[str]
+    is_agent: bool
+    description: str
+    timeout_s: float
+    max_concurrency: int
+    config: Any = None
+    retired: bool = False
+    _slots: asyncio.Semaphore | None = field(default=None, repr=False)
+
+    @property
+    def slots(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_concurrency)
+        return self._slots
+
+    def may_send_to(self, target: str) -> bool:
+        # LLM agents iterate blindly through their own unique root tag.
+        return target in self.peers or (self.is_agent and target == self.name)
+
+
+@dataclass(frozen=True, eq=False)
+class DispatchTable:
+    version: int
+    routes: Mapping[Key, tuple[Listener, ...]]
+    listeners: Mapping[str, Listener]
+
+    def resolve(self, key: Key, to: str | None = None) -> tuple[Listener, ...]:
+        """The listeners `key` reaches, narrowed by `to`; empty means unroutable."""
+        found = self.routes.get(key, ())
+        if to is not None:
+            found = tuple(lst for lst in found if lst.name == to)
+        return found
+
+    def is_within(self, other: DispatchTable) -> bool:
+        """True if every route of self is a route of `other` (self is no wider)."""
+        return all(
+            set(lsts) <= set(other.routes.get(key, ()))
+            for key, lsts in self.routes.items()
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Profile:
+    name: str
+    table: DispatchTable
+    token_budget: int | None = None
+
+
+def build_table(version: int, listeners: Iterable[Listener]) -> DispatchTable:
+    routes: dict[Key, list[Listener]] = {}
+    names: dict[str, Listener] = {}
+    for lst in listeners:
+        names[lst.name] = lst
+        for spec in lst.payload_specs:
+            routes.setdefault(spec.key, []).append(lst)
+    return DispatchTable(
+        version,
+        MappingProxyType({k: tuple(v) for k, v in routes.items()}),
+        MappingProxyType(names),
+    )
+
+
+def listener_from_config(cfg: ListenerConfig, default_timeout_s: float, default_conc: int) -> Listener:
+    return Listener(
+        name=cfg.name,
+        handler=cfg.handler,
+        payload_specs=tuple(spec_of(c) for c in cfg.payload_classes),
+        response_specs=MappingProxyType(
+            {spec_of(c).key: spec_of(c) for c in cfg.response_classes}
+        ),
+        peers=frozenset(cfg.peers),
+        is_agent=cfg.agent is not None,
+        description=cfg.description,
+        timeout_s=cfg.timeout_s if cfg.timeout_s is not None else default_timeout_s,
+        max_concurrency=cfg.max_concurrency or default_conc,
+        config=cfg,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class Routing:
+    """Everything routing needs, built from one configuration: listeners by name,
+    one profile (dispatch table) per configured profile, and the schema of every key."""
+
+    version: int
+    listeners: Mapping[str, Listener]
+    profiles: Mapping[str, Profile]
+    specs: Mapping[Key, XmlSpec]
+
+    @classmethod
+    def build(
+        cls,
+        config: OrganismConfig,
+        version: int = 1,
+        agent_handlers: Mapping[str, Callable[..., Any]] | None = None,
+    ) -> Routing:
+        issues: list[str] = []
+        listeners: dict[str, Listener] = {}
+        specs: dict[Key, XmlSpec] = {}
+        for cfg in config.listeners:
+            lst = listener_from_config(
+                cfg, config.pump.handler_timeout_s, config.pump.per_listener_concurrency
+            )
+            if lst.is_agent:
+                handler = (agent_handlers or {}).get(lst.name)
+                if handler is None:
+                    issues.append(
+                        f"{cfg.location}: listeners: {cfg.name}: LLM agents need the LLM "
+                        "platform, which is not built yet (issue 6)"
+                    )
+                lst.handler = handler
+            for spec in lst.payload_specs:
+                other = specs.setdefault(spec.key, spec)
+                if other is not spec and other.cls is not spec.cls:
+                    issues.append(
+                        f"{cfg.location}: listeners: {cfg.name}: payload key {spec.clark} is "
+                        f"already used by a different class ({other.cls.__qualname__})"
+                    )
+            listeners[lst.name] = lst
+        if issues:
+            raise ConfigError(issues)
+        profiles: dict[str, Profile] = {}
+        for pname, pcfg in config.profiles.items():
+            chosen = (
+                list(listeners.values())
+                if pcfg.listeners == "all"
+                else [listeners[n] for n in pcfg.listeners]
+            )
+            profiles[pname] = Profile(pname, build_table(version, chosen), pcfg.token_budget)
+        return cls(
+            version,
+            MappingProxyType(listeners),
+            MappingProxyType(profiles),
+            MappingProxyType(specs),
+        )

@@ -1,0 +1,1 @@
+"""Built-in tools used by the demo organism and the tests."""

@@ -1,0 +1,162 @@
+"""Pump throughput against a bare validated pipeline, in one process run.
+
+(a) baseline: the minimum a validated pipeline must do per hop — hardened parse,
+    XSD validation of envelope and payload, dict route, asyncio queue hand-off,
+    serialise the reply;
+(b) the real pump on the same workload: a request to a tool that replies, each on
+    its own thread (handler invocations counted).
+
+Usage: python benchmarks/pump.py [--quick]. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agentd._config import load_config  # noqa: E402
+from agentd._envelope import build_envelope  # noqa: E402
+from agentd._pump import Pump  # noqa: E402
+from agentd._routing import Routing  # noqa: E402
+from agentd._schemas import NS_ENV, schema  # noqa: E402
+from agentd._threads import ThreadRegistry  # noqa: E402
+from agentd._xml import parse_untrusted  # noqa: E402
+from agentd._xmlify import spec_of  # noqa: E402
+from agentd.testing import settings_from  # noqa: E402
+from agentd.tools.calculator import Add, Sum  # noqa: E402
+
+
+def envelopes(n: int) -> list[bytes]:
+    spec = spec_of(Add)
+    return [
+        build_envelope("alice", str(uuid.uuid4()), spec.to_bytes(Add(a=i, b=2))) for i in range(n)
+    ]
+
+
+async def baseline(data: list[bytes]) -> float:
+    env_schema = schema(NS_ENV)
+    add_spec, sum_spec = spec_of(Add), spec_of(Sum)
+    routes = {add_spec.clark: add_spec}
+    queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=1024)
+    done = 0
+
+    async def consumer() -> None:
+        nonlocal done
+        while True:
+            raw = await queue.get()
+            root = parse_untrusted(raw)
+            assert env_schema.validate(root)
+            payload = root[1]
+            spec = routes[payload.tag]
+            assert spec.schema.validate(payload)
+            a, b = int(payload[0].text), int(payload[1].text)
+            reply = sum_spec.to_bytes(Sum(value=a + b))
+            build_envelope("calculator.add", root[0][-1].text, reply, to="alice")
+            done += 1
+            queue.task_done()
+
+    task = asyncio.create_task(consumer())
+    start = time.perf_counter()
+    for raw in data:
+        await queue.put(raw)
+    await queue.join()
+    elapsed = time.perf_counter() - start
+    task.cancel()
+    assert done == len(data)
+    return len(data) / elapsed
+
+
+async def real_pump(data: list[bytes]) -> tuple[float, list[float]]:
+    config = load_config(ROOT / "config" / "organism.yaml")
+    sent: dict[str, float] = {}
+    latencies: list[float] = []
+
+    def deliver(client: str, thread: str, frame: bytes) -> None:
+        if b"<from>core</from>" not in frame:
+            latencies.append(time.perf_counter() - sent[thread])
+
+    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, settings_from(config))
+    await pump.start()
+    threads = [parse_untrusted(d)[0][-1].text or "" for d in data]
+    start = time.perf_counter()
+    for raw, thread in zip(data, threads, strict=True):
+        sent[thread] = time.perf_counter()
+        result = await pump.submit("alice", raw)
+        assert result.accepted, result
+    await pump.join()
+    elapsed = time.perf_counter() - start
+    await pump.stop()
+    assert pump.handled == len(data) and len(latencies) == len(data), (pump.handled, len(latencies))
+    return pump.handled / elapsed, latencies
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def registry_rss(n: int) -> float:
+    config = load_config(ROOT / "config" / "organism.yaml")
+    profile = Routing.build(config).profiles["public"]
+    gc.collect()
+    before = rss_mb()
+    registry = ThreadRegistry()
+    for _ in range(n):
+        registry.start("alice", profile)
+    gc.collect()
+    used = rss_mb() - before
+    assert len(registry) == n
+    return used * 100_000 / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    n = 5_000 if args.quick else 50_000
+    try:
+        import uvloop
+
+        uvloop.install()
+        loop_name = "uvloop"
+    except ImportError:  # pragma: no cover
+        loop_name = "asyncio"
+    data = envelopes(n)
+    asyncio.run(baseline(data[:1000]))  # warm-up
+    base = asyncio.run(baseline(data))
+    pump_rate, lat = asyncio.run(real_pump(data))
+    base2 = asyncio.run(baseline(data))  # again, to bracket noise
+    base = max(base, base2)
+    ratio = pump_rate / base
+    lat_us = sorted(x * 1e6 for x in lat)
+    p50 = statistics.median(lat_us)
+    p99 = lat_us[int(len(lat_us) * 0.99) - 1]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    per_100k = registry_rss(20_000 if args.quick else 100_000)
+    print(f"loop: {loop_name}, messages: {n}")
+    print(f"baseline (parse+2 XSD+route+queue+serialise): {base:,.0f} handler invocations/s")
+    print(f"pump (full ingress, per-thread queues, re-entry): {pump_rate:,.0f} invocations/s")
+    print(f"ratio pump/baseline: {ratio:.2f} (target >= 0.40); pump target >= 10,000/s")
+    print(f"latency client->reply: p50 {p50:.0f} us, p99 {p99:.0f} us (all {n} in flight)")
+    print(f"peak RSS {peak:.0f} MB; registry RSS per 100k live threads {per_100k:.1f} MB")
+    print(json.dumps({
+        "baseline_per_s": round(base), "pump_per_s": round(pump_rate), "ratio": round(ratio, 3),
+        "p50_us": round(p50), "p99_us": round(p99), "peak_rss_mb": round(peak, 1),
+        "rss_mb_per_100k_threads": round(per_100k, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()

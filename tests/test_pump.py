@@ -1,0 +1,422 @@
+"""The pump, end to end through the Harness: routing, identity injection, zero-trust
+re-entry, threads, scheduling and containment of hostile handlers."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agentd._core import Ack, Huh
+from agentd._envelope import NIL_THREAD, build_envelope, parse_envelope
+from agentd._errors import GENERIC_MESSAGES, HuhCode
+from agentd._xmlify import spec_of
+from agentd.testing import Harness
+from agentd.tools.calculator import Add, Sum
+from agentd.tools.relay import Relay
+from tests.organisms import listeners as L
+
+ORGANISM = Path(__file__).parent / "organisms" / "basic.yaml"
+CLIENTS = {"alice": "public", "bob": "public", "nina": "narrow", "root": "admin"}
+
+
+@pytest.fixture(autouse=True)
+def _reset() -> None:
+    L.SEEN.clear()
+    L.STATE.update(running=0, peak=0)
+
+
+@pytest.fixture
+async def h():
+    async with Harness.from_config(ORGANISM, clients=CLIENTS) as harness:
+        yield harness
+
+
+def kinds(frames: list[bytes]) -> list[tuple[str, str]]:
+    """(sender, payload local name) of each frame."""
+    out = []
+    for f in frames:
+        env = parse_envelope(f)
+        out.append((env.sender, env.payload.tag.split("}")[1]))
+    return out
+
+
+def field(frame: bytes, name: str) -> str:
+    env = parse_envelope(frame)
+    for child in env.payload:
+        if child.tag.split("}")[1] == name:
+            return child.text or ""
+    raise KeyError(name)
+
+
+def envelope(sender: str, payload: bytes, thread: str | None = None, to: str | None = None):
+    return build_envelope(sender, thread or str(uuid.uuid4()), payload, to=to)
+
+
+ADD = b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>2</a><b>3</b></add>'
+
+
+# ---- the happy paths ---------------------------------------------------------
+
+
+async def test_request_is_accepted_then_answered_on_the_same_thread(h: Harness) -> None:
+    thread = str(uuid.uuid4())
+    frames = await h.send("alice", envelope("alice", ADD, thread))
+    assert kinds(frames) == [("core", "accepted"), ("calculator.add", "sum")]
+    assert all(parse_envelope(f).thread == thread for f in frames)
+    assert field(frames[1], "value") == "5"
+    assert parse_envelope(frames[1]).to == "alice"
+
+
+async def test_payload_object_is_wrapped_on_a_new_thread(h: Harness) -> None:
+    frames = await h.send("alice", Add(a=40, b=2))
+    assert kinds(frames)[-1] == ("calculator.add", "sum")
+    assert field(frames[-1], "value") == "42"
+
+
+async def test_respond_returns_up_the_call_chain(h: Harness) -> None:
+    frames = await h.send("alice", Relay(a=20, b=22))
+    # The calculator answers the relay; the relay answers alice.
+    assert kinds(frames) == [("core", "accepted"), ("relay", "sum")]
+    assert field(frames[1], "value") == "42"
+
+
+async def test_egress_is_in_exclusive_c14n_form(h: Harness) -> None:
+    from agentd._xml import c14n, parse_untrusted
+
+    frames = await h.send("alice", Add(a=1, b=2))
+    for f in frames:
+        assert c14n(parse_untrusted(f)) == f
+
+
+# ---- ingress checks ----------------------------------------------------------------
+
+
+async def test_malformed_xml_gets_huh_malformed_on_no_thread(h: Harness) -> None:
+    frames = await h.send("alice", b"<message><unclosed>")
+    assert kinds(frames) == [("core", "huh")]
+    assert field(frames[0], "code") == "malformed"
+    assert parse_envelope(frames[0]).thread == NIL_THREAD
+
+
+async def test_forged_from_on_ingress_is_rejected(h: Harness) -> None:
+    frames = await h.send("alice", envelope("bob", ADD))
+    assert field(frames[0], "code") == "invalid-envelope"
+    assert len(frames) == 1
+
+
+async def test_envelope_with_two_payloads_is_invalid(h: Harness) -> None:
+    data = envelope("alice", ADD + ADD)
+    frames = await h.send("alice", data)
+    assert field(frames[0], "code") == "invalid-envelope"
+
+
+async def test_invalid_payload_gets_invalid_payload(h: Harness) -> None:
+    bad = b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>x</a><b>3</b></add>'
+    frames = await h.send("alice", envelope("alice", bad))
+    assert kinds(frames) == [("core", "huh")]
+    assert field(frames[0], "code") == "invalid-payload"
+
+
+async def test_unroutable_and_out_of_profile_give_the_identical_huh(h: Harness) -> None:
+    nowhere = b'<nothing xmlns="https://example.org/ns/none"><x>1</x></nothing>'
+    secret = b'<secret xmlns="https://xml-pipeline.org/ns/test/secret/v1"><text>hi</text></secret>'
+    thread = str(uuid.uuid4())
+    a = await h.send("alice", envelope("alice", nowhere, thread))
+    b = await h.send("alice", envelope("alice", secret, thread))
+    assert field(a[0], "code") == field(b[0], "code") == "unroutable"
+    assert a == b  # byte for byte: nothing distinguishes "absent" from "forbidden"
+    assert "vault" not in L.SEEN
+
+
+async def test_admin_profile_reaches_what_public_cannot(h: Harness) -> None:
+    secret = b'<secret xmlns="https://xml-pipeline.org/ns/test/secret/v1"><text>hi</text></secret>'
+    frames = await h.send("root", envelope("root", secret))
+    assert kinds(frames)[-1] == ("vault", "secret")
+
+
+async def test_to_narrows_delivery_but_never_widens_it(h: Harness) -> None:
+    work = b'<work xmlns="https://xml-pipeline.org/ns/test/work/v1"><seq>1</seq></work>'
+    frames = await h.send("alice", envelope("alice", work, to="worker.b"))
+    assert kinds(frames)[1:] == [("worker.b", "done")]
+    frames = await h.send("alice", envelope("alice", work, to="vault"))
+    assert field(frames[0], "code") == "unroutable"
+
+
+async def test_thread_of_another_client_is_unroutable(h: Harness) -> None:
+    thread = str(uuid.uuid4())
+    await h.send("alice", envelope("alice", ADD, thread))
+    frames = await h.send("bob", envelope("bob", ADD, thread))
+    assert kinds(frames) == [("core", "huh")]
+    assert field(frames[0], "code") == "unroutable"
+
+
+async def test_privileged_payload_on_the_bus_is_dropped(h: Harness) -> None:
+    priv = b'<privileged xmlns="https://xml-pipeline.org/ns/privileged/v1"><x/></privileged>'
+    frames = await h.send("root", envelope("root", priv))
+    assert field(frames[0], "code") == "unroutable"
+
+
+async def test_whitespace_and_prefixes_in_meta_do_not_change_the_outcome(h: Harness) -> None:
+    thread = str(uuid.uuid4())
+    plain = envelope("alice", ADD, thread)
+    fancy = (
+        b'<e:message xmlns:e="https://xml-pipeline.org/ns/envelope/v1">\n  <e:meta>\n'
+        b"    <e:from>alice</e:from>\n    <e:thread>" + thread.encode() + b"</e:thread>\n"
+        b"  </e:meta>\n"
+        b'  <c:add xmlns:c="https://xml-pipeline.org/ns/calculator/add/v1"><c:a>2</c:a>'
+        b"<c:b>3</c:b></c:add>\n</e:message>"
+    )
+    a = await h.send("alice", plain)
+    b = await h.send("alice", fancy)
+    assert kinds(a) == kinds(b) == [("core", "accepted"), ("calculator.add", "sum")]
+    assert a[1] == b[1]
+
+
+# ---- handler output is untrusted -----------------------------------------------
+
+
+async def order(h: Harness, kind: str, client: str = "alice") -> list[bytes]:
+    body = f'<order xmlns="https://xml-pipeline.org/ns/test/order/v1"><kind>{kind}</kind></order>'
+    return await h.send(client, envelope(client, body.encode()))
+
+
+def hostile_inbox() -> list[object]:
+    return [p for p, _meta in L.SEEN.get("hostile-in", [])]
+
+
+async def test_silence_makes_the_pump_ack_the_sender(h: Harness) -> None:
+    frames = await order(h, "silence")
+    assert kinds(frames) == [("core", "accepted"), ("core", "ack")]
+    assert field(frames[1], "thread") == parse_envelope(frames[0]).thread
+
+
+async def test_raising_handler_is_contained_with_a_generic_internal_huh(h: Harness) -> None:
+    frames = await order(h, "raise")
+    assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
+    assert field(frames[1], "code") == "internal"
+    assert b"shadow" not in frames[1] and b"RuntimeError" not in frames[1]
+    # The pump keeps running.
+    assert kinds(await h.send("alice", Add(a=1, b=1)))[-1] == ("calculator.add", "sum")
+
+
+async def test_hanging_handler_is_cancelled_and_its_sender_told_timeout(h: Harness) -> None:
+    frames = await order(h, "hang")
+    assert kinds(frames)[-1] == ("core", "huh")
+    assert field(frames[-1], "code") == "timeout"
+
+
+async def test_to_outside_peers_is_blocked_with_a_generic_error(h: Harness) -> None:
+    frames = await order(h, "non-peer", client="root")  # even in a profile that has vault
+    assert "vault" not in L.SEEN
+    inbox = hostile_inbox()
+    assert inbox == [Huh(HuhCode.UNROUTABLE, GENERIC_MESSAGES[HuhCode.UNROUTABLE], True)]
+    assert kinds(frames) == [("core", "accepted")]  # the thread stays alive, nothing leaks
+
+
+async def test_unknown_target_and_non_peer_look_the_same_to_the_handler(h: Harness) -> None:
+    await order(h, "non-peer", client="root")
+    await order(h, "unknown-target", client="root")
+    a, b = hostile_inbox()
+    assert a == b
+
+
+async def test_forged_envelope_in_handler_output_is_refused(h: Harness) -> None:
+    await order(h, "forged-envelope")
+    (huh,) = hostile_inbox()
+    assert isinstance(huh, Huh) and huh.code is HuhCode.INVALID_ENVELOPE
+    assert "calculator.add" not in {m.from_id for _, m in L.SEEN.get("hostile-in", [])}
+
+
+async def test_from_of_handler_output_is_set_by_the_pump(h: Harness) -> None:
+    await order(h, "send-work")
+    assert L.SEEN["work-from"] == ["hostile"]
+    ((done, meta),) = L.SEEN["hostile-in"]
+    assert done == L.Done(seq=7, by="a") and meta.from_id == "worker.a"
+
+
+async def test_forged_from_attribute_in_handler_output_is_refused(h: Harness) -> None:
+    await order(h, "forged-from")
+    (huh,) = hostile_inbox()
+    assert isinstance(huh, Huh) and huh.code is HuhCode.INVALID_PAYLOAD
+    assert "work-from" not in L.SEEN
+
+
+async def test_multi_payload_output_fans_out_one_envelope_each(h: Harness) -> None:
+    await order(h, "multi")
+    sums = sorted(p.value for p in hostile_inbox())  # type: ignore[attr-defined]
+    assert sums == [3, 7, 11]
+
+
+async def test_invalid_handler_output_never_reaches_the_next_handler(h: Harness) -> None:
+    await order(h, "invalid-output")
+    (huh,) = hostile_inbox()
+    assert isinstance(huh, Huh) and huh.code is HuhCode.INVALID_PAYLOAD
+
+
+async def test_answer_of_an_undeclared_class_is_refused_to_its_maker(h: Harness) -> None:
+    frames = await order(h, "wrong-response-class")
+    assert kinds(frames) == [("core", "accepted")]
+    (huh,) = hostile_inbox()
+    assert isinstance(huh, Huh) and huh.code is HuhCode.INVALID_PAYLOAD
+
+
+async def test_privileged_payload_from_a_handler_is_refused(h: Harness) -> None:
+    await order(h, "priv")
+    (huh,) = hostile_inbox()
+    assert isinstance(huh, Huh) and huh.code is HuhCode.UNROUTABLE
+
+
+async def test_handler_error_goes_to_the_caller_as_huh(h: Harness) -> None:
+    frames = await order(h, "error")
+    assert field(frames[-1], "code") == "budget-exceeded"
+
+
+async def test_handler_returning_garbage_is_an_internal_error(h: Harness) -> None:
+    frames = await order(h, "not-a-response")
+    assert field(frames[-1], "code") == "internal"
+
+
+async def test_handler_metadata_carries_only_opaque_facts(h: Harness) -> None:
+    frames = await order(h, "silence")
+    (_, meta) = L.SEEN["hostile"][0]
+    assert meta.from_id == "alice" and meta.own_name == "hostile"
+    uuid.UUID(meta.thread_id)  # an opaque UUID, not a path
+    assert meta.thread_id != parse_envelope(frames[0]).thread  # the callee runs in its own frame
+
+
+# ---- threads and scheduling ---------------------------------------------------------
+
+
+async def test_hop_limit_stops_a_ping_pong(h: Harness) -> None:
+    frames = await h.send("alice", L.Ping(n=0))
+    assert kinds(frames)[-1] == ("core", "huh")
+    assert field(frames[-1], "code") == "budget-exceeded"
+    hops = len(L.SEEN["ping"]) + len(L.SEEN["pong"])
+    assert hops == 10  # max_hops in basic.yaml
+    # Only that chain stopped: the conversation itself goes on.
+    again = await h.send("alice", Add(a=1, b=2), thread=parse_envelope(frames[0]).thread)
+    assert kinds(again)[-1] == ("calculator.add", "sum")
+
+
+async def test_broadcast_runs_listeners_of_one_key_concurrently(h: Harness) -> None:
+    frames = await h.send("alice", L.Work(seq=1))
+    assert sorted(kinds(frames)[1:]) == [("worker.a", "done"), ("worker.b", "done")]
+    assert L.STATE["peak"] == 2
+
+
+async def test_thousand_conversations_through_one_chain_each_come_back_on_their_own(
+    h: Harness,
+) -> None:
+    threads = [str(uuid.uuid4()) for _ in range(1000)]
+    sends = [
+        h.send("alice", build_envelope("alice", t, spec_of(Relay).to_bytes(Relay(a=i, b=1000))))
+        for i, t in enumerate(threads)
+    ]
+    results = await asyncio.gather(*sends)
+    for i, (t, frames) in enumerate(zip(threads, results, strict=True)):
+        assert kinds(frames) == [("core", "accepted"), ("relay", "sum")]
+        assert all(parse_envelope(f).thread == t for f in frames)
+        assert field(frames[1], "value") == str(i + 1000)
+
+
+async def test_messages_on_one_thread_are_handled_in_order(h: Harness) -> None:
+    threads = [str(uuid.uuid4()) for _ in range(20)]
+    work = spec_of(L.Work)
+    sends = []
+    for seq in range(10):
+        for t in threads:
+            # Later messages are faster: only ordering keeps them in sequence.
+            w = L.Work(seq=seq, delay_ms=(9 - seq))
+            sends.append(h.pump.submit("alice", build_envelope("alice", t, work.to_bytes(w))))
+    await asyncio.gather(*sends)
+    await h.run_until_idle()
+    for t in threads:
+        dones = [int(field(f, "seq")) for f in h.frames("alice", t) if b"<done" in f]
+        assert dones[::2] == list(range(10)) and dones[1::2] == list(range(10))
+
+
+async def test_busy_thread_does_not_starve_others() -> None:
+    from agentd._config import load_config
+    from agentd._pump import Pump, PumpSettings
+    from agentd._routing import Routing
+
+    busy = str(uuid.uuid4())
+    done_when_bob_answered: list[int] = []
+    busy_done = 0
+
+    def deliver(client: str, thread: str, data: bytes) -> None:
+        nonlocal busy_done
+        if thread == busy and b"<done" in data:
+            busy_done += 1
+        if client == "bob" and b"<sum" in data:
+            done_when_bob_answered.append(busy_done)
+
+    config = load_config(ORGANISM)
+    pump = Pump(Routing.build(config), CLIENTS, deliver, PumpSettings(max_concurrency=4))
+    work = spec_of(L.Work)
+    for seq in range(200):
+        await pump.submit("alice", build_envelope("alice", busy, work.to_bytes(L.Work(seq=seq))))
+    await pump.submit("bob", envelope("bob", ADD))
+    await pump.start()
+    await pump.join()
+    await pump.stop()
+    # bob's conversation was served long before the busy thread's backlog drained.
+    assert busy_done == 400
+    assert done_when_bob_answered and done_when_bob_answered[0] < 10
+
+
+async def test_queue_applies_backpressure_to_clients() -> None:
+    from agentd._config import load_config
+    from agentd._pump import Pump, PumpSettings
+    from agentd._routing import Routing
+
+    config = load_config(ORGANISM)
+    delivered: list[bytes] = []
+    pump = Pump(
+        Routing.build(config), CLIENTS, lambda c, t, d: delivered.append(d),
+        PumpSettings(max_concurrency=1, max_queue=5),
+    )
+    # Not started: nothing drains, so the sixth submit must wait.
+    for _ in range(5):
+        assert (await pump.submit("alice", envelope("alice", ADD))).accepted
+    sixth = asyncio.ensure_future(pump.submit("alice", envelope("alice", ADD)))
+    await asyncio.sleep(0)
+    assert not sixth.done() and pump.queue_depth == 5
+    await pump.start()
+    await sixth
+    await pump.join()
+    await pump.stop()
+    assert sum(b"<sum" in d for d in delivered) == 6
+
+
+async def test_profile_of_a_thread_never_changes_and_children_inherit_it(h: Harness) -> None:
+    frames = await h.send("nina", Add(a=1, b=2))
+    thread = parse_envelope(frames[0]).thread
+    frame = h.pump.registry.get(thread)
+    assert frame is not None and frame.profile.name == "narrow"
+    child = h.pump.registry.extend(frame, "calculator.add")
+    assert child.profile is frame.profile
+    relay = await h.send("nina", Relay(a=1, b=2), thread=thread)
+    assert field(relay[0], "code") == "unroutable"
+
+
+async def test_wider_profile_for_a_child_is_refused(h: Harness) -> None:
+    from agentd._threads import ProfileEscalation
+
+    narrow = h.routing.profiles["narrow"]
+    admin = h.routing.profiles["admin"]
+    frame = h.pump.registry.start("nina", narrow)
+    with pytest.raises(ProfileEscalation):
+        h.pump.registry.extend(frame, "calculator.add", profile=admin)
+    root = h.pump.registry.start("root", admin)
+    assert h.pump.registry.extend(root, "calculator.add", profile=narrow).profile is narrow
+
+
+async def test_silent_core_messages_do_not_echo(h: Harness) -> None:
+    # hostile receives an ack-free huh and stays silent: no ack for a huh.
+    await order(h, "invalid-output")
+    assert len(hostile_inbox()) == 1
+    assert not any(isinstance(p, Ack) for p in hostile_inbox())
