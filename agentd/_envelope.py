@@ -31,10 +31,9 @@ class Envelope:
     payload: etree._Element
 
     @property
-    def key(self) -> tuple[str, str]:
-        """The routing key: (namespace URI, local name) of the payload."""
-        qn = etree.QName(self.payload)
-        return (qn.namespace or "", qn.localname)
+    def key(self) -> str:
+        """The routing key: the payload's (namespace URI, local name), in Clark form."""
+        return self.payload.tag  # type: ignore[return-value]
 
 
 class PrivilegedOnBus(Rejection):
