@@ -217,7 +217,7 @@ class Pump:
             fut = asyncio.get_running_loop().create_future()
             self._room_waiters.append(fut)
             await fut
-        metrics.envelopes_received.inc()
+        metrics.HOT.received += 1
         thread = NIL_THREAD
         try:
             env = parse_envelope(data, max_bytes=self.settings.max_envelope_bytes)

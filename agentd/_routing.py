@@ -47,15 +47,13 @@ class Listener:
     retired: bool = False
     active: int = 0  # handler calls running now (bounded by max_concurrency)
     _slot_waiters: deque[asyncio.Future[None]] = field(default_factory=deque, repr=False)
-    _outcomes: dict[str, Any] = field(default_factory=dict, repr=False)
     _seconds: Any = field(default=None, repr=False)
 
     def count(self, outcome: str) -> None:
-        """agentd_dispatch_total{listener, outcome} += 1, with the child bound once."""
-        child = self._outcomes.get(outcome)
-        if child is None:
-            child = self._outcomes[outcome] = metrics.dispatch.labels(self.name, outcome)
-        child.inc()
+        """agentd_dispatch_total{listener, outcome} += 1."""
+        counts = metrics.HOT.dispatch
+        key = (self.name, outcome)
+        counts[key] = counts.get(key, 0) + 1
 
     def observe(self, seconds: float) -> None:
         if self._seconds is None:

@@ -20,6 +20,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 import uuid
@@ -148,10 +149,24 @@ def registry_rss(n: int) -> float:
     return used * 100_000 / n
 
 
+def registry_rss_fresh(n: int) -> float:
+    """RSS growth per 100k frames, measured in a fresh interpreter so that memory
+    freed by the earlier phases cannot hide the registry's own growth."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--registry-only", str(n)],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--registry-only", type=int, default=0)
     args = ap.parse_args()
+    if args.registry_only:
+        print(registry_rss(args.registry_only))
+        return
     n = 5_000 if args.quick else 50_000
     try:
         import uvloop
@@ -173,7 +188,7 @@ def main() -> None:
     p50 = statistics.median(lat_us)
     p99 = lat_us[int(len(lat_us) * 0.99) - 1]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    per_100k = registry_rss(20_000 if args.quick else 100_000)
+    per_100k = registry_rss_fresh(20_000 if args.quick else 100_000)
     print(f"loop: {loop_name}, messages: {n}")
     print(f"baseline, zero-trust (parse+2 XSD+route+queue+serialise+re-parse reply): "
           f"{base:,.0f} handler invocations/s")
