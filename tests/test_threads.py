@@ -1,0 +1,80 @@
+"""The thread registry: opaque, unique UUIDs over private call-chain frames."""
+
+from __future__ import annotations
+
+import uuid
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentd._routing import Profile, build_table
+from agentd._threads import ThreadRegistry, ThreadState, new_uuid
+
+
+def profile(name: str = "p") -> Profile:
+    return Profile(name, build_table(1, []))
+
+
+def test_new_uuids_are_canonical_version_4() -> None:
+    seen = set()
+    for _ in range(5000):
+        u = new_uuid()
+        parsed = uuid.UUID(u)
+        assert parsed.version == 4 and str(parsed) == u
+        seen.add(u)
+    assert len(seen) == 5000
+
+
+def test_many_conversations_on_one_path_keep_their_own_uuids() -> None:
+    reg = ThreadRegistry()
+    p = profile()
+    roots = [reg.start("alice", p) for _ in range(100)]
+    children = [reg.extend(r, "relay") for r in roots]
+    grandchildren = [reg.extend(c, "calculator.add") for c in children]
+    assert len({g.uuid for g in grandchildren}) == 100
+    assert {g.path for g in grandchildren} == {("alice", "relay", "calculator.add")}
+    for g, c, r in zip(grandchildren, children, roots, strict=True):
+        assert g.parent is c and c.parent is r and g.root is r
+
+
+def test_repr_never_shows_the_path() -> None:
+    reg = ThreadRegistry()
+    child = reg.extend(reg.start("alice", profile()), "secret-listener")
+    assert "secret-listener" not in repr(child) and "alice" not in repr(child)
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["start", "extend", "complete"]),
+                              st.integers(0, 50)), max_size=120))
+def test_registry_invariants_hold_under_any_sequence(ops: list[tuple[str, int]]) -> None:
+    reg = ThreadRegistry()
+    p = profile()
+    live = []
+    for op, n in ops:
+        if op == "start" or not live:
+            live.append(reg.start(f"client{n % 3}", p))
+        elif op == "extend":
+            parent = live[n % len(live)]
+            child = reg.extend(parent, f"l{n}")
+            assert child.path == (*parent.path, f"l{n}")
+            assert child.profile is parent.profile and child.owner == parent.owner
+            live.append(child)
+        else:
+            frame = live.pop(n % len(live))
+            reg.complete(frame)
+            if frame.parent is not None:
+                assert reg.get(frame.uuid) is None
+                assert frame.state is ThreadState.COMPLETED
+    uuids = [f.uuid for f in live]
+    assert len(set(uuids)) == len(uuids)
+    for f in live:
+        assert reg.get(f.uuid) is f
+        assert f.path[0] == f.owner
+
+
+def test_idle_frames_are_collected() -> None:
+    reg = ThreadRegistry()
+    f = reg.start("alice", profile())
+    assert reg.collect_idle(60, now=f.touched + 30) == 0
+    assert reg.collect_idle(60, now=f.touched + 61) == 1
+    assert reg.get(f.uuid) is None
