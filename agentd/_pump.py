@@ -34,7 +34,7 @@ from typing import Any
 from lxml import etree
 
 from agentd import _metrics as metrics
-from agentd._core import Ack, CorePayload, Huh, core_from_element
+from agentd._core import Ack, Answer, CorePayload, Huh, core_from_element
 from agentd._envelope import (
     NIL_THREAD,
     Envelope,
@@ -49,16 +49,23 @@ from agentd._schemas import NS_CORE, schema
 from agentd._threads import Frame, ThreadRegistry, ThreadState
 from agentd._xml import c14n, parse_untrusted
 from agentd._xmlify import XmlSpec, is_xmlified, spec_of
+from agentd.kernel import Kernel, KernelUnavailable, ThreadRow, Transaction
 
 log = logging.getLogger("agentd.pump")
 
 CORE = "core"
 _CORE_PREFIX = "{" + NS_CORE + "}"
 _CORE_SCHEMA = schema(NS_CORE)
+_ANSWER = _CORE_PREFIX + "answer"
 _XML_DECL = re.compile(rb"^\s*<\?xml[^>]*\?>")
 
-# (client id, thread uuid, envelope bytes) -> None; must not block.
-DeliverFn = Callable[[str, str, bytes], None]
+# (client id, thread uuid, envelope bytes, outbox id) -> None; must not block. The
+# outbox id is set for frames kept in the kernel's durable outbox until delivered.
+DeliverFn = Callable[[str, str, bytes, "int | None"], None]
+
+# Journal kinds of pump traffic: a request is routed by key, a reply goes to the
+# holder of its frame. The suffix is the message's hop count (kept across restarts).
+_REQUEST, _REPLY = "request", "reply"
 
 
 class MsgKind(Enum):
@@ -142,12 +149,20 @@ class Pump:
         clients: Mapping[str, str],
         deliver: DeliverFn,
         settings: PumpSettings | None = None,
+        kernel: Kernel | None = None,
     ) -> None:
         self.routing = routing
         self.clients = dict(clients)  # client id -> profile name
         self.deliver = deliver
         self.settings = settings or PumpSettings()
         self.registry = ThreadRegistry()
+        # With a kernel, every admitted message is journaled (pending until handled),
+        # frames are persisted, and client-bound frames go through the outbox: the
+        # writes of one handled message form one transaction, built in `_tx` during
+        # the synchronous part of handling (no await happens while `_tx` is open).
+        self.kernel = kernel
+        self._tx: Transaction | None = None
+        self._post: list[tuple[str, str, bytes, int]] = []
         self._inboxes: dict[str, _Inbox] = {}
         self._ready: deque[_Inbox] = deque()
         self._idle_workers: deque[asyncio.Future[None]] = deque()
@@ -208,6 +223,10 @@ class Pump:
     def queue_depth(self) -> int:
         return self._queued
 
+    @property
+    def running(self) -> int:
+        return self._running
+
     # ---- client ingress --------------------------------------------------
 
     async def submit(self, client: str, data: bytes) -> SubmitResult:
@@ -225,6 +244,7 @@ class Pump:
             if env.sender != client:
                 self._security_event("forged-from", client=client, claimed=env.sender)
                 raise Rejection(HuhCode.INVALID_ENVELOPE, "from does not match the client")
+            is_new = self.registry.get(env.thread) is None
             msg = self._ingest_client(client, env, data)
         except PrivilegedOnBus:
             self._security_event("priv-on-bus", client=client)
@@ -232,11 +252,27 @@ class Pump:
         except Rejection as rej:
             log.info("rejected client=%s code=%s detail=%s", client, rej.code.value, rej.detail)
             return self._refuse_client(client, thread, rej.code)
-        self._seq += 1
-        msg.seq = self._seq
-        self._emit_core(client, msg.frame.uuid, _accepted_bytes(msg.frame.uuid, msg.seq))
+        frame = msg.frame
+        if self.kernel is None:
+            self._seq += 1
+            msg.seq = self._seq
+        else:
+            # `accepted` means durable: the envelope and its thread are committed first.
+            tx = self.kernel.transaction()
+            if is_new:
+                tx.thread_put(_row(frame))
+                frame.persisted = True
+            msg.seq = self._journal_message(tx, msg)
+            try:
+                await self.kernel.commit(tx)
+            except KernelUnavailable as exc:
+                log.error("journal unavailable, refusing client=%s: %s", client, exc)
+                if frame.is_root and frame.uuid not in self._inboxes and not frame.children:
+                    self.registry.forget(frame)
+                return self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
+        self._emit_core(client, frame.uuid, _accepted_bytes(frame.uuid, msg.seq))
         self._enqueue(msg)
-        return SubmitResult(msg.frame.uuid, seq=msg.seq)
+        return SubmitResult(frame.uuid, seq=msg.seq)
 
     def _ingest_client(self, client: str, env: Envelope, data: bytes) -> Message:
         frame = self.registry.get(env.thread)
@@ -265,7 +301,138 @@ class Pump:
         return SubmitResult(thread, code=code)
 
     def _emit_core(self, client: str, thread: str, payload: bytes) -> None:
-        self.deliver(client, thread, build_envelope(CORE, thread, payload, to=client))
+        self.deliver(client, thread, build_envelope(CORE, thread, payload, to=client), None)
+
+    # ---- durability ------------------------------------------------------------
+
+    def _journal_message(self, tx: Transaction, msg: Message) -> int:
+        to_holder = msg.kind is MsgKind.TO_HOLDER
+        return tx.journal(
+            thread=msg.frame.uuid,
+            direction="in",
+            kind=f"{_REPLY if to_holder else _REQUEST}/{msg.hops}",
+            handler=",".join(t.name for t in msg.targets),
+            sender=msg.sender,
+            tag=msg.payload.tag,  # type: ignore[arg-type]
+            payload=msg.envelope,
+            profile=msg.frame.profile.name,
+            pending=True,
+        )
+
+    def _open_tx(self) -> None:
+        if self.kernel is not None:
+            self._tx = self.kernel.transaction()
+
+    def _close_tx(self, handled: Message | None = None) -> None:
+        """Commit what handling one message produced; client frames are handed to
+        `deliver` only once their outbox rows are durable."""
+        tx, self._tx = self._tx, None
+        if tx is None or self.kernel is None:
+            return
+        if handled is not None and handled.seq:
+            tx.delivered(handled.seq)
+        post, self._post = self._post, []
+        fut = self.kernel.commit(tx)
+        fut.add_done_callback(lambda f: self._committed(f, post))
+
+    def _committed(self, fut: asyncio.Future[None], post: list[tuple[str, str, bytes, int]]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is not None:
+            # Not acknowledged, so redelivered after a restart; the outbox rows did
+            # not commit either, so nothing is shown to the client now.
+            log.error("journal commit failed: %s", exc)
+            return
+        for client, thread, data, oid in post:
+            self.deliver(client, thread, data, oid)
+
+    async def recover(self) -> int:
+        """Rebuild frames and re-queue undelivered messages from the kernel after a
+        restart (at least once: handlers see `redelivered=True`). Returns the count."""
+        if self.kernel is None:
+            return 0
+        rows = {r.uuid: r for r in await self.kernel.threads(state="active")}
+        frames: dict[str, Frame] = {}
+
+        def build(uuid: str) -> Frame | None:
+            if uuid in frames:
+                return frames[uuid]
+            row = rows.get(uuid)
+            if row is None:
+                return None
+            profile = self.routing.profiles.get(row.profile)
+            if profile is None:
+                log.warning("thread %s: profile %s no longer exists", uuid, row.profile)
+                return None
+            parent = build(row.parent) if row.parent else None
+            if row.parent and parent is None:
+                return None
+            frame = Frame(row.uuid, row.path, parent, row.owner, profile)
+            frame.persisted = True
+            if parent is not None:
+                parent.children += 1
+            frames[uuid] = frame
+            self.registry.restore(frame)
+            return frame
+
+        for uuid in rows:
+            build(uuid)
+        count = 0
+        for entry in await self.kernel.pending_messages():
+            msg = self._recovered(entry.kind, entry.thread, entry.payload, entry.handler, frames)
+            if msg is None:
+                log.warning("journal entry %d cannot be resumed; marking it handled", entry.seq)
+                tx = self.kernel.transaction()
+                tx.delivered(entry.seq)
+                await self.kernel.commit(tx)
+                continue
+            msg.seq = entry.seq
+            msg.redelivered = True
+            self._enqueue(msg)
+            count += 1
+        return count
+
+    def _recovered(
+        self, kind: str, thread: str, data: bytes | None, handlers: str, frames: dict[str, Frame]
+    ) -> Message | None:
+        frame = frames.get(thread)
+        if frame is None or data is None:
+            return None
+        base, _, hops = kind.partition("/")
+        try:
+            env = parse_envelope(data, max_bytes=max(len(data), 1))
+            if base == _REQUEST:
+                msg = self._resume_request(env, data, frame, handlers)
+            else:
+                spec = None if env.sender == CORE else self._response_spec(env)
+                msg = self._ingest_to_holder(env, data, sender=env.sender, frame=frame, spec=spec)
+        except Rejection as rej:
+            log.warning("recovered message refused thread=%s: %s", thread, rej.detail)
+            return None
+        msg.hops = int(hops or 0)
+        return msg
+
+    def _resume_request(self, env: Envelope, data: bytes, frame: Frame, handlers: str) -> Message:
+        names = set(handlers.split(",")) if handlers else set()
+        targets = tuple(
+            t for t in frame.profile.table.resolve(env.key, env.to)
+            if t.name in names and not t.retired
+        )
+        if not targets:
+            raise Rejection(HuhCode.UNROUTABLE, "route gone after restart")
+        spec = self.routing.specs[env.key]
+        _validate(spec, env.payload)
+        return Message(MsgKind.REQUEST, env.sender, frame, env.payload, targets, spec, data)
+
+    def _response_spec(self, env: Envelope) -> XmlSpec | None:
+        responder = self.routing.listeners.get(env.sender)
+        if responder is None:
+            raise Rejection(HuhCode.UNROUTABLE, "responder gone after restart")
+        spec = responder.response_specs.get(env.key)
+        if spec is None and not _is_answer(env, responder):
+            raise Rejection(HuhCode.INVALID_PAYLOAD, "not a declared response class")
+        return spec
 
     # ---- the shared admission checks --------------------------------------
 
@@ -323,10 +490,24 @@ class Pump:
     # ---- scheduling ----------------------------------------------------------
 
     def _enqueue(self, msg: Message) -> None:
+        tx = self._tx
         if msg.kind is MsgKind.TO_HOLDER and not msg.targets:
-            # The holder is the external client: deliver now, in order.
-            self.deliver(msg.frame.owner, msg.frame.uuid, msg.envelope)
+            # The holder is the external client: deliver in order (after the commit
+            # of its outbox row when durable).
+            client, thread = msg.frame.owner, msg.frame.uuid
+            if tx is None:
+                self.deliver(client, thread, msg.envelope, None)
+            else:
+                tx.journal(
+                    thread=thread, direction="out", kind=_REPLY, handler=client,
+                    sender=msg.sender, tag=msg.payload.tag,  # type: ignore[arg-type]
+                    payload=msg.envelope, profile=msg.frame.profile.name,
+                )
+                oid = tx.outbox_put(client, thread, msg.envelope)
+                self._post.append((client, thread, msg.envelope, oid))
             return
+        if tx is not None and not msg.seq:
+            msg.seq = self._journal_message(tx, msg)
         uuid = msg.frame.uuid
         inbox = self._inboxes.get(uuid)
         if inbox is None:
@@ -385,26 +566,33 @@ class Pump:
 
     async def _handle(self, msg: Message) -> None:
         root = msg.frame.root
-        if root.state is not ThreadState.ACTIVE:
-            log.info("dropped message on ended conversation thread=%s", root.uuid)
+        if root.state is not ThreadState.ACTIVE or msg.hops >= self.settings.max_hops:
+            self._open_tx()
+            if root.state is not ThreadState.ACTIVE:
+                log.info("dropped message on ended conversation thread=%s", root.uuid)
+            else:
+                # Two listeners ping-ponging, or a runaway chain: stop it, tell the client.
+                self._stop_chain(root, HuhCode.BUDGET_EXCEEDED, "hop limit reached")
+            self._close_tx(msg)
             return
-        if msg.hops >= self.settings.max_hops:
-            # Two listeners ping-ponging, or a runaway chain: stop it and tell the client.
-            self._stop_chain(root, HuhCode.BUDGET_EXCEEDED, "hop limit reached")
-            return
-        if msg.kind is MsgKind.REQUEST:
-            if len(msg.targets) == 1:
-                await self._call(msg, msg.targets[0])
-            else:  # broadcast: the listeners on one key run concurrently
-                await asyncio.gather(*(self._call(msg, t) for t in msg.targets))
+        if msg.kind is MsgKind.REQUEST and len(msg.targets) > 1:
+            # Broadcast: the listeners on one key run concurrently; the message counts
+            # as handled once all of them have returned.
+            await asyncio.gather(*(self._call(msg, t, last=False) for t in msg.targets))
+            self._open_tx()
+            self._close_tx(msg)
         else:
-            await self._call(msg, msg.targets[0])
+            await self._call(msg, msg.targets[0], last=True)
 
-    async def _call(self, msg: Message, listener: Listener) -> None:
+    async def _call(self, msg: Message, listener: Listener, *, last: bool) -> None:
+        """Run one handler on one message. `last`: this call completes the message."""
         if listener.retired:
+            self._open_tx()
             self._huh_to(msg.frame, HuhCode.UNROUTABLE, msg.hops + 1)
+            self._close_tx(msg if last else None)
             return
-        if msg.kind is MsgKind.REQUEST:
+        created = msg.kind is MsgKind.REQUEST
+        if created:
             frame = self.registry.extend(msg.frame, listener.name)
         else:
             frame = msg.frame
@@ -440,21 +628,29 @@ class Pump:
                 task.uncancel()
                 log.warning("handler timed out listener=%s thread=%s", listener.name, frame.uuid)
                 failure = HuhCode.TIMEOUT
+        self._open_tx()
         if failure is not None:
             listener.count("timeout" if failure is HuhCode.TIMEOUT else "error")
             self._fail_call(msg, frame, failure)
-            return
-        listener.observe(time.perf_counter() - started)
-        listener.count("ok")
-        self._after(msg, listener, frame, result)
+        else:
+            listener.observe(time.perf_counter() - started)
+            listener.count("ok")
+            self._after(msg, listener, frame, result)
+        if created and self._tx is not None and frame.state is ThreadState.ACTIVE:
+            # Only a frame that outlives this transaction (a call still open: the
+            # listener sent requests and awaits answers) needs a durable row; a call
+            # answered at once ends inside the transaction that would create it.
+            self._tx.thread_put(_row(frame))
+            frame.persisted = True
+        self._close_tx(msg if last else None)
 
     def _fail_call(self, msg: Message, frame: Frame, code: HuhCode) -> None:
         if msg.kind is MsgKind.REQUEST:
-            self.registry.complete(frame, ThreadState.FAILED)
+            self._complete(frame, ThreadState.FAILED)
             self._huh_to(msg.frame, code, msg.hops + 1)
         elif not msg.is_core and frame.parent is not None:
             # The holder failed while taking a response: its caller learns of it.
-            self.registry.complete(frame, ThreadState.FAILED)
+            self._complete(frame, ThreadState.FAILED)
             self._huh_to(frame.parent, code, msg.hops + 1)
 
     def _after(self, msg: Message, listener: Listener, frame: Frame, result: object) -> None:
@@ -464,7 +660,7 @@ class Pump:
             if msg.kind is MsgKind.REQUEST:
                 self._reenter_core(msg.frame, Ack(msg.frame.uuid).to_bytes(), hops)
                 if not frame.children:
-                    self.registry.complete(frame)
+                    self._complete(frame)
             return
         if not isinstance(result, HandlerResponse):
             log.error("handler returned %s, not HandlerResponse listener=%s",
@@ -477,10 +673,13 @@ class Pump:
             text = (result.error_message or "")[:1024] or None
             if frame.parent is not None:
                 self._reenter_core(frame.parent, Huh.of(code, text).to_bytes(), hops)
-            self.registry.complete(frame, ThreadState.FAILED)
+            self._complete(frame, ThreadState.FAILED)
             return
         try:
-            payloads = _serialise_all(result.payload, self.settings.max_fanout)
+            payloads = _serialise_all(
+                result.payload, self.settings.max_fanout,
+                allow_answer=listener.is_agent and kind is ResponseKind.RESPOND,
+            )
         except Rejection as rej:
             log.warning("bad handler output listener=%s detail=%s", listener.name, rej.detail)
             self._huh_to(frame, rej.code, hops)
@@ -495,7 +694,7 @@ class Pump:
                     data, listener, caller, own=frame, respond=True, hops=hops
                 ) and ok
             if ok:  # a refused answer leaves the frame open so the listener can retry
-                self.registry.complete(frame)
+                self._complete(frame)
             return
         targets: Iterable[str | None] = (
             result.targets if kind is ResponseKind.BROADCAST else (result.to,)
@@ -520,7 +719,7 @@ class Pump:
                 raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
             if respond:
                 spec = listener.response_specs.get(env.key)
-                if spec is None:
+                if spec is None and not _is_answer(env, listener):
                     raise Rejection(HuhCode.INVALID_PAYLOAD, "not a declared response class")
                 msg = self._ingest_to_holder(env, data, sender=listener.name, frame=frame, spec=spec)
             else:
@@ -557,6 +756,11 @@ class Pump:
         msg.hops = hops
         self._enqueue(msg)
 
+    def _complete(self, frame: Frame, state: ThreadState = ThreadState.COMPLETED) -> None:
+        self.registry.complete(frame, state)
+        if self._tx is not None and frame.persisted:
+            self._tx.thread_state(frame.uuid, state.value)
+
     def _stop_chain(self, root: Frame, code: HuhCode, why: str) -> None:
         log.warning("chain stopped thread=%s owner=%s why=%s", root.uuid, root.owner, why)
         metrics.envelopes_rejected.labels(code.value).inc()
@@ -579,7 +783,23 @@ def _validate(spec: XmlSpec, el: etree._Element) -> None:
         raise Rejection(HuhCode.INVALID_PAYLOAD, str(spec.schema.error_log.last_error))
 
 
-def _serialise_all(payload: object, max_fanout: int) -> list[bytes]:
+def _is_answer(env: Envelope, listener: Listener) -> bool:
+    """An LLM agent may always answer with core `answer` (its final text)."""
+    return listener.is_agent and env.key == _ANSWER
+
+
+def _row(frame: Frame) -> ThreadRow:
+    now = time.time()
+    return ThreadRow(
+        uuid=frame.uuid, path=frame.path,
+        parent=frame.parent.uuid if frame.parent is not None else None,
+        owner=frame.owner, profile=frame.profile.name,
+        table_version=frame.profile.table.version, state=frame.state.value,
+        created=now, updated=now,
+    )
+
+
+def _serialise_all(payload: object, max_fanout: int, *, allow_answer: bool = False) -> list[bytes]:
     """Handler payload(s) -> C14N payload bytes. Raw bytes are untrusted XML holding
     one or more payload elements: they are parsed with repair (handler and LLM
     output only) and split, one envelope each."""
@@ -589,9 +809,9 @@ def _serialise_all(payload: object, max_fanout: int) -> list[bytes]:
         wrapper = parse_untrusted(b"<agentd-output>" + raw + b"</agentd-output>", repair=True)
         bodies = [c14n(el) for el in wrapper if isinstance(el.tag, str)]
     elif isinstance(payload, list | tuple):
-        bodies = [_one(p) for p in payload]
+        bodies = [_one(p, allow_answer) for p in payload]
     else:
-        bodies = [_one(payload)]
+        bodies = [_one(payload, allow_answer)]
     if not bodies:
         raise Rejection(HuhCode.INVALID_PAYLOAD, "no payload element in handler output")
     if len(bodies) > max_fanout:
@@ -599,7 +819,9 @@ def _serialise_all(payload: object, max_fanout: int) -> list[bytes]:
     return bodies
 
 
-def _one(obj: object) -> bytes:
+def _one(obj: object, allow_answer: bool) -> bytes:
+    if allow_answer and isinstance(obj, Answer):
+        return obj.to_bytes()
     if isinstance(obj, CorePayload):  # type: ignore[misc,arg-type]
         raise Rejection(HuhCode.INVALID_PAYLOAD, "handlers may not emit core payloads")
     if not is_xmlified(obj):

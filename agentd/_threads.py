@@ -35,8 +35,8 @@ class ProfileEscalation(Exception):
 
 
 class Frame:
-    __slots__ = ("children", "hops", "owner", "parent", "path", "profile", "root", "state",
-                 "touched", "uuid")
+    __slots__ = ("children", "hops", "owner", "parent", "path", "persisted", "profile", "root",
+                 "state", "touched", "uuid")
 
     def __init__(
         self, uuid: str, path: tuple[str, ...], parent: Frame | None, owner: str, profile: Profile
@@ -51,6 +51,7 @@ class Frame:
         self.hops = 0  # counted on the root frame only
         self.children = 0  # open child frames (calls in progress)
         self.touched = time.monotonic()
+        self.persisted = False  # written to the kernel's thread table
 
     @property
     def is_root(self) -> bool:

@@ -23,6 +23,23 @@ from agentd._pump import CORE, Pump, PumpSettings
 from agentd._routing import Routing
 from agentd._threads import new_uuid
 from agentd._xmlify import is_xmlified, spec_of
+from agentd.kernel import Kernel, Retention
+
+
+def _retention_value(policy: Any) -> Any:
+    """The config's RetentionPolicy (kind, days) in the kernel's configuration form."""
+    if policy.kind == "retain_days":
+        return {"retain_days": policy.days}
+    return policy.kind
+
+
+def kernel_retention(config: OrganismConfig) -> dict[str, Retention]:
+    """journal.retention as the default ("*"), with per-profile overrides."""
+    policy = {"*": Retention.parse(_retention_value(config.journal.retention))}
+    for name, profile in config.profiles.items():
+        if profile.retention is not None:
+            policy[name] = Retention.parse(_retention_value(profile.retention))
+    return policy
 
 
 def settings_from(config: OrganismConfig) -> PumpSettings:
@@ -39,23 +56,50 @@ def settings_from(config: OrganismConfig) -> PumpSettings:
 
 
 class Harness:
-    def __init__(self, config: OrganismConfig, clients: Mapping[str, str]) -> None:
+    """Pump and kernel over a private temporary state directory (deleted on exit),
+    or over `state_dir` when given (to test recovery: open a second Harness on the
+    same directory). `durable=False` runs the pump without the kernel."""
+
+    def __init__(
+        self,
+        config: OrganismConfig,
+        clients: Mapping[str, str],
+        *,
+        state_dir: Path | None = None,
+        durable: bool = True,
+        agent_handlers: Mapping[str, Any] | None = None,
+    ) -> None:
         self.config = config
         self.clients = dict(clients)
+        self.durable = durable
         self._frames: dict[tuple[str, str], list[bytes]] = defaultdict(list)
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self.routing = Routing.build(config)
+        if state_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="agentd-harness-")
+            state_dir = Path(self._tmp.name)
+        self.state_dir = state_dir
+        self.kernel: Kernel | None = None
+        self.routing = Routing.build(config, agent_handlers=agent_handlers)
         self.pump = Pump(self.routing, self.clients, self._deliver, settings_from(config))
 
     @classmethod
-    def from_config(cls, path: str | Path, clients: Mapping[str, str]) -> Harness:
-        # The state directory is private to the harness and deleted on exit.
-        tmp = tempfile.TemporaryDirectory(prefix="agentd-harness-")
-        harness = cls(load_config(path, state_dir_override=Path(tmp.name)), clients)
-        harness._tmp = tmp
-        return harness
+    def from_config(
+        cls, path: str | Path, clients: Mapping[str, str], **kwargs: Any
+    ) -> Harness:
+        return cls(load_config(path), clients, **kwargs)
 
     async def __aenter__(self) -> Harness:
+        if self.durable:
+            j = self.config.journal
+            self.kernel = await Kernel.open(
+                self.state_dir,
+                synchronous=j.synchronous,
+                commit_interval_s=j.commit_interval_ms / 1000,
+                commit_max_entries=j.commit_max_entries,
+                retention=kernel_retention(self.config),
+            )
+            self.pump.kernel = self.kernel
+            await self.pump.recover()
         await self.pump.start()
         return self
 
@@ -66,11 +110,18 @@ class Harness:
         tb: TracebackType | None,
     ) -> None:
         await self.pump.stop()
+        if self.kernel is not None:
+            await self.kernel.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 
-    def _deliver(self, client: str, thread: str, data: bytes) -> None:
+    def _deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> None:
         self._frames[(client, thread)].append(data)
+        if outbox_id is not None and self.kernel is not None:
+            # The harness "connection" received it: the outbox row can go.
+            tx = self.kernel.transaction()
+            tx.outbox_delivered(client, outbox_id)
+            self.kernel.commit(tx)
 
     def wrap(self, client: str, payload: Any, thread: str | None = None) -> bytes:
         """An envelope from `client` around an `@xmlify` payload object."""
@@ -86,11 +137,18 @@ class Harness:
             return [build_envelope(CORE, NIL_THREAD, Huh.of(result.code).to_bytes(), to=client)]
         key = (client, result.thread)
         start = len(self._frames[key]) - 1  # the accepted/huh just emitted
-        await self.pump.join()
+        await self.run_until_idle()
         return list(self._frames[key][start:])
 
     async def run_until_idle(self) -> None:
-        await self.pump.join()
+        """Until nothing is queued or running and every write is committed (so every
+        client frame has been delivered)."""
+        while True:
+            await self.pump.join()
+            if self.kernel is not None:
+                await self.kernel.flush()
+            if not self.pump.queue_depth and not self.pump.running:
+                return
 
     def frames(self, client: str, thread: str) -> list[bytes]:
         return list(self._frames.get((client, thread), ()))

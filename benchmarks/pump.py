@@ -38,7 +38,11 @@ from agentd._threads import ThreadRegistry  # noqa: E402
 from agentd._xml import parse_untrusted  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.testing import settings_from  # noqa: E402
+from agentd.kernel import Kernel  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
+
+
+CLIENTS = 256  # concurrent submitters
 
 
 def envelopes(n: int) -> list[bytes]:
@@ -84,26 +88,40 @@ async def baseline(data: list[bytes], reparse: bool = True) -> float:
     return len(data) / elapsed
 
 
-async def real_pump(data: list[bytes]) -> tuple[float, list[float]]:
+async def real_pump(data: list[bytes], journal_dir: Path | None = None) -> tuple[float, list[float]]:
+    """The pump on the workload; with `journal_dir`, over a real kernel (SQLite WAL)."""
     config = load_config(ROOT / "config" / "organism.yaml")
     sent: dict[str, float] = {}
     latencies: list[float] = []
 
-    def deliver(client: str, thread: str, frame: bytes) -> None:
+    def deliver(client: str, thread: str, frame: bytes, oid: int | None) -> None:
         if b"<from>core</from>" not in frame:
             latencies.append(time.perf_counter() - sent[thread])
 
     pump = Pump(Routing.build(config), {"alice": "public"}, deliver, settings_from(config))
+    kernel = await Kernel.open(journal_dir) if journal_dir is not None else None
+    pump.kernel = kernel
     await pump.start()
     threads = [parse_untrusted(d)[0][-1].text or "" for d in data]
+    work = iter(zip(data, threads, strict=True))
+
+    async def client() -> None:
+        # Many clients at once, as on the bus: with the journal on, each submit waits
+        # for its group commit, so one sequential client would measure commit latency.
+        for raw, thread in work:
+            sent[thread] = time.perf_counter()
+            result = await pump.submit("alice", raw)
+            assert result.accepted, result
+
     start = time.perf_counter()
-    for raw, thread in zip(data, threads, strict=True):
-        sent[thread] = time.perf_counter()
-        result = await pump.submit("alice", raw)
-        assert result.accepted, result
+    await asyncio.gather(*(client() for _ in range(CLIENTS)))
     await pump.join()
+    if kernel is not None:
+        await kernel.flush()
     elapsed = time.perf_counter() - start
     await pump.stop()
+    if kernel is not None:
+        await kernel.close()
     assert pump.handled == len(data) and len(latencies) == len(data), (pump.handled, len(latencies))
     return pump.handled / elapsed, latencies
 
@@ -114,7 +132,7 @@ async def latency(data: list[bytes]) -> list[float]:
     out: list[float] = []
     got = 0
 
-    def deliver(client: str, thread: str, frame: bytes) -> None:
+    def deliver(client: str, thread: str, frame: bytes, oid: int | None) -> None:
         nonlocal got
         got += 1
 

@@ -347,7 +347,7 @@ async def test_busy_thread_does_not_starve_others() -> None:
     done_when_bob_answered: list[int] = []
     busy_done = 0
 
-    def deliver(client: str, thread: str, data: bytes) -> None:
+    def deliver(client: str, thread: str, data: bytes, oid: int | None) -> None:
         nonlocal busy_done
         if thread == busy and b"<done" in data:
             busy_done += 1
@@ -376,7 +376,7 @@ async def test_queue_applies_backpressure_to_clients() -> None:
     config = load_config(ORGANISM)
     delivered: list[bytes] = []
     pump = Pump(
-        Routing.build(config), CLIENTS, lambda c, t, d: delivered.append(d),
+        Routing.build(config), CLIENTS, lambda c, t, d, o: delivered.append(d),
         PumpSettings(max_concurrency=1, max_queue=5),
     )
     # Not started: nothing drains, so the sixth submit must wait.
