@@ -100,6 +100,11 @@ class Harness:
             )
             self.pump.kernel = self.kernel
             await self.pump.recover()
+            # What was committed for a client but not yet delivered (a crash between
+            # the two) is delivered now, in order, as the bus does on reconnect.
+            for client in self.clients:
+                for oid, thread, data in await self.kernel.outbox(client):
+                    self._deliver(client, thread, data, oid)
         await self.pump.start()
         return self
 

@@ -162,3 +162,23 @@ async def hostile(payload: Order | Sum | Huh | Ack, meta: HandlerMetadata) -> Ha
 async def vault(payload: Secret, meta: HandlerMetadata) -> HandlerResponse:
     seen("vault", payload.text)
     return HandlerResponse.respond(Secret(text="the secret"))
+
+
+@xmlify(namespace=f"{NS}/hold/v1")
+@dataclass
+class Hold:
+    n: int
+
+
+# Set by the tests: None blocks `hold` until cancelled, an Event gates it.
+GATE: dict[str, asyncio.Event | None] = {"event": None}
+
+
+async def hold(payload: Hold, meta: HandlerMetadata) -> HandlerResponse:
+    seen("hold", (payload.n, meta.redelivered))
+    event = GATE["event"]
+    if event is None:
+        await asyncio.Event().wait()  # never set: stopped only by cancellation
+    else:
+        await event.wait()
+    return HandlerResponse.respond(Done(seq=payload.n, by="hold"))

@@ -1,0 +1,133 @@
+"""Crash recovery: an accepted message is never lost.
+
+A real child process runs the organism over a real SQLite state directory and is
+killed with SIGKILL at random moments under load; after each restart, every request
+that was ever `accepted` must eventually be answered with the right value."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentd._envelope import build_envelope
+from agentd._threads import new_uuid
+from agentd._xmlify import spec_of
+from agentd.kernel import Kernel
+from agentd.testing import Harness
+from agentd.tools.calculator import Add
+from agentd.tools.relay import Relay
+from tests.organisms import listeners as L
+
+ROOT = Path(__file__).resolve().parent.parent
+ORGANISM = Path(__file__).parent / "organisms" / "basic.yaml"
+
+
+def run_child(state_dir: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.crash_runner", str(state_dir), *args],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+
+
+def test_accepted_messages_survive_sigkill_at_random_moments(tmp_path: Path) -> None:
+    rng = random.Random(20261122)
+    expected: dict[str, int] = {}
+    replies: dict[str, set[int]] = {}
+
+    def read(line: str) -> None:
+        kind, *rest = line.split()
+        if kind == "A":
+            expected[rest[0]] = int(rest[1])
+        elif kind == "R":
+            replies.setdefault(rest[0], set()).add(int(rest[1]))
+
+    for _round in range(6):
+        child = run_child(tmp_path, "load", "3000")
+        assert child.stdout is not None
+        kill_after = rng.randint(5, 2500)
+        seen = 0
+        for line in child.stdout:
+            read(line)
+            seen += 1
+            if seen >= kill_after:
+                break
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        # Lines already written before the kill are still ours to read.
+        for line in child.stdout:
+            read(line)
+    drain = run_child(tmp_path, "drain")
+    out, _ = drain.communicate(timeout=120)
+    for line in out.splitlines():
+        if line != "DONE":
+            read(line)
+    assert out.splitlines()[-1] == "DONE"
+    assert len(expected) > 100
+    missing = [t for t in expected if t not in replies]
+    assert not missing, f"{len(missing)} accepted requests never answered"
+    wrong = {t: v for t, v in replies.items() if t in expected and v != {expected[t]}}
+    assert not wrong
+
+    async def verify() -> tuple[bool, int | None, str]:
+        async with await Kernel.open(tmp_path) as kernel:
+            assert await kernel.pending_messages() == []
+            return await kernel.verify()
+
+    ok, bad, why = asyncio.run(verify())
+    assert ok, (bad, why)
+
+
+async def test_pending_messages_are_redelivered_with_the_flag(tmp_path: Path) -> None:
+    """Requests accepted while their handler is still running are redelivered, marked
+    `redelivered`, when the organism starts again on the same state directory, and
+    their answers reach the client on the original threads."""
+    hold = spec_of(L.Hold)
+    threads = [new_uuid() for _ in range(5)]
+    L.GATE["event"] = None  # the first run's handlers never return
+    async with Harness.from_config(ORGANISM, {"alice": "public"}, state_dir=tmp_path) as h:
+        for n, t in enumerate(threads):
+            data = build_envelope("alice", t, hold.to_bytes(L.Hold(n=n)))
+            assert (await h.pump.submit("alice", data)).accepted
+    assert all(not redelivered for _, redelivered in L.SEEN.get("hold", []))
+    L.SEEN.clear()
+    gate = L.GATE["event"] = asyncio.Event()
+    gate.set()
+    async with Harness.from_config(ORGANISM, {"alice": "public"}, state_dir=tmp_path) as h:
+        await h.run_until_idle()
+        assert sorted(L.SEEN["hold"]) == [(n, True) for n in range(5)]
+        for n, t in enumerate(threads):
+            (done,) = [f for f in h.frames("alice", t) if b"<done" in f]
+            assert f"<seq>{n}</seq>".encode() in done
+
+
+async def test_thread_chain_and_profile_survive_a_restart(tmp_path: Path) -> None:
+    add = spec_of(Add)
+    thread = new_uuid()
+    async with Harness.from_config(ORGANISM, {"nina": "narrow"}, state_dir=tmp_path) as h:
+        frames = await h.send("nina", build_envelope("nina", thread, add.to_bytes(Add(a=1, b=2))))
+        assert b"<sum" in frames[-1]
+    async with Harness.from_config(ORGANISM, {"nina": "narrow"}, state_dir=tmp_path) as h:
+        frame = h.pump.registry.get(thread)
+        assert frame is not None and frame.profile.name == "narrow" and frame.path == ("nina",)
+        again = await h.send("nina", build_envelope("nina", thread, add.to_bytes(Add(a=2, b=2))))
+        assert b"<value>4</value>" in again[-1]
+        relay = build_envelope("nina", thread, spec_of(Relay).to_bytes(Relay(a=1, b=1)))
+        refused = await h.send("nina", relay)
+        assert b"<code>unroutable</code>" in refused[0]
+
+
+async def test_a_second_organism_on_the_same_state_dir_is_refused(tmp_path: Path) -> None:
+    from agentd.kernel import StateLocked
+
+    async with Harness.from_config(ORGANISM, {"alice": "public"}, state_dir=tmp_path):
+        with pytest.raises(StateLocked):
+            async with Harness.from_config(ORGANISM, {"alice": "public"}, state_dir=tmp_path):
+                pass
