@@ -41,7 +41,9 @@ class Huh:
 
     @classmethod
     def of(cls, code: HuhCode, message: str | None = None) -> Huh:
-        return cls(code, GENERIC_MESSAGES[code] if message is None else message, RETRY_ALLOWED[code])
+        return cls(
+            code, GENERIC_MESSAGES[code] if message is None else message, RETRY_ALLOWED[code]
+        )
 
     def to_bytes(self) -> bytes:
         retry = "true" if self.retry_allowed else "false"

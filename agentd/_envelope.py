@@ -33,7 +33,7 @@ class Envelope:
     @property
     def key(self) -> str:
         """The routing key: the payload's (namespace URI, local name), in Clark form."""
-        return self.payload.tag  # type: ignore[return-value]
+        return self.payload.tag
 
 
 class PrivilegedOnBus(Rejection):
@@ -49,17 +49,17 @@ def parse_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelo
     if root.tag != _MESSAGE or not _ENV_SCHEMA.validate(root):
         raise Rejection(HuhCode.INVALID_ENVELOPE, _first_error(root))
     meta = root[0]
-    sender = meta[0].text.strip()  # type: ignore[union-attr]
+    sender = meta[0].text.strip()
     if meta[1].tag == _TO:
-        to: str | None = meta[1].text.strip()  # type: ignore[union-attr]
-        thread = meta[2].text  # type: ignore[assignment]
+        to: str | None = meta[1].text.strip()
+        thread = meta[2].text
     else:
         to = None
-        thread = meta[1].text  # type: ignore[assignment]
+        thread = meta[1].text
     payload = root[1]
     if isinstance(payload.tag, str) and payload.tag.startswith(_PRIV_PREFIX):
         raise PrivilegedOnBus()
-    return Envelope(sender, to, thread, payload)  # type: ignore[arg-type]
+    return Envelope(sender, to, thread, payload)
 
 
 def _first_error(root: etree._Element) -> str:

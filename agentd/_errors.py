@@ -4,10 +4,10 @@ leak topology. Precise causes go to the logs through `detail`."""
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 
-class HuhCode(str, Enum):
+class HuhCode(StrEnum):
     MALFORMED = "malformed"
     INVALID_ENVELOPE = "invalid-envelope"
     INVALID_PAYLOAD = "invalid-payload"

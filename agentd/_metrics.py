@@ -38,11 +38,16 @@ class HotCounters(Collector):
 HOT = HotCounters()
 REGISTRY.register(HOT)
 envelopes_rejected = Counter(
-    "agentd_envelopes_rejected", "Envelopes or outputs rejected, by huh code", ["code"],
+    "agentd_envelopes_rejected",
+    "Envelopes or outputs rejected, by huh code",
+    ["code"],
     registry=REGISTRY,
 )
 handler_seconds = Histogram(
-    "agentd_handler_seconds", "Handler run time", ["listener"], registry=REGISTRY,
+    "agentd_handler_seconds",
+    "Handler run time",
+    ["listener"],
+    registry=REGISTRY,
     buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
 )
 queue_depth = Gauge("agentd_queue_depth", "Messages queued in the pump", registry=REGISTRY)
@@ -56,7 +61,9 @@ oob_commands = Counter(
     "agentd_oob_commands", "Privileged commands", ["command", "outcome"], registry=REGISTRY
 )
 journal_commit_seconds = Histogram(
-    "agentd_journal_commit_seconds", "Journal group-commit time", registry=REGISTRY,
+    "agentd_journal_commit_seconds",
+    "Journal group-commit time",
+    registry=REGISTRY,
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1),
 )
 llm_requests = Counter(

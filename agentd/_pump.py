@@ -87,8 +87,18 @@ class PumpSettings:
 class Message:
     """A message admitted into the pump. Everything but `payload` is trusted."""
 
-    __slots__ = ("envelope", "frame", "hops", "kind", "payload", "redelivered", "sender",
-                 "seq", "spec", "targets")
+    __slots__ = (
+        "envelope",
+        "frame",
+        "hops",
+        "kind",
+        "payload",
+        "redelivered",
+        "sender",
+        "seq",
+        "spec",
+        "targets",
+    )
 
     def __init__(
         self,
@@ -281,11 +291,12 @@ class Pump:
             profile = self.routing.profiles.get(pname) if pname is not None else None
             if profile is None:
                 raise Rejection(HuhCode.UNROUTABLE, f"client {client} has no profile")
+            # The frame is registered only once every check has passed.
+            frame = Frame(env.thread, (client,), None, client, profile)
             msg = self._ingest_request(
-                env, data, sender=client, sender_listener=None,
-                frame=None, profile=profile,
+                env, data, sender=client, sender_listener=None, frame=frame, profile=profile
             )
-            msg.frame = self.registry.start(client, profile, uuid=env.thread)
+            self.registry.restore(frame)
             return msg
         if frame.owner != client or not frame.is_root:
             raise Rejection(HuhCode.UNROUTABLE, "thread not owned by this client")
@@ -313,7 +324,7 @@ class Pump:
             kind=f"{_REPLY if to_holder else _REQUEST}/{msg.hops}",
             handler=",".join(t.name for t in msg.targets),
             sender=msg.sender,
-            tag=msg.payload.tag,  # type: ignore[arg-type]
+            tag=msg.payload.tag,
             payload=msg.envelope,
             profile=msg.frame.profile.name,
             pending=True,
@@ -335,7 +346,9 @@ class Pump:
         fut = self.kernel.commit(tx)
         fut.add_done_callback(lambda f: self._committed(f, post))
 
-    def _committed(self, fut: asyncio.Future[None], post: list[tuple[str, str, bytes, int]]) -> None:
+    def _committed(
+        self, fut: asyncio.Future[None], post: list[tuple[str, str, bytes, int]]
+    ) -> None:
         if fut.cancelled():
             return
         exc = fut.exception()
@@ -416,7 +429,8 @@ class Pump:
     def _resume_request(self, env: Envelope, data: bytes, frame: Frame, handlers: str) -> Message:
         names = set(handlers.split(",")) if handlers else set()
         targets = tuple(
-            t for t in frame.profile.table.resolve(env.key, env.to)
+            t
+            for t in frame.profile.table.resolve(env.key, env.to)
             if t.name in names and not t.retired
         )
         if not targets:
@@ -443,7 +457,7 @@ class Pump:
         *,
         sender: str,
         sender_listener: Listener | None,
-        frame: Frame | None,
+        frame: Frame,
         profile: Profile,
     ) -> Message:
         """Route `env` against `profile`'s table (and the sender's peers), validate
@@ -454,8 +468,10 @@ class Pump:
             allowed = tuple(t for t in targets if sender_listener.may_send_to(t.name))
             if len(allowed) != len(targets) and (env.to is not None or not allowed):
                 log.warning(
-                    "peer violation blocked listener=%s to=%s key={%s}%s",
-                    sender_listener.name, env.to, key[0], key[1],
+                    "peer violation blocked listener=%s to=%s key=%s",
+                    sender_listener.name,
+                    env.to,
+                    key,
                 )
                 self._security_event("peer-violation", listener=sender_listener.name)
                 raise Rejection(HuhCode.UNROUTABLE, "destination is not a declared peer")
@@ -463,12 +479,10 @@ class Pump:
         if len(targets) != 1 or targets[0].retired:
             targets = tuple(t for t in targets if not t.retired)
         if not targets:
-            raise Rejection(HuhCode.UNROUTABLE, f"no route for {{{key[0]}}}{key[1]}")
+            raise Rejection(HuhCode.UNROUTABLE, f"no route for {key}")
         spec = self.routing.specs[key]
         _validate(spec, env.payload)
-        return Message(
-            MsgKind.REQUEST, sender, frame, env.payload, targets, spec, data  # type: ignore[arg-type]
-        )
+        return Message(MsgKind.REQUEST, sender, frame, env.payload, targets, spec, data)
 
     def _ingest_to_holder(
         self, env: Envelope, data: bytes, *, sender: str, frame: Frame, spec: XmlSpec | None
@@ -499,9 +513,14 @@ class Pump:
                 self.deliver(client, thread, msg.envelope, None)
             else:
                 tx.journal(
-                    thread=thread, direction="out", kind=_REPLY, handler=client,
-                    sender=msg.sender, tag=msg.payload.tag,  # type: ignore[arg-type]
-                    payload=msg.envelope, profile=msg.frame.profile.name,
+                    thread=thread,
+                    direction="out",
+                    kind=_REPLY,
+                    handler=client,
+                    sender=msg.sender,
+                    tag=msg.payload.tag,
+                    payload=msg.envelope,
+                    profile=msg.frame.profile.name,
                 )
                 oid = tx.outbox_put(client, thread, msg.envelope)
                 self._post.append((client, thread, msg.envelope, oid))
@@ -592,13 +611,12 @@ class Pump:
             self._close_tx(msg if last else None)
             return
         created = msg.kind is MsgKind.REQUEST
-        if created:
-            frame = self.registry.extend(msg.frame, listener.name)
-        else:
-            frame = msg.frame
+        frame = self.registry.extend(msg.frame, listener.name) if created else msg.frame
         frame.touched = time.monotonic()
         payload: Any = (
-            core_from_element(msg.payload) if msg.spec is None else msg.spec.from_element(msg.payload)
+            core_from_element(msg.payload)
+            if msg.spec is None
+            else msg.spec.from_element(msg.payload)
         )
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered)
         handler = listener.handler
@@ -663,8 +681,11 @@ class Pump:
                     self._complete(frame)
             return
         if not isinstance(result, HandlerResponse):
-            log.error("handler returned %s, not HandlerResponse listener=%s",
-                      type(result).__name__, listener.name)
+            log.error(
+                "handler returned %s, not HandlerResponse listener=%s",
+                type(result).__name__,
+                listener.name,
+            )
             self._fail_call(msg, frame, HuhCode.INTERNAL)
             return
         kind = result.kind
@@ -677,7 +698,8 @@ class Pump:
             return
         try:
             payloads = _serialise_all(
-                result.payload, self.settings.max_fanout,
+                result.payload,
+                self.settings.max_fanout,
                 allow_answer=listener.is_agent and kind is ResponseKind.RESPOND,
             )
         except Rejection as rej:
@@ -690,9 +712,9 @@ class Pump:
             ok = True
             for body in payloads:
                 data = build_envelope(listener.name, caller.uuid, body, to=caller.holder)
-                ok = self._reenter(
-                    data, listener, caller, own=frame, respond=True, hops=hops
-                ) and ok
+                ok = (
+                    self._reenter(data, listener, caller, own=frame, respond=True, hops=hops) and ok
+                )
             if ok:  # a refused answer leaves the frame open so the listener can retry
                 self._complete(frame)
             return
@@ -721,19 +743,29 @@ class Pump:
                 spec = listener.response_specs.get(env.key)
                 if spec is None and not _is_answer(env, listener):
                     raise Rejection(HuhCode.INVALID_PAYLOAD, "not a declared response class")
-                msg = self._ingest_to_holder(env, data, sender=listener.name, frame=frame, spec=spec)
+                msg = self._ingest_to_holder(
+                    env, data, sender=listener.name, frame=frame, spec=spec
+                )
             else:
                 msg = self._ingest_request(
-                    env, data, sender=listener.name, sender_listener=listener,
-                    frame=frame, profile=frame.profile,
+                    env,
+                    data,
+                    sender=listener.name,
+                    sender_listener=listener,
+                    frame=frame,
+                    profile=frame.profile,
                 )
         except PrivilegedOnBus:
             self._security_event("priv-from-handler", listener=listener.name)
             self._huh_to(own, HuhCode.UNROUTABLE, hops)
             return False
         except Rejection as rej:
-            log.info("handler output rejected listener=%s code=%s detail=%s",
-                     listener.name, rej.code.value, rej.detail)
+            log.info(
+                "handler output rejected listener=%s code=%s detail=%s",
+                listener.name,
+                rej.code.value,
+                rej.detail,
+            )
             self._huh_to(own, rej.code, hops)
             return False
         msg.hops = hops
@@ -791,11 +823,15 @@ def _is_answer(env: Envelope, listener: Listener) -> bool:
 def _row(frame: Frame) -> ThreadRow:
     now = time.time()
     return ThreadRow(
-        uuid=frame.uuid, path=frame.path,
+        uuid=frame.uuid,
+        path=frame.path,
         parent=frame.parent.uuid if frame.parent is not None else None,
-        owner=frame.owner, profile=frame.profile.name,
-        table_version=frame.profile.table.version, state=frame.state.value,
-        created=now, updated=now,
+        owner=frame.owner,
+        profile=frame.profile.name,
+        table_version=frame.profile.table.version,
+        state=frame.state.value,
+        created=now,
+        updated=now,
     )
 
 
@@ -822,7 +858,7 @@ def _serialise_all(payload: object, max_fanout: int, *, allow_answer: bool = Fal
 def _one(obj: object, allow_answer: bool) -> bytes:
     if allow_answer and isinstance(obj, Answer):
         return obj.to_bytes()
-    if isinstance(obj, CorePayload):  # type: ignore[misc,arg-type]
+    if isinstance(obj, CorePayload):
         raise Rejection(HuhCode.INVALID_PAYLOAD, "handlers may not emit core payloads")
     if not is_xmlified(obj):
         raise Rejection(HuhCode.INVALID_PAYLOAD, f"{type(obj).__name__} is not an @xmlify class")

@@ -96,10 +96,7 @@ class DispatchTable:
 
     def is_within(self, other: DispatchTable) -> bool:
         """True if every route of self is a route of `other` (self is no wider)."""
-        return all(
-            set(lsts) <= set(other.routes.get(key, ()))
-            for key, lsts in self.routes.items()
-        )
+        return all(set(lsts) <= set(other.routes.get(key, ())) for key, lsts in self.routes.items())
 
 
 @dataclass(frozen=True, eq=False)
@@ -123,7 +120,9 @@ def build_table(version: int, listeners: Iterable[Listener]) -> DispatchTable:
     )
 
 
-def listener_from_config(cfg: ListenerConfig, default_timeout_s: float, default_conc: int) -> Listener:
+def listener_from_config(
+    cfg: ListenerConfig, default_timeout_s: float, default_conc: int
+) -> Listener:
     return Listener(
         name=cfg.name,
         handler=cfg.handler,

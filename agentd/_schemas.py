@@ -18,7 +18,12 @@ NS_CORE = "https://xml-pipeline.org/ns/core/v1"
 NS_AUTH = "https://xml-pipeline.org/ns/auth/v1"
 NS_PRIV = "https://xml-pipeline.org/ns/privileged/v1"
 
-_FILES = {NS_ENV: "envelope.xsd", NS_CORE: "core.xsd", NS_AUTH: "auth.xsd", NS_PRIV: "privileged.xsd"}
+_FILES = {
+    NS_ENV: "envelope.xsd",
+    NS_CORE: "core.xsd",
+    NS_AUTH: "auth.xsd",
+    NS_PRIV: "privileged.xsd",
+}
 
 
 @cache
@@ -28,5 +33,7 @@ def schema_text(namespace: str) -> str:
 
 @cache
 def schema(namespace: str) -> etree.XMLSchema:
-    doc = etree.fromstring(schema_text(namespace).encode(), etree.XMLParser(resolve_entities=False, no_network=True))
+    doc = etree.fromstring(
+        schema_text(namespace).encode(), etree.XMLParser(resolve_entities=False, no_network=True)
+    )
     return etree.XMLSchema(doc)

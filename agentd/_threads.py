@@ -16,8 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
-import time
 import os
+import time
 from collections.abc import Iterator
 from enum import Enum
 
@@ -35,8 +35,19 @@ class ProfileEscalation(Exception):
 
 
 class Frame:
-    __slots__ = ("children", "hops", "owner", "parent", "path", "persisted", "profile", "root",
-                 "state", "touched", "uuid")
+    __slots__ = (
+        "children",
+        "hops",
+        "owner",
+        "parent",
+        "path",
+        "persisted",
+        "profile",
+        "root",
+        "state",
+        "touched",
+        "uuid",
+    )
 
     def __init__(
         self, uuid: str, path: tuple[str, ...], parent: Frame | None, owner: str, profile: Profile

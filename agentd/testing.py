@@ -83,9 +83,7 @@ class Harness:
         self.pump = Pump(self.routing, self.clients, self._deliver, settings_from(config))
 
     @classmethod
-    def from_config(
-        cls, path: str | Path, clients: Mapping[str, str], **kwargs: Any
-    ) -> Harness:
+    def from_config(cls, path: str | Path, clients: Mapping[str, str], **kwargs: Any) -> Harness:
         return cls(load_config(path), clients, **kwargs)
 
     async def __aenter__(self) -> Harness:

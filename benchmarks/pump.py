@@ -37,10 +37,9 @@ from agentd._schemas import NS_ENV, schema  # noqa: E402
 from agentd._threads import ThreadRegistry  # noqa: E402
 from agentd._xml import parse_untrusted  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
-from agentd.testing import settings_from  # noqa: E402
 from agentd.kernel import Kernel  # noqa: E402
+from agentd.testing import settings_from  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
-
 
 CLIENTS = 256  # concurrent submitters
 
@@ -88,7 +87,9 @@ async def baseline(data: list[bytes], reparse: bool = True) -> float:
     return len(data) / elapsed
 
 
-async def real_pump(data: list[bytes], journal_dir: Path | None = None) -> tuple[float, list[float]]:
+async def real_pump(
+    data: list[bytes], journal_dir: Path | None = None
+) -> tuple[float, list[float]]:
     """The pump on the workload; with `journal_dir`, over a real kernel (SQLite WAL)."""
     config = load_config(ROOT / "config" / "organism.yaml")
     sent: dict[str, float] = {}
@@ -172,7 +173,9 @@ def registry_rss_fresh(n: int) -> float:
     freed by the earlier phases cannot hide the registry's own growth."""
     out = subprocess.run(
         [sys.executable, __file__, "--registry-only", str(n)],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout
     return float(out.strip().splitlines()[-1])
 
@@ -208,20 +211,32 @@ def main() -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     per_100k = registry_rss_fresh(20_000 if args.quick else 100_000)
     print(f"loop: {loop_name}, messages: {n}")
-    print(f"baseline, zero-trust (parse+2 XSD+route+queue+serialise+re-parse reply): "
-          f"{base:,.0f} handler invocations/s")
-    print(f"baseline without the reply re-parse: {bare:,.0f}/s "
-          f"(pump/that = {pump_rate / bare:.2f})")
+    print(
+        f"baseline, zero-trust (parse+2 XSD+route+queue+serialise+re-parse reply): "
+        f"{base:,.0f} handler invocations/s"
+    )
+    print(
+        f"baseline without the reply re-parse: {bare:,.0f}/s (pump/that = {pump_rate / bare:.2f})"
+    )
     print(f"pump (full ingress, per-thread queues, re-entry): {pump_rate:,.0f} invocations/s")
     print(f"ratio pump/baseline: {ratio:.2f} (target >= 0.40); pump target >= 10,000/s")
-    print(f"hop latency client->reply, one conversation at a time: p50 {p50:.0f} us, "
-          f"p99 {p99:.0f} us")
+    print(
+        f"hop latency client->reply, one conversation at a time: p50 {p50:.0f} us, p99 {p99:.0f} us"
+    )
     print(f"peak RSS {peak:.0f} MB; registry RSS per 100k live threads {per_100k:.1f} MB")
-    print(json.dumps({
-        "baseline_per_s": round(base), "pump_per_s": round(pump_rate), "ratio": round(ratio, 3),
-        "p50_us": round(p50), "p99_us": round(p99), "peak_rss_mb": round(peak, 1),
-        "rss_mb_per_100k_threads": round(per_100k, 1),
-    }))
+    print(
+        json.dumps(
+            {
+                "baseline_per_s": round(base),
+                "pump_per_s": round(pump_rate),
+                "ratio": round(ratio, 3),
+                "p50_us": round(p50),
+                "p99_us": round(p99),
+                "peak_rss_mb": round(peak, 1),
+                "rss_mb_per_100k_threads": round(per_100k, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

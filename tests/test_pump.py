@@ -14,7 +14,7 @@ from agentd._envelope import NIL_THREAD, build_envelope, parse_envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._xmlify import spec_of
 from agentd.testing import Harness
-from agentd.tools.calculator import Add, Sum
+from agentd.tools.calculator import Add
 from agentd.tools.relay import Relay
 from tests.organisms import listeners as L
 
@@ -376,7 +376,9 @@ async def test_queue_applies_backpressure_to_clients() -> None:
     config = load_config(ORGANISM)
     delivered: list[bytes] = []
     pump = Pump(
-        Routing.build(config), CLIENTS, lambda c, t, d, o: delivered.append(d),
+        Routing.build(config),
+        CLIENTS,
+        lambda c, t, d, o: delivered.append(d),
         PumpSettings(max_concurrency=1, max_queue=5),
     )
     # Not started: nothing drains, so the sixth submit must wait.

@@ -32,7 +32,10 @@ ORGANISM = Path(__file__).parent / "organisms" / "basic.yaml"
 def run_child(state_dir: Path, *args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.crash_runner", str(state_dir), *args],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
 
@@ -53,10 +56,8 @@ def test_accepted_messages_survive_sigkill_at_random_moments(tmp_path: Path) -> 
         child = run_child(tmp_path, "load", "3000")
         assert child.stdout is not None
         kill_after = rng.randint(5, 2500)
-        seen = 0
-        for line in child.stdout:
+        for seen, line in enumerate(child.stdout, start=1):
             read(line)
-            seen += 1
             if seen >= kill_after:
                 break
         child.send_signal(signal.SIGKILL)

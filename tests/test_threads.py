@@ -44,8 +44,12 @@ def test_repr_never_shows_the_path() -> None:
 
 
 @settings(max_examples=80, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["start", "extend", "complete"]),
-                              st.integers(0, 50)), max_size=120))
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["start", "extend", "complete"]), st.integers(0, 50)),
+        max_size=120,
+    )
+)
 def test_registry_invariants_hold_under_any_sequence(ops: list[tuple[str, int]]) -> None:
     reg = ThreadRegistry()
     p = profile()

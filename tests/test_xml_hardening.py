@@ -26,8 +26,11 @@ BILLION_LAUGHS = b"""<?xml version="1.0"?>
 <lolz>&lol9;</lolz>"""
 
 QUADRATIC = (
-    b'<?xml version="1.0"?><!DOCTYPE k [<!ENTITY a "' + b"x" * 50_000 + b'">]><k>'
-    + b"&a;" * 50_000 + b"</k>"
+    b'<?xml version="1.0"?><!DOCTYPE k [<!ENTITY a "'
+    + b"x" * 50_000
+    + b'">]><k>'
+    + b"&a;" * 50_000
+    + b"</k>"
 )
 
 XXE = b"""<?xml version="1.0"?>
@@ -44,7 +47,8 @@ def code_of(data: bytes, **kw: object) -> HuhCode:
 
 
 @pytest.mark.parametrize(
-    "data", [BILLION_LAUGHS, XXE, EXTERNAL_DTD, b"<!DOCTYPE x><x/>"],
+    "data",
+    [BILLION_LAUGHS, XXE, EXTERNAL_DTD, b"<!DOCTYPE x><x/>"],
     ids=["billion-laughs", "external-entity", "external-dtd", "bare-doctype"],
 )
 def test_any_doctype_is_rejected(data: bytes) -> None:
@@ -130,7 +134,10 @@ def test_equivalent_envelopes_canonicalise_identically(
     reference = parse_envelope(_variant(thread, "", [""] * 6, False))
     env = parse_envelope(_variant(thread, prefix, ws, attr_order))
     assert (env.sender, env.to, env.thread, env.key) == (
-        reference.sender, reference.to, reference.thread, reference.key,
+        reference.sender,
+        reference.to,
+        reference.thread,
+        reference.key,
     )
     assert c14n(env.payload) == c14n(reference.payload)
 
@@ -140,6 +147,8 @@ def test_equivalent_envelopes_canonicalise_identically(
 def test_built_envelopes_are_already_canonical(text: str) -> None:
     from agentd._core import Answer
 
-    clean = "".join(ch for ch in text if ch in "\t\n\r" or (ord(ch) >= 0x20 and ch not in "\ufffe\uffff"))
+    clean = "".join(
+        ch for ch in text if ch in "\t\n\r" or (ord(ch) >= 0x20 and ch not in "\ufffe\uffff")
+    )
     data = build_envelope("core", str(uuid.uuid4()), Answer(clean).to_bytes(), to="alice")
     assert c14n(parse_untrusted(data)) == data

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from agentd import HandlerMetadata, HandlerResponse, xmlify
 from agentd._core import Ack, Huh
-from agentd.tools.calculator import Add, Sum
+from agentd.tools.calculator import Sum
 
 NS = "https://xml-pipeline.org/ns/test"
 
@@ -99,7 +99,9 @@ async def _work(name: str, payload: Work, meta: HandlerMetadata) -> HandlerRespo
         STATE["running"] -= 1
 
 
-async def hostile(payload: Order | Sum | Huh | Ack, meta: HandlerMetadata) -> HandlerResponse | None:
+async def hostile(
+    payload: Order | Sum | Huh | Ack, meta: HandlerMetadata
+) -> HandlerResponse | None:
     """Does whatever `kind` says, mostly things it must not be able to do. Also
     receives the calculator's answers and the pump's huh/ack for its own output."""
     if not isinstance(payload, Order):
