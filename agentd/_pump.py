@@ -171,6 +171,9 @@ class Pump:
         # writes of one handled message form one transaction, built in `_tx` during
         # the synchronous part of handling (no await happens while `_tx` is open).
         self.kernel = kernel
+        # Security events (forged from, priv payloads, peer violations) go here too;
+        # the daemon journals them as entries of kind `security`.
+        self.on_security: Callable[[str, Mapping[str, str]], None] | None = None
         self._tx: Transaction | None = None
         self._post: list[tuple[str, str, bytes, int]] = []
         self._inboxes: dict[str, _Inbox] = {}
@@ -435,7 +438,7 @@ class Pump:
         )
         if not targets:
             raise Rejection(HuhCode.UNROUTABLE, "route gone after restart")
-        spec = self.routing.specs[env.key]
+        spec = frame.profile.table.specs[env.key]
         _validate(spec, env.payload)
         return Message(MsgKind.REQUEST, env.sender, frame, env.payload, targets, spec, data)
 
@@ -480,7 +483,7 @@ class Pump:
             targets = tuple(t for t in targets if not t.retired)
         if not targets:
             raise Rejection(HuhCode.UNROUTABLE, f"no route for {key}")
-        spec = self.routing.specs[key]
+        spec = profile.table.specs[key]
         _validate(spec, env.payload)
         return Message(MsgKind.REQUEST, sender, frame, env.payload, targets, spec, data)
 
@@ -800,8 +803,11 @@ class Pump:
 
     def _security_event(self, kind: str, **fields: str) -> None:
         metrics.security_events.labels(kind).inc()
-        detail = " ".join(f"{k}={v}" for k, v in fields.items())
-        log.warning("security event kind=%s %s", kind, detail)
+        if self.on_security is not None:
+            self.on_security(kind, fields)
+        else:
+            detail = " ".join(f"{k}={v}" for k, v in fields.items())
+            log.warning("security event kind=%s %s", kind, detail)
 
 
 def _accepted_bytes(thread: str, seq: int) -> bytes:

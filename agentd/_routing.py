@@ -86,6 +86,7 @@ class DispatchTable:
     version: int
     routes: Mapping[Key, tuple[Listener, ...]]
     listeners: Mapping[str, Listener]
+    specs: Mapping[Key, XmlSpec]  # the payload schema of every routed key
 
     def resolve(self, key: Key, to: str | None = None) -> tuple[Listener, ...]:
         """The listeners `key` reaches, narrowed by `to`; empty means unroutable."""
@@ -109,14 +110,17 @@ class Profile:
 def build_table(version: int, listeners: Iterable[Listener]) -> DispatchTable:
     routes: dict[Key, list[Listener]] = {}
     names: dict[str, Listener] = {}
+    specs: dict[Key, XmlSpec] = {}
     for lst in listeners:
         names[lst.name] = lst
         for spec in lst.payload_specs:
             routes.setdefault(spec.clark, []).append(lst)
+            specs[spec.clark] = spec
     return DispatchTable(
         version,
         MappingProxyType({k: tuple(v) for k, v in routes.items()}),
         MappingProxyType(names),
+        MappingProxyType(specs),
     )
 
 
@@ -155,11 +159,21 @@ class Routing:
         config: OrganismConfig,
         version: int = 1,
         agent_handlers: Mapping[str, Callable[..., Any]] | None = None,
+        previous: Routing | None = None,
     ) -> Routing:
+        """Build from `config`. With `previous` (a reload), listeners whose declaration
+        did not change keep their runtime objects, so threads pinned to older tables
+        and the new tables share them."""
         issues: list[str] = []
         listeners: dict[str, Listener] = {}
         specs: dict[Key, XmlSpec] = {}
         for cfg in config.listeners:
+            old = previous.listeners.get(cfg.name) if previous is not None else None
+            if old is not None and _signature(old.config) == _signature(cfg):
+                listeners[old.name] = old
+                for spec in old.payload_specs:
+                    specs.setdefault(spec.clark, spec)
+                continue
             lst = listener_from_config(
                 cfg, config.pump.handler_timeout_s, config.pump.per_listener_concurrency
             )
@@ -195,3 +209,49 @@ class Routing:
             MappingProxyType(profiles),
             MappingProxyType(specs),
         )
+
+
+def _signature(cfg: ListenerConfig | None) -> tuple[Any, ...]:
+    """What makes two declarations of a listener the same (its location does not)."""
+    if cfg is None:
+        return ()
+    return (
+        cfg.payload_refs,
+        cfg.response_refs,
+        cfg.handler_ref,
+        cfg.agent,
+        cfg.peers,
+        cfg.description,
+        cfg.max_concurrency,
+        cfg.timeout_s,
+    )
+
+
+@dataclass(frozen=True)
+class ReloadPlan:
+    added: tuple[str, ...]
+    removed: tuple[str, ...]
+    changed: tuple[str, ...]
+
+
+def plan_reload(old: Routing, new_config: OrganismConfig) -> ReloadPlan:
+    new = {cfg.name: cfg for cfg in new_config.listeners}
+    return ReloadPlan(
+        added=tuple(sorted(n for n in new if n not in old.listeners)),
+        removed=tuple(sorted(n for n in old.listeners if n not in new)),
+        changed=tuple(
+            sorted(
+                n
+                for n, cfg in new.items()
+                if n in old.listeners and _signature(old.listeners[n].config) != _signature(cfg)
+            )
+        ),
+    )
+
+
+def retire(old: Routing, plan: ReloadPlan) -> None:
+    """Removed listeners stop receiving: what is queued for them gets `unroutable`.
+    (A changed listener's old object keeps serving the threads pinned to the tables
+    it belongs to; new threads reach the new one.)"""
+    for name in plan.removed:
+        old.listeners[name].retired = True

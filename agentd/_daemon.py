@@ -1,0 +1,472 @@
+"""The daemon: one process that ties the kernel, the pump, the main bus, the
+out-of-band channel and the metrics listener together, and runs the privileged
+commands.
+
+Start order: kernel (lock, recover) -> routing -> pump (recover, workers) -> bus ->
+OOB -> metrics -> READY=1. Stop order is the reverse, with a bounded drain of the
+pump while connections are still open so answers in flight can reach clients.
+
+Invariants kept here:
+- Only the kernel writes the database; audit and security events are journal
+  entries of their own kinds (`audit`, `security`).
+- A reload validates the whole new configuration before changing anything, and
+  threads that exist keep the dispatch table they were created with.
+- `introspect thread UUID` is the only place a private call-chain path is revealed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from lxml import etree
+
+from agentd import _metrics as metrics
+from agentd._config import OrganismConfig, load_config
+from agentd._errors import AgentdError, ConfigError
+from agentd._pump import Pump
+from agentd._routing import Routing, plan_reload, retire
+from agentd._schemas import NS_PRIV
+from agentd._threads import ThreadState
+from agentd._xmlify import spec_of
+from agentd.kernel import Kernel
+from agentd.testing import kernel_retention, settings_from
+
+log = logging.getLogger("agentd.daemon")
+
+_P = "{" + NS_PRIV + "}"
+SECURITY_KINDS = frozenset(
+    {
+        "forged-from",
+        "priv-on-bus",
+        "priv-from-handler",
+        "peer-violation",
+        "lockout",
+        "bad-signature",
+        "replay",
+        "stale",
+        "unknown-key",
+        "peer-refused",
+        "invalid",
+    }
+)
+
+
+class KernelOutbox:
+    """The bus's view of the kernel's durable outbox."""
+
+    def __init__(self, kernel: Kernel) -> None:
+        self.kernel = kernel
+
+    async def pending(self, client: str) -> list[tuple[int, str, bytes]]:
+        return await self.kernel.outbox(client)
+
+    def delivered(self, client: str, outbox_id: int) -> None:
+        tx = self.kernel.transaction()
+        tx.outbox_delivered(client, outbox_id)
+        self.kernel.commit(tx).add_done_callback(_log_failure)
+
+
+def _log_failure(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.error("kernel write failed: %s", fut.exception())
+
+
+class Daemon:
+    def __init__(self, config: OrganismConfig, config_path: Path | None = None) -> None:
+        self.config = config
+        self.config_path = config_path or config.source
+        self.started = time.time()
+        self.kernel: Kernel | None = None
+        self.routing: Routing | None = None
+        self.pump: Pump | None = None
+        self.bus: Any = None
+        self.oob: Any = None
+        self.metrics_server: Any = None
+        self.auth: Any = None
+        self.agents: Any = None
+        self._stop = asyncio.Event()
+        self._stop_mode = "graceful"
+        self._watchdog: asyncio.Task[None] | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return (
+            self.kernel is not None
+            and self.kernel.healthy
+            and (self.bus is None or bool(self.bus.listening))
+        )
+
+    async def start(self) -> None:
+        config = self.config
+        j = config.journal
+        self.kernel = await Kernel.open(
+            config.state_dir,
+            synchronous=j.synchronous,
+            commit_interval_s=j.commit_interval_ms / 1000,
+            commit_max_entries=j.commit_max_entries,
+            retention=kernel_retention(config),
+            sweep_interval_s=j.sweep_interval_s,
+            on_commit=lambda seconds, _n: metrics.journal_commit_seconds.observe(seconds),
+        )
+        try:
+            await self._start_rest()
+        except BaseException:
+            await self._close_components()
+            raise
+
+    async def _start_rest(self) -> None:
+        config = self.config
+        assert self.kernel is not None
+        clients: dict[str, str] = {}
+        if config.auth.clients_file is not None:
+            from agentd.bus import ClientAuth
+
+            self.auth = ClientAuth.load(config.auth.clients_file, config.state_dir, config.auth)
+            self.auth.on_lockout = lambda client: self.audit("lockout", {"client": client})
+            clients = self.auth.profiles()
+            unknown = sorted(set(clients.values()) - set(config.profiles))
+            if unknown:
+                raise AgentdError(f"clients file names unknown profiles: {', '.join(unknown)}")
+        self.routing = Routing.build(config, agent_handlers=self._agent_handlers(config))
+        self.pump = Pump(self.routing, clients, self._deliver, settings_from(config), self.kernel)
+        self.pump.on_security = self.audit
+        resumed = await self.pump.recover()
+        if resumed:
+            log.info("recovered messages=%d", resumed)
+        await self.pump.start()
+        if config.bus.tls is not None and self.auth is not None:
+            from agentd.bus import BusServer
+
+            self.bus = BusServer(config.bus, self.auth, self.pump.submit, KernelOutbox(self.kernel))
+            await self.bus.start()
+            log.info("bus listening url=wss://%s:%d/bus", config.bus.host, self.bus.port)
+        if config.oob.authorized_keys is not None:
+            from agentd.oob import OobServer
+
+            socket = config.oob.socket or (config.state_dir / "oob.sock")
+            self.oob = OobServer(
+                socket,
+                config.oob.authorized_keys,
+                DaemonCommands(self),
+                allowed_uids=config.oob.allowed_uids,
+                max_frame_bytes=config.oob.max_frame_bytes,
+                clock_skew_s=config.oob.clock_skew_s,
+                audit=self.audit,
+            )
+            await self.oob.start()
+            log.info("oob listening socket=%s", socket)
+        if config.metrics.listen:
+            from agentd._observability import MetricsServer
+
+            self.metrics_server = MetricsServer(config.metrics.listen, ready=lambda: self.ready)
+            await self.metrics_server.start()
+        self._notify("READY=1")
+        self._watchdog = _start_watchdog()
+
+    def _agent_handlers(self, config: OrganismConfig) -> Mapping[str, Any] | None:
+        if not any(lst.agent is not None for lst in config.listeners):
+            return None
+        from agentd.platform import make_agent_handlers  # type: ignore[attr-defined]
+
+        handlers: Mapping[str, Any] = make_agent_handlers(
+            config, kernel=self.kernel, audit=self.audit
+        )
+        return handlers
+
+    def _deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> None:
+        if self.bus is not None:
+            self.bus.deliver(client, thread, data, outbox_id)
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, "graceful")
+
+    def request_stop(self, mode: str = "graceful") -> None:
+        self._stop_mode = mode
+        self._stop.set()
+
+    async def serve(self) -> None:
+        """Run until a signal or `shutdown` asks to stop, then stop."""
+        await self._stop.wait()
+        await self.stop(self._stop_mode)
+
+    async def stop(self, mode: str = "graceful", drain_s: float = 10.0) -> None:
+        self._notify("STOPPING=1")
+        log.info("stopping mode=%s", mode)
+        if self.oob is not None:
+            await self.oob.close()
+            self.oob = None
+        if mode == "graceful" and self.pump is not None:
+            # Answers in flight can still reach connected clients; what does not
+            # finish in time stays pending in the journal and resumes at next start.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.pump.join(), drain_s)
+        await self._close_components()
+
+    async def _close_components(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        if self.oob is not None:
+            await self.oob.close()
+        if self.bus is not None:
+            await self.bus.close(1001)
+        if self.pump is not None:
+            await self.pump.stop()
+        if self.metrics_server is not None:
+            await self.metrics_server.close()
+        if self.kernel is not None:
+            await self.kernel.close()
+            self.kernel = None
+
+    @staticmethod
+    def _notify(state: str) -> None:
+        if os.environ.get("NOTIFY_SOCKET"):
+            from agentd._observability import sd_notify
+
+            sd_notify(state)
+
+    # ---- audit -------------------------------------------------------------------
+
+    def audit(self, kind: str, fields: Mapping[str, str]) -> None:
+        """An audit or security event, journaled as an entry of its own kind."""
+        direction = "security" if kind in SECURITY_KINDS else "audit"
+        log.log(
+            logging.WARNING if direction == "security" else logging.INFO,
+            "%s kind=%s %s",
+            direction,
+            kind,
+            " ".join(f"{k}={v}" for k, v in fields.items()),
+        )
+        if self.kernel is None:
+            return
+        tx = self.kernel.transaction()
+        tx.journal(
+            thread=fields.get("thread", ""),
+            direction=direction,
+            kind=kind,
+            sender=fields.get("key_id", fields.get("client", fields.get("listener", ""))),
+            payload=json.dumps(dict(fields), sort_keys=True).encode(),
+        )
+        self.kernel.commit(tx).add_done_callback(_log_failure)
+
+    # ---- operator commands -------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        assert self.pump is not None and self.routing is not None and self.kernel is not None
+        return {
+            "organism": self.config.name,
+            "uptime_s": round(time.time() - self.started, 1),
+            "config_sha256": self.config.digest,
+            "routing_version": self.routing.version,
+            "listeners": sorted(self.routing.listeners),
+            "threads": len(self.pump.registry),
+            "queue_depth": self.pump.queue_depth,
+            "kernel_healthy": self.kernel.healthy,
+            "db_bytes": self.kernel.db_size_bytes(),
+            "bus_connections": self.bus.connections if self.bus is not None else 0,
+        }
+
+    async def reload(self, dry_run: bool) -> dict[str, Any]:
+        """Validate the configuration file fully, then apply the listener diff."""
+        assert self.pump is not None and self.routing is not None
+        if self.config_path is None:
+            raise ConfigError(["the daemon was not started from a configuration file"])
+        new_config = load_config(self.config_path, state_dir_override=self.config.state_dir)
+        plan = plan_reload(self.routing, new_config)
+        # Build everything before touching anything: an error here changes nothing.
+        new_routing = Routing.build(
+            new_config,
+            version=self.routing.version + 1,
+            agent_handlers=self._agent_handlers(new_config),
+            previous=self.routing,
+        )
+        result = {
+            "added": list(plan.added),
+            "removed": list(plan.removed),
+            "changed": list(plan.changed),
+            "version": new_routing.version,
+            "dry_run": dry_run,
+        }
+        if dry_run:
+            return result
+        old = self.routing
+        self.routing = self.pump.routing = new_routing
+        retire(old, plan)
+        self.config = new_config
+        return result
+
+
+class DaemonCommands:
+    """The `Commands` the OOB server runs: results as XML elements."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+
+    async def run(self, name: str, args: Mapping[str, str]) -> etree._Element | str:
+        from agentd.oob import CommandFailed
+
+        d = self.daemon
+        try:
+            if name == "status":
+                return _dict_element("status", d.status())
+            if name == "reload":
+                dry = args.get("dry-run", "false") == "true"
+                try:
+                    diff = await d.reload(dry)
+                except ConfigError as exc:
+                    raise CommandFailed("invalid", "\n".join(exc.issues)) from None
+                return _dict_element("reload", diff)
+            if name == "introspect":
+                return self._introspect(args)
+            if name == "journal":
+                return await self._journal(args)
+            if name == "shutdown":
+                mode = args.get("mode", "graceful")
+                if mode not in ("graceful", "now"):
+                    raise CommandFailed("invalid", "mode must be graceful or now")
+                asyncio.get_running_loop().call_soon(d.request_stop, mode)
+                return _dict_element("shutdown", {"mode": mode})
+        except CommandFailed:
+            raise
+        except (KeyError, ValueError) as exc:
+            raise CommandFailed("invalid", str(exc)) from None
+        raise CommandFailed("unknown-command", f"unknown command {name!r}")
+
+    def _introspect(self, args: Mapping[str, str]) -> etree._Element | str:
+        from agentd.oob import CommandFailed
+
+        d = self.daemon
+        assert d.routing is not None and d.pump is not None
+        what = args.get("what", "")
+        if what == "capabilities":
+            root = etree.Element(_P + "capabilities")
+            for lst in sorted(d.routing.listeners.values(), key=lambda x: x.name):
+                el = etree.SubElement(
+                    root, _P + "listener", name=lst.name, kind="agent" if lst.is_agent else "tool"
+                )
+                etree.SubElement(el, _P + "description").text = lst.description
+                for spec in lst.payload_specs:
+                    etree.SubElement(el, _P + "accepts").text = spec.clark
+                for peer in sorted(lst.peers):
+                    etree.SubElement(el, _P + "peer").text = peer
+            return root
+        if what in ("schema", "example", "prompt"):
+            name = args.get("name", "")
+            named = d.routing.listeners.get(name)
+            if named is None:
+                raise CommandFailed("invalid", f"no listener named {name!r}")
+            spec = named.payload_specs[0]
+            if what == "schema":
+                return spec.xsd
+            if what == "example":
+                return spec.example.decode()
+            if named.is_agent and d.agents is not None:
+                return str(d.agents.prompt_of(name))
+            return "\n\n".join(spec_of(s.cls).prompt for s in named.payload_specs)
+        if what == "threads":
+            root = etree.Element(_P + "threads")
+            for frame in d.pump.registry:
+                if frame.state is ThreadState.ACTIVE:
+                    etree.SubElement(
+                        root,
+                        _P + "thread",
+                        uuid=frame.uuid,
+                        owner=frame.owner,
+                        profile=frame.profile.name,
+                        root=str(frame.is_root).lower(),
+                    )
+            return root
+        if what == "thread":
+            uuid = args.get("thread", "")
+            found = d.pump.registry.get(uuid)
+            if found is None:
+                raise CommandFailed("invalid", f"no live thread {uuid!r}")
+            frame = found
+            # The one place a private call-chain path is ever revealed.
+            return _dict_element(
+                "thread",
+                {
+                    "uuid": frame.uuid,
+                    "path": ".".join(frame.path),
+                    "owner": frame.owner,
+                    "profile": frame.profile.name,
+                    "table_version": frame.profile.table.version,
+                    "parent": frame.parent.uuid if frame.parent else "",
+                    "state": frame.state.value,
+                },
+            )
+        raise CommandFailed("invalid", f"unknown introspection {what!r}")
+
+    async def _journal(self, args: Mapping[str, str]) -> etree._Element:
+        d = self.daemon
+        assert d.kernel is not None
+        limit = int(args.get("limit", "100"))
+        if not 0 < limit <= 10_000:
+            raise ValueError("limit must be between 1 and 10000")
+        entries = await d.kernel.journal(thread=args.get("thread") or None, limit=limit)
+        root = etree.Element(_P + "journal")
+        for e in entries:
+            etree.SubElement(
+                root,
+                _P + "entry",
+                seq=str(e.seq),
+                ts=f"{e.ts:.6f}",
+                thread=e.thread,
+                direction=e.direction,
+                kind=e.kind,
+                handler=e.handler,
+                sender=e.sender,
+                tag=e.tag,
+                hash=e.payload_hash,
+            )
+        return root
+
+
+def _dict_element(tag: str, values: Mapping[str, Any]) -> etree._Element:
+    root = etree.Element(_P + tag)
+    for key, value in values.items():
+        if isinstance(value, list | tuple):
+            el = etree.SubElement(root, _P + key)
+            for item in value:
+                etree.SubElement(el, _P + "item").text = str(item)
+        else:
+            text = str(value).lower() if isinstance(value, bool) else str(value)
+            etree.SubElement(root, _P + key).text = text
+    return root
+
+
+def _start_watchdog() -> asyncio.Task[None] | None:
+    usec = os.environ.get("WATCHDOG_USEC")
+    if not usec or not os.environ.get("NOTIFY_SOCKET"):
+        return None
+    from agentd._observability import sd_notify
+
+    interval = int(usec) / 1e6 / 2
+
+    async def ping() -> None:
+        while True:
+            sd_notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+    return asyncio.create_task(ping(), name="sd-watchdog")
+
+
+async def run_daemon(config_path: Path, state_dir: Path | None = None) -> int:
+    config = load_config(config_path, state_dir_override=state_dir)
+    daemon = Daemon(config, config_path)
+    await daemon.start()
+    daemon.install_signal_handlers()
+    await daemon.serve()
+    return 0
