@@ -177,7 +177,7 @@ class Daemon:
     def _agent_handlers(self, config: OrganismConfig) -> Mapping[str, Any] | None:
         if not any(lst.agent is not None for lst in config.listeners):
             return None
-        from agentd.platform import make_agent_handlers  # type: ignore[attr-defined]
+        from agentd.platform import make_agent_handlers
 
         handlers: Mapping[str, Any] = make_agent_handlers(
             config, kernel=self.kernel, audit=self.audit

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import click
 
+from agentd._cli_bus import init_cmd, send_cmd, totp_cmd
 from agentd._envelope import parse_envelope
+from agentd._errors import AgentdError, ConfigError
 
 DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "organism.yaml"
 
@@ -30,15 +32,75 @@ def check_config(file: Path) -> None:
 
 
 @main.command("run")
-@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="The organism file. Without it: the built-in demo in ./agentd-home.",
+)
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path))
-def run(config_file: Path | None, state_dir: Path | None) -> None:
-    """Run the daemon; with no --config, run the built-in demo."""
-    if config_file is not None:
-        raise click.ClickException(
-            "the network bus is not built yet (issue 4), so there is no daemon to run; "
-            "`agentd run` with no --config runs the built-in demo in-process"
+@click.option("--log-format", type=click.Choice(["kv", "json"]), default="kv", show_default=True)
+@click.option("--log-level", default="INFO", show_default=True)
+def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_level: str) -> None:
+    """Run the daemon; with no --config, the built-in demo (initialised on first use)."""
+    from agentd._cli_bus import init_home
+    from agentd._daemon import run_daemon
+    from agentd._observability import setup_logging
+    from agentd.kernel import StateLocked
+
+    setup_logging(log_format, log_level)
+    if config_file is None:
+        home = Path("agentd-home")
+        config_file = home / "organism.yaml"
+        if not config_file.exists():
+            info = init_home(home)
+            click.echo(f"agentd: initialised the demo in {home}/ (client alice)", err=True)
+            click.echo(f"  TOTP: {info['otpauth_uri']}", err=True)
+        click.echo(
+            "agentd: talk to it from another shell with\n"
+            '  echo \'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1">'
+            "<a>2</a><b>3</b></add>' | agentd send --url wss://127.0.0.1:8765/bus "
+            f"--client alice --secret-file {home}/alice.totp --cafile {home}/tls/cert.pem -",
+            err=True,
         )
+    _install_uvloop()
+    try:
+        sys.exit(asyncio.run(run_daemon(config_file, state_dir)))
+    except ConfigError as exc:
+        for issue in exc.issues:
+            click.echo(issue, err=True)
+        sys.exit(1)
+    except StateLocked as exc:
+        raise click.ClickException(str(exc)) from None
+    except AgentdError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return
+    uvloop.install()
+
+
+@main.command("verify-journal")
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("agentd-home/state"),
+    show_default=True,
+)
+def verify_journal(state_dir: Path) -> None:
+    """Walk the journal's hash chain; exit 1 if an entry was modified or removed."""
+    from agentd.kernel import verify_journal_main
+
+    sys.exit(verify_journal_main(state_dir))
+
+
+@main.command("demo")
+def demo() -> None:
+    """Run a demo conversation through the whole pipeline in process (no network)."""
     sys.exit(asyncio.run(_demo()))
 
 
@@ -69,7 +131,6 @@ async def _demo() -> int:
             for frame in await h.send("alice", data):
                 click.echo(f"  <- {_summary(frame)}")
                 click.echo(f"     {frame.decode()}")
-    click.echo("\nThe network bus (TLS WebSocket + TOTP) is not built yet; see docs/.")
     return 0
 
 
@@ -77,6 +138,11 @@ def _summary(frame: bytes) -> str:
     env = parse_envelope(frame)
     local = env.payload.tag.split("}")[-1]
     return f"{local} from {env.sender} on thread {env.thread}"
+
+
+main.add_command(init_cmd)
+main.add_command(send_cmd)
+main.add_command(totp_cmd)
 
 
 if __name__ == "__main__":  # pragma: no cover
