@@ -256,6 +256,7 @@ class Daemon:
             thread=fields.get("thread", ""),
             direction=direction,
             kind=kind,
+            handler=fields.get("command", ""),
             sender=fields.get("key_id", fields.get("client", fields.get("listener", ""))),
             payload=json.dumps(dict(fields), sort_keys=True).encode(),
         )
@@ -305,6 +306,9 @@ class Daemon:
         self.routing = self.pump.routing = new_routing
         retire(old, plan)
         self.config = new_config
+        self.audit(
+            "reload", {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in result.items()}
+        )
         return result
 
 

@@ -1,0 +1,207 @@
+"""End to end against a real `agentd run` child process: the TLS bus with TOTP, the
+metrics listener, SIGTERM, kill -9 and restart, and every privileged command
+through the real `agentctl` over the real Unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import urllib.request
+from pathlib import Path
+
+import pytest
+from websockets.exceptions import ConnectionClosed
+
+from agentd._envelope import parse_envelope
+from agentd.client import BusClient, frame_kind
+from agentd.tools.calculator import Add
+from agentd.tools.relay import Relay
+from tests.daemon_process import DaemonProcess, edit_config, make_home
+from tests.organisms.listeners import Hold
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    make_home(tmp_path / "home")
+    return tmp_path / "home"
+
+
+def kinds(frames: list[bytes]) -> list[tuple[str, str]]:
+    return [frame_kind(f)[:2] for f in frames]
+
+
+async def test_daemon_answers_over_the_tls_bus_and_serves_metrics(home: Path) -> None:
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            frames = await bus.exchange(Add(a=2, b=40))
+            assert kinds(frames) == [("core", "accepted"), ("calculator.add", "sum")]
+            assert b"<value>42</value>" in frames[-1]
+            relayed = await bus.exchange(Relay(a=1, b=2))
+            assert kinds(relayed)[-1] == ("relay", "sum")
+        body = await asyncio.to_thread(_get, d.metrics_url + "/metrics")
+        assert "agentd_envelopes_received_total 2.0" in body
+        assert 'agentd_dispatch_total{listener="calculator.add",outcome="ok"}' in body
+        assert "agentd_journal_commit_seconds_bucket" in body
+        assert await asyncio.to_thread(_get, d.metrics_url + "/healthz")
+        assert await asyncio.to_thread(_get, d.metrics_url + "/readyz")
+    finally:
+        assert await d.stop() == 0
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - loopback only
+        return resp.read().decode()
+
+
+async def test_sigterm_closes_connections_with_1001_and_exits_cleanly(home: Path) -> None:
+    d = await DaemonProcess(home).start()
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        await bus.exchange(Add(a=1, b=1))
+        code = await d.stop(signal.SIGTERM)
+        with pytest.raises(ConnectionClosed):
+            await bus.connection.recv()
+        assert bus.connection.close_code == 1001
+    assert code == 0
+    assert any("stopping mode=graceful" in line for line in d.log)
+
+
+async def test_accepted_messages_survive_kill_9_and_reach_the_client_after_restart(
+    home: Path,
+) -> None:
+    d = await DaemonProcess(home, env={"AGENTD_TEST_HOLD": "block"}).start()
+    threads: dict[str, int] = {}
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        for n in range(20):
+            threads[await bus.send(Hold(n=n))] = n
+        accepted = set()
+        while len(accepted) < 20:
+            sender, kind, thread = frame_kind(await bus.recv(timeout=30))
+            assert (sender, kind) == ("core", "accepted")
+            accepted.add(thread)
+        session = bus.session
+    assert accepted == set(threads)
+    await d.stop(signal.SIGKILL)
+
+    # Restarted with handlers that answer: the journal redelivers every accepted
+    # request; the answers wait in the outbox until alice is back (same session).
+    d2 = await DaemonProcess(home, env={"AGENTD_TEST_HOLD": "pass"}).start()
+    try:
+        answers: dict[str, bytes] = {}
+        async with BusClient(d2.url, "alice", session=session, cafile=d2.cafile) as bus:
+            while len(answers) < 20:
+                frame = await bus.recv(timeout=30)
+                sender, kind, thread = frame_kind(frame)
+                assert (sender, kind) == ("hold", "done")
+                answers[thread] = frame
+        assert set(answers) == set(threads)
+        for thread, frame in answers.items():
+            env = parse_envelope(frame)
+            assert env.to == "alice"
+            assert f"<seq>{threads[thread]}</seq>".encode() in frame
+            assert b"<by>redelivered</by>" in frame
+    finally:
+        assert await d2.stop() == 0
+
+
+# ---- the out-of-band channel through the real agentctl ---------------------------
+
+
+async def test_every_privileged_command_against_a_real_daemon(home: Path) -> None:
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            frames = await bus.exchange(Add(a=1, b=2))
+        thread = frame_kind(frames[0])[2]
+
+        code, doc = await asyncio.to_thread(d.agentctl, "status")
+        assert code == 0 and doc["ok"]
+        assert "calculator.add" in str(doc["result"])
+
+        code, doc = await asyncio.to_thread(d.agentctl, "introspect", "capabilities")
+        assert code == 0 and "relay" in str(doc["result"])
+        code, doc = await asyncio.to_thread(d.agentctl, "introspect", "schema", "calculator.add")
+        assert code == 0 and "xs:schema" in str(doc["result"])
+        code, doc = await asyncio.to_thread(d.agentctl, "introspect", "example", "calculator.add")
+        assert code == 0 and "<add" in str(doc["result"])
+        code, doc = await asyncio.to_thread(d.agentctl, "introspect", "prompt", "calculator.add")
+        assert code == 0 and "Adds two integers" in str(doc["result"])
+        code, doc = await asyncio.to_thread(d.agentctl, "introspect", "threads")
+        assert code == 0 and thread in str(doc["result"])
+        code, doc = await asyncio.to_thread(d.agentctl, "introspect", "thread", thread)
+        assert code == 0 and "alice" in str(doc["result"])  # the private path, here only
+
+        code, doc = await asyncio.to_thread(d.agentctl, "journal", "--thread", thread)
+        assert code == 0 and "calculator.add" in str(doc["result"])
+        code, doc = await asyncio.to_thread(d.agentctl, "introspect", "schema", "nope")
+        assert code == 1 and not doc["ok"]
+
+        # Every command above is in the journal as an audit event.
+        code, doc = await asyncio.to_thread(d.agentctl, "journal", "--limit", "50")
+        assert code == 0 and str(doc["result"]).count("oob-command") >= 8
+
+        code, doc = await asyncio.to_thread(d.agentctl, "shutdown")
+        assert code == 0
+        assert await d.wait() == 0
+    finally:
+        if d.proc is not None and d.proc.returncode is None:
+            await d.stop()
+
+
+async def test_reload_adds_removes_and_changes_listeners_while_threads_keep_their_table(
+    home: Path,
+) -> None:
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            before = await bus.exchange(Add(a=1, b=1))
+            old_thread = frame_kind(before[0])[2]
+
+            def change(doc: dict) -> None:  # type: ignore[type-arg]
+                doc["listeners"] = [
+                    lst for lst in doc["listeners"] if lst["name"] != "calculator.multiply"
+                ]
+                for lst in doc["listeners"]:
+                    if lst["name"] == "relay":
+                        lst["description"] = "Relays, now with a new description."
+                doc["listeners"].append(
+                    {
+                        "name": "echo2",
+                        "payload_class": "agentd.tools.echo:Echo",
+                        "response_class": "agentd.tools.echo:EchoReply",
+                        "handler": "agentd.tools.echo:echo",
+                        "description": "A second echo.",
+                    }
+                )
+                doc["profiles"]["public"]["listeners"] = [
+                    n
+                    for n in doc["profiles"]["public"]["listeners"]
+                    if n not in ("calculator.multiply", "calculator.add")
+                ] + ["echo2"]
+
+            edit_config(home, change)
+            code, doc = await asyncio.to_thread(d.agentctl, "reload", "--dry-run")
+            assert code == 0, doc
+            code, doc = await asyncio.to_thread(d.agentctl, "reload")
+            assert code == 0, doc
+            result = str(doc["result"])
+            assert "echo2" in result and "calculator.multiply" in result and "relay" in result
+
+            # The thread created before the reload still routes under its original
+            # table: calculator.add left the public profile, but not for this thread.
+            again = await bus.exchange(Add(a=2, b=2), thread=old_thread)
+            assert kinds(again)[-1] == ("calculator.add", "sum")
+            # A new thread gets the new table.
+            fresh = await bus.exchange(Add(a=2, b=2))
+            assert b"<code>unroutable</code>" in fresh[-1]
+
+            # An invalid file changes nothing, and the error names the location.
+            edit_config(home, lambda doc: doc.update(bogus_key=1))
+            code, doc = await asyncio.to_thread(d.agentctl, "reload")
+            assert code == 1 and "bogus_key" in str(doc["error"])
+            code, doc = await asyncio.to_thread(d.agentctl, "status")
+            assert "echo2" in str(doc["result"]) and "calculator.multiply" not in str(doc["result"])
+            code, doc = await asyncio.to_thread(d.agentctl, "journal", "--limit", "20")
+            assert "reload" in str(doc["result"])
+    finally:
+        await d.stop()
