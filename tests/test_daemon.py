@@ -50,7 +50,7 @@ async def test_daemon_answers_over_the_tls_bus_and_serves_metrics(home: Path) ->
 
 
 def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as resp:  # noqa: S310 - loopback only
+    with urllib.request.urlopen(url, timeout=10) as resp:
         return resp.read().decode()
 
 
