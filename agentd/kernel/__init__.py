@@ -1,0 +1,41 @@
+"""The kernel: the one writer of durable state (threads, journal, outboxes, context
+buffers, audit events) in one SQLite database in WAL mode. See docs/kernel.md."""
+
+from agentd.kernel._errors import (
+    ContextLimitExceeded,
+    KernelUnavailable,
+    SchemaTooNew,
+    StateLocked,
+    TransactionRejected,
+)
+from agentd.kernel._kernel import DB_NAME, Kernel, SweepReport, verify_journal_main
+from agentd.kernel._records import (
+    PRUNE_ON_DELIVERY,
+    RETAIN_FOREVER,
+    JournalEntry,
+    Retention,
+    RetentionPolicy,
+    ThreadRow,
+    retain_days,
+)
+from agentd.kernel._transaction import Transaction
+
+__all__ = [
+    "DB_NAME",
+    "PRUNE_ON_DELIVERY",
+    "RETAIN_FOREVER",
+    "ContextLimitExceeded",
+    "JournalEntry",
+    "Kernel",
+    "KernelUnavailable",
+    "Retention",
+    "RetentionPolicy",
+    "SchemaTooNew",
+    "StateLocked",
+    "SweepReport",
+    "ThreadRow",
+    "Transaction",
+    "TransactionRejected",
+    "retain_days",
+    "verify_journal_main",
+]

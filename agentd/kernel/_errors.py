@@ -1,0 +1,32 @@
+"""The kernel's error types. All are `AgentdError`s; `KernelUnavailable` (and its
+subclass `TransactionRejected`) is what the pump turns into `huh internal`."""
+
+from __future__ import annotations
+
+from agentd._errors import AgentdError
+
+
+class StateLocked(AgentdError):
+    """Another process (or another Kernel in this one) holds the state directory."""
+
+
+class SchemaTooNew(AgentdError):
+    """The database was written by a newer agentd than this one."""
+
+
+class KernelUnavailable(AgentdError):
+    """A write could not be made durable (disk full, I/O error, kernel closed).
+
+    Nothing covered by the failed commit was written; the caller must not acknowledge it.
+    """
+
+
+class TransactionRejected(KernelUnavailable):
+    """This one transaction failed on its own (e.g. a constraint), not the storage.
+
+    The other transactions of its batch were committed without it.
+    """
+
+
+class ContextLimitExceeded(AgentdError):
+    """`max_slots_per_thread` or `max_threads` of the context buffer would be exceeded."""

@@ -1,0 +1,78 @@
+"""The single-writer lock: an exclusive, non-blocking `flock` on `state_dir/agentd.lock`.
+
+flock belongs to the open file description, so it excludes a second agentd process
+and a second Kernel in the same process alike, and the OS releases it when the
+holder dies (even by SIGKILL): there is no stale lock to clean up. The file holds the
+holder's pid, for the error message only; it is never deleted (deleting a lock file
+that others may have open is how two holders happen).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import stat
+from pathlib import Path
+
+from agentd.kernel._errors import StateLocked
+
+LOCK_NAME = "agentd.lock"
+
+log = logging.getLogger("agentd.kernel")
+
+
+class StateDirLock:
+    def __init__(self, state_dir: Path, fd: int) -> None:
+        self.state_dir = state_dir
+        self._fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, state_dir: Path) -> StateDirLock:
+        created = not state_dir.exists()
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if created:
+            os.chmod(state_dir, 0o700)  # mkdir's mode is filtered by the umask
+        else:
+            mode = stat.S_IMODE(state_dir.stat().st_mode)
+            if mode & 0o077:
+                log.warning("state_dir %s is accessible to group/others (mode %o); "
+                            "it holds message payloads", state_dir, mode)
+        path = state_dir / LOCK_NAME
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_pid(fd)
+            os.close(fd)
+            who = f"process {holder}" if holder else "another process"
+            raise StateLocked(
+                f"state directory {state_dir} is in use by {who} (lock {path}); "
+                f"only one agentd may run on a state directory"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return cls(state_dir, fd)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+            os.close(fd)  # closing the only descriptor releases the flock
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def _read_pid(fd: int) -> int | None:
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        return int(text) if text else None
+    except (OSError, ValueError):
+        return None

@@ -1,0 +1,128 @@
+"""Database schema and migrations.
+
+`schema_version` holds one row. `MIGRATIONS[v]` takes a database from version v-1 to
+v; all pending migrations run in one transaction with the version bump, so a crash
+mid-migration leaves the old version intact. A database newer than `max(MIGRATIONS)` is refused
+(`SchemaTooNew`): an older agentd must never write a schema it does not know.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+from agentd.kernel._errors import SchemaTooNew
+
+# The chain head and high-water marks (one row, id 0), updated by every batch: seqs
+# and outbox ids are never reused even after retention deleted the newest rows.
+_V1 = (
+    "CREATE TABLE schema_version (version INTEGER NOT NULL)",
+    """CREATE TABLE head (
+        id INTEGER PRIMARY KEY CHECK (id = 0),
+        pos INTEGER NOT NULL, hash BLOB NOT NULL,
+        seq INTEGER NOT NULL, outbox_id INTEGER NOT NULL)""",
+    "INSERT INTO head VALUES (0, 0, zeroblob(32), 0, 0)",
+    # Append-only. pos is the chain position (commit order); rows are never updated,
+    # retention deletes whole rows and records the gap in journal_gaps.
+    """CREATE TABLE journal (
+        pos INTEGER PRIMARY KEY,
+        seq INTEGER NOT NULL,
+        ts REAL NOT NULL,
+        thread TEXT NOT NULL,
+        direction TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        handler TEXT NOT NULL,
+        sender TEXT NOT NULL,
+        tag TEXT NOT NULL,
+        payload_hash TEXT NOT NULL,
+        payload BLOB,
+        profile TEXT NOT NULL,
+        expires REAL,
+        pending INTEGER NOT NULL,
+        prev_hash BLOB NOT NULL,
+        hash BLOB NOT NULL)""",
+    # Only entries that can expire are indexed; retain_forever rows cost nothing here.
+    "CREATE INDEX journal_expires ON journal (expires) WHERE expires IS NOT NULL",
+    """CREATE TABLE journal_gaps (
+        start_pos INTEGER PRIMARY KEY,
+        end_pos INTEGER NOT NULL UNIQUE,
+        prev_hash BLOB NOT NULL,
+        hash BLOB NOT NULL)""",
+    # Pending journal entries not yet delivered (crash recovery redelivers these).
+    "CREATE TABLE inflight (seq INTEGER PRIMARY KEY, pos INTEGER NOT NULL)",
+    """CREATE TABLE threads (
+        uuid TEXT PRIMARY KEY,
+        path TEXT NOT NULL,
+        parent TEXT,
+        owner TEXT NOT NULL,
+        profile TEXT NOT NULL,
+        table_version INTEGER NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('active', 'completed', 'failed')),
+        created REAL NOT NULL,
+        updated REAL NOT NULL,
+        hops INTEGER NOT NULL)""",
+    "CREATE INDEX threads_state ON threads (state, updated)",
+    """CREATE TABLE outbox (
+        id INTEGER PRIMARY KEY,
+        client TEXT NOT NULL,
+        thread TEXT NOT NULL,
+        data BLOB NOT NULL)""",
+    "CREATE INDEX outbox_client ON outbox (client, id)",
+    # Append-only slots; a buffer is deleted whole (context_drop, idle GC).
+    """CREATE TABLE context (
+        id INTEGER PRIMARY KEY,
+        thread TEXT NOT NULL,
+        role TEXT NOT NULL,
+        content BLOB NOT NULL,
+        ts REAL NOT NULL)""",
+    "CREATE INDEX context_thread ON context (thread, id)",
+    # Scratch table for the write probe run while the disk is failing.
+    "CREATE TABLE probe (data BLOB)",
+)
+
+MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1}
+
+
+def code_version() -> int:
+    return max(MIGRATIONS)
+
+
+def read_version(conn: sqlite3.Connection) -> int | None:
+    """The database's schema version; None for an empty database."""
+    names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if "schema_version" in names:
+        row = conn.execute("SELECT version FROM schema_version").fetchone()
+        return int(row[0]) if row else 0
+    if names:
+        raise SchemaTooNew("the database has tables but no schema_version: not an agentd "
+                           "database (or one from an unknown version)")
+    return None
+
+
+def too_new_message(db: Path, found: int) -> str:
+    return (f"{db}: database schema version {found} is newer than this agentd supports "
+            f"(version {code_version()}); run a newer agentd, or point state_dir elsewhere")
+
+
+def migrate(conn: sqlite3.Connection, db: Path) -> tuple[int, int]:
+    """Bring the database to `code_version()`; returns (from_version, to_version)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        found = read_version(conn)
+        target = code_version()
+        if found is not None and found > target:
+            raise SchemaTooNew(too_new_message(db, found))
+        start = 0 if found is None else found
+        for version in range(start + 1, target + 1):
+            for statement in MIGRATIONS[version]:
+                conn.execute(statement)
+            if version == 1:
+                conn.execute("INSERT INTO schema_version VALUES (1)")
+            else:
+                conn.execute("UPDATE schema_version SET version = ?", (version,))
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return start, target

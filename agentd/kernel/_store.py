@@ -1,0 +1,327 @@
+"""The writer's side of SQLite: every statement that changes the database.
+
+A `Store` belongs to the kernel's single writer thread (the sqlite3 connection is
+bound to the thread that made it) and is driven one call at a time. Each public
+method is one SQLite transaction: it commits whole or rolls back whole, and the
+in-memory chain head moves only after a successful COMMIT. Journal rows are only
+ever inserted or (by retention) deleted with a gap record; never updated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import sqlite3
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+from agentd.kernel._chain import Gap, Verdict, verify_chain
+from agentd.kernel._errors import KernelUnavailable
+from agentd.kernel._records import JournalEntry, ThreadRow
+from agentd.kernel._schema import migrate
+from agentd.kernel._transaction import BatchPlan
+
+# Primary result codes meaning "the storage is failing", as opposed to "this
+# transaction is bad": BUSY, LOCKED, NOMEM, READONLY, IOERR, CORRUPT, FULL, CANTOPEN,
+# PROTOCOL, NOTADB.
+STORAGE_ERROR_CODES = frozenset({5, 6, 7, 8, 10, 11, 13, 14, 15, 26})
+
+SYNCHRONOUS_MODES = frozenset({"OFF", "NORMAL", "FULL", "EXTRA"})
+
+JOURNAL_COLUMNS = (
+    "pos, seq, ts, thread, direction, kind, handler, sender, tag, payload_hash, payload, "
+    "profile, expires, pending, prev_hash, hash"
+)
+INSERT_JOURNAL = (
+    "INSERT INTO journal (seq, ts, thread, direction, kind, handler, sender, tag, "
+    "payload_hash, payload, profile, expires, pending, pos, prev_hash, hash) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+THREAD_COLUMNS = "uuid, path, parent, owner, profile, table_version, state, created, updated, hops"
+
+_SELECT_EXPIRED = (
+    "SELECT pos, prev_hash, hash FROM journal "
+    "WHERE expires IS NOT NULL AND expires <= ? "
+    "AND NOT (pending = 1 AND EXISTS (SELECT 1 FROM inflight WHERE inflight.seq = journal.seq)) "
+    "ORDER BY expires LIMIT ?"
+)
+
+_sha256 = hashlib.sha256
+_BUSY_TIMEOUT_MS = 2000
+
+
+def is_storage_error(exc: BaseException) -> bool:
+    if isinstance(exc, sqlite3.Error):
+        code = getattr(exc, "sqlite_errorcode", None)
+        if code is None:  # e.g. ProgrammingError raised by the module itself
+            return isinstance(exc, sqlite3.OperationalError)
+        return (code & 0xFF) in STORAGE_ERROR_CODES
+    return isinstance(exc, (OSError, KernelUnavailable))
+
+
+@dataclass(frozen=True)
+class Head:
+    pos: int
+    hash: bytes
+    seq: int
+    outbox_id: int
+
+
+class Store:
+    def __init__(self, conn: sqlite3.Connection, db: Path, head: Head, default_max_pages: int):
+        self.conn = conn
+        self.db = db
+        self.head = head
+        self._default_max_pages = default_max_pages
+        self.page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+        self.migrated_from = 0
+        self.synchronous = str(conn.execute("PRAGMA synchronous").fetchone()[0])
+
+    @classmethod
+    def open(cls, db: Path, *, synchronous: str = "NORMAL", max_db_bytes: int | None = None,
+             wal_autocheckpoint: int = 1000, journal_size_limit: int = 64 << 20) -> Store:
+        if synchronous.upper() not in SYNCHRONOUS_MODES:
+            raise ValueError(f"synchronous must be one of {sorted(SYNCHRONOUS_MODES)}")
+        if not db.exists():  # SQLite would create it 0644 (minus umask); we want 0600
+            os.close(os.open(db, os.O_CREAT | os.O_WRONLY, 0o600))
+        conn = sqlite3.connect(db, isolation_level=None, timeout=_BUSY_TIMEOUT_MS / 1000)
+        try:
+            mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise KernelUnavailable(f"{db}: cannot switch to WAL mode (got {mode!r})")
+            conn.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            conn.execute(f"PRAGMA wal_autocheckpoint={int(wal_autocheckpoint)}")
+            conn.execute(f"PRAGMA journal_size_limit={int(journal_size_limit)}")
+            conn.execute("PRAGMA temp_store=MEMORY")
+            conn.execute("PRAGMA foreign_keys=OFF")
+            default_max_pages = int(conn.execute("PRAGMA max_page_count").fetchone()[0])
+            migrated_from, _ = migrate(conn, db)
+            pos, h, seq, oid = conn.execute(
+                "SELECT pos, hash, seq, outbox_id FROM head WHERE id = 0").fetchone()
+            store = cls(conn, db, Head(pos, h, seq, oid), default_max_pages)
+            store.migrated_from = migrated_from
+            if max_db_bytes is not None:
+                store.set_max_bytes(max_db_bytes)
+            return store
+        except BaseException:
+            conn.close()
+            raise
+
+    # -- writes ---------------------------------------------------------------------
+
+    def write(self, plan: BatchPlan) -> None:
+        """One batch, one SQLite transaction. Chain hashes are computed here, in commit
+        order, so a transaction that fails never leaves a hole in the chain."""
+        head = self.head
+        pos, prev = head.pos, head.hash
+        rows: list[tuple[Any, ...]] = []
+        append = rows.append
+        for base, enc in zip(plan.journal, plan.encs, strict=True):
+            pos += 1
+            h = _sha256(prev + enc).digest()
+            append(base + (pos, prev, h))  # noqa: RUF005 (3x faster than unpacking)
+            prev = h
+        new_head = Head(pos, prev, max(head.seq, plan.max_seq),
+                        max(head.outbox_id, plan.max_outbox_id))
+        conn = self.conn
+        upgrade = plan.full_sync and self.synchronous in ("0", "1")  # OFF, NORMAL
+        if upgrade:
+            conn.execute("PRAGMA synchronous=FULL")
+        conn.execute("BEGIN")
+        try:
+            if plan.inflight_delete:
+                conn.executemany("DELETE FROM inflight WHERE seq = ?", plan.inflight_delete)
+            if plan.outbox_delete:
+                conn.executemany("DELETE FROM outbox WHERE client = ? AND id <= ?",
+                                 plan.outbox_delete)
+            if plan.context_delete:
+                conn.executemany("DELETE FROM context WHERE thread = ?", plan.context_delete)
+            if rows:
+                conn.executemany(INSERT_JOURNAL, rows)
+            if plan.pending:
+                first = head.pos + 1
+                conn.executemany("INSERT INTO inflight (seq, pos) VALUES (?, ?)",
+                                 [(seq, first + i) for seq, i in plan.pending.items()])
+            if plan.thread_put:
+                conn.executemany(
+                    f"INSERT OR REPLACE INTO threads ({THREAD_COLUMNS}) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    plan.thread_put.values())
+            if plan.thread_update:
+                conn.executemany(
+                    "UPDATE threads SET state = ?, hops = COALESCE(?, hops), updated = ? "
+                    "WHERE uuid = ?",
+                    [(s, h, u, uuid) for uuid, (s, h, u) in plan.thread_update.items()])
+            if plan.outbox_insert:
+                conn.executemany("INSERT INTO outbox (id, client, thread, data) "
+                                 "VALUES (?, ?, ?, ?)", plan.outbox_insert.values())
+            if plan.context_insert:
+                conn.executemany("INSERT INTO context (thread, role, content, ts) "
+                                 "VALUES (?, ?, ?, ?)", plan.context_insert)
+            if new_head != head:
+                conn.execute("UPDATE head SET pos = ?, hash = ?, seq = ?, outbox_id = ? "
+                             "WHERE id = 0",
+                             (new_head.pos, new_head.hash, new_head.seq, new_head.outbox_id))
+            conn.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+        finally:
+            if upgrade:
+                conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        self.head = new_head
+
+    def sweep_retention(self, now: float, limit: int) -> tuple[int, bool]:
+        """Delete up to `limit` expired, delivered journal entries, recording gaps.
+        Returns (deleted, maybe_more)."""
+        conn = self.conn
+        conn.execute("BEGIN")
+        try:
+            found = conn.execute(_SELECT_EXPIRED, (now, limit)).fetchall()
+            found.sort()
+            runs: list[list] = []
+            for pos, prev, h in found:
+                if runs and runs[-1][1] == pos - 1:
+                    runs[-1][1] = pos
+                    runs[-1][3] = h
+                else:
+                    runs.append([pos, pos, prev, h])
+            for start, end, prev, h in runs:
+                conn.execute("DELETE FROM journal WHERE pos BETWEEN ? AND ?", (start, end))
+                self._record_gap(start, end, prev, h)
+            conn.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+        return len(found), len(found) >= limit
+
+    def _record_gap(self, start: int, end: int, prev: bytes, h: bytes) -> None:
+        conn = self.conn
+        left = conn.execute("SELECT start_pos, prev_hash FROM journal_gaps WHERE end_pos = ?",
+                            (start - 1,)).fetchone()
+        if left is not None:
+            conn.execute("DELETE FROM journal_gaps WHERE start_pos = ?", (left[0],))
+            start, prev = left
+        right = conn.execute("SELECT end_pos, hash FROM journal_gaps WHERE start_pos = ?",
+                             (end + 1,)).fetchone()
+        if right is not None:
+            conn.execute("DELETE FROM journal_gaps WHERE start_pos = ?", (end + 1,))
+            end, h = right
+        conn.execute("INSERT INTO journal_gaps VALUES (?, ?, ?, ?)", (start, end, prev, h))
+
+    def gc(self, thread_cutoff: float, idle_buffers: Iterable[str]) -> tuple[int, int]:
+        """Delete completed/failed threads last updated before `thread_cutoff`, and the
+        given idle context buffers. Returns (threads, buffers) deleted."""
+        conn = self.conn
+        idle = [(t,) for t in idle_buffers]
+        conn.execute("BEGIN")
+        try:
+            threads = conn.execute(
+                "DELETE FROM threads WHERE state IN ('completed', 'failed') AND updated < ?",
+                (thread_cutoff,)).rowcount
+            if idle:
+                conn.executemany("DELETE FROM context WHERE thread = ?", idle)
+            conn.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+        return threads, len(idle)
+
+    def checkpoint(self, mode: str = "PASSIVE") -> tuple[int, int, int]:
+        """(busy, wal frames, frames checkpointed); TRUNCATE also empties the WAL file.
+        Never waits for readers (busy_timeout 0): a reader in the way means busy=1 and
+        the caller tries again later, rather than stalling every commit behind it."""
+        if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
+            raise ValueError(mode)
+        conn = self.conn
+        conn.execute("PRAGMA busy_timeout=0")
+        try:
+            busy, log, done = conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()
+        finally:
+            conn.execute(f"PRAGMA busy_timeout={_BUSY_TIMEOUT_MS}")
+        return int(busy), int(log), int(done)
+
+    def probe(self) -> None:
+        """A small real write (allocates pages, appends to the WAL), then undone."""
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute("INSERT INTO probe (data) VALUES (zeroblob(65536))")
+            conn.execute("DELETE FROM probe")
+            conn.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+
+    def set_max_bytes(self, max_bytes: int | None) -> int:
+        """Cap the database file (SQLITE_FULL beyond it). Returns the effective cap."""
+        if max_bytes is None:
+            pages = self._default_max_pages
+        else:
+            pages = max(1, max_bytes // self.page_size)
+        got = self.conn.execute(f"PRAGMA max_page_count={int(pages)}").fetchone()[0]
+        return int(got) * self.page_size
+
+    def context_counts(self) -> dict[str, tuple[int, float]]:
+        return {t: (int(n), float(last)) for t, n, last in self.conn.execute(
+            "SELECT thread, count(*), max(ts) FROM context GROUP BY thread")}
+
+    def close(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            self.checkpoint("TRUNCATE")
+        self.conn.close()
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+
+
+# -- reading (any connection, any thread) ---------------------------------------------
+
+
+def readonly_uri(db: Path) -> str:
+    return f"file:{quote(str(db))}?mode=ro"
+
+
+def entry_from_row(row: tuple) -> JournalEntry:
+    (pos, seq, ts, thread, direction, kind, handler, sender, tag, payload_hash, payload,
+     profile, expires, pending, prev_hash, h) = row
+    return JournalEntry(seq=seq, ts=ts, thread=thread, direction=direction, kind=kind,
+                        handler=handler, sender=sender, tag=tag, payload_hash=payload_hash,
+                        payload=payload, prev_hash=prev_hash.hex(), hash=h.hex(),
+                        profile=profile, pending=bool(pending), expires=expires, pos=pos)
+
+
+def thread_from_row(row: tuple) -> ThreadRow:
+    uuid, path, parent, owner, profile, table_version, state, created, updated, hops = row
+    return ThreadRow(uuid=uuid, path=tuple(json.loads(path)), parent=parent, owner=owner,
+                     profile=profile, table_version=table_version, state=state,
+                     created=created, updated=updated, hops=hops)
+
+
+def verify_connection(conn: sqlite3.Connection) -> Verdict:
+    """Verify the chain in one read snapshot of `conn` (a connection in autocommit)."""
+    conn.execute("BEGIN")
+    try:
+        head_pos, head_hash = conn.execute("SELECT pos, hash FROM head WHERE id = 0").fetchone()
+        gaps = [Gap(*g) for g in conn.execute(
+            "SELECT start_pos, end_pos, prev_hash, hash FROM journal_gaps ORDER BY start_pos")]
+        rows = conn.execute(f"SELECT {JOURNAL_COLUMNS} FROM journal ORDER BY pos")
+        return verify_chain(rows, gaps, head_pos, head_hash)
+    finally:
+        conn.execute("ROLLBACK")
+
+
+def verify_file(db: Path) -> Verdict:
+    """Open `db` read-only (no lock needed: WAL readers never block the writer)."""
+    conn = sqlite3.connect(readonly_uri(db), uri=True, isolation_level=None)
+    try:
+        return verify_connection(conn)
+    finally:
+        conn.close()

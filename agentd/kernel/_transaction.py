@@ -1,0 +1,416 @@
+"""Transactions: the builder callers fill, and the pure planning of a batch of them.
+
+A `Transaction` is one atomic unit. Building it touches no I/O: journal seqs and
+outbox ids are allocated in memory at once, payloads are hashed and rows are built
+here, in the caller's time. `plan_batch` folds a batch of transactions, in
+submission order, into one set of statements per table whose effect equals applying
+every operation one after the other (last thread write wins, a drop removes earlier
+appends, a delivery cancels an earlier pending mark) so the writer can issue one
+`executemany` per table per batch.
+
+Invariants: seqs and outbox ids are strictly increasing in allocation order and never
+reused (high-water marks are persisted); a transaction is committed at most once and
+cannot change after `Kernel.commit`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from agentd.kernel._chain import N_SEPARATORS, SEP
+from agentd.kernel._errors import ContextLimitExceeded
+from agentd.kernel._records import (
+    AUDIT_DIRECTIONS,
+    DIRECTIONS,
+    RETAIN_FOREVER,
+    THREAD_STATES,
+    Retention,
+    RetentionPolicy,
+    ThreadRow,
+)
+
+# Operation codes (first element of every op tuple).
+OP_THREAD_PUT = 0  # (op, uuid, row)
+OP_THREAD_STATE = 1  # (op, uuid, state, hops | None, updated)
+OP_DELIVERED = 2  # (op, seq)
+OP_OUTBOX_PUT = 3  # (op, id, client, thread, data)
+OP_OUTBOX_DELIVERED = 4  # (op, client, up_to_id)
+OP_CONTEXT_APPEND = 5  # (op, thread, role, content, ts)
+OP_CONTEXT_DROP = 6  # (op, thread)
+
+# Journal base row, in the column order of _store.INSERT_JOURNAL (pos, prev_hash and
+# hash are appended by the writer, which alone knows the chain head):
+# seq, ts, thread, direction, kind, handler, sender, tag, payload_hash, payload,
+# profile, expires, pending
+JournalRow = tuple[
+    int, float, str, str, str, str, str, str, str, bytes, str, "float | None", int
+]
+
+_sha256 = hashlib.sha256
+_time = time.time
+_time_ns = time.time_ns
+_join = SEP.join
+
+
+class TxContext:
+    """The kernel's in-memory allocators and context-buffer counters (event-loop only)."""
+
+    def __init__(
+        self,
+        *,
+        next_seq: int,
+        next_outbox_id: int,
+        retention: RetentionPolicy = RETAIN_FOREVER,
+        audit_retention: Retention = RETAIN_FOREVER,
+        max_slots_per_thread: int = 1000,
+        max_threads: int = 100000,
+        context_counts: Mapping[str, tuple[int, float]] | None = None,
+        full_sync_profiles: Iterable[str] = (),
+    ) -> None:
+        self.next_seq = next_seq
+        self.next_outbox_id = next_outbox_id
+        self.max_slots = max_slots_per_thread
+        self.max_threads = max_threads
+        self.ctx_count: dict[str, int] = {}
+        self.ctx_last: dict[str, float] = {}
+        for thread, (n, last) in (context_counts or {}).items():
+            self.ctx_count[thread] = n
+            self.ctx_last[thread] = last
+        self.audit_retention = Retention.parse(audit_retention)
+        self.full_sync_profiles = frozenset(full_sync_profiles)
+        self.set_retention(retention)
+
+    def set_retention(self, retention: RetentionPolicy) -> None:
+        """Applies to entries journaled from now on (each entry keeps the policy it
+        was written under, seed 002 section 7.2)."""
+        if not isinstance(retention, Mapping):
+            retention = Retention.parse(retention)
+            self._single: Retention | None = retention
+            self._by_profile: dict[str, Retention] = {}
+            self._default = retention
+        else:
+            self._single = None
+            self._by_profile = {k: Retention.parse(v) for k, v in retention.items()}
+            self._default = self._by_profile.pop("*", RETAIN_FOREVER)
+        self.forever = self.audit_retention == RETAIN_FOREVER and all(
+            p == RETAIN_FOREVER for p in (self._default, *self._by_profile.values()))
+
+    def expires(self, profile: str, direction: str, ts: float) -> float | None:
+        if direction in AUDIT_DIRECTIONS:
+            return self.audit_retention.expires(ts)
+        policy = self._single or self._by_profile.get(profile, self._default)
+        return policy.expires(ts)
+
+    def context_check(self, counts: dict[str, int], thread: str) -> int:
+        """Slots `thread` would have after one more append, given the overlay `counts`
+        (threads not in it read through to the counters of submitted transactions).
+        Raises if a limit would be exceeded."""
+        n = counts[thread] if thread in counts else self.ctx_count.get(thread, 0)
+        if n >= self.max_slots:
+            raise ContextLimitExceeded(
+                f"context buffer of thread {thread} is full "
+                f"(max_slots_per_thread={self.max_slots})"
+            )
+        if n == 0:
+            live = len(self.ctx_count) + sum(
+                1 for t, c in counts.items() if c > 0 and t not in self.ctx_count
+            ) - sum(1 for t, c in counts.items() if c == 0 and t in self.ctx_count)
+            if live >= self.max_threads:
+                raise ContextLimitExceeded(
+                    f"too many context buffers (max_threads={self.max_threads}); "
+                    f"cannot start one for thread {thread}"
+                )
+        return n + 1
+
+    def reserve(self, ops: Iterable[tuple], now: float) -> None:
+        """Re-check a transaction's context ops against the submitted counters and
+        apply them (at submission, so counters follow submission order)."""
+        overlay: dict[str, int] = {}
+        for op in ops:
+            if op[0] == OP_CONTEXT_APPEND:
+                overlay[op[1]] = self.context_check(overlay, op[1])
+            elif op[0] == OP_CONTEXT_DROP:
+                overlay[op[1]] = 0
+        for thread, n in overlay.items():
+            if n:
+                self.ctx_count[thread] = n
+                self.ctx_last[thread] = now
+            else:
+                self.ctx_count.pop(thread, None)
+                self.ctx_last.pop(thread, None)
+
+    def release(self, ops: Iterable[tuple]) -> None:
+        """Undo the appends of a transaction that failed (drops cannot be undone; the
+        counters then under-count until the next open)."""
+        for op in ops:
+            if op[0] == OP_CONTEXT_APPEND and op[1] in self.ctx_count:
+                n = self.ctx_count[op[1]] - 1
+                if n > 0:
+                    self.ctx_count[op[1]] = n
+                else:
+                    del self.ctx_count[op[1]]
+                    self.ctx_last.pop(op[1], None)
+
+    def idle_buffers(self, cutoff: float) -> list[str]:
+        """Threads whose context buffer saw no append since `cutoff`; forgets them."""
+        idle = [t for t, last in self.ctx_last.items() if last < cutoff]
+        for t in idle:
+            self.ctx_count.pop(t, None)
+            del self.ctx_last[t]
+        return idle
+
+
+class Transaction:
+    """A builder for ONE atomic unit. Nothing touches SQLite until Kernel.commit()
+    batches it; either all of it is committed or none of it."""
+
+    __slots__ = ("_committed", "_ctx", "_ctx_overlay", "_has_ctx", "_ops", "_pending", "encs",
+                 "full_sync", "rows")
+
+    def __init__(self, ctx: TxContext) -> None:
+        self._ctx = ctx
+        self.rows: list[JournalRow] = []
+        self.encs: list[bytes] = []
+        self._ops: list[tuple] = []
+        self._pending: list[int] | None = None  # offsets in rows of pending entries
+        self.full_sync = False  # commit this one with synchronous=FULL (profile setting)
+        self._committed = False
+        self._has_ctx = False
+        self._ctx_overlay: dict[str, int] | None = None
+
+    # -- building -------------------------------------------------------------------
+
+    def journal(
+        self,
+        *,
+        thread: str,
+        direction: str,
+        kind: str = "message",
+        handler: str = "",
+        sender: str = "",
+        tag: str = "",
+        payload: bytes = b"",
+        profile: str = "",
+        pending: bool = False,
+    ) -> int:
+        """Append a journal entry; returns its seq (allocated now, never reused).
+
+        `pending=True` marks a message to be redelivered after a crash until a
+        transaction carrying `delivered(seq)` is committed."""
+        if self._committed:
+            raise RuntimeError("transaction already committed")
+        if direction not in DIRECTIONS:
+            raise ValueError(f"journal direction must be one of {sorted(DIRECTIONS)}")
+        ctx = self._ctx
+        seq = ctx.next_seq
+        ctx.next_seq = seq + 1
+        us = _time_ns() // 1000  # entries are stamped on whole microseconds
+        ts = us / 1_000_000
+        payload_hash = _sha256(payload).hexdigest()
+        if ctx.forever:
+            expires = None
+            expires_text = ""
+        else:
+            expires = ctx.expires(profile, direction, ts)
+            expires_text = "" if expires is None else str(round(expires * 1_000_000))
+        # _chain.encode, inlined: this is the hot path of every message.
+        text = _join((str(seq), str(us), thread, direction, kind, handler, sender, tag,
+                      payload_hash, profile, expires_text, "1" if pending else "0"))
+        if text.count(SEP) != N_SEPARATORS:
+            raise ValueError("journal fields must not contain U+001F")
+        self.encs.append(text.encode())
+        if profile in ctx.full_sync_profiles:
+            self.full_sync = True
+        if pending:
+            if self._pending is None:
+                self._pending = []
+            self._pending.append(len(self.rows))
+        self.rows.append(
+            (seq, ts, thread, direction, kind, handler, sender, tag, payload_hash, payload,
+             profile, expires, 1 if pending else 0)
+        )
+        return seq
+
+    def thread_put(self, row: ThreadRow) -> None:
+        """Insert or replace a thread row."""
+        self._check_open()
+        if row.state not in THREAD_STATES:
+            raise ValueError(f"thread state must be one of {sorted(THREAD_STATES)}")
+        self._ops.append(
+            (OP_THREAD_PUT, row.uuid,
+             (row.uuid, json.dumps(list(row.path)), row.parent, row.owner, row.profile,
+              row.table_version, row.state, row.created, row.updated, row.hops))
+        )
+
+    def thread_state(self, uuid: str, state: str, hops: int | None = None) -> None:
+        """Set a thread's state (and hop count); `updated` becomes now. No effect on a
+        thread that does not exist."""
+        self._check_open()
+        if state not in THREAD_STATES:
+            raise ValueError(f"thread state must be one of {sorted(THREAD_STATES)}")
+        self._ops.append((OP_THREAD_STATE, uuid, state, hops, _time()))
+
+    def delivered(self, seq: int) -> None:
+        """Mark a pending journal entry as processed (the entry itself is unchanged)."""
+        self._check_open()
+        self._ops.append((OP_DELIVERED, seq))
+
+    def outbox_put(self, client: str, thread: str, data: bytes) -> int:
+        """Queue an envelope for an external client; returns its outbox id (ids grow
+        in allocation order, so a client's outbox reads back in that order)."""
+        self._check_open()
+        ctx = self._ctx
+        oid = ctx.next_outbox_id
+        ctx.next_outbox_id = oid + 1
+        self._ops.append((OP_OUTBOX_PUT, oid, client, thread, data))
+        return oid
+
+    def outbox_delivered(self, client: str, up_to_id: int) -> None:
+        """Delete `client`'s outbox entries with id <= up_to_id."""
+        self._check_open()
+        self._ops.append((OP_OUTBOX_DELIVERED, client, up_to_id))
+
+    def context_append(self, thread: str, role: str, content: bytes) -> None:
+        """Append an immutable slot to `thread`'s context buffer. Raises
+        `ContextLimitExceeded` now (not at commit) if a limit would be exceeded."""
+        self._check_open()
+        if self._ctx_overlay is None:
+            self._ctx_overlay = {}
+        self._ctx_overlay[thread] = self._ctx.context_check(self._ctx_overlay, thread)
+        self._has_ctx = True
+        self._ops.append((OP_CONTEXT_APPEND, thread, role, content, _time()))
+
+    def context_drop(self, thread: str) -> None:
+        """Delete `thread`'s context buffer."""
+        self._check_open()
+        if self._ctx_overlay is None:
+            self._ctx_overlay = {}
+        self._ctx_overlay[thread] = 0
+        self._has_ctx = True
+        self._ops.append((OP_CONTEXT_DROP, thread))
+
+    # -- inspection -----------------------------------------------------------------
+
+    def empty(self) -> bool:
+        return not self.rows and not self._ops
+
+    def __len__(self) -> int:
+        """Number of operations (journal entries included)."""
+        return len(self.rows) + len(self._ops)
+
+    @property
+    def seqs(self) -> list[int]:
+        return [row[0] for row in self.rows]
+
+    @property
+    def ops(self) -> list[tuple]:
+        return self._ops
+
+    @property
+    def committed(self) -> bool:
+        return self._committed
+
+    def _check_open(self) -> None:
+        if self._committed:
+            raise RuntimeError("transaction already committed")
+
+    def _seal(self) -> None:
+        self._check_open()
+        self._committed = True
+
+
+@dataclass
+class BatchPlan:
+    """The statements for one batch, per table, in the order the writer runs them:
+    deletes, then inserts/updates. See module docstring for the equivalence."""
+
+    journal: list[JournalRow] = field(default_factory=list)
+    encs: list[bytes] = field(default_factory=list)
+    pending: dict[int, int] = field(default_factory=dict)  # seq -> index in journal
+    inflight_delete: list[tuple[int]] = field(default_factory=list)
+    thread_put: dict[str, list] = field(default_factory=dict)
+    thread_update: dict[str, list] = field(default_factory=dict)  # uuid -> [state, hops, upd]
+    outbox_delete: list[tuple[str, int]] = field(default_factory=list)
+    outbox_insert: dict[int, tuple[int, str, str, bytes]] = field(default_factory=dict)
+    context_delete: list[tuple[str]] = field(default_factory=list)
+    context_insert: list[tuple[str, str, bytes, float]] = field(default_factory=list)
+    max_seq: int = 0
+    max_outbox_id: int = 0
+    ops: int = 0
+    full_sync: bool = False
+
+
+def plan_batch(txs: Iterable[Transaction]) -> BatchPlan:
+    plan = BatchPlan()
+    journal, encs, pending = plan.journal, plan.encs, plan.pending
+    ops = 0
+    for tx in txs:
+        if tx.full_sync:
+            plan.full_sync = True
+        rows = tx.rows
+        if rows:
+            ops += len(rows)
+            if tx._pending is not None:
+                base = len(journal)
+                for offset in tx._pending:
+                    pending[rows[offset][0]] = base + offset
+            journal.extend(rows)
+            encs.extend(tx.encs)
+            if rows[-1][0] > plan.max_seq:  # seqs ascend within a transaction
+                plan.max_seq = rows[-1][0]
+        if tx._ops:
+            ops += len(tx._ops)
+            for op in tx._ops:
+                _apply_op(plan, op)
+    plan.ops = ops
+    return plan
+
+
+def _apply_op(plan: BatchPlan, op: tuple) -> None:
+    code = op[0]
+    if code == OP_DELIVERED:
+        if plan.pending.pop(op[1], None) is None:
+            plan.inflight_delete.append((op[1],))
+    elif code == OP_THREAD_PUT:
+        plan.thread_update.pop(op[1], None)
+        plan.thread_put[op[1]] = list(op[2])
+    elif code == OP_THREAD_STATE:
+        _, uuid, state, hops, updated = op
+        row = plan.thread_put.get(uuid)
+        if row is not None:
+            row[6] = state
+            row[8] = updated
+            if hops is not None:
+                row[9] = hops
+        else:
+            cur = plan.thread_update.get(uuid)
+            if cur is not None and hops is None:
+                hops = cur[1]
+            plan.thread_update[uuid] = [state, hops, updated]
+    elif code == OP_OUTBOX_PUT:
+        _, oid, client, thread, data = op
+        plan.outbox_insert[oid] = (oid, client, thread, data)
+        if oid > plan.max_outbox_id:
+            plan.max_outbox_id = oid
+    elif code == OP_OUTBOX_DELIVERED:
+        _, client, up_to = op
+        gone = [k for k, v in plan.outbox_insert.items() if v[1] == client and k <= up_to]
+        for k in gone:
+            del plan.outbox_insert[k]
+        plan.outbox_delete.append((client, up_to))
+    elif code == OP_CONTEXT_APPEND:
+        plan.context_insert.append((op[1], op[2], op[3], op[4]))
+    elif code == OP_CONTEXT_DROP:
+        thread = op[1]
+        if any(slot[0] == thread for slot in plan.context_insert):
+            plan.context_insert = [s for s in plan.context_insert if s[0] != thread]
+        plan.context_delete.append((thread,))
+    else:  # pragma: no cover - ops are only built by Transaction
+        raise AssertionError(f"unknown op {code}")
+
+
+OnCommit = Callable[[float, int], None]

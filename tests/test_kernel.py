@@ -1,0 +1,812 @@
+"""The kernel against real SQLite files: each test tries to break one guarantee."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sqlite3
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from agentd.kernel import (
+    DB_NAME,
+    PRUNE_ON_DELIVERY,
+    ContextLimitExceeded,
+    Kernel,
+    KernelUnavailable,
+    Retention,
+    SchemaTooNew,
+    StateLocked,
+    ThreadRow,
+    TransactionRejected,
+    _schema,
+    retain_days,
+    verify_journal_main,
+)
+
+
+def thread_row(uuid: str, state: str = "active", *, profile: str = "public", hops: int = 0,
+               parent: str | None = None, updated: float | None = None) -> ThreadRow:
+    now = time.time()
+    return ThreadRow(uuid=uuid, path=("client", "echo"), parent=parent, owner="alice",
+                     profile=profile, table_version=3, state=state, created=now,
+                     updated=now if updated is None else updated, hops=hops)
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+def db_conn(state_dir: Path) -> sqlite3.Connection:
+    return sqlite3.connect(state_dir / DB_NAME, isolation_level=None)
+
+
+async def journal_one(kernel: Kernel, thread: str = "t1", *, payload: bytes = b"<m/>",
+                      pending: bool = False, profile: str = "public",
+                      direction: str = "in") -> int:
+    tx = kernel.transaction()
+    seq = tx.journal(thread=thread, direction=direction, handler="echo", sender="alice",
+                     tag="{urn:test}m", payload=payload, profile=profile, pending=pending)
+    await kernel.commit(tx)
+    return seq
+
+
+# -- durability and batching -----------------------------------------------------------
+
+
+async def test_committed_transaction_is_readable_after_reopen(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as kernel:
+        tx = kernel.transaction()
+        seq = tx.journal(thread="t1", direction="in", handler="echo", sender="alice",
+                         tag="{urn:test}m", payload=b"<m>hi</m>", profile="public", pending=True)
+        row = thread_row("t1")
+        tx.thread_put(row)
+        oid = tx.outbox_put("alice", "t1", b"<reply/>")
+        tx.context_append("t1", "user", b"hi")
+        await kernel.commit(tx)
+    async with await Kernel.open(state_dir) as kernel:
+        [entry] = await kernel.journal()
+        assert (entry.seq, entry.thread, entry.direction, entry.handler, entry.sender,
+                entry.tag, entry.payload, entry.profile, entry.pending) == (
+            seq, "t1", "in", "echo", "alice", "{urn:test}m", b"<m>hi</m>", "public", True)
+        assert entry.payload_hash == hashlib.sha256(b"<m>hi</m>").hexdigest()
+        assert await kernel.thread("t1") == row
+        assert await kernel.outbox("alice") == [(oid, "t1", b"<reply/>")]
+        assert await kernel.context("t1") == [(0, "user", b"hi")]
+        assert [e.seq for e in await kernel.pending_messages()] == [seq]
+
+
+async def test_group_commit_batches_many_transactions_into_few_commits(state_dir: Path) -> None:
+    commits: list[tuple[float, int]] = []
+    async with await Kernel.open(state_dir, on_commit=lambda s, n: commits.append((s, n))) as k:
+        futures = []
+        for i in range(300):
+            tx = k.transaction()
+            tx.journal(thread=f"t{i % 7}", direction="in", payload=b"<m/>")
+            futures.append(k.commit(tx))
+        await asyncio.gather(*futures)
+    assert sum(n for _, n in commits) == 300
+    assert len(commits) <= 10, f"{len(commits)} commits for 300 transactions"
+    assert all(seconds >= 0 for seconds, _ in commits)
+
+
+async def test_commit_max_entries_bounds_a_batch(state_dir: Path) -> None:
+    commits: list[int] = []
+    async with await Kernel.open(state_dir, commit_max_entries=16, commit_interval_s=0.5,
+                                 on_commit=lambda s, n: commits.append(n)) as k:
+        started = time.monotonic()
+        futures = []
+        for _ in range(64):
+            tx = k.transaction()
+            tx.journal(thread="t", direction="in")
+            futures.append(k.commit(tx))
+        await asyncio.gather(*futures)
+        elapsed = time.monotonic() - started
+    assert commits and max(commits) <= 16 and sum(commits) == 64
+    assert elapsed < 1.0, "full batches must not wait for the interval"
+
+
+async def test_single_transaction_commits_within_the_interval(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, commit_interval_s=0.002) as k:
+        await journal_one(k)  # warm up
+        started = time.monotonic()
+        await journal_one(k)
+        assert time.monotonic() - started < 0.5
+
+
+async def test_transactions_commit_in_submission_order(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, commit_max_entries=7) as k:
+        built_first = k.transaction()
+        early_seq = built_first.journal(thread="a", direction="in")
+        built_second = k.transaction()
+        late_seq = built_second.journal(thread="b", direction="in")
+        done: list[int] = []
+        futures = []
+        # Submitted in the opposite order of building (and so of seq allocation).
+        for i, tx in enumerate([built_second, built_first]):
+            fut = k.commit(tx)
+            fut.add_done_callback(lambda _f, i=i: done.append(i))
+            futures.append(fut)
+        for i in range(2, 100):
+            tx = k.transaction()
+            tx.journal(thread="c", direction="in")
+            fut = k.commit(tx)
+            fut.add_done_callback(lambda _f, i=i: done.append(i))
+            futures.append(fut)
+        await asyncio.gather(*futures)
+        assert done == sorted(done)
+        entries = await k.journal(limit=1000)
+        assert [e.seq for e in entries][:2] == [late_seq, early_seq]  # commit order
+        assert [e.pos for e in entries] == list(range(1, 101))
+        assert (await k.verify())[:2] == (True, None)
+
+
+async def test_flush_waits_for_everything_submitted(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, commit_interval_s=0.01) as k:
+        futures = []
+        for _ in range(50):
+            tx = k.transaction()
+            tx.journal(thread="t", direction="in")
+            futures.append(k.commit(tx))
+        await k.flush()
+        assert all(f.done() for f in futures)
+        assert len(await k.journal(limit=100)) == 50
+
+
+async def test_close_commits_what_was_submitted_without_waiting(state_dir: Path) -> None:
+    k = await Kernel.open(state_dir, commit_interval_s=0.5)
+    tx = k.transaction()
+    seq = tx.journal(thread="t", direction="in", pending=True)
+    k.commit(tx)  # not awaited
+    await k.close()
+    async with await Kernel.open(state_dir) as k:
+        assert [e.seq for e in await k.pending_messages()] == [seq]
+
+
+async def test_seqs_are_monotonic_across_reopen_even_after_pruning(state_dir: Path) -> None:
+    seen: list[int] = []
+    for _ in range(3):
+        async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY) as k:
+            for _ in range(5):
+                seen.append(await journal_one(k))
+            tx = k.transaction()
+            tx.outbox_put("alice", "t", b"x")
+            await k.commit(tx)
+            await k.sweep()
+            assert await k.journal() == []  # everything pruned: seqs come from the head
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)
+    async with await Kernel.open(state_dir) as k:
+        tx = k.transaction()
+        oid = tx.outbox_put("alice", "t", b"y")
+        await k.commit(tx)
+        assert [o[0] for o in await k.outbox("alice")] == [1, 2, 3, oid]
+        assert (await k.verify())[0]
+
+
+async def test_pending_messages_after_reopen_are_the_undelivered_ones(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        seqs = [await journal_one(k, f"t{i}", pending=True) for i in range(6)]
+        await journal_one(k, "t9", pending=False)
+        tx = k.transaction()
+        tx.delivered(seqs[1])
+        tx.delivered(seqs[4])
+        await k.commit(tx)
+        # Journaled and delivered in the same batch (and even the same transaction).
+        tx = k.transaction()
+        same_tx = tx.journal(thread="tx", direction="in", pending=True)
+        tx.delivered(same_tx)
+        k.commit(tx)
+        tx = k.transaction()
+        later = tx.journal(thread="ty", direction="in", pending=True)
+        k.commit(tx)
+        tx = k.transaction()
+        tx.delivered(later)
+        await k.commit(tx)
+    async with await Kernel.open(state_dir) as k:
+        pending = await k.pending_messages()
+        assert [e.seq for e in pending] == [seqs[0], seqs[2], seqs[3], seqs[5]]
+        assert all(e.pending and e.payload == b"<m/>" for e in pending)
+
+
+# -- atomicity -------------------------------------------------------------------------
+
+
+def install_poison_trigger(state_dir: Path) -> None:
+    """A real SQLite failure on demand: inserting an outbox row for client 'poison'."""
+    with db_conn(state_dir) as conn:
+        conn.execute("CREATE TRIGGER poison BEFORE INSERT ON outbox WHEN NEW.client = 'poison' "
+                     "BEGIN SELECT RAISE(ABORT, 'poisoned outbox row'); END")
+
+
+async def test_transaction_is_all_or_nothing_and_cannot_poison_its_batch(
+        state_dir: Path) -> None:
+    async with await Kernel.open(state_dir):
+        pass
+    install_poison_trigger(state_dir)
+    commits: list[int] = []
+    async with await Kernel.open(state_dir, commit_interval_s=0.05,
+                                 on_commit=lambda s, n: commits.append(n)) as k:
+        good_before = k.transaction()
+        seq_before = good_before.journal(thread="g1", direction="in", pending=True)
+        good_before.thread_put(thread_row("g1"))
+        bad = k.transaction()
+        bad_seq = bad.journal(thread="bad", direction="in", pending=True)
+        bad.thread_put(thread_row("bad"))
+        bad.context_append("bad", "user", b"x")
+        bad.outbox_put("alice", "bad", b"ok row")
+        bad.outbox_put("poison", "bad", b"fails")
+        good_after = k.transaction()
+        seq_after = good_after.journal(thread="g2", direction="in", pending=True)
+        good_after.outbox_put("alice", "g2", b"after")
+        futures = [k.commit(tx) for tx in (good_before, bad, good_after)]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        assert results[0] is None and results[2] is None
+        assert isinstance(results[1], TransactionRejected)
+        assert "poisoned outbox row" in str(results[1])
+        assert k.healthy
+        assert [e.seq for e in await k.pending_messages()] == [seq_before, seq_after]
+        assert bad_seq not in [e.seq for e in await k.journal(limit=100)]
+        assert await k.thread("bad") is None and await k.thread("g1") is not None
+        assert await k.context("bad") == []
+        assert [d for _, _, d in await k.outbox("alice")] == [b"after"]
+        ok, _bad_at, message = await k.verify()
+        assert ok, message
+        # The failed transaction's context slot was released from the counters.
+        assert "bad" not in k._ctx.ctx_count
+
+
+# -- hash chain ------------------------------------------------------------------------
+
+
+async def _journal_some(state_dir: Path, n: int = 5) -> list[int]:
+    async with await Kernel.open(state_dir) as k:
+        return [await journal_one(k, f"t{i}", payload=f"<m>{i}</m>".encode())
+                for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("tamper", "bad_index", "words"),
+    [
+        ("UPDATE journal SET payload_hash = '00' || substr(payload_hash, 3) WHERE seq = {s2}",
+         2, "payload does not match"),
+        ("UPDATE journal SET payload = X'3c6d3e656e656d793c2f6d3e' WHERE seq = {s2}", 2,
+         "payload does not match"),
+        ("UPDATE journal SET profile = 'admin' WHERE seq = {s2}", 2, "modified"),
+        ("UPDATE journal SET handler = 'evil' WHERE seq = {s2}", 2, "modified"),
+        ("UPDATE journal SET pending = 1 WHERE seq = {s2}", 2, "modified"),
+        ("UPDATE journal SET ts = ts + 1 WHERE seq = {s2}", 2, "modified"),
+        ("DELETE FROM journal WHERE seq = {s2}", 3, "missing"),
+        ("DELETE FROM journal WHERE seq = {s4}", None, "missing"),
+        ("UPDATE journal SET prev_hash = zeroblob(32) WHERE seq = {s2}", 2, "prev_hash"),
+        ("INSERT INTO journal_gaps VALUES (3, 3, zeroblob(32), zeroblob(32)); "
+         "DELETE FROM journal WHERE seq = {s2}", 3, "does not continue"),
+    ],
+)
+async def test_tampering_with_the_journal_on_disk_is_detected(
+        state_dir: Path, tamper: str, bad_index: int | None, words: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    seqs = await _journal_some(state_dir)
+    assert verify_journal_main(state_dir) == 0
+    with db_conn(state_dir) as conn:
+        conn.executescript(tamper.format(s2=seqs[2], s4=seqs[4]))
+    async with await Kernel.open(state_dir) as k:
+        ok, bad_seq, message = await k.verify()
+    assert not ok
+    assert bad_seq == (seqs[bad_index] if bad_index is not None else None)
+    assert words in message
+    capsys.readouterr()
+    assert verify_journal_main(state_dir) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+async def test_rehashing_a_tampered_entry_breaks_the_next_link(state_dir: Path) -> None:
+    seqs = await _journal_some(state_dir)
+    from agentd.kernel._chain import encode, link
+
+    with db_conn(state_dir) as conn:
+        row = conn.execute("SELECT seq, ts, thread, direction, kind, handler, sender, tag, "
+                           "payload_hash, profile, expires, pending, prev_hash FROM journal "
+                           "WHERE seq = ?", (seqs[1],)).fetchone()
+        forged = list(row)
+        forged[5] = "evil"
+        new_hash = link(row[12], encode(*forged[:11], bool(forged[11])))
+        conn.execute("UPDATE journal SET handler = 'evil', hash = ? WHERE seq = ?",
+                     (new_hash, seqs[1]))
+    async with await Kernel.open(state_dir) as k:
+        ok, bad_seq, message = await k.verify()
+    assert (ok, bad_seq) == (False, seqs[2]) and "prev_hash" in message
+
+
+async def test_verify_journal_runs_beside_a_live_kernel(
+        state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    async with await Kernel.open(state_dir) as k:
+        await journal_one(k)
+        assert await asyncio.to_thread(verify_journal_main, state_dir) == 0
+        assert "journal OK: 1 entries" in capsys.readouterr().out
+        await journal_one(k)
+    assert verify_journal_main(state_dir) == 0
+    assert verify_journal_main(state_dir / "nope") == 1
+
+
+async def test_fields_are_validated_when_the_transaction_is_built(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        tx = k.transaction()
+        with pytest.raises(ValueError, match="direction"):
+            tx.journal(thread="t", direction="sideways")
+        with pytest.raises(ValueError, match="U\\+001F"):
+            tx.journal(thread="t\x1fx", direction="in")
+        with pytest.raises(ValueError, match="state"):
+            tx.thread_state("t", "sleeping")
+        with pytest.raises(ValueError, match="state"):
+            tx.thread_put(thread_row("t", state="zombie"))
+        tx.journal(thread="t", direction="audit", kind="reload")
+        await k.commit(tx)
+        with pytest.raises(RuntimeError, match="already committed"):
+            tx.journal(thread="t", direction="in")
+        with pytest.raises(RuntimeError, match="already committed"):
+            k.commit(tx)
+        assert (await k.verify())[0]
+
+
+# -- retention -------------------------------------------------------------------------
+
+
+async def test_prune_on_delivery_deletes_delivered_entries_and_keeps_the_chain(
+        state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY) as k:
+        pending = [await journal_one(k, f"p{i}", pending=True) for i in range(6)]
+        plain = await journal_one(k, "plain")
+        tx = k.transaction()
+        for seq in pending[:4]:
+            tx.delivered(seq)
+        await k.commit(tx)
+        report = await k.sweep()
+        assert report.journal_deleted == 5  # 4 delivered + 1 never pending
+        left = [e.seq for e in await k.journal(limit=100)]
+        assert left == pending[4:] and plain not in left
+        assert (await k.verify())[0]
+        tx = k.transaction()
+        tx.delivered(pending[5])
+        await k.commit(tx)
+        await k.sweep()
+        assert [e.seq for e in await k.journal()] == [pending[4]]
+        ok, _, message = await k.verify()
+        assert ok, message
+    with db_conn(state_dir) as conn:  # adjacent gaps were merged around the survivor
+        assert conn.execute("SELECT start_pos, end_pos FROM journal_gaps ORDER BY 1"
+                            ).fetchall() == [(1, 4), (6, 7)]
+
+
+async def test_retention_never_deletes_an_undelivered_pending_entry(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, retention=retain_days(1e-9)) as k:
+        seq = await journal_one(k, pending=True)
+        other = await journal_one(k)
+        await asyncio.sleep(0.01)
+        await k.sweep()
+        assert [e.seq for e in await k.journal()] == [seq]
+        assert [e.seq for e in await k.pending_messages()] == [seq]
+        assert other != seq and (await k.verify())[0]
+
+
+async def test_retain_days_deletes_only_expired_entries(state_dir: Path) -> None:
+    policy = {"short": retain_days(0.5 / 86400), "*": retain_days(30)}
+    async with await Kernel.open(state_dir, retention=policy) as k:
+        short = [await journal_one(k, profile="short") for _ in range(3)]
+        long = [await journal_one(k, profile="other") for _ in range(2)]
+        assert (await k.sweep()).journal_deleted == 0
+        await asyncio.sleep(0.6)
+        late = await journal_one(k, profile="short")
+        assert (await k.sweep()).journal_deleted == 3
+        assert [e.seq for e in await k.journal()] == [*long, late]
+        assert all(e.expires is not None for e in await k.journal())
+        assert short and (await k.verify())[0]
+
+
+async def test_policies_per_profile_interleave_with_retain_forever(state_dir: Path) -> None:
+    policy = {"concierge": PRUNE_ON_DELIVERY, "coder": Retention("retain_forever")}
+    async with await Kernel.open(state_dir, retention=policy, sweep_chunk=3) as k:
+        kept = []
+        for i in range(20):
+            if i % 3 == 0:
+                kept.append(await journal_one(k, profile="coder"))
+            else:
+                await journal_one(k, profile="concierge")
+        kept.append(await journal_one(k, profile="unlisted"))  # default: forever
+        report = await k.sweep()
+        assert report.journal_deleted == 13
+        assert [e.seq for e in await k.journal(limit=100)] == kept
+        ok, _, message = await k.verify()
+        assert ok, message
+        assert "13" not in message or "gaps" in message
+
+
+async def test_audit_entries_follow_the_audit_retention(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY,
+                                 audit_retention=retain_days(1e-9)) as k:
+        tx = k.transaction()
+        tx.journal(thread="", direction="security", kind="forged-from", sender="mallory")
+        tx.journal(thread="", direction="audit", kind="reload")
+        await k.commit(tx)
+        assert {e.kind for e in await k.journal(kinds=["forged-from", "reload"])} == {
+            "forged-from", "reload"}
+        await asyncio.sleep(0.01)
+        assert (await k.sweep()).journal_deleted == 2
+    async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY) as k:
+        tx = k.transaction()
+        tx.journal(thread="", direction="security", kind="lockout", sender="mallory")
+        await k.commit(tx)
+        assert (await k.sweep()).journal_deleted == 0  # audit default: forever
+
+
+async def test_configuration_retention_objects_are_accepted() -> None:
+    from agentd._config import RetentionPolicy
+
+    assert Retention.parse(RetentionPolicy("retain_days", 7)) == retain_days(7)
+    assert Retention.parse(RetentionPolicy("prune_on_delivery")) == PRUNE_ON_DELIVERY
+    assert Retention.parse({"retain_days": 30}) == retain_days(30)
+    assert Retention.parse("retain_days(2)") == retain_days(2)
+    with pytest.raises(ValueError):
+        Retention.parse("keep_some")
+    with pytest.raises(ValueError):
+        Retention("retain_days", 0)
+
+
+async def test_journal_query_filters_and_returns_newest_oldest_first(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        for i in range(10):
+            await journal_one(k, "a" if i % 2 else "b")
+        tx = k.transaction()
+        tx.journal(thread="a", direction="audit", kind="oob-command")
+        await k.commit(tx)
+        newest_a = await k.journal(thread="a", limit=3)
+        assert [e.thread for e in newest_a] == ["a"] * 3
+        assert [e.seq for e in newest_a] == sorted(e.seq for e in newest_a)
+        assert newest_a[-1].kind == "oob-command"
+        assert [e.kind for e in await k.journal(kinds=["oob-command"])] == ["oob-command"]
+        assert len(await k.journal(limit=4)) == 4
+
+
+# -- threads, outboxes, context buffers -------------------------------------------------
+
+
+async def test_thread_rows_survive_reopen_and_states_update(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        tx = k.transaction()
+        tx.thread_put(thread_row("root"))
+        tx.thread_put(thread_row("child", parent="root", profile="restricted"))
+        tx.thread_state("child", "completed", hops=4)
+        tx.thread_state("ghost", "failed")  # no such thread: no effect
+        await k.commit(tx)
+        tx = k.transaction()
+        tx.thread_state("root", "failed", hops=2)
+        await k.commit(tx)
+        tx = k.transaction()
+        tx.thread_state("root", "active")  # hops unchanged when not given
+        await k.commit(tx)
+    async with await Kernel.open(state_dir) as k:
+        root, child = await k.thread("root"), await k.thread("child")
+        assert root is not None and child is not None
+        assert (root.state, root.hops, root.path) == ("active", 2, ("client", "echo"))
+        assert (child.state, child.hops, child.parent, child.profile, child.table_version) == (
+            "completed", 4, "root", "restricted", 3)
+        assert child.updated >= child.created
+        assert [t.uuid for t in await k.threads()] == ["root"]
+        assert [t.uuid for t in await k.threads("completed")] == ["child"]
+        assert {t.uuid for t in await k.threads(None)} == {"root", "child"}
+        assert await k.thread("ghost") is None
+
+
+async def test_finished_threads_are_collected_after_the_ttl(state_dir: Path) -> None:
+    ttl_hours = 0.5 / 3600
+    async with await Kernel.open(state_dir, context_ttl_hours=ttl_hours) as k:
+        tx = k.transaction()
+        tx.thread_put(thread_row("done", "completed"))
+        tx.thread_put(thread_row("broken", "failed"))
+        tx.thread_put(thread_row("alive", "active", updated=time.time() - 3600))
+        await k.commit(tx)
+        assert (await k.sweep()).threads_deleted == 0
+        await asyncio.sleep(0.6)
+        assert (await k.sweep()).threads_deleted == 2
+        assert [t.uuid for t in await k.threads(None)] == ["alive"]
+
+
+async def test_outbox_reads_in_order_and_delivery_deletes(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        ids = []
+        for i in range(5):
+            tx = k.transaction()
+            ids.append(tx.outbox_put("alice", f"t{i % 2}", f"<r{i}/>".encode()))
+            tx.outbox_put("bob", "tb", f"<b{i}/>".encode())
+            k.commit(tx)
+        await k.flush()
+        assert [row[0] for row in await k.outbox("alice")] == ids
+        assert [row[2] for row in await k.outbox("alice", limit=2)] == [b"<r0/>", b"<r1/>"]
+        tx = k.transaction()
+        tx.outbox_delivered("alice", ids[2])
+        await k.commit(tx)
+        # Put and delivered in the same batch: the row never shows up.
+        tx = k.transaction()
+        new = tx.outbox_put("alice", "t9", b"<now/>")
+        k.commit(tx)
+        tx = k.transaction()
+        tx.outbox_delivered("alice", new)
+        await k.commit(tx)
+        assert await k.outbox("alice") == []
+        assert len(await k.outbox("bob")) == 5
+    async with await Kernel.open(state_dir) as k:
+        assert await k.outbox("alice") == []
+        assert next(row[2] for row in await k.outbox("bob")) == b"<b0/>"
+
+
+async def test_context_buffer_is_append_only_and_drops_whole(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        tx = k.transaction()
+        tx.context_append("t", "user", b"one")
+        tx.context_append("t", "assistant", b"two")
+        tx.context_append("u", "user", b"other")
+        await k.commit(tx)
+        tx = k.transaction()
+        tx.context_drop("t")
+        tx.context_append("t", "user", b"fresh")
+        await k.commit(tx)
+        assert await k.context("t") == [(0, "user", b"fresh")]
+        assert await k.context("u") == [(0, "user", b"other")]
+        tx = k.transaction()
+        tx.context_drop("u")
+        await k.commit(tx)
+        assert await k.context("u") == []
+
+
+async def test_context_limits_are_enforced_when_building(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, max_slots_per_thread=3, max_threads=2) as k:
+        tx = k.transaction()
+        for i in range(3):
+            tx.context_append("t", "user", f"{i}".encode())
+        with pytest.raises(ContextLimitExceeded, match="max_slots_per_thread=3"):
+            tx.context_append("t", "user", b"too many")
+        await k.commit(tx)
+        tx = k.transaction()
+        with pytest.raises(ContextLimitExceeded, match="max_slots_per_thread"):
+            tx.context_append("t", "user", b"still too many")
+        tx.context_append("u", "user", b"second buffer")
+        with pytest.raises(ContextLimitExceeded, match="max_threads=2"):
+            tx.context_append("v", "user", b"third buffer")
+        await k.commit(tx)
+        # Two transactions built against the same counters: the second is refused at
+        # commit, before anything is queued.
+        a, b = k.transaction(), k.transaction()
+        a.context_drop("u")
+        a.context_append("w", "user", b"x")
+        b.context_append("u", "user", b"y")  # fits now: u exists
+        await k.commit(a)
+        with pytest.raises(ContextLimitExceeded, match="max_threads"):
+            k.commit(b)  # u was dropped by a: b would start a third buffer
+    async with await Kernel.open(state_dir, max_slots_per_thread=3, max_threads=2) as k:
+        tx = k.transaction()
+        with pytest.raises(ContextLimitExceeded):  # counters are reloaded on open
+            tx.context_append("t", "user", b"after reopen")
+
+
+async def test_idle_context_buffers_are_collected(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, context_ttl_hours=0.3 / 3600) as k:
+        tx = k.transaction()
+        tx.context_append("idle", "user", b"old")
+        await k.commit(tx)
+        await asyncio.sleep(0.35)
+        tx = k.transaction()
+        tx.context_append("busy", "user", b"new")
+        await k.commit(tx)
+        assert (await k.sweep()).buffers_deleted == 1
+        assert await k.context("idle") == []
+        assert await k.context("busy") == [(0, "user", b"new")]
+
+
+# -- the state directory ---------------------------------------------------------------
+
+
+async def test_second_kernel_on_same_state_dir_is_refused(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir):
+        with pytest.raises(StateLocked) as info:
+            await Kernel.open(state_dir)
+        assert str(state_dir) in str(info.value)
+        assert f"process {os.getpid()}" in str(info.value)
+    async with await Kernel.open(state_dir):  # released on close
+        pass
+
+
+async def test_state_dir_and_database_are_private(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        await journal_one(k)
+        assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE((state_dir / DB_NAME).stat().st_mode) == 0o600
+        assert k.db_size_bytes() > 0
+
+
+async def test_newer_schema_is_refused_with_a_clear_message(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir):
+        pass
+    with db_conn(state_dir) as conn:
+        conn.execute("UPDATE schema_version SET version = 99")
+    with pytest.raises(SchemaTooNew, match="schema version 99 is newer") as info:
+        await Kernel.open(state_dir)
+    assert str(state_dir) in str(info.value)
+    async with await Kernel.open(state_dir.parent / "fresh"):  # the lock was released
+        pass
+    with db_conn(state_dir) as conn:
+        conn.execute("UPDATE schema_version SET version = 1")
+    async with await Kernel.open(state_dir):
+        pass
+
+
+async def test_foreign_database_is_refused(state_dir: Path) -> None:
+    state_dir.mkdir(mode=0o700)
+    with db_conn(state_dir) as conn:
+        conn.execute("CREATE TABLE something_else (x)")
+    with pytest.raises(SchemaTooNew, match="not an agentd database"):
+        await Kernel.open(state_dir)
+
+
+async def test_older_schema_is_migrated(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    async with await Kernel.open(state_dir) as k:
+        seq = await journal_one(k, pending=True)
+    monkeypatch.setitem(_schema.MIGRATIONS, 2, (
+        "CREATE TABLE extra (x INTEGER)", "ALTER TABLE threads ADD COLUMN note TEXT"))
+    async with await Kernel.open(state_dir) as k:
+        assert [e.seq for e in await k.pending_messages()] == [seq]
+        assert (await k.verify())[0]
+    with db_conn(state_dir) as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchone() == (2,)
+        conn.execute("SELECT x FROM extra")
+    monkeypatch.delitem(_schema.MIGRATIONS, 2)
+    with pytest.raises(SchemaTooNew):
+        await Kernel.open(state_dir)
+
+
+# -- failing storage -------------------------------------------------------------------
+
+
+async def test_disk_full_makes_the_kernel_unavailable_then_it_recovers(
+        state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        acknowledged = [await journal_one(k, pending=True)]
+        await k.set_max_db_bytes(k.db_size_bytes() + 64 * 1024)
+        refused: list[int] = []
+        big = os.urandom(8000)
+        for _ in range(200):
+            tx = k.transaction()
+            seq = tx.journal(thread="t", direction="in", payload=big, pending=True)
+            try:
+                await k.commit(tx)
+            except KernelUnavailable as exc:
+                assert not isinstance(exc, TransactionRejected)
+                refused.append(seq)
+                break
+            acknowledged.append(seq)
+        assert refused, "the cap was never reached"
+        assert not k.healthy and "full" in k.last_error
+        with pytest.raises(KernelUnavailable):  # still failing: nothing is acknowledged
+            await journal_one(k, payload=big)
+        with pytest.raises(KernelUnavailable):  # an empty barrier is no proof of health
+            await k.flush()
+        assert not k.healthy
+        await k.set_max_db_bytes(None)
+        for _ in range(100):  # the writer probes the disk by itself, with backoff
+            if k.healthy:
+                break
+            await asyncio.sleep(0.05)
+        assert k.healthy
+        acknowledged.append(await journal_one(k, pending=True))
+        assert [e.seq for e in await k.pending_messages()] == acknowledged
+        ok, _, message = await k.verify()
+        assert ok, message
+
+
+async def test_commit_after_close_is_refused(state_dir: Path) -> None:
+    k = await Kernel.open(state_dir)
+    tx = k.transaction()
+    tx.journal(thread="t", direction="in")
+    await k.close()
+    with pytest.raises(KernelUnavailable):
+        k.commit(tx)
+    await k.close()  # idempotent
+
+
+# -- bounded growth --------------------------------------------------------------------
+
+
+async def test_wal_is_truncated_when_the_writer_is_idle(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, checkpoint_idle_s=0.05) as k:
+        for _ in range(50):
+            await journal_one(k, payload=os.urandom(2000))
+        wal = Path(f"{state_dir / DB_NAME}-wal")
+        assert wal.stat().st_size > 0
+        for _ in range(60):
+            await asyncio.sleep(0.05)
+            if wal.stat().st_size == 0:
+                break
+        assert wal.stat().st_size == 0
+
+
+async def test_database_size_stays_bounded_under_steady_load(state_dir: Path) -> None:
+    sizes = []
+    async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY,
+                                 context_ttl_hours=0.01 / 3600) as k:
+        for _round in range(8):
+            for i in range(150):
+                thread = f"r{_round}-{i}"
+                tx = k.transaction()
+                seq = tx.journal(thread=thread, direction="in", payload=os.urandom(300),
+                                 pending=True)
+                tx.thread_put(thread_row(thread))
+                tx.context_append(thread, "user", os.urandom(300))
+                k.commit(tx)
+                tx = k.transaction()
+                tx.delivered(seq)
+                tx.journal(thread=thread, direction="out", payload=os.urandom(300))
+                oid = tx.outbox_put("alice", thread, os.urandom(300))
+                tx.thread_state(thread, "completed")
+                tx.context_drop(thread)
+                k.commit(tx)
+                tx = k.transaction()
+                tx.outbox_delivered("alice", oid)
+                k.commit(tx)
+            await k.flush()
+            await asyncio.sleep(0.02)
+            await k.sweep()
+            assert (await k.checkpoint())[0] == 0
+            sizes.append(k.db_size_bytes())
+        assert await k.journal() == [] and await k.threads(None) == []
+        assert await k.outbox("alice") == [] and await k.pending_messages() == []
+        assert (await k.verify())[0]
+    with db_conn(state_dir) as conn:
+        assert conn.execute("SELECT count(*) FROM journal_gaps").fetchone() == (1,)
+        assert conn.execute("SELECT count(*) FROM context").fetchone() == (0,)
+    assert max(sizes[3:]) <= sizes[2] * 1.25, sizes
+
+
+async def test_checkpoint_never_waits_for_a_reader(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        await journal_one(k, payload=os.urandom(4000))
+        reader = db_conn(state_dir)
+        try:
+            reader.execute("BEGIN")
+            reader.execute("SELECT count(*) FROM journal").fetchone()  # holds a snapshot
+            await journal_one(k, payload=os.urandom(4000))
+            started = time.monotonic()
+            busy, _, _ = await k.checkpoint()
+            assert busy == 1 and time.monotonic() - started < 0.5
+            reader.execute("ROLLBACK")
+        finally:
+            reader.close()
+        assert (await k.checkpoint())[0] == 0
+
+
+async def test_full_sync_profiles_commit_with_synchronous_full(state_dir: Path) -> None:
+    seen: list[int] = []
+    async with await Kernel.open(state_dir, full_sync_profiles={"bank"}) as k:
+
+        def synchronous() -> int:
+            return int(k._store.conn.execute("PRAGMA synchronous").fetchone()[0])
+
+        tx = k.transaction()
+        tx.journal(thread="t", direction="in", profile="bank")
+        assert tx.full_sync
+        await k.commit(tx)
+        seen.append(await k._call(synchronous))
+        tx = k.transaction()
+        tx.journal(thread="t", direction="in", profile="public")
+        assert not tx.full_sync
+        await k.commit(tx)
+    assert seen == [1]  # back to NORMAL after the FULL commit
+    async with await Kernel.open(state_dir, synchronous="FULL") as k:
+        assert await k._call(lambda: int(k._store.conn.execute(
+            "PRAGMA synchronous").fetchone()[0])) == 2
+    with pytest.raises(ValueError, match="synchronous"):
+        await Kernel.open(state_dir, synchronous="SOMETIMES")
+    async with await Kernel.open(state_dir):  # the failed open released the lock
+        pass
