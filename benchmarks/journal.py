@@ -116,9 +116,22 @@ async def kernel_run(n: int, directory: Path, pending: bool = False
 
 
 def pump_journal_ratio(quick: bool) -> float | None:
-    """The pump benchmark's figure with the journal on / off. Filled in once the pump
-    is wired to the kernel."""
-    return None
+    """The pump benchmark's workload (benchmarks/pump.py: a request to a tool that
+    replies, each on its own thread, 256 concurrent clients) with the journal on,
+    over the journal off, measured alternately in this process."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import pump as pump_bench
+
+    n = 3000 if quick else 20000
+    data = pump_bench.envelopes(n)
+    off: list[float] = []
+    on: list[float] = []
+    for _ in range(2 if quick else 3):
+        off.append(asyncio.run(pump_bench.real_pump(data))[0])
+        with tempfile.TemporaryDirectory(prefix="agentd-bench-") as tmp:
+            on.append(asyncio.run(pump_bench.real_pump(data, Path(tmp)))[0])
+    print(f"pump with journal: {max(on):,.0f}/s; without: {max(off):,.0f}/s")
+    return max(on) / max(off)
 
 
 def percentile(values: list[float], q: float) -> float:
