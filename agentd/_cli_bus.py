@@ -1,0 +1,401 @@
+"""The bus-side `agentd` commands: `init`, `send`, `totp` (CONTRACT section 5).
+
+They only turn flags into calls. `agentd.cli` registers them on the `agentd` group:
+
+    main.add_command(init_cmd); main.add_command(send_cmd); main.add_command(totp_cmd)
+
+Exit codes of `send`: 0 every conversation was answered and none with `huh`; 1 a
+`huh` came back, or --timeout passed first; 2 usage or unreadable input; 3 cannot
+connect; 4 authentication refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import pyotp
+import yaml
+
+from agentd._errors import AgentdError, Rejection
+from agentd._xml import c14n, parse_untrusted
+
+DEFAULT_HOME = Path("agentd-home")
+DEFAULT_URL = "wss://127.0.0.1:8765/bus"
+OPERATOR_KEY_ID = "ops-1"
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONNECT, EXIT_AUTH = 0, 1, 2, 3, 4
+
+
+# ---------------------------------------------------------------------------- init
+
+INIT_FILES = (
+    "organism.yaml",
+    "clients.yaml",
+    "{client}.totp",
+    "tls/cert.pem",
+    "tls/key.pem",
+    "operator.key",
+    "authorized_keys",
+)
+
+
+def _demo_sections() -> dict[str, Any]:
+    """pump/journal/profiles/listeners of the built-in demo organism."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "demo" / "organism.yaml", here.parent / "config" / "organism.yaml"):
+        if candidate.is_file():
+            data = yaml.safe_load(candidate.read_text(encoding="utf-8")) or {}
+            return {k: data[k] for k in ("pump", "journal", "profiles", "listeners") if k in data}
+    return {  # the package without its demo folder: the calculator alone
+        "profiles": {"public": {"listeners": ["calculator.add"]}, "admin": {"listeners": "all"}},
+        "listeners": [{
+            "name": "calculator.add",
+            "payload_class": "agentd.tools.calculator:Add",
+            "response_class": "agentd.tools.calculator:Sum",
+            "handler": "agentd.tools.calculator:add",
+            "description": "Adds two integers.",
+        }],
+    }
+
+
+def organism_yaml(host: str, port: int, metrics: str, name: str = "demo") -> str:
+    head = f"""\
+# Written by `agentd init` on {dt.date.today().isoformat()}.
+# Relative paths resolve against this file's folder.
+organism: {{name: {name}}}
+state_dir: state
+bus:
+  host: {host}
+  port: {port}
+  tls: {{cert: tls/cert.pem, key: tls/key.pem}}
+auth: {{clients_file: clients.yaml}}
+oob: {{authorized_keys: authorized_keys}}
+metrics: {{listen: "{metrics}"}}
+"""
+    body = yaml.safe_dump(_demo_sections(), sort_keys=False, default_flow_style=None, width=100)
+    return head + body
+
+
+def _write(path: Path, data: bytes | str, mode: int) -> None:
+    from agentd.bus._tls import write_new
+
+    write_new(path, data.encode() if isinstance(data, str) else data, mode)
+
+
+def init_home(
+    home: Path, client: str = "alice", host: str = "127.0.0.1", port: int = 8765,
+    metrics: str = "127.0.0.1:9464",
+) -> dict[str, Any]:
+    """Write a working setup into `home`; refuses to overwrite any of its files."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from agentd.bus._auth import CLIENT_ID
+    from agentd.bus._tls import make_self_signed
+
+    if not CLIENT_ID.fullmatch(client) or client == "core":
+        raise AgentdError(f"invalid client id {client!r}")
+    names = [f.format(client=client) for f in INIT_FILES]
+    existing = [n for n in names if (home / n).exists()]
+    if existing:
+        raise AgentdError(
+            f"{home} already holds {', '.join(existing)}; agentd init never overwrites "
+            "(choose another --dir or remove them)"
+        )
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "tls").mkdir(exist_ok=True)
+    (home / "state").mkdir(mode=0o700, exist_ok=True)
+    secret = pyotp.random_base32(32)  # 160 bits
+    uri = pyotp.TOTP(secret).provisioning_uri(name=client, issuer_name="agentd")
+    hosts = ["localhost", "127.0.0.1", "::1"]
+    if host not in hosts and host not in ("0.0.0.0", "::"):
+        hosts.insert(0, host)
+    make_self_signed(home / "tls" / "cert.pem", home / "tls" / "key.pem", hosts)
+    _write(home / "clients.yaml", yaml.safe_dump(
+        {"clients": {client: {"totp_secret": secret, "profile": "public"}}}, sort_keys=False
+    ), 0o600)
+    _write(home / f"{client}.totp", secret + "\n", 0o600)
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+        serialization.NoEncryption(),
+    )
+    public = key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    ).decode()
+    _write(home / "operator.key", private, 0o600)
+    _write(home / "authorized_keys", f"{public} {OPERATOR_KEY_ID}\n", 0o644)
+    _write(home / "organism.yaml", organism_yaml(host, port, metrics), 0o644)
+    from agentd._config import load_config
+
+    load_config(home / "organism.yaml")  # what init writes must load
+    return {"dir": str(home), "client": client, "otpauth_uri": uri, "files": names}
+
+
+@click.command("init")
+@click.option("--dir", "home", type=click.Path(file_okay=False, path_type=Path),
+              default=DEFAULT_HOME, show_default=True, help="Folder to write the setup into.")
+@click.option("--client", default="alice", show_default=True, help="The first client's id.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="bus.host to listen on.")
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
+def init_cmd(home: Path, client: str, host: str, port: int, as_json: bool) -> None:
+    """Write a working setup into DIR: organism.yaml, a self-signed TLS cert, a
+    clients file with one client and its TOTP secret, an operator key."""
+    try:
+        info = init_home(home, client, host, port)
+    except AgentdError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(info))
+        return
+    click.echo(f"agentd init: wrote {home}/")
+    for name in info["files"]:
+        click.echo(f"  {home / name}")
+    click.echo(f"  {home / 'state'}/")
+    click.echo(f"\nTOTP for client {client} (scan into an authenticator app or keep for scripts):")
+    click.echo(f"  {info['otpauth_uri']}")
+    click.echo("\nNext:")
+    click.echo(f"  agentd run --config {home / 'organism.yaml'}")
+    click.echo(
+        f"  agentd send --url wss://{_url_host(host)}:{port}/bus --client {client} "
+        f"--secret-file {home / (client + '.totp')} --cafile {home / 'tls' / 'cert.pem'} "
+        "payload.xml"
+    )
+
+
+def connect_hint(home: Path, client: str = "alice") -> str:
+    """The exact `agentd send` line for a setup written by `init_home` (for `agentd run`
+    with no arguments, which initialises ./agentd-home on first use)."""
+    from agentd._config import load_config
+
+    config = load_config(home / "organism.yaml")
+    tls = config.bus.tls
+    cafile = f" --cafile {tls.cert}" if tls is not None else ""
+    return (
+        f"agentd send --url wss://{_url_host(config.bus.host)}:{config.bus.port}/bus "
+        f"--client {client} --secret-file {home / (client + '.totp')}{cafile} payload.xml"
+    )
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+# ---------------------------------------------------------------------------- totp
+
+
+def read_secret(path: Path) -> str:
+    """A TOTP secret file: the base32 secret, or an otpauth:// URI, on one line."""
+    from agentd.bus._auth import normalise_secret
+
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise AgentdError(f"cannot read secret file {path}: {exc.strerror or exc}") from None
+    if text.startswith("otpauth://"):
+        text = pyotp.parse_uri(text).secret
+    try:
+        return normalise_secret(text)
+    except ValueError as exc:
+        raise AgentdError(f"secret file {path}: {exc}") from None
+
+
+def _secret_for(client: str, secret_file: Path | None, clients_file: Path | None) -> str:
+    if clients_file is not None:
+        from agentd.bus._auth import read_clients_file
+
+        entries = read_clients_file(clients_file)
+        if client not in entries:
+            raise AgentdError(f"client {client} is not in {clients_file}")
+        return entries[client].totp_secret
+    return read_secret(secret_file or DEFAULT_HOME / f"{client}.totp")
+
+
+@click.command("totp")
+@click.option("--client", required=True, help="The client id.")
+@click.option("--secret-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="File with the base32 secret [default: agentd-home/CLIENT.totp].")
+@click.option("--clients-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Read the secret from a clients file instead.")
+def totp_cmd(client: str, secret_file: Path | None, clients_file: Path | None) -> None:
+    """Print the current TOTP code for a client (for scripts and tests)."""
+    try:
+        secret = _secret_for(client, secret_file, clients_file)
+    except AgentdError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(pyotp.TOTP(secret).now())
+
+
+# ---------------------------------------------------------------------------- send
+
+
+def read_input(data: bytes) -> list[bytes]:
+    """The documents to send: one envelope or payload, or several top-level elements
+    one after another (each its own conversation)."""
+    raw = data.strip()
+    if raw.startswith(b"<?xml"):
+        end = raw.find(b"?>")
+        raw = raw[end + 2:].strip() if end >= 0 else raw
+    try:
+        parse_untrusted(raw, max_bytes=16 * 1024 * 1024)
+        return [raw]
+    except Rejection:
+        pass  # several documents one after another, or not XML at all
+    try:
+        wrapper = parse_untrusted(b"<agentd-input>" + raw + b"</agentd-input>",
+                                  max_bytes=16 * 1024 * 1024)
+    except Rejection as exc:
+        raise AgentdError(f"the input is not well-formed XML: {exc.detail or exc}") from None
+    docs = [c14n(el) for el in wrapper if isinstance(el.tag, str)]
+    if not docs:
+        raise AgentdError("the input holds no XML element")
+    return docs
+
+
+async def _send_main(
+    url: str, client: str, secret_file: Path | None, session_file: Path | None,
+    thread: str | None, timeout: float, cafile: Path | None, verify: bool,
+    docs: list[bytes], emit: Any,
+) -> tuple[int, dict[str, Any]]:
+    from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind, is_answer
+
+    secret = read_secret(secret_file or DEFAULT_HOME / f"{client}.totp")
+    session_path = session_file or (secret_file or DEFAULT_HOME / f"{client}.totp").with_suffix(
+        ".session"
+    )
+    session: str | None = None
+    try:
+        session = session_path.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        session = None
+    report: dict[str, Any] = {"url": url, "client": client, "sent": [], "frames": []}
+    bus = BusClient(url, client, secret=secret, session=session, cafile=cafile, verify=verify)
+    try:
+        try:
+            await bus.connect()
+        except AuthenticationFailed:
+            if session is None:
+                raise
+            session_path.unlink(missing_ok=True)  # stale: log in with TOTP instead
+            bus = BusClient(url, client, secret=secret, cafile=cafile, verify=verify)
+            await bus.connect()
+    except AuthenticationFailed as exc:
+        report["error"] = str(exc)
+        return EXIT_AUTH, report
+    except BusError as exc:
+        report["error"] = str(exc)
+        return EXIT_CONNECT, report
+    if bus.session and bus.session != session:
+        try:
+            from agentd.bus._auth import write_private_atomic
+
+            write_private_atomic(session_path, (bus.session + "\n").encode())
+        except OSError:
+            pass  # the cache is a convenience
+    open_threads: dict[str, bool] = {}
+    code = EXIT_OK
+    try:
+        for doc in docs:
+            frame, sent_thread = bus.wrap(doc, thread)
+            await bus.send_raw(frame)
+            open_threads[sent_thread] = True
+            report["sent"].append(sent_thread)
+            emit("sent", {"thread": sent_thread})
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(open_threads.values()):
+            left = deadline - loop.time()
+            if left <= 0:
+                raise TimeoutError
+            frame = await bus.recv(timeout=left)
+            sender, kind, frame_thread = frame_kind(frame)
+            entry = {"thread": frame_thread, "from": sender, "kind": kind,
+                     "xml": frame.decode("utf-8", "replace")}
+            report["frames"].append(entry)
+            emit("frame", entry)
+            if is_answer(frame):
+                if sender == "core" and kind == "huh":
+                    code = EXIT_FAILED
+                if frame_thread in open_threads:
+                    open_threads[frame_thread] = False
+                elif "" in open_threads or frame_thread == "00000000-0000-0000-0000-000000000000":
+                    # the answer to input too broken to have a thread
+                    for key, still in open_threads.items():
+                        if still:
+                            open_threads[key] = False
+                            break
+    except TimeoutError:
+        report["error"] = f"no answer within {timeout} s"
+        code = EXIT_FAILED
+    except BusError as exc:
+        report["error"] = str(exc)
+        code = EXIT_FAILED
+    finally:
+        await bus.close()
+    report["complete"] = not any(open_threads.values())
+    return code, report
+
+
+@click.command("send")
+@click.option("--url", default=DEFAULT_URL, show_default=True, help="The bus URL.")
+@click.option("--client", default="alice", show_default=True, help="The client id.")
+@click.option("--secret-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="TOTP secret file [default: agentd-home/CLIENT.totp].")
+@click.option("--session-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="Where the session token is cached [default: the secret file with "
+                   "suffix .session].")
+@click.option("--thread", help="Send bare payloads on this thread (default: a new one each).")
+@click.option("--timeout", default=30.0, show_default=True, type=float,
+              help="Seconds to wait for the answers.")
+@click.option("--cafile", type=click.Path(dir_okay=False, path_type=Path),
+              help="CA or self-signed certificate to trust (e.g. agentd-home/tls/cert.pem).")
+@click.option("--insecure", is_flag=True, help="Do not verify the server certificate.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
+@click.argument("file", type=click.File("rb"))
+def send_cmd(
+    url: str, client: str, secret_file: Path | None, session_file: Path | None,
+    thread: str | None, timeout: float, cafile: Path | None, insecure: bool, as_json: bool,
+    file: Any,
+) -> None:
+    """Send envelopes or bare payloads from FILE (or - for stdin) and print every frame
+    received until each conversation is answered or --timeout passes."""
+    try:
+        docs = read_input(file.read())
+    except AgentdError as exc:
+        click.echo(f"agentd send: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+
+    def emit(what: str, entry: dict[str, Any]) -> None:
+        if as_json:
+            return
+        if what == "sent":
+            click.echo(f"-> sent on thread {entry['thread']}")
+        else:
+            click.echo(f"<- {entry['kind']} from {entry['from']} on thread {entry['thread']}")
+            click.echo(f"   {entry['xml']}")
+
+    try:
+        code, report = asyncio.run(_send_main(
+            url, client, secret_file, session_file, thread, timeout, cafile, not insecure,
+            docs, emit,
+        ))
+    except AgentdError as exc:
+        click.echo(f"agentd send: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    if as_json:
+        click.echo(json.dumps(report))
+    elif "error" in report:
+        click.echo(f"agentd send: {report['error']}", err=True)
+    sys.exit(code)
+
+
+__all__ = ["connect_hint", "init_cmd", "init_home", "read_secret", "send_cmd", "totp_cmd"]

@@ -1,0 +1,439 @@
+"""Client authentication for the main bus (CONTRACT section 3).
+
+A client proves itself with its first frame: a TOTP code (RFC 6238: SHA-1, 6
+digits, 30 s step, one step of tolerance either side) or a session token that an
+earlier `auth-ok` gave it.
+
+Invariants:
+- Every failure looks the same from outside: `authenticate` returns None, whatever
+  the cause (unknown client, wrong or reused code, lockout, bad session, garbage).
+  The cause goes to the log only.
+- A TOTP step, once accepted for a client, is never accepted again: the last
+  accepted step is persisted before `auth-ok` goes out, so a restart does not
+  reopen the window.
+- Session tokens are 256-bit random strings; only their SHA-256 is kept (in memory
+  and on disk), with an absolute expiry. A lockout revokes all of a client's tokens.
+- `max_failures` failures within `failure_window_s` lock the client out for
+  `lockout_s`; a locked-out client fails even with a correct code, and failures
+  while locked do not extend the lockout (an attacker cannot lock a client out for
+  longer than one lockout per window of failures).
+- The state file (`auth-state.json`, mode 0600) is written atomically: tmp file,
+  fsync, rename, fsync of the folder. It is this module's own file, never the
+  kernel's database.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import secrets
+import stat
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyotp
+import yaml
+
+from agentd._config import AuthConfig
+from agentd._errors import AgentdError, Rejection
+from agentd._schemas import NS_AUTH, schema
+from agentd._xml import escape_text, parse_untrusted
+
+log = logging.getLogger("agentd.auth")
+
+STATE_FILE = "auth-state.json"
+TOTP_STEP_S = 30
+TOTP_DIGITS = 6
+MAX_AUTH_FRAME_BYTES = 4096
+MAX_SESSIONS_PER_CLIENT = 64  # oldest tokens are dropped beyond this
+CLIENT_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+_BASE32 = re.compile(r"[A-Z2-7]+=*")
+_X = "{" + NS_AUTH + "}"
+
+
+class AuthFileError(AgentdError):
+    """The clients file or the auth state file cannot be used."""
+
+
+@dataclass(frozen=True)
+class ClientEntry:
+    client: str
+    totp_secret: str  # base32, upper case, no padding or spaces
+    profile: str
+
+
+@dataclass
+class _ClientState:
+    last_step: int = -1  # the last TOTP step accepted (never accepted again)
+    sessions: dict[str, float] = field(default_factory=dict)  # sha256 hex -> expires (epoch)
+    locked_until: float = 0.0  # epoch seconds
+    failures: deque[float] = field(default_factory=deque)  # in memory only
+
+
+# ---- frames ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AuthRequest:
+    client: str
+    totp: str | None = None
+    session: str | None = None
+
+
+def parse_auth_frame(frame: bytes) -> AuthRequest | None:
+    """The first frame, checked against `schemas/auth.xsd`; None if it is not one."""
+    try:
+        root = parse_untrusted(frame, max_bytes=MAX_AUTH_FRAME_BYTES)
+    except Rejection:
+        return None
+    if root.tag != _X + "auth" or not schema(NS_AUTH).validate(root):
+        return None
+    client = (root[0].text or "").strip()
+    second = root[1]
+    text = (second.text or "").strip()
+    if second.tag == _X + "totp":
+        return AuthRequest(client, totp=text)
+    return AuthRequest(client, session=text)
+
+
+def auth_frame(client: str, *, totp: str | None = None, session: str | None = None) -> bytes:
+    """The client's first frame (used by `BusClient` and tests)."""
+    if (totp is None) == (session is None):
+        raise ValueError("give exactly one of totp or session")
+    inner = f"<totp>{escape_text(totp)}</totp>" if totp is not None else (
+        f"<session>{escape_text(session or '')}</session>"
+    )
+    return (
+        f'<auth xmlns="{NS_AUTH}"><client>{escape_text(client)}</client>{inner}</auth>'
+    ).encode()
+
+
+def auth_ok_frame(client: str, session: str) -> bytes:
+    return (
+        f'<auth-ok xmlns="{NS_AUTH}"><client>{escape_text(client)}</client>'
+        f"<session>{session}</session></auth-ok>"
+    ).encode()
+
+
+def parse_auth_ok(frame: bytes) -> tuple[str, str] | None:
+    """(client, session) from an `auth-ok` frame, or None."""
+    try:
+        root = parse_untrusted(frame, max_bytes=MAX_AUTH_FRAME_BYTES)
+    except Rejection:
+        return None
+    if root.tag != _X + "auth-ok" or not schema(NS_AUTH).validate(root):
+        return None
+    return (root[0].text or "").strip(), (root[1].text or "").strip()
+
+
+# ---- the clients file -------------------------------------------------------------
+
+
+def normalise_secret(secret: str) -> str:
+    """A base32 TOTP secret without spaces or padding, upper case; ValueError if bad."""
+    value = re.sub(r"[\s-]", "", secret).upper().rstrip("=")
+    if not value or not _BASE32.fullmatch(value):
+        raise ValueError("not a base32 string")
+    try:
+        raw = base64.b32decode(value + "=" * (-len(value) % 8))
+    except binascii.Error:
+        raise ValueError("not a base32 string") from None
+    if len(raw) < 10:
+        raise ValueError("shorter than 80 bits (16 base32 characters)")
+    return value
+
+
+def check_private_file(path: Path, what: str) -> None:
+    """Refuse a secrets file that someone other than its owner can read or write."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise AuthFileError(f"{what} {path}: cannot read: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise AuthFileError(f"{what} {path}: not a regular file")
+    if st.st_mode & 0o077:
+        raise AuthFileError(
+            f"{what} {path} is readable or writable by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); it holds secrets: chmod 600 {path}"
+        )
+
+
+def read_clients_file(path: Path) -> dict[str, ClientEntry]:
+    """Read and check `{clients: {id: {totp_secret, profile}}}`; every problem is listed."""
+    check_private_file(path, "clients file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise AuthFileError(f"clients file {path}: cannot parse: {exc}") from None
+    problems: list[str] = []
+    entries: dict[str, ClientEntry] = {}
+    if not isinstance(data, dict) or set(data) != {"clients"} or not isinstance(
+        data["clients"], dict
+    ):
+        raise AuthFileError(
+            f"clients file {path}: expected one top-level key `clients` mapping client ids "
+            "to {totp_secret: BASE32, profile: NAME}"
+        )
+    for client, body in data["clients"].items():
+        where = f"clients.{client}"
+        if not isinstance(client, str) or not CLIENT_ID.fullmatch(client):
+            problems.append(f"{where}: client id must match {CLIENT_ID.pattern}")
+            continue
+        if client == "core":
+            problems.append(f"{where}: `core` is reserved for agentd itself")
+            continue
+        if not isinstance(body, dict):
+            problems.append(f"{where}: expected a mapping with totp_secret and profile")
+            continue
+        unknown = sorted(set(body) - {"totp_secret", "profile"})
+        if unknown:
+            problems.append(f"{where}: unknown keys {', '.join(map(str, unknown))}")
+        secret, profile = body.get("totp_secret"), body.get("profile")
+        if not isinstance(secret, str):
+            problems.append(f"{where}.totp_secret: required, a base32 string")
+        if not isinstance(profile, str) or not profile:
+            problems.append(f"{where}.profile: required, a profile name")
+        if not isinstance(secret, str) or not isinstance(profile, str) or not profile:
+            continue
+        try:
+            entries[client] = ClientEntry(client, normalise_secret(secret), profile)
+        except ValueError as exc:
+            problems.append(f"{where}.totp_secret: {exc}")
+    if problems:
+        raise AuthFileError(f"clients file {path}:\n  " + "\n  ".join(problems))
+    return entries
+
+
+# ---- authentication ---------------------------------------------------------------
+
+
+def _hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def totp_code(secret: str, step: int) -> str:
+    """The RFC 6238 code (SHA-1, 6 digits) for a 30 s step number."""
+    return pyotp.TOTP(secret, digits=TOTP_DIGITS, interval=TOTP_STEP_S).at(step * TOTP_STEP_S)
+
+
+class ClientAuth:
+    """Who may connect to the bus, and the TOTP/session/lockout state that decides it."""
+
+    def __init__(
+        self,
+        entries: dict[str, ClientEntry],
+        state_path: Path,
+        cfg: AuthConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._entries = entries
+        self._state_path = state_path
+        self._cfg = cfg
+        self._clock = clock
+        self._state: dict[str, _ClientState] = {c: _ClientState() for c in entries}
+        self.on_lockout: Callable[[str], None] | None = None
+
+    @classmethod
+    def load(
+        cls,
+        clients_file: Path,
+        state_dir: Path,
+        cfg: AuthConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> ClientAuth:
+        """Read the clients file (refused unless mode 0600 or stricter) and the
+        persisted state (sessions, last accepted steps, lockouts)."""
+        entries = read_clients_file(Path(clients_file))
+        auth = cls(entries, Path(state_dir) / STATE_FILE, cfg, clock=clock)
+        auth._read_state()
+        return auth
+
+    # -- public surface
+
+    def profiles(self) -> dict[str, str]:
+        return {c: e.profile for c, e in self._entries.items()}
+
+    def unknown_profiles(self, known: Iterable[str]) -> list[str]:
+        """Clients whose profile is not in `known` (the daemon refuses to start then)."""
+        names = set(known)
+        return sorted(c for c, e in self._entries.items() if e.profile not in names)
+
+    def locked(self, client: str) -> bool:
+        st = self._state.get(client)
+        return st is not None and self._clock() < st.locked_until
+
+    def authenticate(self, frame: bytes) -> tuple[str, str] | None:
+        """The first frame -> (client, session token), or None for any failure."""
+        req = parse_auth_frame(frame)
+        if req is None:
+            log.info("auth failed reason=malformed-frame")
+            return None
+        entry = self._entries.get(req.client)
+        if entry is None:
+            log.info("auth failed client=%s reason=unknown-client", req.client)
+            return None
+        st = self._state[req.client]
+        now = self._clock()
+        if now < st.locked_until:
+            log.info("auth failed client=%s reason=locked-out", req.client)
+            return None
+        if req.totp is not None:
+            step = self._match_totp(entry, st, req.totp, now)
+            if step is None:
+                self._fail(req.client, st, now, "wrong-or-reused-code")
+                return None
+            st.last_step = step
+            token = secrets.token_urlsafe(32)
+            self._add_session(st, token, now)
+            self._write_state()
+            log.info("auth ok client=%s method=totp", req.client)
+            return req.client, token
+        assert req.session is not None
+        expires = st.sessions.get(_hash_token(req.session))
+        if expires is None or expires <= now:
+            self._fail(req.client, st, now, "bad-session")
+            return None
+        log.info("auth ok client=%s method=session", req.client)
+        return req.client, req.session
+
+    def revoke_sessions(self, client: str) -> None:
+        st = self._state.get(client)
+        if st is not None and st.sessions:
+            st.sessions.clear()
+            self._write_state()
+
+    # -- decisions
+
+    def _match_totp(
+        self, entry: ClientEntry, st: _ClientState, code: str, now: float
+    ) -> int | None:
+        current = int(now // TOTP_STEP_S)
+        found: int | None = None
+        for step in (current - 1, current, current + 1):
+            # Compare all three so the time taken does not depend on which matched.
+            same = hmac.compare_digest(totp_code(entry.totp_secret, step), code)
+            if same and step > st.last_step and found is None:
+                found = step
+        return found
+
+    def _fail(self, client: str, st: _ClientState, now: float, reason: str) -> None:
+        """Count a failure of a known client; lock it out at `max_failures`."""
+        log.info("auth failed client=%s reason=%s", client, reason)
+        window = self._cfg.failure_window_s
+        st.failures.append(now)
+        while st.failures and st.failures[0] <= now - window:
+            st.failures.popleft()
+        if len(st.failures) >= self._cfg.max_failures:
+            st.failures.clear()
+            st.locked_until = now + self._cfg.lockout_s
+            st.sessions.clear()  # a lockout revokes every session token
+            self._write_state()
+            log.warning(
+                "client locked out client=%s lockout_s=%s (sessions revoked)",
+                client, self._cfg.lockout_s,
+            )
+            if self.on_lockout is not None:
+                try:
+                    self.on_lockout(client)
+                except Exception:  # the journal hook must not break authentication
+                    log.exception("on_lockout hook failed client=%s", client)
+
+    def _add_session(self, st: _ClientState, token: str, now: float) -> None:
+        for digest, expires in list(st.sessions.items()):
+            if expires <= now:
+                del st.sessions[digest]
+        st.sessions[_hash_token(token)] = now + self._cfg.session_ttl_s
+        while len(st.sessions) > MAX_SESSIONS_PER_CLIENT:
+            del st.sessions[next(iter(st.sessions))]
+
+    # -- persistence
+
+    def _read_state(self) -> None:
+        path = self._state_path
+        if not path.exists():
+            return
+        check_private_file(path, "auth state file")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            clients = data["clients"]
+            if data.get("version") != 1 or not isinstance(clients, dict):
+                raise ValueError("unknown layout")
+            for client, body in clients.items():
+                st = self._state.get(client)
+                if st is None:  # a client removed from the clients file
+                    continue
+                st.last_step = int(body.get("last_step", -1))
+                st.locked_until = float(body.get("locked_until", 0.0))
+                st.sessions = {str(k): float(v) for k, v in body.get("sessions", {}).items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            # Starting without it would reopen used TOTP codes for replay.
+            raise AuthFileError(
+                f"auth state file {path} is unreadable ({exc}); if it is damaged, stop "
+                "agentd, delete it (clients must then log in again with TOTP) and restart"
+            ) from None
+
+    def _write_state(self) -> None:
+        now = self._clock()
+        clients: dict[str, dict[str, object]] = {}
+        for client, st in self._state.items():
+            sessions = {k: v for k, v in st.sessions.items() if v > now}
+            if st.last_step < 0 and not sessions and st.locked_until <= now:
+                continue
+            clients[client] = {
+                "last_step": st.last_step,
+                "locked_until": st.locked_until,
+                "sessions": sessions,
+            }
+        body = json.dumps({"version": 1, "clients": clients}, sort_keys=True).encode()
+        write_private_atomic(self._state_path, body)
+
+
+def write_private_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` (mode 0600): tmp + fsync + rename + fsync(folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+__all__ = [
+    "AuthFileError",
+    "AuthRequest",
+    "ClientAuth",
+    "ClientEntry",
+    "auth_frame",
+    "auth_ok_frame",
+    "check_private_file",
+    "normalise_secret",
+    "parse_auth_frame",
+    "parse_auth_ok",
+    "read_clients_file",
+    "totp_code",
+    "write_private_atomic",
+]

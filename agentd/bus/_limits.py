@@ -1,0 +1,101 @@
+"""The bus's flow limits as plain objects (no sockets): a token bucket per client and
+the in-flight window per connection. The server asks them questions; they never do
+I/O, so the policies are tested without a network.
+
+"In flight" (CONTRACT section 3, `bus.max_inflight`) means: an envelope the pump
+accepted whose thread has not yet received its answer. The answer is the first
+frame on that thread that is not `accepted` (a response, an `ack` or a `huh`).
+An envelope refused at ingress is answered by its `huh` at once and never counts.
+Each further envelope on the same thread adds one; each answer frame removes one.
+A thread that never gets an answer (a handler that stays silent toward the client
+without the pump's `ack`) is released after `ttl_s`, so a connection cannot stall
+forever on a lost answer.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class TokenBucket:
+    """`rate` tokens a second, at most `burst` saved up; one token per envelope."""
+
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        self.rate = rate
+        self.burst = float(burst)
+        self.tokens = float(burst)
+        self.stamp = now
+
+    def take(self, now: float) -> bool:
+        tokens = self.tokens + (now - self.stamp) * self.rate
+        self.stamp = now
+        if tokens > self.burst:
+            tokens = self.burst
+        if tokens >= 1.0:
+            self.tokens = tokens - 1.0
+            return True
+        self.tokens = tokens
+        return False
+
+
+class InflightWindow:
+    """Unanswered envelopes of one connection, by thread, oldest first."""
+
+    __slots__ = ("_threads", "limit", "total", "ttl_s")
+
+    def __init__(self, limit: int, ttl_s: float) -> None:
+        self.limit = limit
+        self.ttl_s = ttl_s
+        self.total = 0
+        # thread -> [unanswered count, time of the last submit]; insertion order is
+        # the order of last submission, so expiry scans from the front.
+        self._threads: OrderedDict[str, list[float]] = OrderedDict()
+
+    @property
+    def full(self) -> bool:
+        return self.total >= self.limit
+
+    def __contains__(self, thread: str) -> bool:
+        return thread in self._threads
+
+    def submitted(self, thread: str, now: float) -> None:
+        entry = self._threads.get(thread)
+        if entry is None:
+            self._threads[thread] = [1, now]
+        else:
+            entry[0] += 1
+            entry[1] = now
+            self._threads.move_to_end(thread)
+        self.total += 1
+
+    def answered(self, thread: str) -> bool:
+        """One answer on `thread`; True if that freed room below the limit."""
+        entry = self._threads.get(thread)
+        if entry is None:
+            return False
+        was_full = self.total >= self.limit
+        entry[0] -= 1
+        self.total -= 1
+        if entry[0] <= 0:
+            del self._threads[thread]
+        return was_full and self.total < self.limit
+
+    def expire(self, now: float) -> int:
+        """Release threads unanswered for longer than `ttl_s`; the count released."""
+        released = 0
+        cutoff = now - self.ttl_s
+        while self._threads:
+            thread, entry = next(iter(self._threads.items()))
+            if entry[1] > cutoff:
+                break
+            del self._threads[thread]
+            released += int(entry[0])
+            self.total -= int(entry[0])
+        return released
+
+    def oldest_deadline(self) -> float | None:
+        if not self._threads:
+            return None
+        return next(iter(self._threads.values()))[1] + self.ttl_s

@@ -1,0 +1,130 @@
+"""TLS for the main bus: the server and client contexts, and a self-signed
+certificate for first runs (`agentd init`) and tests.
+
+The server refuses anything below TLS 1.2 and prefers TLS 1.3 (OpenSSL negotiates
+the highest both sides have). TLS compression stays off (OpenSSL's default).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+import ssl
+from collections.abc import Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from agentd._config import TlsConfig
+from agentd._errors import AgentdError
+
+DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+class TlsSetupError(AgentdError):
+    """The certificate or key cannot be loaded."""
+
+
+def server_context(tls: TlsConfig | None) -> ssl.SSLContext:
+    if tls is None:
+        raise TlsSetupError(
+            "bus.tls is required: the main bus only speaks TLS (set bus.tls.cert and "
+            "bus.tls.key; `agentd init` writes a self-signed pair)"
+        )
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE
+    ctx.options |= ssl.OP_NO_RENEGOTIATION
+    # No TLS 1.3 session tickets: bus clients reconnect with a session token, not TLS
+    # resumption, and each ticket costs a little memory and CPU per connection.
+    ctx.num_tickets = 0
+    try:
+        ctx.load_cert_chain(str(tls.cert), str(tls.key))
+    except (OSError, ssl.SSLError) as exc:
+        raise TlsSetupError(
+            f"cannot load TLS certificate {tls.cert} with key {tls.key}: {exc}"
+        ) from None
+    return ctx
+
+
+def client_context(cafile: str | Path | None = None, verify: bool = True) -> ssl.SSLContext:
+    """Verifies the server against `cafile` (or the system store); `verify=False`
+    only for tests and throwaway setups."""
+    ctx = ssl.create_default_context(cafile=str(cafile) if cafile else None)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    if not verify:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+def make_self_signed(
+    cert_path: Path,
+    key_path: Path,
+    hosts: Sequence[str] = DEFAULT_HOSTS,
+    days: int = 825,
+) -> None:
+    """A P-256 self-signed server certificate for `hosts` (DNS names or IPs). The key
+    is written with mode 0600. A client trusts it with `--cafile cert.pem`."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    for host in hosts:
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    subject = x509.Name([
+        x509.NameAttribute(NameOID.COMMON_NAME, hosts[0] if hosts else "agentd"),
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "agentd self-signed"),
+    ])
+    now = dt.datetime.now(dt.UTC)
+    public = key.public_key()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        # CA:TRUE so that strict verifiers accept it as its own trust anchor.
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True, content_commitment=False, key_encipherment=False,
+                data_encipherment=False, key_agreement=True, key_cert_sign=True,
+                crl_sign=False, encipher_only=False, decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(public), critical=False
+        )
+        .sign(key, hashes.SHA256())
+    )
+    key_bytes = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    write_new(key_path, key_bytes, 0o600)
+    write_new(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+
+
+def write_new(path: Path, data: bytes, mode: int) -> None:
+    """Create `path` with `mode` from the start (never briefly world-readable);
+    refuses to overwrite."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    try:
+        os.write(fd, data)
+        os.fchmod(fd, mode)  # umask does not narrow it further than asked
+    finally:
+        os.close(fd)

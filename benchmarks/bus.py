@@ -1,0 +1,419 @@
+"""The main bus against the physical limit of the transport, in one run.
+
+Two servers, each in its own process, driven by the same client program (this
+process) over real TLS WebSockets on 127.0.0.1, both on uvloop:
+
+  echo    a bare websockets TLS server that sends every frame back (the limit of
+          TLS + WebSocket framing + the event loop here);
+  agentd  BusServer + ClientAuth + the real Pump serving `calculator.add`, with the
+          kernel journaling every envelope (durable `accepted`) unless --no-kernel.
+
+Measured: 8 pipelined clients (request/response pairs per second: a pair is a
+request and its answer; agentd's `accepted` frames are read but not counted), one
+sequential client's round trip (p50/p99), and the server's RSS growth per idle
+authenticated connection (5,000 connections; --quick: 500). The in-process pump on
+the same workload is printed too (the cost of the network layer).
+
+Usage: python benchmarks/bus.py [--quick]. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import resource
+import ssl
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agentd._envelope import build_envelope  # noqa: E402
+from agentd._xmlify import spec_of  # noqa: E402
+from agentd.tools.calculator import Add  # noqa: E402
+
+CLIENTS = 8
+WINDOW = 64  # requests outstanding per pipelined client
+
+
+def _loop_run(coro: Any) -> Any:
+    try:
+        import uvloop
+
+        return uvloop.run(coro)
+    except ImportError:  # pragma: no cover
+        return asyncio.run(coro)
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _raise_nofile() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def requests(client: str, n: int) -> list[bytes]:
+    spec = spec_of(Add)
+    return [build_envelope(client, str(uuid.uuid4()), spec.to_bytes(Add(a=i, b=2)))
+            for i in range(n)]
+
+
+# ---------------------------------------------------------------------------- servers
+
+
+async def serve_echo(home: Path) -> None:
+    from websockets.asyncio.server import serve
+
+    from agentd._config import TlsConfig
+    from agentd.bus._tls import server_context
+
+    ctx = server_context(TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
+
+    async def echo(ws: Any) -> None:
+        async for frame in ws:
+            await ws.send(frame)
+
+    server = await serve(echo, "127.0.0.1", 0, ssl=ctx, compression=None,
+                         max_size=256 * 1024, max_queue=(4, 1))
+    await _serve_control(server.sockets[0].getsockname()[1], server)
+
+
+async def serve_agentd(home: Path, kernel: bool) -> None:
+    from dataclasses import replace
+
+    from agentd._config import AuthConfig, BusConfig, TlsConfig, load_config
+    from agentd._pump import Pump
+    from agentd._routing import Routing
+    from agentd.bus import BusServer, ClientAuth
+    from agentd.testing import settings_from
+
+    config = load_config(ROOT / "config" / "organism.yaml", state_dir_override=home / "state")
+    auth = ClientAuth.load(home / "clients.yaml", config.state_dir,
+                           AuthConfig(clients_file=home / "clients.yaml"))
+    holder: dict[str, Any] = {}
+
+    def deliver(client: str, thread: str, data: bytes, outbox_id: int | None = None) -> None:
+        holder["bus"].deliver(client, thread, data, outbox_id)
+
+    pump = Pump(Routing.build(config), auth.profiles(), deliver, settings_from(config))
+    outbox = None
+    kern = None
+    if kernel:
+        from agentd._daemon import KernelOutbox
+        from agentd.kernel import Kernel
+
+        j = config.journal
+        kern = await Kernel.open(config.state_dir, synchronous=j.synchronous,
+                                 commit_interval_s=j.commit_interval_ms / 1000,
+                                 commit_max_entries=j.commit_max_entries)
+        pump.kernel = kern
+        outbox = KernelOutbox(kern)
+    await pump.start()
+    cfg = replace(BusConfig(), host="127.0.0.1", port=0, max_connections=20000,
+                  rate_per_s=1e9, rate_burst=1_000_000,
+                  tls=TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
+    bus = holder["bus"] = BusServer(cfg, auth, pump.submit, outbox)
+    await bus.start()
+    await _serve_control(bus.port, None)
+    await bus.close()
+    await pump.stop()
+    if kern is not None:
+        await kern.close()
+
+
+async def _serve_control(port: int, server: Any) -> None:
+    """Print the port, then answer `rss` / `quit` lines on stdin."""
+    print(f"PORT {port}", flush=True)
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while True:
+        line = (await reader.readline()).decode().strip()
+        if line == "rss":
+            gc.collect()
+            await asyncio.sleep(0.2)
+            print(f"RSS {_rss_kib()}", flush=True)
+        elif line in ("quit", ""):
+            break
+    if server is not None:
+        server.close()
+
+
+class ServerProcess:
+    def __init__(self, mode: str, home: Path, kernel: bool = True) -> None:
+        args = [sys.executable, __file__, "--serve", mode, "--home", str(home)]
+        if not kernel:
+            args.append("--no-kernel")
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT "):
+            raise RuntimeError(f"server did not start: {line!r}")
+        self.port = int(line.split()[1])
+
+    def rss(self) -> int:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write("rss\n")
+        self.proc.stdin.flush()
+        return int(self.proc.stdout.readline().split()[1])
+
+    def stop(self) -> None:
+        assert self.proc.stdin
+        with _suppress():
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class _suppress:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> bool:
+        return True
+
+
+# ---------------------------------------------------------------------------- the client
+
+
+class Rig:
+    def __init__(self, home: Path, secrets: dict[str, str]) -> None:
+        self.home = home
+        self.secrets = secrets
+        self.ctx = ssl.create_default_context(cafile=str(home / "tls" / "cert.pem"))
+        self.sessions: dict[tuple[int, str], str] = {}
+
+    async def connect(self, port: int, client: str) -> Any:
+        """Connect and send the first frame (a session if we have one, else TOTP);
+        the echo server echoes it, agentd answers auth-ok."""
+        import pyotp
+        from websockets.asyncio.client import connect
+
+        from agentd.bus._auth import auth_frame, parse_auth_ok
+
+        ws = await connect(f"wss://127.0.0.1:{port}/bus", ssl=self.ctx, compression=None,
+                           max_size=1 << 20, open_timeout=60, ping_interval=None)
+        session = self.sessions.get((port, client))
+        frame = (auth_frame(client, session=session) if session else
+                 auth_frame(client, totp=pyotp.TOTP(self.secrets[client]).now()))
+        await ws.send(frame, text=True)
+        reply = await ws.recv(decode=False)
+        ok = parse_auth_ok(reply)
+        if ok is not None:
+            self.sessions[(port, client)] = ok[1]
+        return ws
+
+
+def _is_accepted(frame: bytes) -> bool:
+    return b"<from>core</from>" in frame and b"<accepted " in frame
+
+
+async def pipelined(rig: Rig, port: int, n_per_client: int) -> float:
+    names = [f"c{i}" for i in range(CLIENTS)]
+    conns = [await rig.connect(port, name) for name in names]
+    work = {name: requests(name, n_per_client) for name in names}
+
+    async def run(ws: Any, reqs: list[bytes]) -> None:
+        sem = asyncio.Semaphore(WINDOW)
+        done = 0
+
+        async def reader() -> None:
+            nonlocal done
+            while done < len(reqs):
+                frame = await ws.recv(decode=False)
+                if _is_accepted(frame):
+                    continue
+                done += 1
+                sem.release()
+
+        task = asyncio.create_task(reader())
+        for r in reqs:
+            await sem.acquire()
+            await ws.send(r, text=True)
+        await task
+
+    start = time.perf_counter()
+    await asyncio.gather(*(run(ws, work[name]) for ws, name in zip(conns, names, strict=True)))
+    elapsed = time.perf_counter() - start
+    for ws in conns:
+        await ws.close()
+    return CLIENTS * n_per_client / elapsed
+
+
+async def sequential(rig: Rig, port: int, n: int) -> list[float]:
+    ws = await rig.connect(port, "seq")
+    out: list[float] = []
+    for r in requests("seq", n):
+        t0 = time.perf_counter()
+        await ws.send(r, text=True)
+        while True:
+            frame = await ws.recv(decode=False)
+            if not _is_accepted(frame):
+                break
+        out.append(time.perf_counter() - t0)
+    await ws.close()
+    return out
+
+
+async def idle(rig: Rig, port: int, n: int) -> list[Any]:
+    await (await rig.connect(port, "idle")).close()  # TOTP once, sessions after
+    conns: list[Any] = []
+    for i in range(0, n, 100):
+        conns += await asyncio.gather(*(rig.connect(port, "idle") for _ in range(min(100, n - i))))
+    return conns
+
+
+async def inprocess(n: int) -> float:
+    """The same workload through the pump in this process (no network, no journal)."""
+    from agentd._config import load_config
+    from agentd._pump import Pump
+    from agentd._routing import Routing
+    from agentd.testing import settings_from
+
+    config = load_config(ROOT / "config" / "organism.yaml")
+    got = 0
+
+    def deliver(c: str, t: str, d: bytes, o: int | None = None) -> None:
+        nonlocal got
+        if not _is_accepted(d):
+            got += 1
+
+    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, settings_from(config))
+    await pump.start()
+    data = requests("alice", n)
+    start = time.perf_counter()
+    for d in data:
+        await pump.submit("alice", d)
+    await pump.join()
+    elapsed = time.perf_counter() - start
+    await pump.stop()
+    assert got == n
+    return n / elapsed
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p * len(values)))]
+
+
+def make_home() -> tuple[Path, dict[str, str]]:
+    import pyotp
+    import yaml
+
+    from agentd.bus import make_self_signed
+
+    home = Path(tempfile.mkdtemp(prefix="agentd-bench-"))
+    make_self_signed(home / "tls" / "cert.pem", home / "tls" / "key.pem")
+    names = [f"c{i}" for i in range(CLIENTS)] + ["seq", "idle"]
+    secrets = {n: pyotp.random_base32() for n in names}
+    path = home / "clients.yaml"
+    path.write_text(yaml.safe_dump({"clients": {
+        n: {"totp_secret": s, "profile": "public"} for n, s in secrets.items()}}))
+    path.chmod(0o600)
+    return home, secrets
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    quick = args.quick
+    n_pipe = 500 if quick else 4000
+    n_seq = 300 if quick else 2000
+    n_idle = 500 if quick else 5000
+    _raise_nofile()
+    home, secrets = make_home()
+    rig = Rig(home, secrets)
+    result: dict[str, Any] = {"clients": CLIENTS, "window": WINDOW, "kernel": not args.no_kernel}
+
+    for mode in ("echo", "agentd"):
+        server = ServerProcess(mode, home / mode if mode == "agentd" else home,
+                               kernel=not args.no_kernel)
+        try:
+            await pipelined(rig, server.port, max(50, n_pipe // 10))  # warm-up
+            rate = await pipelined(rig, server.port, n_pipe)
+            lat = await sequential(rig, server.port, n_seq)
+        finally:
+            server.stop()
+        p50, p99 = pct(lat, 0.5) * 1e6, pct(lat, 0.99) * 1e6
+        print(f"{mode:>6}: {rate:9.0f} pairs/s ({CLIENTS} pipelined clients), "
+              f"round trip p50 {p50:7.0f} us p99 {p99:7.0f} us")
+        result[f"{mode}_pairs_per_s"] = round(rate)
+        result[f"{mode}_p50_us"] = round(p50)
+        result[f"{mode}_p99_us"] = round(p99)
+
+    for mode in ("echo", "agentd"):
+        server = ServerProcess(mode, home / f"{mode}-idle" if mode == "agentd" else home,
+                               kernel=not args.no_kernel)
+        try:
+            warm = await idle(rig, server.port, 20)
+            before = server.rss()
+            conns = await idle(rig, server.port, n_idle)
+            await asyncio.sleep(1.0)
+            after = server.rss()
+            for ws in conns + warm:
+                ws.transport.abort()
+        finally:
+            server.stop()
+        per = (after - before) / n_idle
+        print(f"{mode:>6}: RSS {before} KiB -> {after} KiB with {n_idle} idle authenticated "
+              f"connections: {per:.1f} KiB each")
+        result[f"{'echo_' if mode == 'echo' else ''}kib_per_idle_connection"] = round(per, 1)
+
+    ip = await inprocess(n_pipe)
+    print(f"in-process pump (no network, no journal): {ip:.0f} pairs/s")
+    result["inprocess_pairs_per_s"] = round(ip)
+    result["ratio"] = round(result["agentd_pairs_per_s"] / result["echo_pairs_per_s"], 3)
+    result["p50_ratio"] = round(result["agentd_p50_us"] / result["echo_p50_us"], 2)
+    result["network_vs_inprocess"] = round(result["agentd_pairs_per_s"] / ip, 3)
+    result["idle_connections"] = n_idle
+    print(f"agentd reaches {result['ratio']:.0%} of the echo server's pairs/s "
+          "(target >= 40%)")
+    print(f"agentd p50 round trip is {result['p50_ratio']}x the echo server's (target <= 3x)")
+    print(f"idle connection: {result['kib_per_idle_connection']} KiB (target < 40 KiB)")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes for CI")
+    parser.add_argument("--no-kernel", action="store_true", help="agentd without the journal")
+    parser.add_argument("--serve", choices=("echo", "agentd"), help=argparse.SUPPRESS)
+    parser.add_argument("--home", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        _raise_nofile()
+        home = args.home
+        if args.serve == "echo":
+            _loop_run(serve_echo(home))
+        else:
+            home.mkdir(parents=True, exist_ok=True)
+            base = home.parent
+            for name in ("tls", "clients.yaml"):
+                if not (home / name).exists():
+                    os.symlink(base / name, home / name)
+            _loop_run(serve_agentd(home, kernel=not args.no_kernel))
+        return
+    result = _loop_run(bench(args))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,573 @@
+"""The main bus over real TLS WebSockets on 127.0.0.1 (CONTRACT section 3): first-
+frame TOTP authentication, sessions, lockout, transport limits, backpressure, rate
+limits, routing of answers and the outbox. The server side is the real BusServer,
+ClientAuth and Pump; only the clock of ClientAuth is moved by the tests."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import uuid
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
+
+from agentd import _metrics
+from agentd._envelope import build_envelope, parse_envelope
+from agentd._xmlify import spec_of
+from agentd.bus import ClientAuth, auth_frame
+from agentd.bus._auth import AuthFileError, parse_auth_ok
+from agentd.client import AuthenticationFailed, BusError, frame_kind
+from agentd.tools.calculator import Add
+from agentd.tools.echo import Echo
+from agentd.tools.relay import Relay
+from tests.test_bus_support import GATE, Gate, MemoryOutbox, Rig, start_rig, stop_rig
+
+
+@pytest.fixture
+async def rig(tmp_path: Path):
+    r = await start_rig(tmp_path, auth={"lockout_s": 5.0})
+    yield r
+    await stop_rig(r)
+
+
+@pytest.fixture(autouse=True)
+def _gate():
+    GATE.update(event=None, entered=0)
+    yield
+    event = GATE["event"]
+    if event is not None:
+        event.set()
+
+
+def kinds(frames: list[bytes]) -> list[tuple[str, str]]:
+    return [frame_kind(f)[:2] for f in frames]
+
+
+def value(frame: bytes, name: str) -> str:
+    for child in parse_envelope(frame).payload:
+        if child.tag.split("}")[1] == name:
+            return child.text or ""
+    raise KeyError(name)
+
+
+async def refused(rig: Rig, client: str, **kw) -> AuthenticationFailed:
+    with pytest.raises(AuthenticationFailed) as info:
+        await rig.client(client, **kw).connect()
+    return info.value
+
+
+# ---- authentication ------------------------------------------------------------------
+
+
+async def test_totp_login_gets_auth_ok_with_a_session_token(rig: Rig) -> None:
+    async with rig.client("alice") as c:
+        assert c.session is not None and len(c.session) >= 22  # >= 128 bits, url-safe
+        frames = await c.exchange(Add(a=2, b=3), timeout=5)
+    assert kinds(frames) == [("core", "accepted"), ("calculator.add", "sum")]
+    assert value(frames[1], "value") == "5"
+
+
+async def test_auth_ok_frame_names_client_and_session(rig: Rig) -> None:
+    async with connect(rig.url, ssl=_trusting(rig)) as ws:
+        await ws.send(auth_frame("alice", totp=rig.code("alice")))
+        ok = parse_auth_ok(await ws.recv(decode=False))
+    assert ok is not None and ok[0] == "alice"
+
+
+async def test_wrong_code_is_refused_with_4401(rig: Rig) -> None:
+    good = rig.code("alice")
+    wrong = f"{(int(good) + 1) % 1_000_000:06d}"
+    err = await refused(rig, "alice", totp=wrong)
+    assert (err.code, err.reason) == (4401, "authentication failed")
+
+
+async def test_reused_code_is_refused_with_4401(rig: Rig) -> None:
+    code = rig.code("alice")
+    async with rig.client("alice", totp=code):
+        pass
+    err = await refused(rig, "alice", totp=code)
+    assert (err.code, err.reason) == (4401, "authentication failed")
+
+
+async def test_code_of_an_earlier_step_is_refused_after_a_later_one(rig: Rig) -> None:
+    async with rig.client("alice", totp=rig.code("alice", +1)):
+        pass
+    err = await refused(rig, "alice", totp=rig.code("alice", 0))
+    assert err.code == 4401
+
+
+async def test_adjacent_steps_are_accepted(rig: Rig) -> None:
+    async with rig.client("alice", totp=rig.code("alice", -1)):
+        pass
+    async with rig.client("alice", totp=rig.code("alice", +1)):
+        pass
+    err = await refused(rig, "alice", totp=rig.code("alice", +2))
+    assert err.code == 4401
+
+
+async def test_unknown_client_gets_the_same_close_as_a_wrong_code(rig: Rig) -> None:
+    unknown = await refused(rig, "mallory", totp="123456")
+    wrong = await refused(rig, "bob", totp="000000" if rig.code("bob") != "000000" else "111111")
+    assert (unknown.code, unknown.reason) == (wrong.code, wrong.reason) == (
+        4401, "authentication failed",
+    )
+
+
+@pytest.mark.parametrize("first", [
+    b"hello",
+    b"<auth/>",
+    b'<!DOCTYPE x [<!ENTITY a "b">]><auth xmlns="https://xml-pipeline.org/ns/auth/v1"/>',
+    b'<auth xmlns="https://xml-pipeline.org/ns/auth/v1"><client>alice</client>'
+    b"<totp>12345</totp></auth>",
+])
+async def test_garbage_first_frame_is_refused_with_4401(rig: Rig, first: bytes) -> None:
+    async with connect(rig.url, ssl=_trusting(rig)) as ws:
+        await ws.send(first)
+        with pytest.raises(ConnectionClosed) as info:
+            await ws.recv()
+    assert (info.value.rcvd.code, info.value.rcvd.reason) == (4401, "authentication failed")
+
+
+async def test_lockout_after_five_failures_and_its_expiry(rig: Rig) -> None:
+    locked: list[str] = []
+    rig.auth.on_lockout = locked.append
+    failures_before = _metrics.auth_failures._value.get()
+    for _ in range(5):
+        await refused(rig, "alice", totp="000000" if rig.code("alice") != "000000" else "111111")
+    assert locked == ["alice"]
+    assert _metrics.auth_failures._value.get() - failures_before == 5
+    err = await refused(rig, "alice", totp=rig.code("alice"))  # correct, but locked
+    assert (err.code, err.reason) == (4401, "authentication failed")
+    async with rig.client("bob"):  # other clients are not affected
+        pass
+    rig.clock.advance(5.1)  # lockout_s = 5 in this rig
+    rig.next_step()
+    async with rig.client("alice"):
+        pass
+
+
+async def test_failures_spread_beyond_the_window_do_not_lock(rig: Rig) -> None:
+    for _ in range(8):
+        await refused(rig, "alice", session="x" * 43)
+        rig.clock.advance(15)  # 4 failures per 60 s window at most
+    async with rig.client("alice"):
+        pass
+
+
+async def test_auth_timeout_closes_with_4408(tmp_path: Path) -> None:
+    r = await start_rig(tmp_path, bus={"auth_timeout_s": 0.3})
+    try:
+        async with connect(r.url, ssl=_trusting(r)) as ws:
+            with pytest.raises(ConnectionClosed) as info:
+                await asyncio.wait_for(ws.recv(), 5)
+        assert info.value.rcvd.code == 4408
+    finally:
+        await stop_rig(r)
+
+
+async def test_session_token_reconnects_without_a_code(rig: Rig) -> None:
+    first = await rig.login("alice")
+    token = first.session
+    await first.close()
+    async with rig.client("alice", session=token) as again:
+        assert again.session == token
+        frames = await again.exchange(Add(a=1, b=1), timeout=5)
+    assert value(frames[-1], "value") == "2"
+
+
+async def test_session_of_one_client_does_not_open_another(rig: Rig) -> None:
+    alice = await rig.login("alice")
+    await alice.close()
+    err = await refused(rig, "bob", session=alice.session)
+    assert err.code == 4401
+
+
+async def test_sessions_expire_after_their_ttl(tmp_path: Path) -> None:
+    r = await start_rig(tmp_path, auth={"session_ttl_s": 60.0})
+    try:
+        c = await r.login("alice")
+        await c.close()
+        r.clock.advance(61)
+        err = await refused(r, "alice", session=c.session)
+        assert err.code == 4401
+    finally:
+        await stop_rig(r)
+
+
+async def test_lockout_revokes_every_session(rig: Rig) -> None:
+    tokens = []
+    for _ in range(2):
+        c = await rig.login("alice")
+        tokens.append(c.session)
+        await c.close()
+    for _ in range(5):
+        await refused(rig, "alice", totp="000000" if rig.code("alice") != "000000" else "111111")
+    rig.clock.advance(6)  # the lockout is over, the sessions stay revoked
+    for token in tokens:
+        err = await refused(rig, "alice", session=token)
+        assert err.code == 4401
+
+
+async def test_sessions_and_used_steps_survive_reloading_from_disk(rig: Rig) -> None:
+    code = rig.code("alice")
+    c = await rig.login("alice", totp=code)
+    await c.close()
+    state = rig.home / "state" / "auth-state.json"
+    assert state.stat().st_mode & 0o777 == 0o600
+    assert c.session is not None and c.session not in state.read_text()  # only hashes
+    reloaded = ClientAuth.load(rig.home / "clients.yaml", rig.home / "state", rig.auth_cfg,
+                               clock=rig.clock)
+    assert reloaded.authenticate(auth_frame("alice", session=c.session)) == ("alice", c.session)
+    rig.clock.advance(-30)  # back at the step of `code`: used before the "restart"
+    assert reloaded.authenticate(auth_frame("alice", totp=code)) is None
+
+
+def test_clients_file_readable_by_others_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "clients.yaml"
+    path.write_text("clients:\n  alice: {totp_secret: JBSWY3DPEHPK3PXP, profile: public}\n")
+    path.chmod(0o644)
+    with pytest.raises(AuthFileError, match="chmod 600"):
+        ClientAuth.load(path, tmp_path, rig_auth_cfg(path))
+    path.chmod(0o600)
+    assert ClientAuth.load(path, tmp_path, rig_auth_cfg(path)).profiles() == {"alice": "public"}
+
+
+@pytest.mark.parametrize("body, message", [
+    ("alice: {}\n", "top-level key `clients`"),
+    ("clients:\n  alice: {totp_secret: 'not base32!', profile: public}\n", "base32"),
+    ("clients:\n  alice: {totp_secret: JBSWY3DP, profile: public}\n", "80 bits"),
+    ("clients:\n  alice: {totp_secret: JBSWY3DPEHPK3PXP}\n", "profile: required"),
+    ("clients:\n  'bad id': {totp_secret: JBSWY3DPEHPK3PXP, profile: p}\n", "client id"),
+    ("clients:\n  alice: {totp_secret: JBSWY3DPEHPK3PXP, profile: p, x: 1}\n", "unknown keys"),
+])
+def test_clients_file_shape_is_checked(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "clients.yaml"
+    path.write_text(body)
+    path.chmod(0o600)
+    with pytest.raises(AuthFileError, match=message):
+        ClientAuth.load(path, tmp_path, rig_auth_cfg(path))
+
+
+def rig_auth_cfg(path: Path):
+    from agentd._config import AuthConfig
+
+    return AuthConfig(clients_file=path)
+
+
+# ---- transport ---------------------------------------------------------------------
+
+
+async def test_plain_ws_is_refused(rig: Rig) -> None:
+    with pytest.raises((InvalidMessage, ConnectionError, OSError, EOFError, TimeoutError)):
+        async with connect(f"ws://127.0.0.1:{rig.bus.port}/bus", open_timeout=3):
+            pass
+
+
+async def test_tls_below_1_2_is_refused(rig: Rig) -> None:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        ctx.minimum_version = ssl.TLSVersion.TLSv1
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_1
+        ctx.set_ciphers("DEFAULT:@SECLEVEL=0")
+    except (ValueError, ssl.SSLError):  # pragma: no cover - the local OpenSSL has no 1.1
+        pytest.skip("this OpenSSL cannot even offer TLS 1.1")
+    assert rig.bus.ssl_context.minimum_version is ssl.TLSVersion.TLSv1_2
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        async with connect(rig.url, ssl=ctx, open_timeout=3):
+            pass
+
+
+async def test_tls_1_3_is_negotiated(rig: Rig) -> None:
+    async with rig.client("alice") as c:
+        ssl_obj = c.connection.transport.get_extra_info("ssl_object")
+        assert ssl_obj.version() == "TLSv1.3"
+
+
+async def test_other_paths_are_404(rig: Rig) -> None:
+    for path in ("/", "/bus/x", "/metrics"):
+        with pytest.raises(InvalidStatus) as info:
+            async with connect(f"wss://127.0.0.1:{rig.bus.port}{path}", ssl=_trusting(rig)):
+                pass
+        assert info.value.response.status_code == 404
+
+
+async def test_oversize_frame_closes_with_1009(tmp_path: Path) -> None:
+    r = await start_rig(tmp_path, bus={"max_envelope_bytes": 4096})
+    try:
+        c = await r.login("alice")
+        await c.send_raw(b"<x>" + b"a" * 5000 + b"</x>")
+        with pytest.raises(BusError):
+            await c.recv(timeout=5)
+        assert c.close_code == 1009
+    finally:
+        await stop_rig(r)
+
+
+async def test_max_connections_refuses_the_next_one(tmp_path: Path) -> None:
+    r = await start_rig(tmp_path, bus={"max_connections": 2})
+    try:
+        a = await r.login("alice")
+        b = await r.login("bob")
+        with pytest.raises(BusError, match="503"):
+            await r.client("alice").connect()
+        await a.close()
+        await b.close()
+    finally:
+        await stop_rig(r)
+
+
+async def test_compression_is_off_by_default(rig: Rig) -> None:
+    async with connect(rig.url, ssl=_trusting(rig)) as ws:  # offers permessage-deflate
+        assert ws.response is not None
+        assert "Sec-WebSocket-Extensions" not in ws.response.headers
+
+
+# ---- envelopes ------------------------------------------------------------------------
+
+
+async def test_forged_from_is_rejected_with_huh_invalid_envelope(rig: Rig) -> None:
+    async with rig.client("alice") as c:
+        forged = build_envelope("bob", str(uuid.uuid4()), spec_of(Add).to_bytes(Add(a=1, b=2)))
+        frames = await c.exchange(forged, timeout=5)
+    assert kinds(frames) == [("core", "huh")]
+    assert value(frames[0], "code") == "invalid-envelope"
+
+
+async def test_garbage_frames_get_huh_and_the_connection_stays_open(rig: Rig) -> None:
+    async with rig.client("alice") as c:
+        for junk in (b"\xff\xfe garbage", b"<unclosed>", b"<a/>", "<message>text</message>"):
+            await c.send_raw(junk)
+            frame = await c.recv(timeout=5)
+            assert kinds([frame]) == [("core", "huh")]
+        frames = await c.exchange(Add(a=20, b=22), timeout=5)
+    assert value(frames[-1], "value") == "42"
+
+
+async def test_privileged_payload_on_the_bus_is_refused(rig: Rig) -> None:
+    async with rig.client("alice") as c:
+        priv = build_envelope(
+            "alice", str(uuid.uuid4()),
+            b'<privileged xmlns="https://xml-pipeline.org/ns/privileged/v1"></privileged>',
+        )
+        frames = await c.exchange(priv, timeout=5)
+    assert value(frames[-1], "code") == "unroutable"
+
+
+async def test_a_thread_of_another_client_is_unroutable(rig: Rig) -> None:
+    async with rig.client("alice") as alice:
+        thread = (await alice.exchange(Relay(a=1, b=2), timeout=5))
+        alice_thread = frame_kind(thread[0])[2]
+    async with rig.client("bob") as bob:
+        frames = await bob.exchange(Add(a=1, b=1), thread=alice_thread, timeout=5)
+    assert value(frames[-1], "code") == "unroutable"
+
+
+async def test_rate_limit_answers_huh_rate_limited(tmp_path: Path) -> None:
+    r = await start_rig(tmp_path, bus={"rate_per_s": 0.5, "rate_burst": 3})
+    try:
+        async with r.client("alice") as c:
+            threads = [await c.send(Add(a=i, b=1)) for i in range(6)]
+            got: dict[str, list[str]] = {t: [] for t in threads}
+            while sum(1 for v in got.values() if v and v[-1] != "accepted") < 6:
+                _sender, kind, thread = frame_kind(await c.recv(timeout=5))
+                got[thread].append(kind if kind != "huh" else "huh")
+        limited = [t for t in threads if got[t] == ["huh"]]
+        assert len(limited) == 3 and limited == threads[3:]
+        assert all(got[t] == ["accepted", "sum"] for t in threads[:3])
+    finally:
+        await stop_rig(r)
+
+
+async def test_200_concurrent_clients_each_get_their_own_answers(tmp_path: Path) -> None:
+    names = tuple(f"c{i:03d}" for i in range(200))
+    r = await start_rig(tmp_path, clients=names)
+    try:
+        async def one(i: int, name: str) -> None:
+            async with r.client(name) as c:
+                for k in range(3):
+                    frames = await c.exchange(Relay(a=i, b=k), timeout=30)
+                    assert kinds(frames) == [("core", "accepted"), ("relay", "sum")]
+                    assert value(frames[-1], "value") == str(i + k)
+                    assert parse_envelope(frames[-1]).to == name
+
+        await asyncio.gather(*(one(i, n) for i, n in enumerate(names)))
+    finally:
+        await stop_rig(r)
+
+
+async def test_answers_go_to_the_connection_that_asked(rig: Rig) -> None:
+    a1 = await rig.login("alice")
+    a2 = await rig.login("alice", session=a1.session)
+    try:
+        f1, f2 = await asyncio.gather(
+            a1.exchange(Add(a=1, b=1), timeout=5), a2.exchange(Add(a=2, b=2), timeout=5)
+        )
+        assert value(f1[-1], "value") == "2" and value(f2[-1], "value") == "4"
+    finally:
+        await a1.close()
+        await a2.close()
+
+
+# ---- flow control -------------------------------------------------------------------
+
+
+async def test_inflight_limit_stops_reading_until_answers_come(tmp_path: Path) -> None:
+    r = await start_rig(tmp_path, bus={"max_inflight": 4})
+    GATE["event"] = event = asyncio.Event()
+    try:
+        async with r.client("alice") as c:
+            threads = [await c.send(Gate(n=i)) for i in range(20)]
+            await asyncio.sleep(0.5)
+            assert len(r.submitted) == 4  # the server stopped consuming frames
+            assert GATE["entered"] == 4
+            await asyncio.sleep(0.3)
+            assert len(r.submitted) == 4
+            event.set()
+            answers: dict[str, str] = {}
+            while len(answers) < 20:
+                _sender, kind, thread = frame_kind(await c.recv(timeout=5))
+                if kind != "accepted":
+                    answers[thread] = kind
+        assert set(answers) == set(threads) and set(answers.values()) == {"gated"}
+        assert len(r.submitted) == 20
+    finally:
+        await stop_rig(r)
+
+
+async def test_inflight_slots_of_unanswered_threads_expire(tmp_path: Path) -> None:
+    r = await start_rig(tmp_path, bus={"max_inflight": 2}, server_kw={"inflight_ttl_s": 0.4})
+    GATE["event"] = asyncio.Event()  # never set during the test
+    try:
+        async with r.client("alice") as c:
+            for i in range(3):
+                await c.send(Gate(n=i))
+            await asyncio.sleep(0.2)
+            assert len(r.submitted) == 2
+            await asyncio.sleep(0.6)
+            assert len(r.submitted) == 3
+    finally:
+        await stop_rig(r)
+
+
+async def test_a_client_that_never_reads_is_bounded(tmp_path: Path) -> None:
+    r = await start_rig(
+        tmp_path, bus={"max_envelope_bytes": 16384},
+        server_kw={"send_queue_limit": 64 * 1024, "read_pause_bytes": 16 * 1024},
+    )
+    try:
+        c = await r.login("alice")
+        text = "x" * 4000
+        peak = 0
+
+        async def flood() -> None:
+            for _ in range(3000):
+                await c.send(Echo(text=text))
+
+        flooding = asyncio.create_task(flood())
+        for _ in range(15):
+            await asyncio.sleep(0.1)
+            conns = [conn for cs in r.bus._by_client.values() for conn in cs]
+            peak = max([peak, *(conn.sendq_bytes for conn in conns)])
+        # The server stopped reading long before the client ran out of things to send,
+        # its queue for this client never passed the limit, and it dropped the client.
+        assert not flooding.done()
+        assert len(r.submitted) < 200
+        assert peak <= 64 * 1024
+        assert r.bus.connections == 0 and not r.bus._by_client
+        flooding.cancel()
+        c.connection.transport.abort()
+    finally:
+        await stop_rig(r)
+
+
+# ---- outbox --------------------------------------------------------------------------
+
+
+def _outbox_deliver(outbox: MemoryOutbox):
+    """What the kernel-backed pump does: answers are written to the outbox, then
+    handed to the bus with their outbox id; accepted/huh go straight through."""
+
+    def deliver(rig: Rig, client: str, thread: str, data: bytes) -> None:
+        sender = frame_kind(data)[0]
+        oid = None if sender == "core" else outbox.add(client, thread, data)
+        rig.bus.deliver(client, thread, data, oid)
+
+    return deliver
+
+
+async def test_answers_for_a_disconnected_client_arrive_on_reconnect_in_order(
+    tmp_path: Path,
+) -> None:
+    outbox = MemoryOutbox()
+    r = await start_rig(tmp_path, outbox=outbox, deliver_hook=_outbox_deliver(outbox))
+    GATE["event"] = event = asyncio.Event()
+    try:
+        c = await r.login("alice")
+        threads = [await c.send(Gate(n=i)) for i in range(5)]
+        for _ in threads:
+            assert frame_kind(await c.recv(timeout=5))[1] == "accepted"
+        await c.close()  # mid-conversation
+        event.set()
+        await r.pump.join()
+        assert [t for _, t, _ in outbox.frames["alice"]] == threads
+        async with r.client("alice", session=c.session) as again:
+            replayed = [await again.recv(timeout=5) for _ in threads]
+            assert [frame_kind(f)[2] for f in replayed] == threads
+            assert [value(f, "n") for f in replayed] == ["0", "1", "2", "3", "4"]
+            # new traffic comes after the replay
+            frames = await again.exchange(Add(a=3, b=4), timeout=5)
+            assert value(frames[-1], "value") == "7"
+        assert not [f for f in outbox.frames["alice"] if f[1] in threads]  # all delivered
+    finally:
+        await stop_rig(r)
+
+
+async def test_outbox_frames_are_replayed_before_anything_new(tmp_path: Path) -> None:
+    outbox = MemoryOutbox()
+    r = await start_rig(tmp_path, outbox=outbox, deliver_hook=_outbox_deliver(outbox))
+    try:
+        seeded = [str(uuid.uuid4()) for _ in range(3)]
+        for i, t in enumerate(seeded):
+            body = f'<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1"><value>{i}</value></sum>'
+            outbox.add("alice", t, build_envelope("calculator.add", t, body.encode(), to="alice"))
+        async with r.client("alice") as c:
+            assert [frame_kind(await c.recv(timeout=5))[2] for _ in seeded] == seeded
+        assert outbox.delivered_ids == [1, 2, 3]
+    finally:
+        await stop_rig(r)
+
+
+# ---- lifecycle and metrics ---------------------------------------------------------
+
+
+async def test_close_ends_connections_with_1001(tmp_path: Path) -> None:
+    r = await start_rig(tmp_path)
+    c = await r.login("alice")
+    await r.bus.close()
+    with pytest.raises(BusError):
+        await c.recv(timeout=5)
+    assert c.close_code == 1001
+    assert not r.bus.listening
+    await r.pump.stop()
+
+
+async def test_connections_gauge_moves(rig: Rig) -> None:
+    before = _metrics.bus_connections._value.get()
+    c = await rig.login("alice")
+    assert _metrics.bus_connections._value.get() == before + 1
+    assert rig.bus.connections >= 1
+    await c.close()
+    await asyncio.sleep(0.1)
+    assert _metrics.bus_connections._value.get() == before
+
+
+def _trusting(rig: Rig) -> ssl.SSLContext:
+    from agentd.bus import client_context
+
+    return client_context(rig.cafile)
+

@@ -1,0 +1,272 @@
+"""The importable BusClient and the bus-side commands (`agentd init`, `totp`, `send`),
+against a real TLS bus on 127.0.0.1 (CONTRACT section 5)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pyotp
+import pytest
+from click.testing import CliRunner
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from agentd._cli_bus import init_cmd, totp_cmd
+from agentd._config import load_config
+from agentd._pump import Pump
+from agentd._routing import Routing
+from agentd.bus import BusServer, ClientAuth, server_context
+from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind
+from agentd.testing import settings_from
+from agentd.tools.calculator import Add
+from tests.test_bus_support import Rig, start_rig, stop_rig
+
+ROOT = Path(__file__).resolve().parent.parent
+ADD = b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>2</a><b>3</b></add>'
+
+
+@pytest.fixture
+async def rig(tmp_path: Path):
+    r = await start_rig(tmp_path)
+    yield r
+    await stop_rig(r)
+
+
+# ---- BusClient ------------------------------------------------------------------------
+
+
+async def test_client_sends_objects_payload_bytes_and_envelopes(rig: Rig) -> None:
+    async with rig.client("alice") as c:
+        assert c.session
+        by_object = await c.exchange(Add(a=1, b=2), timeout=5)
+        by_payload = await c.exchange(ADD, timeout=5)
+        thread = "6f1c2a9e-8d4b-4c1e-9a57-2b1f0c3d4e5f"
+        envelope = (
+            '<message xmlns="https://xml-pipeline.org/ns/envelope/v1"><meta>'
+            f"<from>alice</from><thread>{thread}</thread></meta>"
+            '<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>5</a><b>5</b></add>'
+            "</message>"
+        )
+        by_envelope = await c.exchange(envelope, timeout=5)
+    assert [frame_kind(f[-1])[1] for f in (by_object, by_payload, by_envelope)] == ["sum"] * 3
+    assert frame_kind(by_envelope[-1])[2] == thread
+
+
+async def test_client_iterates_frames_and_keeps_other_threads_for_recv(rig: Rig) -> None:
+    async with rig.client("alice") as c:
+        t1 = await c.send(Add(a=1, b=1))
+        frames = await c.exchange(Add(a=2, b=2), timeout=5)
+        assert frame_kind(frames[-1])[1] == "sum"
+        seen = []
+        async for frame in c:
+            seen.append(frame_kind(frame))
+            if len(seen) == 2:
+                break
+    assert [(s[1], s[2]) for s in seen] == [("accepted", t1), ("sum", t1)]
+
+
+async def test_client_reports_refused_authentication(rig: Rig) -> None:
+    with pytest.raises(AuthenticationFailed) as info:
+        await rig.client("alice", totp="000000" if rig.code("alice") != "000000" else "1").connect()
+    assert info.value.code == 4401
+
+
+async def test_client_reports_connect_failures(rig: Rig) -> None:
+    c = BusClient(f"wss://127.0.0.1:{rig.bus.port}/nope", "alice", totp="123456",
+                  cafile=rig.cafile)
+    with pytest.raises(BusError, match="404"):
+        await c.connect()
+    c = BusClient(f"wss://127.0.0.1:{rig.bus.port}/bus", "alice", totp="123456")  # untrusted
+    with pytest.raises(BusError, match="cannot connect"):
+        await c.connect()
+
+
+async def test_client_refuses_non_xml_payloads(rig: Rig) -> None:
+    async with rig.client("alice") as c:
+        with pytest.raises(ValueError):
+            await c.send(b"not xml")
+        with pytest.raises(TypeError):
+            await c.send(object())
+
+
+# ---- agentd init --------------------------------------------------------------------------
+
+
+def test_init_writes_a_working_setup_with_private_modes(tmp_path: Path) -> None:
+    home = tmp_path / "agentd-home"
+    result = CliRunner().invoke(init_cmd, ["--dir", str(home)])
+    assert result.exit_code == 0, result.output
+    assert "otpauth://totp/agentd:alice?secret=" in result.output
+    assert f"agentd run --config {home / 'organism.yaml'}" in result.output
+    modes = {
+        "organism.yaml": 0o644, "clients.yaml": 0o600, "alice.totp": 0o600,
+        "tls/cert.pem": 0o644, "tls/key.pem": 0o600, "operator.key": 0o600,
+        "authorized_keys": 0o644,
+    }
+    for name, mode in modes.items():
+        assert stat.S_IMODE((home / name).stat().st_mode) == mode, name
+    assert stat.S_IMODE((home / "state").stat().st_mode) == 0o700
+
+    config = load_config(home / "organism.yaml")
+    assert (config.bus.host, config.bus.port) == ("127.0.0.1", 8765)
+    assert config.bus.tls is not None and config.bus.tls.cert == home / "tls" / "cert.pem"
+    assert config.metrics.listen == "127.0.0.1:9464"
+    assert config.auth.clients_file == home / "clients.yaml"
+    assert {lst.name for lst in config.listeners} >= {"calculator.add", "echo", "relay"}
+    auth = ClientAuth.load(home / "clients.yaml", config.state_dir, config.auth)
+    assert auth.profiles() == {"alice": "public"}
+    server_context(config.bus.tls)  # the pair loads
+
+    line = (home / "authorized_keys").read_text().strip().split()
+    assert line[0] == "ssh-ed25519" and line[2] == "ops-1"
+    key = serialization.load_ssh_private_key((home / "operator.key").read_bytes(), None)
+    assert isinstance(key, Ed25519PrivateKey)
+    assert key.public_key().public_bytes(
+        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
+    ).decode().split()[1] == line[1]
+    assert (home / "operator.key").read_bytes().startswith(b"-----BEGIN OPENSSH PRIVATE KEY")
+
+
+def test_connect_hint_names_the_files_init_wrote(tmp_path: Path) -> None:
+    from agentd._cli_bus import connect_hint, init_home
+
+    home = tmp_path / "agentd-home"
+    init_home(home)
+    hint = connect_hint(home)
+    assert hint.startswith("agentd send --url wss://127.0.0.1:8765/bus --client alice ")
+    assert f"--secret-file {home / 'alice.totp'}" in hint
+    assert f"--cafile {home / 'tls' / 'cert.pem'}" in hint
+
+
+def test_init_refuses_to_overwrite(tmp_path: Path) -> None:
+    home = tmp_path / "h"
+    assert CliRunner().invoke(init_cmd, ["--dir", str(home)]).exit_code == 0
+    before = (home / "clients.yaml").read_bytes()
+    result = CliRunner().invoke(init_cmd, ["--dir", str(home)])
+    assert result.exit_code == 1 and "never overwrites" in result.output
+    assert (home / "clients.yaml").read_bytes() == before
+
+
+# ---- agentd totp ----------------------------------------------------------------------------
+
+
+def test_totp_prints_the_current_code(tmp_path: Path) -> None:
+    secret = pyotp.random_base32()
+    path = tmp_path / "bob.totp"
+    path.write_text(secret + "\n")
+    result = CliRunner().invoke(totp_cmd, ["--client", "bob", "--secret-file", str(path)])
+    assert result.exit_code == 0
+    totp = pyotp.TOTP(secret)
+    assert result.output.strip() in {totp.now(), totp.at(totp.timecode(_now()) * 30 - 30)}
+
+
+def test_totp_reads_a_clients_file_and_rejects_unknown_clients(tmp_path: Path) -> None:
+    home = tmp_path / "h"
+    CliRunner().invoke(init_cmd, ["--dir", str(home)])
+    ok = CliRunner().invoke(
+        totp_cmd, ["--client", "alice", "--clients-file", str(home / "clients.yaml")]
+    )
+    assert ok.exit_code == 0 and len(ok.output.strip()) == 6
+    bad = CliRunner().invoke(
+        totp_cmd, ["--client", "zed", "--clients-file", str(home / "clients.yaml")]
+    )
+    assert bad.exit_code == 1 and "not in" in bad.output
+
+
+def _now():
+    import datetime as dt
+
+    return dt.datetime.now()
+
+
+# ---- agentd send, end to end -----------------------------------------------------------------
+
+
+async def _agentd(*args: str, stdin: bytes | None = None) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "from agentd._cli_bus import send_cmd; send_cmd()", *args,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    out, err = await asyncio.wait_for(proc.communicate(stdin), 60)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_init_then_serve_then_send(tmp_path: Path) -> None:
+    """`agentd init`, the bus built from the organism.yaml it wrote, then `agentd send`
+    with the files it wrote (the bus port is 0 here instead of 8765)."""
+    home = tmp_path / "agentd-home"
+    assert CliRunner().invoke(init_cmd, ["--dir", str(home)]).exit_code == 0
+    config = load_config(home / "organism.yaml")
+    assert config.auth.clients_file is not None
+    auth = ClientAuth.load(config.auth.clients_file, config.state_dir, config.auth)
+    holder: dict[str, BusServer] = {}
+    pump = Pump(
+        Routing.build(config), auth.profiles(),
+        lambda c, t, d, o=None: holder["bus"].deliver(c, t, d, o), settings_from(config),
+    )
+    await pump.start()
+    bus = holder["bus"] = BusServer(replace(config.bus, port=0), auth, pump.submit)
+    await bus.start()
+    url = f"wss://127.0.0.1:{bus.port}/bus"
+    common = ["--url", url, "--client", "alice", "--secret-file", str(home / "alice.totp"),
+              "--cafile", str(home / "tls" / "cert.pem"), "--timeout", "10"]
+    try:
+        payload = tmp_path / "payload.xml"
+        payload.write_bytes(b'<?xml version="1.0"?>\n' + ADD)
+        code, out, err = await _agentd(*common, str(payload))
+        assert code == 0, err
+        assert "accepted from core" in out and "sum from calculator.add" in out
+        assert "<value>5</value>" in out
+        assert (home / "alice.session").exists()  # the session token is cached, 0600
+        assert stat.S_IMODE((home / "alice.session").stat().st_mode) == 0o600
+
+        # Again within the same 30 s step: the cached session logs in (no code reuse).
+        two = ADD + b'<echo xmlns="https://xml-pipeline.org/ns/echo/v1"><text>hi</text></echo>'
+        code, out, err = await _agentd(*common, "--json", "-", stdin=two)
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["complete"] and len(report["sent"]) == 2
+        assert {f["kind"] for f in report["frames"]} == {"accepted", "sum", "echoreply"}
+
+        # A rejected envelope: the huh is printed and the exit code is 1.
+        forged = (
+            b'<message xmlns="https://xml-pipeline.org/ns/envelope/v1"><meta><from>bob</from>'
+            b"<thread>6f1c2a9e-8d4b-4c1e-9a57-2b1f0c3d4e5f</thread></meta>" + ADD + b"</message>"
+        )
+        code, out, err = await _agentd(*common, "-", stdin=forged)
+        assert code == 1 and "huh from core" in out and "invalid-envelope" in out
+
+        code, out, err = await _agentd(*common, "-", stdin=b"not xml at all")
+        assert code == 2 and "no XML element" in err
+
+        # Wrong secret and no session: refused, exit 4.
+        bad = tmp_path / "bad.totp"
+        bad.write_text(pyotp.random_base32())
+        code, out, err = await _agentd(
+            "--url", url, "--client", "alice", "--secret-file", str(bad),
+            "--cafile", str(home / "tls" / "cert.pem"), str(payload),
+        )
+        assert code == 4 and "authentication failed" in err
+
+        code, out, err = await _agentd(
+            *common[:1], f"wss://127.0.0.1:{_free_port()}/bus", *common[2:], str(payload)
+        )
+        assert code == 3 and "cannot connect" in err
+    finally:
+        await bus.close()
+        await pump.stop()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

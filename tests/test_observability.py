@@ -1,0 +1,209 @@
+"""Metrics and health endpoints over real HTTP, one-line logs, and sd_notify datagrams
+received on a real unix datagram socket (CONTRACT section 8)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from agentd._observability import (
+    MetricsServer,
+    sd_notify,
+    setup_logging,
+    watchdog_interval,
+    watchdog_pinger,
+)
+from agentd.tools.calculator import Add
+from tests.test_bus_support import start_rig, stop_rig
+
+
+async def http_get(port: int, path: str, raw: bytes | None = None) -> tuple[int, str]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw or f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    data = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body.decode()
+
+
+@pytest.fixture
+async def metrics_server():
+    state = {"ready": False}
+    server = MetricsServer("127.0.0.1:0", ready=lambda: state["ready"])
+    await server.start()
+    yield server, state
+    await server.close()
+
+
+async def test_healthz_is_always_200(metrics_server) -> None:
+    server, _ = metrics_server
+    assert await http_get(server.port, "/healthz") == (200, "ok\n")
+
+
+async def test_readyz_follows_ready(metrics_server) -> None:
+    server, state = metrics_server
+    assert (await http_get(server.port, "/readyz"))[0] == 503
+    state["ready"] = True
+    assert (await http_get(server.port, "/readyz"))[0] == 200
+
+
+async def test_unknown_paths_and_methods(metrics_server) -> None:
+    server, _ = metrics_server
+    assert (await http_get(server.port, "/nope"))[0] == 404
+    assert (await http_get(server.port, "", b"POST /metrics HTTP/1.1\r\n\r\n"))[0] == 405
+    assert (await http_get(server.port, "", b"garbage\r\n\r\n"))[0] == 400
+
+
+async def test_oversized_request_is_refused(metrics_server) -> None:
+    server, _ = metrics_server
+    huge = b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n"
+    assert (await http_get(server.port, "", huge))[0] == 431
+
+
+async def test_metrics_exposes_the_contract_series(metrics_server) -> None:
+    server, _ = metrics_server
+    status, body = await http_get(server.port, "/metrics")
+    assert status == 200
+    for series in (
+        "agentd_envelopes_received_total", "agentd_bus_connections", "agentd_auth_failures_total",
+        "agentd_queue_depth", "agentd_threads_active", "agentd_journal_commit_seconds",
+    ):
+        assert series in body, series
+
+
+async def test_metrics_move_as_traffic_flows(tmp_path: Path, metrics_server) -> None:
+    server, _ = metrics_server
+    rig = await start_rig(tmp_path)
+    try:
+        def sample(body: str, name: str) -> float:
+            for line in body.splitlines():
+                if line.startswith(name + " ") or line.startswith(name + "{"):
+                    return float(line.rsplit(" ", 1)[1])
+            return 0.0
+
+        _, before = await http_get(server.port, "/metrics")
+        async with rig.client("alice") as c:
+            await c.exchange(Add(a=1, b=2), timeout=5)
+            await c.send_raw(b"<broken")
+            await c.recv(timeout=5)
+            _, during = await http_get(server.port, "/metrics")
+        assert sample(during, "agentd_envelopes_received_total") >= sample(
+            before, "agentd_envelopes_received_total"
+        ) + 2
+        assert sample(during, "agentd_bus_connections") >= 1
+        assert 'agentd_envelopes_rejected_total{code="malformed"}' in during
+    finally:
+        await stop_rig(rig)
+
+
+# ---- sd_notify ------------------------------------------------------------------------
+
+
+def _dgram(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(2)
+    return sock
+
+
+def test_sd_notify_sends_a_datagram_to_a_path_socket(tmp_path: Path) -> None:
+    path = str(tmp_path / "notify.sock")
+    with _dgram(path) as sock:
+        assert sd_notify("READY=1", {"NOTIFY_SOCKET": path})
+        assert sock.recv(4096) == b"READY=1"
+        assert sd_notify("STOPPING=1", {"NOTIFY_SOCKET": path})
+        assert sock.recv(4096) == b"STOPPING=1"
+
+
+def test_sd_notify_understands_abstract_sockets() -> None:
+    name = f"agentd-test-{os.getpid()}"
+    with _dgram("\0" + name) as sock:
+        assert sd_notify("READY=1", {"NOTIFY_SOCKET": "@" + name})
+        assert sock.recv(4096) == b"READY=1"
+
+
+def test_sd_notify_without_systemd_is_a_no_op(tmp_path: Path) -> None:
+    assert sd_notify("READY=1", {}) is False
+    assert sd_notify("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "missing")}) is False
+
+
+async def test_watchdog_pings_at_half_the_period(tmp_path: Path) -> None:
+    path = str(tmp_path / "wd.sock")
+    env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": str(os.getpid())}
+    assert watchdog_interval(env) == pytest.approx(0.1)
+    assert watchdog_interval({**env, "WATCHDOG_PID": "1"}) is None  # not for us
+    with _dgram(path) as sock:
+        sock.setblocking(False)
+        task = asyncio.create_task(watchdog_pinger(environ=env))
+        await asyncio.sleep(0.35)
+        task.cancel()
+        got = []
+        while True:
+            try:
+                got.append(sock.recv(64))
+            except BlockingIOError:
+                break
+    assert got and set(got) == {b"WATCHDOG=1"} and 2 <= len(got) <= 5
+
+
+async def test_daemon_style_readiness_through_a_real_notify_socket(tmp_path: Path) -> None:
+    """What the daemon does once the bus listens: READY=1 observed on the socket."""
+    path = str(tmp_path / "notify.sock")
+    with _dgram(path) as sock:
+        rig = await start_rig(tmp_path / "home")
+        try:
+            assert rig.bus.listening
+            sd_notify("READY=1", {"NOTIFY_SOCKET": path})
+            assert sock.recv(64) == b"READY=1"
+        finally:
+            await stop_rig(rig)
+            sd_notify("STOPPING=1", {"NOTIFY_SOCKET": path})
+        assert sock.recv(64) == b"STOPPING=1"
+
+
+# ---- logs -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_logging():
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+
+
+def test_kv_logs_are_one_line_a_record(capsys, restore_logging) -> None:
+    setup_logging("kv", "INFO")
+    logging.getLogger("agentd.test").warning("two\nlines client=%s", "alice")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "level=warning" in err and "logger=agentd.test" in err
+    assert 'msg="two\\nlines client=alice"' in err
+
+
+def test_json_logs_parse(capsys, restore_logging) -> None:
+    setup_logging("json", "DEBUG")
+    try:
+        raise ValueError("boom")
+    except ValueError:
+        logging.getLogger("agentd.test").exception("failed")
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    doc = json.loads(lines[0])
+    assert doc["level"] == "error" and doc["msg"] == "failed" and "ValueError" in doc["exc"]
+
+
+def test_unknown_log_format_is_refused() -> None:
+    with pytest.raises(ValueError):
+        setup_logging("xml")
