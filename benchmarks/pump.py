@@ -42,6 +42,7 @@ from agentd.testing import settings_from  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
 
 CLIENTS = 256  # concurrent submitters
+COMMIT_INTERVAL_S = 0.002  # the kernel default (journal.commit_interval_ms: 2)
 
 
 def envelopes(n: int) -> list[bytes]:
@@ -100,7 +101,11 @@ async def real_pump(
             latencies.append(time.perf_counter() - sent[thread])
 
     pump = Pump(Routing.build(config), {"alice": "public"}, deliver, settings_from(config))
-    kernel = await Kernel.open(journal_dir) if journal_dir is not None else None
+    kernel = (
+        await Kernel.open(journal_dir, commit_interval_s=COMMIT_INTERVAL_S)
+        if journal_dir is not None
+        else None
+    )
     pump.kernel = kernel
     await pump.start()
     threads = [parse_untrusted(d)[0][-1].text or "" for d in data]
