@@ -154,6 +154,7 @@ class PumpConfig:
     max_hops: int = 64
     max_queue: int = 10000
     max_fanout: int = 64
+    thread_idle_s: float = 86400.0  # conversations idle this long are ended and forgotten
 
 
 @dataclass(frozen=True)
@@ -961,6 +962,7 @@ class _Organism:
             "max_hops",
             "max_queue",
             "max_fanout",
+            "thread_idle_s",
         )
         e = _section(ctx, self.root, p, keys)
         d = PumpConfig()
@@ -973,6 +975,7 @@ class _Organism:
             max_hops=get(ctx, e, "max_hops", p, _POSITIVE, d.max_hops),
             max_queue=get(ctx, e, "max_queue", p, _POSITIVE, d.max_queue),
             max_fanout=get(ctx, e, "max_fanout", p, _POSITIVE, d.max_fanout),
+            thread_idle_s=get(ctx, e, "thread_idle_s", p, _SECONDS, d.thread_idle_s),
         )
 
     def _journal(self) -> JournalConfig:

@@ -96,6 +96,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._stop_mode = "graceful"
         self._watchdog: asyncio.Task[None] | None = None
+        self._maintenance: asyncio.Task[None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -173,6 +174,22 @@ class Daemon:
             await self.metrics_server.start()
         self._notify("READY=1")
         self._watchdog = _start_watchdog()
+        self._maintenance = asyncio.create_task(self._maintain(), name="daemon-maintenance")
+
+    async def _maintain(self) -> None:
+        """Gauges, and the end of idle conversations, every few seconds."""
+        interval = min(10.0, max(0.05, self.config.pump.thread_idle_s / 10))
+        while True:
+            await asyncio.sleep(interval)
+            assert self.pump is not None and self.kernel is not None
+            ended = self.pump.collect_idle(self.config.pump.thread_idle_s)
+            if ended:
+                log.info("idle conversations ended count=%d", ended)
+            metrics.queue_depth.set(self.pump.queue_depth)
+            metrics.threads_active.set(len(self.pump.registry))
+            metrics.db_size_bytes.set(self.kernel.db_size_bytes())
+            if self.bus is not None:
+                metrics.bus_connections.set(self.bus.connections)
 
     def _agent_handlers(self, config: OrganismConfig) -> Mapping[str, Any] | None:
         if not any(lst.agent is not None for lst in config.listeners):
@@ -216,8 +233,9 @@ class Daemon:
         await self._close_components()
 
     async def _close_components(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        for task in (self._watchdog, self._maintenance):
+            if task is not None:
+                task.cancel()
         if self.oob is not None:
             await self.oob.close()
         if self.bus is not None:

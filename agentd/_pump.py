@@ -303,6 +303,7 @@ class Pump:
             return msg
         if frame.owner != client or not frame.is_root:
             raise Rejection(HuhCode.UNROUTABLE, "thread not owned by this client")
+        frame.touched = time.monotonic()
         if frame.state is not ThreadState.ACTIVE:
             raise Rejection(HuhCode.UNROUTABLE, "conversation has ended")
         return self._ingest_request(
@@ -316,6 +317,26 @@ class Pump:
 
     def _emit_core(self, client: str, thread: str, payload: bytes) -> None:
         self.deliver(client, thread, build_envelope(CORE, thread, payload, to=client), None)
+
+    def collect_idle(self, idle_s: float, now: float | None = None) -> int:
+        """End conversations (and stray frames) untouched for `idle_s` seconds: the
+        registry forgets them and the kernel marks them completed, so its thread GC
+        can delete them. O(frames); run periodically, never on the hot path."""
+        now = time.monotonic() if now is None else now
+        stale = [
+            f
+            for f in self.registry
+            if now - f.touched > idle_s and f.uuid not in self._inboxes and not f.children
+        ]
+        self._open_tx()
+        for frame in stale:
+            self.registry.forget(frame)
+            if frame.state is ThreadState.ACTIVE:
+                frame.state = ThreadState.COMPLETED
+            if self._tx is not None and frame.persisted:
+                self._tx.thread_state(frame.uuid, ThreadState.COMPLETED.value)
+        self._close_tx()
+        return len(stale)
 
     # ---- durability ------------------------------------------------------------
 

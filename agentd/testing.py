@@ -23,7 +23,7 @@ from agentd._pump import CORE, Pump, PumpSettings
 from agentd._routing import Routing
 from agentd._threads import new_uuid
 from agentd._xmlify import is_xmlified, spec_of
-from agentd.kernel import Kernel, Retention
+from agentd.kernel import Kernel, KernelUnavailable, Retention
 
 
 def _retention_value(policy: Any) -> Any:
@@ -149,7 +149,10 @@ class Harness:
         while True:
             await self.pump.join()
             if self.kernel is not None:
-                await self.kernel.flush()
+                try:
+                    await self.kernel.flush()
+                except KernelUnavailable:
+                    pass  # storage failing: what was not written will not be delivered
             if not self.pump.queue_depth and not self.pump.running:
                 return
 

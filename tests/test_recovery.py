@@ -132,3 +132,36 @@ async def test_a_second_organism_on_the_same_state_dir_is_refused(tmp_path: Path
         with pytest.raises(StateLocked):
             async with Harness.from_config(ORGANISM, {"alice": "public"}, state_dir=tmp_path):
                 pass
+
+
+async def test_disk_full_refuses_with_internal_and_acknowledges_nothing_unwritten(
+    tmp_path: Path,
+) -> None:
+    from agentd.tools.echo import Echo
+
+    async with Harness.from_config(
+        ORGANISM.parent.parent.parent / "config" / "organism.yaml",
+        {"alice": "public"},
+        state_dir=tmp_path,
+    ) as h:
+        kernel = h.kernel
+        assert kernel is not None
+        await kernel.set_max_db_bytes(kernel.db_size_bytes() + 64 * 1024)
+        codes = []
+        for _ in range(300):
+            frames = await h.send("alice", Echo(text="x" * 4000))
+            code = (
+                frames[0].split(b"<code>")[1].split(b"</code>")[0] if b"<huh" in frames[0] else b""
+            )
+            codes.append(code)
+            if code:
+                break
+        assert codes[-1] == b"internal"  # refused, never `accepted`
+        assert all(c == b"" for c in codes[:-1])
+        await kernel.set_max_db_bytes(None)
+        for _ in range(200):  # the kernel probes the disk by itself, with backoff
+            if kernel.healthy:
+                break
+            await asyncio.sleep(0.05)
+        frames = await h.send("alice", Echo(text="back"))
+        assert b"<accepted" in frames[0] and b"<text>back</text>" in frames[-1]

@@ -82,3 +82,24 @@ def test_idle_frames_are_collected() -> None:
     assert reg.collect_idle(60, now=f.touched + 30) == 0
     assert reg.collect_idle(60, now=f.touched + 61) == 1
     assert reg.get(f.uuid) is None
+
+
+async def test_idle_conversations_are_ended_in_pump_and_kernel(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from agentd.testing import Harness
+    from agentd.tools.calculator import Add
+
+    organism = Path(__file__).parent / "organisms" / "basic.yaml"
+    async with Harness.from_config(organism, {"alice": "public"}, state_dir=tmp_path) as h:
+        frames = await h.send("alice", Add(a=1, b=2))
+        thread = frames[0].split(b"<thread>")[1].split(b"</thread>")[0].decode()
+        frame = h.pump.registry.get(thread)
+        assert frame is not None
+        assert h.pump.collect_idle(60, now=frame.touched + 30) == 0
+        assert h.pump.collect_idle(60, now=frame.touched + 61) == 1
+        assert h.pump.registry.get(thread) is None
+        await h.run_until_idle()
+        assert h.kernel is not None
+        row = await h.kernel.thread(thread)
+        assert row is not None and row.state == "completed"
