@@ -9,6 +9,7 @@ delivered to that client on that envelope's thread, in order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from collections import defaultdict
 from collections.abc import Mapping
@@ -149,10 +150,9 @@ class Harness:
         while True:
             await self.pump.join()
             if self.kernel is not None:
-                try:
+                # Storage failing: what was not written will not be delivered.
+                with contextlib.suppress(KernelUnavailable):
                     await self.kernel.flush()
-                except KernelUnavailable:
-                    pass  # storage failing: what was not written will not be delivered
             if not self.pump.queue_depth and not self.pump.running:
                 return
 
