@@ -142,6 +142,7 @@ class Daemon:
         self.routing = Routing.build(config, agent_handlers=self._agent_handlers(config))
         self.pump = Pump(self.routing, clients, self._deliver, settings_from(config), self.kernel)
         self.pump.on_security = self.audit
+        self.pump.meta_flags = config.meta
         resumed = await self.pump.recover()
         if resumed:
             log.info("recovered messages=%d", resumed)
@@ -322,6 +323,7 @@ class Daemon:
             return result
         old = self.routing
         self.routing = self.pump.routing = new_routing
+        self.pump.meta_flags = new_config.meta
         retire(old, plan)
         self.config = new_config
         self.audit(

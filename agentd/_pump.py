@@ -33,7 +33,9 @@ from typing import Any
 
 from lxml import etree
 
+from agentd import _meta as meta
 from agentd import _metrics as metrics
+from agentd._config import MetaConfig
 from agentd._core import Ack, Answer, CorePayload, Huh, core_from_element
 from agentd._envelope import (
     NIL_THREAD,
@@ -174,6 +176,7 @@ class Pump:
         # Security events (forged from, priv payloads, peer violations) go here too;
         # the daemon journals them as entries of kind `security`.
         self.on_security: Callable[[str, Mapping[str, str]], None] | None = None
+        self.meta_flags = MetaConfig()  # meta introspection on the bus: all off by default
         self._tx: Transaction | None = None
         self._post: list[tuple[str, str, bytes, int]] = []
         self._inboxes: dict[str, _Inbox] = {}
@@ -266,6 +269,8 @@ class Pump:
             log.info("rejected client=%s code=%s detail=%s", client, rej.code.value, rej.detail)
             return self._refuse_client(client, thread, rej.code)
         frame = msg.frame
+        if msg.sender == CORE:
+            return await self._answer_meta(client, env, data, msg, is_new)
         if self.kernel is None:
             self._seq += 1
             msg.seq = self._seq
@@ -286,6 +291,39 @@ class Pump:
         self._emit_core(client, frame.uuid, _accepted_bytes(frame.uuid, msg.seq))
         self._enqueue(msg)
         return SubmitResult(frame.uuid, seq=msg.seq)
+
+    async def _answer_meta(
+        self, client: str, env: Envelope, data: bytes, answer: Message, is_new: bool
+    ) -> SubmitResult:
+        frame = answer.frame
+        seq = 0
+        if self.kernel is not None:
+            tx = self.kernel.transaction()
+            if is_new:
+                tx.thread_put(_row(frame))
+                frame.persisted = True
+            seq = tx.journal(
+                thread=frame.uuid,
+                direction="in",
+                kind="meta",
+                sender=client,
+                tag=env.key,
+                payload=data,
+                profile=frame.profile.name,
+            )
+            try:
+                await self.kernel.commit(tx)
+            except KernelUnavailable as exc:
+                log.error("journal unavailable, refusing client=%s: %s", client, exc)
+                return self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
+        else:
+            self._seq += 1
+            seq = self._seq
+        self._emit_core(client, frame.uuid, _accepted_bytes(frame.uuid, seq))
+        self._open_tx()
+        self._enqueue(answer)
+        self._close_tx()
+        return SubmitResult(frame.uuid, seq=seq)
 
     def _ingest_client(self, client: str, env: Envelope, data: bytes) -> Message:
         frame = self.registry.get(env.thread)
@@ -487,6 +525,8 @@ class Pump:
         """Route `env` against `profile`'s table (and the sender's peers), validate
         the payload against the routed schema. Raises `Rejection`."""
         key = env.key
+        if sender_listener is None and key in meta.QUESTIONS:
+            return self._meta_answer(env, sender, frame, profile)
         targets = profile.table.resolve(key, env.to)
         if sender_listener is not None:
             allowed = tuple(t for t in targets if sender_listener.may_send_to(t.name))
@@ -507,6 +547,16 @@ class Pump:
         spec = profile.table.specs[key]
         _validate(spec, env.payload)
         return Message(MsgKind.REQUEST, sender, frame, env.payload, targets, spec, data)
+
+    def _meta_answer(self, env: Envelope, client: str, frame: Frame, profile: Profile) -> Message:
+        """A client's meta question, answered by the pump itself from the client's own
+        profile (agentd/_meta.py). The answer is built as bytes and re-parsed."""
+        if not _CORE_SCHEMA.validate(env.payload):
+            raise Rejection(HuhCode.INVALID_PAYLOAD, str(_CORE_SCHEMA.error_log.last_error))
+        body = meta.answer(self.meta_flags, profile, env.payload)
+        data = build_envelope(CORE, frame.uuid, body, to=client)
+        reply = parse_envelope(data, max_bytes=max(len(data), self.settings.max_envelope_bytes))
+        return Message(MsgKind.TO_HOLDER, CORE, frame, reply.payload, (), None, data)
 
     def _ingest_to_holder(
         self, env: Envelope, data: bytes, *, sender: str, frame: Frame, spec: XmlSpec | None

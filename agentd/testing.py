@@ -82,6 +82,7 @@ class Harness:
         self.kernel: Kernel | None = None
         self.routing = Routing.build(config, agent_handlers=agent_handlers)
         self.pump = Pump(self.routing, self.clients, self._deliver, settings_from(config))
+        self.pump.meta_flags = config.meta
 
     @classmethod
     def from_config(cls, path: str | Path, clients: Mapping[str, str], **kwargs: Any) -> Harness:

@@ -422,3 +422,56 @@ async def test_silent_core_messages_do_not_echo(h: Harness) -> None:
     await order(h, "invalid-output")
     assert len(hostile_inbox()) == 1
     assert not any(isinstance(p, Ack) for p in hostile_inbox())
+
+
+# ---- meta introspection on the bus ------------------------------------------------
+
+CORE_NS = "https://xml-pipeline.org/ns/core/v1"
+LIST_Q = f'<list-capabilities xmlns="{CORE_NS}"/>'.encode()
+
+
+def schema_q(name: str) -> bytes:
+    return f'<request-schema xmlns="{CORE_NS}"><name>{name}</name></request-schema>'.encode()
+
+
+def example_q(name: str) -> bytes:
+    return f'<request-example xmlns="{CORE_NS}"><name>{name}</name></request-example>'.encode()
+
+
+async def test_meta_questions_are_refused_when_not_enabled(h: Harness) -> None:
+    for q in (LIST_Q, schema_q("calculator.add"), example_q("calculator.add")):
+        frames = await h.send("alice", envelope("alice", q))
+        assert kinds(frames) == [("core", "huh")] and field(frames[0], "code") == "unroutable"
+
+
+async def test_meta_answers_only_about_the_clients_own_profile() -> None:
+    import dataclasses
+
+    from agentd._config import MetaConfig, load_config
+    from agentd._xml import parse_untrusted
+
+    config = dataclasses.replace(load_config(ORGANISM), meta=MetaConfig(True, True, True))
+    async with Harness(config, CLIENTS) as h:
+        frames = await h.send("alice", envelope("alice", LIST_Q))
+        assert kinds(frames) == [("core", "accepted"), ("core", "capabilities")]
+        listed = frames[1].decode()
+        assert "calculator.add" in listed and "relay" in listed
+        assert "vault" not in listed  # outside alice's profile
+
+        frames = await h.send("alice", envelope("alice", schema_q("calculator.add")))
+        assert kinds(frames)[-1] == ("core", "schema")
+        xsd = parse_envelope(frames[-1]).payload[1].text
+        assert xsd is not None and "xs:schema" in xsd
+
+        frames = await h.send("alice", envelope("alice", example_q("calculator.add")))
+        example = parse_envelope(frames[-1]).payload[1].text or ""
+        assert parse_untrusted(example.encode()).tag.endswith("}add")
+
+        thread = str(uuid.uuid4())
+        hidden = await h.send("alice", envelope("alice", schema_q("vault"), thread))
+        missing = await h.send("alice", envelope("alice", schema_q("no-such"), thread))
+        assert field(hidden[0], "code") == "unroutable" and hidden[0] == missing[0]
+
+        # root's profile (admin) does include the vault.
+        frames = await h.send("root", envelope("root", schema_q("vault")))
+        assert kinds(frames)[-1] == ("core", "schema")
