@@ -1,0 +1,46 @@
+"""The LLM layer: provider wire protocols, backends, the router (strategies,
+retries, failover, rate limits, response cache) and cassettes.
+
+Only the platform (`agentd.platform`) uses it: handlers and agents never reach a
+router or a backend directly.
+"""
+
+from agentd.llm._cache import ResponseCache
+from agentd.llm._cassette import Cassette, CassetteRecorder, Exchange
+from agentd.llm._limits import Clock, MonotonicClock, TokenBucket
+from agentd.llm._router import LlmRouter
+from agentd.llm._types import (
+    BackendError,
+    ChatMessage,
+    LlmError,
+    LlmRequest,
+    LlmResponse,
+    NoBackendAvailable,
+    ReplayMiss,
+    RequestTooLarge,
+)
+from agentd.llm._wire import PROTOCOLS, AnthropicMessages, OpenAIChat, classify, retry_after_s
+
+__all__ = [
+    "PROTOCOLS",
+    "AnthropicMessages",
+    "BackendError",
+    "Cassette",
+    "CassetteRecorder",
+    "ChatMessage",
+    "Clock",
+    "Exchange",
+    "LlmError",
+    "LlmRequest",
+    "LlmResponse",
+    "LlmRouter",
+    "MonotonicClock",
+    "NoBackendAvailable",
+    "OpenAIChat",
+    "ReplayMiss",
+    "RequestTooLarge",
+    "ResponseCache",
+    "TokenBucket",
+    "classify",
+    "retry_after_s",
+]

@@ -1,0 +1,171 @@
+"""Backends: one configured LLM endpoint each, with its own limits.
+
+Every attempt passes, in order: the size check against the token-per-minute bucket
+(a request that can never fit fails at once), the requests-per-minute bucket, the
+tokens-per-minute bucket (charged with the estimate, corrected with the provider's
+reported usage afterwards), and the concurrency limit. Then the backend sends:
+
+- `HttpBackend` speaks a wire protocol (`_wire`) over a shared httpx client. The API
+  key is read from the environment variable named in the configuration at every
+  attempt and is never logged, cached or recorded. With `record:`, each successful
+  exchange is appended to a cassette.
+- `ReplayBackend` answers from a cassette, with no network at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+from agentd._config import LlmBackendConfig
+from agentd.llm._cassette import Cassette, CassetteRecorder
+from agentd.llm._limits import Clock, TokenBucket
+from agentd.llm._types import BackendError, LlmRequest, LlmResponse, RequestTooLarge
+from agentd.llm._wire import DEFAULT_BASE_URLS, PROTOCOLS, classify
+
+
+class Backend:
+    def __init__(self, config: LlmBackendConfig, clock: Clock) -> None:
+        self.config = config
+        self.name = config.name
+        self._slots = asyncio.Semaphore(config.max_concurrency)
+        self.in_flight = 0
+        self.rpm = (
+            TokenBucket.per_minute(config.requests_per_minute, clock, "requests")
+            if config.requests_per_minute else None
+        )
+        self.tpm = (
+            TokenBucket.per_minute(config.tokens_per_minute, clock, "tokens")
+            if config.tokens_per_minute else None
+        )
+
+    @staticmethod
+    def cost(request: LlmRequest) -> int:
+        """Tokens reserved in the TPM bucket before the call."""
+        return request.estimated_input_tokens + request.max_tokens
+
+    def precheck(self, request: LlmRequest) -> None:
+        """Raise `RequestTooLarge` if the request can never pass this backend's limits."""
+        cost = self.cost(request)
+        if self.tpm is not None and cost > self.tpm.capacity:
+            raise RequestTooLarge(
+                f"backend {self.name}: the request needs about {cost} tokens (input "
+                f"~{request.estimated_input_tokens} + max_tokens {request.max_tokens}) but "
+                f"tokens_per_minute is {self.tpm.capacity:.0f}; it can never be sent"
+            )
+
+    async def attempt(self, request: LlmRequest) -> LlmResponse:
+        self.precheck(request)
+        cost = self.cost(request)
+        if self.rpm is not None:
+            await self.rpm.take(1)
+        if self.tpm is not None:
+            await self.tpm.take(cost)
+        try:
+            async with self._slots:
+                self.in_flight += 1
+                try:
+                    response = await self.send(request)
+                finally:
+                    self.in_flight -= 1
+        except BaseException:
+            if self.tpm is not None:
+                self.tpm.adjust(-cost)  # a failed attempt is not billed
+            raise
+        if self.tpm is not None:
+            self.tpm.adjust(response.total_tokens - cost)
+        return response
+
+    async def send(self, request: LlmRequest) -> LlmResponse:  # pragma: no cover
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        return None
+
+
+class HttpBackend(Backend):
+    def __init__(
+        self,
+        config: LlmBackendConfig,
+        clock: Clock,
+        client: httpx.AsyncClient,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(config, clock)
+        self.protocol = PROTOCOLS[config.provider]
+        self.base_url = config.base_url or DEFAULT_BASE_URLS[config.provider]
+        self.model = config.model or ""
+        self._client = client
+        self._env = os.environ if env is None else env
+        self.recorder = CassetteRecorder(Path(config.record)) if config.record else None
+
+    def _api_key(self) -> str | None:
+        var = self.config.api_key_env
+        if var is None:
+            return None
+        value = self._env.get(var)
+        if not value:
+            raise BackendError(self.name, f"environment variable {var} is not set")
+        return value
+
+    async def send(self, request: LlmRequest) -> LlmResponse:
+        http = self.protocol.encode(
+            request, base_url=self.base_url, model=self.model, api_key=self._api_key()
+        )
+        started = time.perf_counter()
+        try:
+            reply = await self._client.post(
+                http.url, content=http.body, headers=dict(http.headers),
+                timeout=self.config.timeout_s,
+            )
+        except httpx.TimeoutException:
+            raise BackendError(self.name, "timed out", retryable=True) from None
+        except httpx.HTTPError as exc:
+            raise BackendError(
+                self.name, f"connection failed ({type(exc).__name__})", retryable=True
+            ) from None
+        transport_s = time.perf_counter() - started
+        if not 200 <= reply.status_code < 300:
+            raise classify(self.name, reply.status_code, reply.headers, reply.content)
+        try:
+            decoded = self.protocol.decode(reply.content)
+        except BackendError as err:
+            raise dataclasses.replace(err, backend=self.name) from None
+        response = LlmResponse(
+            text=decoded.text,
+            input_tokens=(
+                decoded.input_tokens if decoded.input_tokens is not None
+                else request.estimated_input_tokens
+            ),
+            output_tokens=(
+                decoded.output_tokens if decoded.output_tokens is not None
+                else (len(decoded.text.encode()) + 3) // 4
+            ),
+            backend=self.name,
+            model=decoded.model or self.model,
+            finish_reason=decoded.finish_reason,
+            transport_s=transport_s,
+        )
+        if self.recorder is not None:
+            self.recorder.append(request, response)
+        return response
+
+
+class ReplayBackend(Backend):
+    def __init__(self, config: LlmBackendConfig, clock: Clock, cassette: Cassette) -> None:
+        super().__init__(config, clock)
+        self.cassette = cassette
+
+    async def send(self, request: LlmRequest) -> LlmResponse:
+        exchange = self.cassette.lookup(request)
+        if exchange is None:
+            raise BackendError(
+                self.name, f"no recorded exchange for request {request.key[:16]}", failover=True
+            )
+        return exchange.to_response(self.name)

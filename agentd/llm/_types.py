@@ -1,0 +1,160 @@
+"""Values that cross the LLM layer: a provider-neutral request, its response, errors.
+
+A request is what the platform assembled for one call; it is frozen, and its `key`
+(SHA-256 over a canonical JSON form) identifies it for the response cache and for
+cassettes. The spotlight nonce is random per call, so it is replaced by a fixed
+placeholder before hashing: two calls that differ only in their nonce are the same
+request. Nothing secret (API keys, headers) is ever part of a request value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
+from typing import Any, Literal
+
+from agentd._errors import AgentdError
+
+Role = Literal["user", "assistant"]
+NONCE_PLACEHOLDER = "NONCE"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: Role
+    content: str
+
+
+@dataclass(frozen=True)
+class LlmRequest:
+    """One completion request, provider-neutral. `system` is sent in the provider's
+    system slot (a `system` message for OpenAI, the `system` field for Anthropic);
+    `messages` never carry the system role."""
+
+    system: str
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int
+    temperature: float | None = None
+    nonce: str = ""  # the spotlight nonce of this call; normalised out of `key`
+    agent: str = ""  # for metrics and audit; never sent
+
+    def normalised(self, *, with_system: bool = True) -> dict[str, Any]:
+        """The request as stored in cassettes: the nonce replaced by a placeholder."""
+
+        def norm(text: str) -> str:
+            return text.replace(self.nonce, NONCE_PLACEHOLDER) if self.nonce else text
+
+        out: dict[str, Any] = {
+            "messages": [{"role": m.role, "content": norm(m.content)} for m in self.messages],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+        }
+        if with_system:
+            out["system"] = norm(self.system)
+        return out
+
+    @cached_property
+    def key(self) -> str:
+        """SHA-256 hex of the canonical JSON of `normalised()`, with the system prompt
+        replaced by its own SHA-256 (the same frozen prompt is hashed once, not on
+        every call)."""
+        material = self.normalised(with_system=False)
+        material["system_sha256"] = _system_digest(self.system)
+        return _digest(material)
+
+    @cached_property
+    def conversation_key(self) -> str:
+        """SHA-256 of the messages alone (no system prompt, no parameters): lets a
+        cassette survive an edit of the system prompt (see `ReplayBackend`)."""
+        return _digest(self.normalised(with_system=False)["messages"])
+
+    @cached_property
+    def estimated_input_tokens(self) -> int:
+        """A provider-independent estimate (4 characters a token, rounded up), used
+        for budgets and token buckets before the provider reports the real figure."""
+        size = len(self.system) + sum(len(m.content) + 4 for m in self.messages)
+        return (size + 3) // 4
+
+    def with_max_tokens(self, max_tokens: int) -> LlmRequest:
+        return LlmRequest(
+            self.system, self.messages, max_tokens, self.temperature, self.nonce, self.agent
+        )
+
+
+@lru_cache(maxsize=256)
+def _system_digest(system: str) -> str:
+    return hashlib.sha256(system.encode()).hexdigest()
+
+
+def _digest(obj: Any) -> str:
+    data = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(data.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class LlmResponse:
+    text: str
+    input_tokens: int
+    output_tokens: int
+    backend: str = ""
+    model: str = ""
+    finish_reason: str = ""
+    cached: bool = False
+    attempts: int = 1  # HTTP attempts, all backends together
+    transport_s: float = 0.0  # time spent waiting on the backend (excluded from overhead)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+# ---- errors ------------------------------------------------------------------------
+
+
+class LlmError(AgentdError):
+    """A completion could not be produced."""
+
+
+@dataclass(eq=False)
+class BackendError(LlmError):
+    """One backend failed one attempt. `retryable`: worth another attempt on the same
+    backend (429, 5xx, timeouts, connection errors); `failover`: worth trying another
+    backend (everything but a request the provider refused as malformed)."""
+
+    backend: str
+    message: str
+    status: int | None = None
+    retryable: bool = False
+    failover: bool = True
+    retry_after: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        status = f" (HTTP {self.status})" if self.status is not None else ""
+        return f"backend {self.backend}{status}: {self.message}"
+
+
+class RequestTooLarge(LlmError):
+    """The request can never fit a backend's token bucket: refused at once rather
+    than waiting forever."""
+
+
+class ReplayMiss(LlmError):
+    """A replay backend has no recorded exchange for this request."""
+
+
+@dataclass(eq=False)
+class NoBackendAvailable(LlmError):
+    """Every backend the strategy allowed failed; `errors` says how, in order."""
+
+    errors: list[BackendError | LlmError] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.__str__())
+
+    def __str__(self) -> str:
+        return "no LLM backend could answer: " + "; ".join(str(e) for e in self.errors)

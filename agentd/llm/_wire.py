@@ -1,0 +1,237 @@
+"""The providers' wire protocols, sans I/O: request values in, HTTP parts out; HTTP
+status, headers and body in, a response value or a classified error out.
+
+- `openai`: the Chat Completions protocol (OpenAI, vLLM, Ollama, llama.cpp server).
+  The system prompt is the first message, with role `system`.
+- `anthropic`: the Messages API. The system prompt goes in the top-level `system`
+  field, never among the messages (the reference implementation dropped it); the
+  messages must alternate user/assistant starting with user, so consecutive
+  messages of one role are merged.
+
+Errors are classified here once, for every provider: 408/409/429 and 5xx are
+retryable (honouring `Retry-After` / `retry-after-ms`); 401/403/404 fail over to the
+next backend without retry; any other 4xx is the request's fault and is neither
+retried nor failed over.
+"""
+
+from __future__ import annotations
+
+import email.utils
+import json
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from agentd.llm._types import BackendError, ChatMessage, LlmRequest
+
+JSON = "application/json"
+ANTHROPIC_VERSION = "2023-06-01"
+DEFAULT_BASE_URLS = {
+    "openai": "https://api.openai.com/v1",
+    "anthropic": "https://api.anthropic.com",
+}
+MAX_ERROR_TEXT = 300  # provider error bodies are logged, truncated
+
+
+@dataclass(frozen=True)
+class HttpRequest:
+    url: str
+    headers: Mapping[str, str]
+    body: bytes
+
+
+@dataclass(frozen=True)
+class Decoded:
+    text: str
+    input_tokens: int | None
+    output_tokens: int | None
+    finish_reason: str
+    model: str
+
+
+class WireProtocol(Protocol):
+    name: str
+
+    def encode(
+        self, request: LlmRequest, *, base_url: str, model: str, api_key: str | None
+    ) -> HttpRequest: ...
+
+    def decode(self, body: bytes) -> Decoded: ...
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _loads(body: bytes, backend: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise BackendError(backend, "response is not JSON", retryable=True) from None
+    if not isinstance(obj, dict):
+        raise BackendError(backend, "response is not a JSON object", retryable=True)
+    return obj
+
+
+def _usage(obj: dict[str, Any]) -> dict[str, Any]:
+    usage = obj.get("usage")
+    return usage if isinstance(usage, dict) else {}
+
+
+def _count(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+class OpenAIChat:
+    name = "openai"
+
+    def encode(
+        self, request: LlmRequest, *, base_url: str, model: str, api_key: str | None
+    ) -> HttpRequest:
+        messages: list[dict[str, str]] = [{"role": "system", "content": request.system}]
+        messages += [{"role": m.role, "content": m.content} for m in request.messages]
+        body: dict[str, Any] = {
+            "model": model,
+            "messages": messages,
+            "max_tokens": request.max_tokens,
+            "stream": False,
+        }
+        if request.temperature is not None:
+            body["temperature"] = request.temperature
+        headers = {"content-type": JSON, "accept": JSON}
+        if api_key:
+            headers["authorization"] = f"Bearer {api_key}"
+        return HttpRequest(base_url.rstrip("/") + "/chat/completions", headers, _dumps(body))
+
+    def decode(self, body: bytes) -> Decoded:
+        obj = _loads(body, self.name)
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise BackendError(self.name, "response has no choices", retryable=True)
+        message = choices[0].get("message")
+        content = message.get("content") if isinstance(message, dict) else None
+        text = content if isinstance(content, str) else ""
+        usage = _usage(obj)
+        return Decoded(
+            text=text,
+            input_tokens=_count(usage.get("prompt_tokens")),
+            output_tokens=_count(usage.get("completion_tokens")),
+            finish_reason=str(choices[0].get("finish_reason") or ""),
+            model=str(obj.get("model") or ""),
+        )
+
+
+class AnthropicMessages:
+    name = "anthropic"
+
+    def encode(
+        self, request: LlmRequest, *, base_url: str, model: str, api_key: str | None
+    ) -> HttpRequest:
+        body: dict[str, Any] = {
+            "model": model,
+            "max_tokens": request.max_tokens,
+            "system": request.system,
+            "messages": [
+                {"role": m.role, "content": m.content} for m in alternate(request.messages)
+            ],
+        }
+        if request.temperature is not None:
+            body["temperature"] = min(request.temperature, 1.0)  # Anthropic's range is 0..1
+        headers = {"content-type": JSON, "accept": JSON, "anthropic-version": ANTHROPIC_VERSION}
+        if api_key:
+            headers["x-api-key"] = api_key
+        base = base_url.rstrip("/")
+        url = base + ("/messages" if base.endswith("/v1") else "/v1/messages")
+        return HttpRequest(url, headers, _dumps(body))
+
+    def decode(self, body: bytes) -> Decoded:
+        obj = _loads(body, self.name)
+        blocks = obj.get("content")
+        if not isinstance(blocks, list):
+            raise BackendError(self.name, "response has no content", retryable=True)
+        text = "".join(
+            b["text"] for b in blocks
+            if isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)
+        )
+        usage = _usage(obj)
+        return Decoded(
+            text=text,
+            input_tokens=_count(usage.get("input_tokens")),
+            output_tokens=_count(usage.get("output_tokens")),
+            finish_reason=str(obj.get("stop_reason") or ""),
+            model=str(obj.get("model") or ""),
+        )
+
+
+def alternate(messages: tuple[ChatMessage, ...]) -> list[ChatMessage]:
+    """Messages that alternate user/assistant and start with user: consecutive
+    messages of one role are joined; a leading assistant message gets an empty user
+    turn before it."""
+    out: list[ChatMessage] = []
+    for m in messages:
+        if out and out[-1].role == m.role:
+            out[-1] = ChatMessage(m.role, out[-1].content + "\n\n" + m.content)
+        else:
+            out.append(m)
+    if out and out[0].role != "user":
+        out.insert(0, ChatMessage("user", "(continue)"))
+    return out
+
+
+PROTOCOLS: dict[str, WireProtocol] = {"openai": OpenAIChat(), "anthropic": AnthropicMessages()}
+
+
+# ---- error classification ------------------------------------------------------------
+
+
+def retry_after_s(headers: Mapping[str, str], now: float | None = None) -> float | None:
+    """Seconds to wait from `retry-after-ms`, or `Retry-After` (seconds or HTTP date)."""
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            return max(0.0, float(ms) / 1000)
+        except ValueError:
+            pass
+    value = headers.get("retry-after")
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
+
+
+def classify(backend: str, status: int, headers: Mapping[str, str], body: bytes) -> BackendError:
+    """The error for a non-2xx response."""
+    detail = _error_text(body)
+    if status in (408, 409, 429) or status >= 500:
+        return BackendError(
+            backend, detail or "temporarily unavailable", status=status, retryable=True,
+            retry_after=retry_after_s(headers),
+        )
+    if status in (401, 403, 404):
+        return BackendError(backend, detail or "refused", status=status, failover=True)
+    return BackendError(backend, detail or "request refused", status=status, failover=False)
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body[:MAX_ERROR_TEXT].decode("utf-8", "replace")
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and isinstance(err.get("message"), str):
+            return str(err["message"])[:MAX_ERROR_TEXT]
+        if isinstance(err, str):
+            return err[:MAX_ERROR_TEXT]
+    return ""

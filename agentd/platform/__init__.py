@@ -1,0 +1,96 @@
+"""The LLM platform: the trusted layer that owns prompts, history and LLM calls.
+
+- `PromptRegistry`: every agent's system prompt, composed, resolved, frozen, hashed.
+- six-layer context assembly with spotlighting and `validate_no_override`;
+- `Platform.complete` (through an agent's `AgentSession`): budgets, router, audit;
+- `make_agent_handlers(config, platform)`: the agents' handlers, for
+  `Routing.build(config, agent_handlers=...)`.
+
+Wiring, in short::
+
+    platform = Platform.from_config(config, audit=kernel_audit(kernel))
+    routing = Routing.build(config, agent_handlers=make_agent_handlers(config, platform))
+    pump = Pump(routing, ...)
+    platform.bind_threads(pump.registry)   # conversation budgets
+"""
+
+from agentd.platform._agent import (
+    AgentHandlers,
+    AgentLoop,
+    Phase,
+    TaskState,
+    make_agent_handlers,
+)
+from agentd.platform._audit import kernel_audit
+from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
+from agentd.platform._context import (
+    AssembledContext,
+    Fragment,
+    Layer,
+    SecurityEvent,
+    assemble,
+    neutralise,
+    prepare,
+    validate_no_override,
+)
+from agentd.platform._history import (
+    HistoryFull,
+    HistoryStore,
+    InMemoryHistoryStore,
+    KernelHistoryStore,
+    Turn,
+)
+from agentd.platform._memory import KeywordMemory, Memory, MemoryStore
+from agentd.platform._platform import (
+    AgentSession,
+    AuditFn,
+    Completion,
+    IsolationError,
+    OverrideViolation,
+    Platform,
+    ThreadScope,
+    registry_resolver,
+)
+from agentd.platform._prompts import AgentPrompt, PromptRegistry, ToolCatalogue
+from agentd.platform._reply import ParsedReply, parse_reply
+
+__all__ = [
+    "AgentHandlers",
+    "AgentLoop",
+    "AgentPrompt",
+    "AgentSession",
+    "AssembledContext",
+    "AuditFn",
+    "BudgetExceeded",
+    "BudgetLedger",
+    "Completion",
+    "Fragment",
+    "HistoryFull",
+    "HistoryStore",
+    "InMemoryHistoryStore",
+    "IsolationError",
+    "KernelHistoryStore",
+    "KeywordMemory",
+    "Layer",
+    "Memory",
+    "MemoryStore",
+    "OverrideViolation",
+    "ParsedReply",
+    "Phase",
+    "Platform",
+    "PromptRegistry",
+    "Scope",
+    "SecurityEvent",
+    "TaskState",
+    "ThreadScope",
+    "ToolCatalogue",
+    "Turn",
+    "assemble",
+    "kernel_audit",
+    "make_agent_handlers",
+    "neutralise",
+    "parse_reply",
+    "prepare",
+    "registry_resolver",
+    "validate_no_override",
+]

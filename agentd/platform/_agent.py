@@ -1,0 +1,268 @@
+"""LLM agents: the handler the pump calls for a listener with an `agent:` block.
+
+One task = one frame. The task payload arrives as a request and starts the task on
+the frame's UUID; every tool result, `huh` or `ack` for the agent's calls comes back
+to the same handler on the same UUID. The loop, as an explicit state machine:
+
+    THINKING --model replied with calls-------------> WAITING (pending = n)
+    THINKING --model replied, only refused calls----> THINKING (notices fed back)
+    THINKING --model replied with prose only--------> FINISHED (respond: answer)
+    THINKING --iteration cap / budget / no backend--> FINISHED (answer or huh)
+    WAITING  --a result arrives, pending > 1--------> WAITING
+    WAITING  --the last result arrives--------------> THINKING
+
+An iteration is one model call; `max_iterations` counts them per task. Tool calls are
+returned to the pump as raw XML (one payload element each, `to` left empty): the
+pump routes them among the agent's peers and re-validates them like any handler
+output; what it refuses comes back as `huh` on this frame, for the model to correct.
+Blind self-iteration is a call to the agent's own root tag: it runs a sub-task in a
+fresh frame (its own counter), whose answer comes back here as a result.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from agentd._config import ListenerConfig, OrganismConfig
+from agentd._core import Ack, Answer, Huh
+from agentd._errors import GENERIC_MESSAGES, HuhCode
+from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._xmlify import is_xmlified, to_xml
+from agentd.llm import LlmError
+from agentd.platform._audit import kernel_audit
+from agentd.platform._budget import BudgetExceeded
+from agentd.platform._history import ASSISTANT, RESULT, HistoryFull, KernelHistoryStore
+from agentd.platform._platform import MAX_ANSWER_CHARS, AgentSession, IsolationError, Platform
+from agentd.platform._reply import parse_reply
+
+if TYPE_CHECKING:
+    from agentd.kernel import Kernel
+
+log = logging.getLogger("agentd.platform.agent")
+
+Handler = Callable[[Any, HandlerMetadata], Any]
+
+
+class Phase(Enum):
+    THINKING = "thinking"
+    WAITING = "waiting"
+    FINISHED = "finished"
+
+
+@dataclass
+class TaskState:
+    phase: Phase = Phase.THINKING
+    iterations: int = 0
+    pending: int = 0
+
+    # transitions (pure: no I/O)
+
+    def result_arrived(self) -> None:
+        if self.phase is Phase.WAITING:
+            self.pending -= 1
+            if self.pending <= 0:
+                self.phase, self.pending = Phase.THINKING, 0
+
+    def may_think(self, max_iterations: int) -> bool:
+        return self.phase is Phase.THINKING and self.iterations < max_iterations
+
+    def thought(self, calls: int, notices: int) -> None:
+        self.iterations += 1
+        if calls:
+            self.phase, self.pending = Phase.WAITING, calls
+        elif not notices:
+            self.phase = Phase.FINISHED
+
+    def finish(self) -> None:
+        self.phase = Phase.FINISHED
+
+
+def cap_message(n: int) -> str:
+    return (
+        f"Stopped: this task used all {n} model turns it is allowed (max_iterations) "
+        "without reaching a final answer."
+    )
+
+
+def render_result(payload: Any, from_id: str) -> tuple[str, str, bool]:
+    """(source, content, is_xml) of something that came back to the agent."""
+    source = "platform" if from_id == "core" else from_id
+    if isinstance(payload, Huh):
+        retry = "may retry" if payload.retry_allowed else "do not retry"
+        return source, f"huh {payload.code.value}: {payload.message} ({retry})", False
+    if isinstance(payload, Ack):
+        return source, "(the call finished without returning a result)", False
+    if isinstance(payload, Answer):
+        return source, payload.text, False
+    if is_xmlified(payload):
+        return source, to_xml(payload).decode(), True
+    return source, f"(an unreadable result of type {type(payload).__name__})", False
+
+
+class AgentLoop:
+    """The handler of one agent listener (callable). Per-task state is keyed by the
+    frame UUID; the pump runs one message per frame at a time, so no locking."""
+
+    def __init__(self, listener: ListenerConfig, session: AgentSession, max_fanout: int = 64):
+        assert listener.agent is not None
+        self.name = listener.name
+        self.session = session
+        self.max_iterations = listener.agent.max_iterations
+        self.max_fanout = max_fanout
+        self.own_classes = tuple(listener.payload_classes)
+        self.tasks: dict[str, TaskState] = {}
+
+    async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse | None:
+        thread = meta.thread_id
+        state = self.tasks.get(thread)
+        if state is None and not isinstance(payload, self.own_classes):
+            state = await self._restore(thread)
+            if state is None:
+                log.info("agent %s: %s for a task that has ended, ignored",
+                         self.name, type(payload).__name__)
+                return None
+        if state is None:
+            self.session.begin(thread, to_xml(payload).decode(), again=meta.redelivered)
+            state = self.tasks[thread] = TaskState()
+        else:
+            source, content, xml = render_result(payload, meta.from_id)
+            try:
+                self.session.record(thread, content, source=source, xml=xml)
+            except HistoryFull:
+                return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
+            state.result_arrived()
+            if state.phase is Phase.WAITING:
+                return None  # more results to come
+        return await self._think(thread, state)
+
+    async def _think(self, thread: str, state: TaskState) -> HandlerResponse:
+        session = self.session
+        while True:
+            if not state.may_think(self.max_iterations):
+                return self._answer(thread, cap_message(self.max_iterations))
+            try:
+                completion = await session.complete(thread)
+            except (BudgetExceeded, HistoryFull) as exc:
+                log.warning("agent %s stopped thread=%s: %s", self.name, thread, exc)
+                return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
+            except LlmError as exc:
+                log.error("agent %s: no completion thread=%s: %s", self.name, thread, exc)
+                return self._fail(thread, HuhCode.INTERNAL)
+            except asyncio.CancelledError:  # the pump's handler timeout, or a stop
+                self._end(thread)
+                raise
+            except Exception:  # an override violation, a bug: the task ends, loudly
+                log.exception("agent %s: task failed thread=%s", self.name, thread)
+                return self._fail(thread, HuhCode.INTERNAL)
+            reply = parse_reply(completion.text, session.catalogue)
+            calls, notices = list(reply.calls), list(reply.notices)
+            if len(calls) > self.max_fanout:
+                notices.append(
+                    f"huh too-large: {len(calls)} calls in one reply; at most "
+                    f"{self.max_fanout} are allowed. Nothing was sent."
+                )
+                calls = []
+            try:
+                for notice in notices:
+                    session.record(thread, notice, source="platform", notice=True)
+            except HistoryFull:
+                return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
+            state.thought(len(calls), len(notices))
+            if calls:
+                return HandlerResponse(b"".join(calls))
+            if state.phase is Phase.FINISHED:
+                return self._answer(thread, reply.text)
+
+    async def _restore(self, thread: str) -> TaskState | None:
+        """A result for a task this process does not know: after a restart, rebuild the
+        task from its durable history (iterations = replies so far; pending = calls of
+        the last reply minus the results recorded since)."""
+        turns = await self.session.restore(thread)
+        if turns is None:
+            return None
+        replies = [i for i, t in enumerate(turns) if t.kind == ASSISTANT]
+        state = TaskState(iterations=len(replies))
+        if replies:
+            last = replies[-1]
+            calls = len(parse_reply(turns[last].content, self.session.catalogue).calls)
+            done = sum(1 for t in turns[last + 1:] if t.kind == RESULT)
+            if calls > done:
+                state.phase, state.pending = Phase.WAITING, calls - done
+        log.info("agent %s: task restored thread=%s iterations=%d pending=%d",
+                 self.name, thread, state.iterations, state.pending)
+        self.tasks[thread] = state
+        return state
+
+    def _end(self, thread: str) -> None:
+        state = self.tasks.pop(thread, None)
+        if state is not None:
+            state.finish()
+        with contextlib.suppress(IsolationError):  # already ended
+            self.session.end(thread)
+
+    def _answer(self, thread: str, text: str) -> HandlerResponse:
+        self._end(thread)
+        if len(text) > MAX_ANSWER_CHARS:
+            text = text[:MAX_ANSWER_CHARS] + " [truncated]"
+        return HandlerResponse.respond(Answer(text=text))
+
+    def _fail(self, thread: str, code: HuhCode) -> HandlerResponse:
+        self._end(thread)
+        return HandlerResponse.error(code, GENERIC_MESSAGES[code])
+
+
+class AgentHandlers(dict[str, Handler]):
+    """Listener name -> agent handler, for `Routing.build(..., agent_handlers=)`;
+    `.platform` is the platform they share (bind it to the pump's thread registry
+    with `platform.bind_threads(pump.registry)`, close it with `await
+    platform.aclose()`)."""
+
+    def __init__(self, handlers: dict[str, Handler], platform: Platform) -> None:
+        super().__init__(handlers)
+        self.platform = platform
+
+
+def make_agent_handlers(
+    config: OrganismConfig,
+    platform: Platform | None = None,
+    *,
+    kernel: Kernel | None = None,
+    audit: Callable[[str, Mapping[str, str]], None] | None = None,
+    **platform_options: Any,
+) -> AgentHandlers:
+    """One handler per LLM agent of `config`.
+
+    Give a `platform`, or let one be built from `config`: with a `kernel`, history
+    goes to its context buffers and audit records to its journal (security events
+    with direction `security`); else `audit(kind, fields)` (the daemon's form) gets
+    them, with `thread` among the fields. Other options go to `Platform.from_config`.
+    """
+    if platform is None:
+        if kernel is not None:
+            platform_options.setdefault("history", KernelHistoryStore(kernel))
+            platform_options.setdefault("audit", kernel_audit(kernel))
+        elif audit is not None:
+            platform_options.setdefault("audit", _two_argument_audit(audit))
+        platform = Platform.from_config(config, **platform_options)
+    handlers: dict[str, Handler] = {
+        lst.name: AgentLoop(lst, platform.session(lst.name), config.pump.max_fanout)
+        for lst in config.listeners
+        if lst.agent is not None
+    }
+    return AgentHandlers(handlers, platform)
+
+
+def _two_argument_audit(
+    audit: Callable[[str, Mapping[str, str]], None],
+) -> Callable[[str, str, Mapping[str, Any]], None]:
+    def adapted(kind: str, thread: str, fields: Mapping[str, Any]) -> None:
+        name = f"llm-{fields.get('event', kind)}" if kind == "security" else f"llm-{kind}"
+        audit(name, {"thread": thread, **{k: str(v) for k, v in fields.items()}})
+
+    return adapted

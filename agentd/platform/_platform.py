@@ -1,0 +1,440 @@
+"""The platform: the trusted owner of prompts, history and every LLM call.
+
+Agents hold an `AgentSession` bound to their own name. Through it they start a task
+on the frame they run in, record what comes back, and ask for a completion; the
+platform then assembles the six layers (system prompt from the registry, shared
+facts, the task, the thread's turns, recalled memories), validates the assembly
+(`validate_no_override`), enforces budgets, calls the router, settles the budgets
+with the provider's figures, updates `agentd_llm_tokens_total`, writes an
+`llm-call` audit record carrying the prompt's SHA-256, and appends the reply to
+the thread's history. Handlers never see a prompt, a router or another thread.
+
+Invariants:
+- a thread (frame UUID) belongs to the one agent that began a task on it; any
+  other agent asking about it gets `IsolationError`;
+- a call goes out only after `validate_no_override` found nothing; a finding is an
+  internal error and a security event, never a degraded call;
+- every security event (neutralised markers or role tags, dropped fact
+  redefinitions, suspected injections) goes to `audit` once per thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from agentd import _metrics as metrics
+from agentd._config import AgentConfig, OrganismConfig
+from agentd.llm import LlmError, LlmRequest, LlmRouter
+from agentd.llm._types import Role
+from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
+from agentd.platform._context import (
+    AssembledContext,
+    Fragment,
+    Layer,
+    SecurityEvent,
+    assemble,
+    prepare,
+    prepare_keyed,
+    validate_no_override,
+)
+from agentd.platform._history import (
+    ASSISTANT,
+    NOTICE,
+    RESULT,
+    TASK,
+    HistoryStore,
+    InMemoryHistoryStore,
+    Turn,
+)
+from agentd.platform._memory import KeywordMemory, Memory, MemoryStore
+from agentd.platform._prompts import AgentPrompt, PromptRegistry, ToolCatalogue, fact_key
+
+if TYPE_CHECKING:
+    from agentd._threads import ThreadRegistry
+
+log = logging.getLogger("agentd.platform")
+
+# audit(kind, thread, fields): must not block; the kernel adapter journals it.
+AuditFn = Callable[[str, str, Mapping[str, Any]], None]
+SECURITY = "security"  # the audit kind of security events
+MAX_ANSWER_CHARS = 60_000  # core:text allows 65536
+
+
+class IsolationError(Exception):
+    """An agent asked about a thread that is not one of its own tasks."""
+
+
+class OverrideViolation(Exception):
+    """`validate_no_override` found a way for a lower layer to pose as a higher one."""
+
+
+@dataclass(frozen=True)
+class ThreadScope:
+    conversation: str  # the client conversation (root frame) the thread belongs to
+    token_budget: int | None = None  # the conversation's budget (its profile's)
+
+
+ThreadResolver = Callable[[str], ThreadScope | None]
+
+
+def registry_resolver(registry: ThreadRegistry) -> ThreadResolver:
+    """Scopes from the pump's thread registry: conversation = root frame, budget =
+    the thread's profile `token_budget`. Platform-side only: agents never see it."""
+
+    def resolve(uuid: str) -> ThreadScope | None:
+        frame = registry.get(uuid)
+        if frame is None:
+            return None
+        return ThreadScope(frame.root.uuid, frame.profile.token_budget)
+
+    return resolve
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    input_tokens: int
+    output_tokens: int
+    backend: str
+    cached: bool
+    request_key: str
+    transport_s: float = 0.0  # time waiting on the backend (the rest is platform overhead)
+
+
+@dataclass
+class _Task:
+    agent: str
+    protected: dict[str, str]  # facts of layers 1-4: nothing below may redefine them
+    task: Fragment
+    query: str  # what long-term memory is searched with
+    working: list[Fragment] = field(default_factory=list)
+    reported: set[tuple[str, str, str]] = field(default_factory=set)
+
+
+def _null_audit(kind: str, thread: str, fields: Mapping[str, Any]) -> None:
+    return None
+
+
+class Platform:
+    def __init__(
+        self,
+        config: OrganismConfig,
+        registry: PromptRegistry,
+        router: LlmRouter,
+        *,
+        history: HistoryStore | None = None,
+        memory: MemoryStore | None = None,
+        audit: AuditFn | None = None,
+        shared_facts: Mapping[str, str] | None = None,
+        resolve_thread: ThreadResolver | None = None,
+        recall_limit: int = 3,
+    ) -> None:
+        self.config = config
+        self._registry = registry
+        self._router = router
+        self.history: HistoryStore = history or InMemoryHistoryStore()
+        self.memory: MemoryStore = memory or KeywordMemory()
+        self._audit: AuditFn = audit or _null_audit
+        self._resolve = resolve_thread
+        self.recall_limit = recall_limit
+        self.budgets = BudgetLedger()
+        self._agents: Mapping[str, AgentConfig] = MappingProxyType(
+            {lst.name: lst.agent for lst in config.listeners if lst.agent is not None}
+        )
+        self._tasks: dict[str, _Task] = {}
+        self._owners: dict[str, str] = {}
+        facts = dict(shared_facts) if shared_facts is not None else {"organism": config.name}
+        # Layer 3 per agent: shared facts minus those that would redefine layers 1-2.
+        self._shared: dict[str, tuple[tuple[Fragment, ...], dict[str, str]]] = {}
+        for agent in self._agents:
+            prompt = registry.get(agent)
+            kept, events = prepare_keyed(
+                facts.items(), layer=Layer.SHARED, source="shared", protected=prompt.facts
+            )
+            for event in events:
+                self._report(agent, "", event, set())
+            text = "\n".join(f"{k}: {v}" for k, v in kept if k is not None)
+            fragments = (Fragment(Layer.SHARED, text, "shared"),) if text else ()
+            self._shared[agent] = (fragments, {fact_key(k): v for k, v in kept if k})
+
+    @classmethod
+    def from_config(
+        cls,
+        config: OrganismConfig,
+        *,
+        manifesto: str | None = None,
+        router: LlmRouter | None = None,
+        **kwargs: Any,
+    ) -> Platform:
+        """Registry and router from `config` (raises `ConfigError`). Keyword arguments
+        not taken by `Platform` (transport, env, clock, backoff_base_s, ...) go to the
+        router."""
+        if config.llm is None and any(lst.agent for lst in config.listeners):
+            from agentd._errors import ConfigError
+
+            raise ConfigError([f"{config.source or '<config>'}: llm: agents need an llm section"])
+        registry = PromptRegistry.build(config, manifesto=manifesto)
+        own = {k: kwargs.pop(k) for k in (
+            "history", "memory", "audit", "shared_facts", "resolve_thread", "recall_limit"
+        ) if k in kwargs}
+        if router is None:
+            from agentd._config import LlmConfig
+
+            router = LlmRouter(config.llm or LlmConfig(), **kwargs)
+        return cls(config, registry, router, **own)
+
+    # ---- wiring -----------------------------------------------------------------------
+
+    def bind_threads(self, resolver: ThreadResolver | ThreadRegistry) -> None:
+        """Give the platform the conversation of each thread (for budgets)."""
+        self._resolve = resolver if callable(resolver) else registry_resolver(resolver)
+
+    def session(self, agent: str) -> AgentSession:
+        if agent not in self._agents:
+            raise KeyError(f"{agent} is not an LLM agent")
+        return AgentSession(self, agent)
+
+    def remember(self, agent: str, text: str, key: str | None = None) -> None:
+        """Store a long-term memory for `agent` (trusted API: operators, not agents)."""
+        self.memory.remember(agent, Memory(text, key))
+
+    def prompt_digest(self, agent: str) -> str:
+        return self._registry.get(agent).sha256
+
+    async def aclose(self) -> None:
+        await self._router.aclose()
+
+    # ---- what sessions call -----------------------------------------------------------
+
+    def _own(self, agent: str, thread: str) -> _Task:
+        task = self._tasks.get(thread)
+        if task is None or self._owners.get(thread) != agent:
+            raise IsolationError(f"thread {thread} is not a task of {agent}")
+        return task
+
+    def _start(self, agent: str, thread: str, task_xml: str) -> _Task:
+        owner = self._owners.get(thread)
+        if owner is not None and owner != agent:
+            raise IsolationError(f"thread {thread} belongs to another agent")
+        prompt = self._registry.get(agent)
+        shared_facts = self._shared[agent][1]
+        protected = {**shared_facts, **prompt.facts}
+        prepared = prepare(
+            task_xml, layer=Layer.DELEGATED, source="task", protected=protected, xml=True
+        )
+        protected.update(prepared.facts)  # facts the task declares bind the layers below
+        task = _Task(agent, protected, Fragment(Layer.DELEGATED, prepared.content, "task"),
+                     query=task_xml)
+        self._owners[thread] = agent
+        self._tasks[thread] = task
+        for event in prepared.events:
+            self._report(agent, thread, event, task.reported)
+        return task
+
+    def begin(self, agent: str, thread: str, task_xml: str, *, again: bool = False) -> None:
+        """Start a task on `thread`. `again`: the task was redelivered after a crash;
+        whatever history it had is dropped (a task starts from an empty history)."""
+        self._start(agent, thread, task_xml)
+        if again:
+            self.history.drop(thread)
+        self.history.append(thread, Turn(TASK, task_xml, "", xml=True))
+
+    def _working(self, task: _Task, thread: str, turn: Turn) -> None:
+        role: Role = "assistant" if turn.kind == ASSISTANT else "user"
+        source = "assistant" if turn.kind == ASSISTANT else f"result:{turn.source}"
+        prepared = prepare(
+            turn.content, layer=Layer.WORKING, source=source, protected=task.protected,
+            xml=turn.xml,
+        )
+        for event in prepared.events:
+            self._report(task.agent, thread, event, task.reported)
+        task.working.append(Fragment(Layer.WORKING, prepared.content, source, role))
+
+    def record(
+        self, agent: str, thread: str, content: str, source: str, xml: bool, notice: bool = False
+    ) -> None:
+        task = self._own(agent, thread)
+        turn = Turn(NOTICE if notice else RESULT, content, source, xml)
+        self.history.append(thread, turn)
+        self._working(task, thread, turn)
+
+    async def restore(self, agent: str, thread: str) -> tuple[Turn, ...] | None:
+        """Rebuild a task from its stored history (after a restart, with a durable
+        history store); None if the thread has no task history."""
+        if self._owners.get(thread, agent) != agent:
+            raise IsolationError(f"thread {thread} belongs to another agent")
+        turns = tuple(await self.history.read(thread))
+        if not turns or turns[0].kind != TASK:
+            return None
+        task = self._start(agent, thread, turns[0].content)
+        for turn in turns[1:]:
+            self._working(task, thread, turn)
+        return turns
+
+    async def read_history(self, agent: str, thread: str) -> tuple[Turn, ...]:
+        self._own(agent, thread)
+        return tuple(await self.history.read(thread))
+
+    def end(self, agent: str, thread: str) -> None:
+        self._own(agent, thread)
+        del self._tasks[thread]
+        del self._owners[thread]
+        self.history.drop(thread)
+
+    def _scopes(self, agent: str, thread: str) -> list[Scope]:
+        scope = self._resolve(thread) if self._resolve is not None else None
+        conversation = scope.conversation if scope is not None else thread
+        budget = scope.token_budget if scope is not None else None
+        return [
+            Scope(f"agent:{agent}:{conversation}", self._agents[agent].token_budget),
+            Scope(f"conversation:{conversation}", budget),
+        ]
+
+    def assemble(self, agent: str, thread: str) -> tuple[AssembledContext, AgentPrompt]:
+        """The six layers for the thread's next call, validated."""
+        task = self._own(agent, thread)
+        prompt = self._registry.get(agent)
+        memories = self.memory.recall(agent, task.query, self.recall_limit)
+        kept, events = prepare_keyed(
+            ((m.key, m.text) for m in memories),
+            layer=Layer.LONG_TERM, source="memory", protected=task.protected,
+        )
+        for event in events:
+            self._report(agent, thread, event, task.reported)
+        memory_fragments = [Fragment(Layer.LONG_TERM, text, "memory") for _, text in kept]
+        ctx = assemble(
+            prompt,
+            nonce=secrets.token_hex(8),
+            task=task.task,
+            shared=self._shared[agent][0],
+            working=task.working,
+            memories=memory_fragments,
+        )
+        problems = validate_no_override(ctx, self._registry, task.protected)
+        if problems:
+            for problem in problems:
+                self._report(agent, thread, SecurityEvent(
+                    "override-violation", Layer.CORE, "assembly", problem), set())
+            raise OverrideViolation("; ".join(problems))
+        return ctx, prompt
+
+    async def complete(self, agent: str, thread: str) -> Completion:
+        """One model turn for the thread: assemble, validate, budget, call, account."""
+        ctx, prompt = self.assemble(agent, thread)
+        cfg = self._agents[agent]
+        request = LlmRequest(
+            system=ctx.system,
+            messages=ctx.messages,
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            nonce=ctx.nonce,
+            agent=agent,
+        )
+        scopes = self._scopes(agent, thread)
+        try:
+            reservation = self.budgets.reserve(
+                scopes, request.estimated_input_tokens, cfg.max_tokens
+            )
+        except BudgetExceeded as exc:
+            self._audit("budget-exceeded", thread, {
+                "agent": agent, "scope": exc.scope, "limit": exc.limit, "spent": exc.spent,
+            })
+            raise
+        if reservation.max_output != request.max_tokens:
+            request = request.with_max_tokens(reservation.max_output)
+        try:
+            response = await self._router.complete(request, prefer=cfg.model)
+        except LlmError as exc:
+            self.budgets.settle(reservation, None)
+            self._audit("llm-call", thread, {
+                "agent": agent, "prompt_sha256": prompt.sha256, "request_sha256": request.key,
+                "outcome": "error", "error": type(exc).__name__,
+            })
+            raise
+        except BaseException:  # cancelled (handler timeout): the reservation is freed
+            self.budgets.settle(reservation, None)
+            raise
+        used = 0 if response.cached else response.total_tokens
+        self.budgets.settle(reservation, used)
+        if not response.cached:
+            metrics.llm_tokens.labels(agent, response.backend, "input").inc(response.input_tokens)
+            metrics.llm_tokens.labels(agent, response.backend, "output").inc(
+                response.output_tokens
+            )
+        self._audit("llm-call", thread, {
+            "agent": agent,
+            "backend": response.backend,
+            "prompt_sha256": prompt.sha256,
+            "request_sha256": request.key,
+            "input_tokens": response.input_tokens,
+            "output_tokens": response.output_tokens,
+            "cached": response.cached,
+            "attempts": response.attempts,
+            "outcome": "ok",
+        })
+        turn = Turn(ASSISTANT, response.text)
+        self.history.append(thread, turn)
+        self._working(self._tasks[thread], thread, turn)
+        return Completion(
+            response.text, response.input_tokens, response.output_tokens, response.backend,
+            response.cached, request.key, response.transport_s,
+        )
+
+    def _report(self, agent: str, thread: str, event: SecurityEvent,
+                seen: set[tuple[str, str, str]]) -> None:
+        mark = (event.kind, event.source, event.detail)
+        if mark in seen:
+            return
+        seen.add(mark)
+        metrics.security_events.labels(f"llm-{event.kind}").inc()
+        log.warning("security event kind=%s agent=%s layer=%d source=%s detail=%s",
+                    event.kind, agent, event.layer, event.source, event.detail)
+        self._audit(SECURITY, thread, {
+            "event": event.kind, "agent": agent, "layer": int(event.layer),
+            "source": event.source, "detail": event.detail,
+        })
+
+
+class AgentSession:
+    """An agent's handle on the platform: its own name bound in; no prompt, no router,
+    no other agent's threads."""
+
+    __slots__ = ("_platform", "agent")
+
+    def __init__(self, platform: Platform, agent: str) -> None:
+        self._platform = platform
+        self.agent = agent
+
+    @property
+    def config(self) -> AgentConfig:
+        return self._platform._agents[self.agent]
+
+    @property
+    def catalogue(self) -> ToolCatalogue:
+        """The payloads this agent may emit (public: they are its peers' schemas)."""
+        return self._platform._registry.get(self.agent).catalogue
+
+    def begin(self, thread: str, task_xml: str, *, again: bool = False) -> None:
+        self._platform.begin(self.agent, thread, task_xml, again=again)
+
+    def record(
+        self, thread: str, content: str, *, source: str, xml: bool = False, notice: bool = False
+    ) -> None:
+        self._platform.record(self.agent, thread, content, source, xml, notice)
+
+    async def restore(self, thread: str) -> tuple[Turn, ...] | None:
+        return await self._platform.restore(self.agent, thread)
+
+    async def complete(self, thread: str) -> Completion:
+        return await self._platform.complete(self.agent, thread)
+
+    async def history(self, thread: str) -> Sequence[Turn]:
+        return await self._platform.read_history(self.agent, thread)
+
+    def end(self, thread: str) -> None:
+        self._platform.end(self.agent, thread)

@@ -1,0 +1,172 @@
+"""Reading a model's reply: which parts are tool calls, which part is prose.
+
+Models wrap payloads in prose and code fences, forget namespaces, leave a closing
+tag out. The parser finds candidate elements (any element declaring a namespace,
+and any element named like one of the agent's tools), cuts each out of the text
+and parses it with the hardened parser, repairing only when the strict parse fails
+(this is model output: the one kind of input agentd ever repairs).
+
+Each candidate then becomes one of:
+- a call: a payload of one of the agent's tools (a peer's route, or its own root
+  for blind self-iteration) that validates against that tool's schema; a call
+  written without its namespace gets the tool's namespace when the name is
+  unambiguous (an element without a namespace that is never closed is a mention
+  in prose, not a call);
+- a notice (a local `huh`, fed back to the model next turn): malformed XML, or a
+  tool payload that fails its schema (with the error and the tool's example);
+- a pass-through call: a namespaced element of no tool of this agent. It is sent
+  anyway, so that the pump refuses it (`huh unroutable`, and a peer-violation
+  security event when it is a real route outside the peers); the agent is not
+  the judge of its own permissions;
+- prose: an element that is an echo of a known result type, or of the core
+  namespace, or anything without a namespace that is not a tool name.
+
+`<think>...</think>` sections are dropped first: reasoning is not action.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from agentd._errors import Rejection
+from agentd._schemas import NS_CORE
+from agentd._xml import c14n, parse_untrusted
+from agentd.platform._prompts import Tool, ToolCatalogue
+
+_START = re.compile(
+    r"<([A-Za-z_][A-Za-z0-9_.\-]*(?::[A-Za-z_][A-Za-z0-9_.\-]*)?)((?:\s[^<>]*?)?)(/?)>"
+)
+_THINK = re.compile(r"<think(?:ing)?>.*?(?:</think(?:ing)?>|\Z)", re.DOTALL | re.IGNORECASE)
+_EMPTY_FENCE = re.compile(r"```[A-Za-z0-9_+\-]*\s*```")
+_ANSWER_WRAP = re.compile(r"\A\s*<answer>(.*)</answer>\s*\Z", re.DOTALL)
+_XMLNS = re.compile(r"""\bxmlns\s*=\s*["']([^"']*)["']""")
+MAX_CANDIDATE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class ParsedReply:
+    calls: tuple[bytes, ...]  # C14N payload elements, in the order written
+    notices: tuple[str, ...]  # local `huh`s for the model, one per refused candidate
+    text: str  # the prose that remains
+
+    @property
+    def is_answer(self) -> bool:
+        return not self.calls and not self.notices
+
+
+def _end_of(text: str, name: str, start: int) -> int | None:
+    """Index just past the element opened at `start` (nesting of the same name
+    counted), or None when it is never closed."""
+    pattern = re.compile(rf"<(/?){re.escape(name)}(?:\s[^<>]*?)?(/?)>")
+    depth = 0
+    for m in pattern.finditer(text, start):
+        if m.group(1):
+            depth -= 1
+        elif not m.group(2):
+            depth += 1
+        if depth == 0:
+            return m.end()
+    return None
+
+
+def _example(tool: Tool) -> str:
+    return tool.spec.example.decode()
+
+
+def parse_reply(text: str, catalogue: ToolCatalogue) -> ParsedReply:
+    text = _THINK.sub("", text)
+    calls: list[bytes] = []
+    notices: list[str] = []
+    prose: list[str] = []
+    pos = 0
+    for m in _START.finditer(text):
+        if m.start() < pos:
+            continue  # inside a candidate already taken
+        name, attrs, selfclosing = m.group(1), m.group(2) or "", m.group(3)
+        local = name.rpartition(":")[2]
+        declared = _XMLNS.search(attrs)
+        if declared is None and "xmlns" not in attrs and local not in catalogue.by_local:
+            continue
+        end = m.end() if selfclosing else _end_of(text, name, m.start())
+        closed = end is not None
+        if not closed and declared is None and "xmlns" not in attrs:
+            continue  # "<add>" mentioned in prose, never closed: not a call
+        end = len(text) if end is None else end
+        fragment = text[m.start():end]
+        outcome = _candidate(fragment, name, local, declared, closed, catalogue)
+        if outcome is None:
+            continue  # prose after all
+        prose.append(text[pos:m.start()])
+        pos = end
+        kind, value = outcome
+        if kind == "call":
+            calls.append(value.encode() if isinstance(value, str) else value)
+        else:
+            notices.append(str(value))
+    prose.append(text[pos:])
+    remaining = _EMPTY_FENCE.sub("", "".join(prose)).strip()
+    wrapped = _ANSWER_WRAP.match(remaining)
+    if wrapped is not None:
+        remaining = wrapped.group(1).strip()
+    return ParsedReply(tuple(calls), tuple(notices), remaining)
+
+
+def _candidate(
+    fragment: str,
+    name: str,
+    local: str,
+    declared: re.Match[str] | None,
+    closed: bool,
+    catalogue: ToolCatalogue,
+) -> tuple[str, bytes | str] | None:
+    """('call', c14n bytes) | ('notice', text) | None (not a call: leave as prose)."""
+    tool: Tool | None = None
+    if declared is None and ":" not in name:
+        tools = catalogue.by_local.get(local, ())
+        if len(tools) != 1:
+            if tools:
+                names = ", ".join(f"{t.spec.namespace}" for t in tools)
+                return "notice", (
+                    f"huh invalid-payload: <{local}> is ambiguous without its namespace "
+                    f"(one of {names}); write the xmlns attribute."
+                )
+            return None
+        tool = tools[0]
+        # Repair: the tool's namespace, declared as the default on the element.
+        fragment = re.sub(
+            rf"\A<{re.escape(name)}", f'<{name} xmlns="{tool.spec.namespace}"', fragment
+        )
+    raw = fragment.encode()
+    if len(raw) > MAX_CANDIDATE_BYTES:
+        return "notice", f"huh too-large: your <{local}> element is larger than allowed."
+    try:
+        el = parse_untrusted(raw)
+    except Rejection:
+        try:
+            el = parse_untrusted(raw, repair=True)
+        except Rejection as exc:
+            return "notice", (
+                f"huh malformed: your <{local}> element is not well-formed XML "
+                f"({exc.detail or exc.code.value}); nothing was sent."
+            )
+    if not isinstance(el.tag, str):
+        return None
+    key = el.tag
+    if tool is None:
+        tool = catalogue.by_key.get(key)
+    if tool is None:
+        if key in catalogue.result_keys or key.startswith("{" + NS_CORE + "}"):
+            return None  # an echo of a result, or of a notice: prose
+        if not key.startswith("{"):
+            return None
+        return "call", c14n(el)  # not ours to judge: the pump refuses it
+    if not tool.spec.schema.validate(el):
+        error = tool.spec.schema.error_log.last_error
+        detail = error.message.rstrip(".") if error is not None else "does not match the schema"
+        return "notice", (
+            f"huh invalid-payload: your <{tool.spec.tag}> call for {tool.peer} was not sent: "
+            f"{detail}." + ("" if closed else " (The element was not closed.)")
+            + f" A valid call looks like: {_example(tool)}"
+        )
+    return "call", c14n(el)

@@ -1,0 +1,369 @@
+"""Fake LLM providers on loopback, speaking the real wire protocols over real HTTP.
+
+`FakeLLM("openai" | "anthropic", script)` is an HTTP/1.1 server (asyncio streams,
+keep-alive) that answers `POST .../chat/completions` (OpenAI Chat Completions) or
+`POST .../v1/messages` (Anthropic Messages) with bodies shaped exactly like the
+providers'. `script` decides each answer from the request (`Seen`): a list of
+replies played in order (the last repeats), or a callable. Every request is kept
+in `requests` for assertions.
+
+`Seen.conversation()` turns either protocol's body into one neutral view (system
+text, messages, the spotlighted data blocks), so agent scripts are written once.
+
+Run as a script to re-record the demo cassette: `python -m tests.llm_servers`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+_BLOCK = re.compile(
+    r"\u27e6data:(\w+) layer=(\d) source=([^\u27e7\n]*)\u27e7\n(.*?)\n\u27e6/data:\1\u27e7",
+    re.DOTALL,
+)
+STATUS_TEXT = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found",
+               429: "Too Many Requests", 500: "Internal Server Error",
+               503: "Service Unavailable"}
+
+
+@dataclass
+class Reply:
+    text: str = ""
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes | None = None  # a raw body instead of the provider-shaped one
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    delay_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Block:
+    layer: int
+    source: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Conversation:
+    system: str
+    messages: tuple[tuple[str, str], ...]  # (role, content), system excluded
+
+    @property
+    def blocks(self) -> list[Block]:
+        out: list[Block] = []
+        for role, content in self.messages:
+            if role == "user":
+                out += [Block(int(m[2]), m[3], m[4]) for m in _BLOCK.finditer(content)]
+        return out
+
+    @property
+    def task(self) -> str:
+        return next(b.content for b in self.blocks if b.layer == 4)
+
+    @property
+    def results(self) -> list[Block]:
+        return [b for b in self.blocks if b.layer == 5]
+
+    @property
+    def replies(self) -> list[str]:
+        return [c for r, c in self.messages if r == "assistant"]
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    protocol: str
+
+    @property
+    def json(self) -> dict[str, Any]:
+        obj: dict[str, Any] = json.loads(self.body)
+        return obj
+
+    def conversation(self) -> Conversation:
+        body = self.json
+        if self.protocol == "anthropic":
+            system = body.get("system", "")
+            msgs = body["messages"]
+        else:
+            system = "\n".join(m["content"] for m in body["messages"] if m["role"] == "system")
+            msgs = [m for m in body["messages"] if m["role"] != "system"]
+        return Conversation(system, tuple((m["role"], m["content"]) for m in msgs))
+
+
+Script = Callable[[Seen], "Reply | str"] | Sequence["Reply | str"]
+
+
+class FakeLLM:
+    def __init__(self, protocol: str = "openai", script: Script = ("ok",), model: str = "fake-1"):
+        assert protocol in ("openai", "anthropic")
+        self.protocol = protocol
+        self.script = script
+        self.model = model
+        self.requests: list[Seen] = []
+        self.in_flight = 0
+        self.peak = 0  # most requests being answered at once
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    @property
+    def base_url(self) -> str:
+        suffix = "/v1" if self.protocol == "openai" else ""
+        return f"http://127.0.0.1:{self.port}{suffix}"
+
+    async def __aenter__(self) -> FakeLLM:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> FakeLLM:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    def _next(self, seen: Seen) -> Reply:
+        if callable(self.script):
+            reply = self.script(seen)
+        else:
+            i = min(len(self.requests) - 1, len(self.script) - 1)
+            reply = self.script[i]
+        return Reply(reply) if isinstance(reply, str) else reply
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers: dict[str, str] = {}
+                for line in lines[1:]:
+                    if ":" in line:
+                        k, v = line.split(":", 1)
+                        headers[k.strip().lower()] = v.strip()
+                n = int(headers.get("content-length", "0"))
+                body = await reader.readexactly(n) if n else b""
+                seen = Seen(method, path, headers, body, self.protocol)
+                self.requests.append(seen)
+                reply = self._expected_path(seen) or self._next(seen)
+                self.in_flight += 1
+                self.peak = max(self.peak, self.in_flight)
+                try:
+                    if reply.delay_s:
+                        await asyncio.sleep(reply.delay_s)
+                    writer.write(self._response(seen, reply))
+                    await writer.drain()
+                finally:
+                    self.in_flight -= 1
+                if headers.get("connection", "").lower() == "close":
+                    return
+        except (ConnectionError, asyncio.CancelledError):
+            return
+        finally:
+            writer.close()
+
+    def _expected_path(self, seen: Seen) -> Reply | None:
+        want = "/v1/chat/completions" if self.protocol == "openai" else "/v1/messages"
+        if seen.method != "POST" or seen.path != want:
+            return Reply(status=404, body=b'{"error": {"message": "not found"}}')
+        return None
+
+    def _response(self, seen: Seen, reply: Reply) -> bytes:
+        if reply.body is not None:
+            body = reply.body
+        elif reply.status != 200:
+            body = json.dumps({"error": {"message": f"status {reply.status}"}}).encode()
+        else:
+            tokens_in = (
+                reply.input_tokens if reply.input_tokens is not None else len(seen.body) // 4
+            )
+            tokens_out = (
+                reply.output_tokens if reply.output_tokens is not None
+                else len(reply.text) // 4 + 1
+            )
+            if self.protocol == "openai":
+                obj: dict[str, Any] = {
+                    "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion",
+                    "model": self.model,
+                    "choices": [{"index": 0, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": reply.text}}],
+                    "usage": {"prompt_tokens": tokens_in, "completion_tokens": tokens_out,
+                              "total_tokens": tokens_in + tokens_out},
+                }
+            else:
+                obj = {
+                    "id": f"msg_{len(self.requests)}", "type": "message", "role": "assistant",
+                    "model": self.model, "content": [{"type": "text", "text": reply.text}],
+                    "stop_reason": "end_turn",
+                    "usage": {"input_tokens": tokens_in, "output_tokens": tokens_out},
+                }
+            body = json.dumps(obj).encode()
+        head = [f"HTTP/1.1 {reply.status} {STATUS_TEXT.get(reply.status, 'Status')}",
+                "content-type: application/json", f"content-length: {len(body)}"]
+        head += [f"{k}: {v}" for k, v in reply.headers.items()]
+        return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+# ---- scripts for agents --------------------------------------------------------------
+
+ADD_NS = "https://xml-pipeline.org/ns/calculator/add/v1"
+MUL_NS = "https://xml-pipeline.org/ns/calculator/multiply/v1"
+
+
+def add_call(a: int, b: int, ns: str = ADD_NS) -> str:
+    return f'<add xmlns="{ns}"><a>{a}</a><b>{b}</b></add>'
+
+
+def values(blocks: Sequence[Block]) -> list[int]:
+    """The <value> of every result that is a calculator sum."""
+    return [int(m) for b in blocks for m in re.findall(r"<value>(-?\d+)</value>", b.content)]
+
+
+def numbers(text: str) -> list[int]:
+    """The integers in the task's <text> (or in `text` when it has none)."""
+    inner = re.search(r"<text>(.*?)</text>", text, re.DOTALL)
+    return [int(x) for x in re.findall(r"-?\d+", inner.group(1) if inner else text)]
+
+
+def tutor_script(seen: Seen) -> str:
+    """The demo tutor: "what is (A + B) * C?" -> add, then multiply, then the answer."""
+    conv = seen.conversation()
+    a, b, c = numbers(conv.task)[:3]
+    sums = values(conv.results)
+    if not sums:
+        return (
+            f"First I add {a} and {b}.\n```xml\n<add xmlns=\"{ADD_NS}\"><a>{a}</a><b>{b}</b>"
+            "</add>\n```"
+        )
+    if len(sums) == 1:
+        return f'Now I multiply.\n<multiply xmlns="{MUL_NS}"><a>{sums[0]}</a><b>{c}</b></multiply>'
+    return f"({a} + {b}) * {c} = {sums[1]}."
+
+
+async def record_demo_cassette() -> None:  # pragma: no cover - a maintenance tool
+    """Re-record config/cassettes/agent-demo.jsonl from the tutor script."""
+    import dataclasses
+    from pathlib import Path
+
+    from agentd._config import load_config
+    from agentd.platform import make_agent_handlers
+    from agentd.platform.demo import MathQuestion
+    from agentd.testing import Harness
+
+    root = Path(__file__).resolve().parent.parent
+    cassette = root / "config" / "cassettes" / "agent-demo.jsonl"
+    config = load_config(root / "config" / "agent-demo.yaml")
+    async with FakeLLM("openai", tutor_script) as server:
+        assert config.llm is not None
+        live = dataclasses.replace(
+            config.llm.backends[0], provider="openai", base_url=server.base_url,
+            model="fake-1", cassette=None, record=cassette,
+        )
+        llm = dataclasses.replace(config.llm, backends=(live,))
+        config = dataclasses.replace(config, llm=llm)
+        cassette.unlink(missing_ok=True)
+        handlers = make_agent_handlers(config)
+        async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
+                           durable=False) as h:
+            for question in DEMO_QUESTIONS:
+                frames = await h.send("alice", MathQuestion(text=question))
+                print(frames[-1].decode())
+        await handlers.platform.aclose()
+
+
+DEMO_QUESTIONS = ("What is (2 + 3) * 7?", "What is (40 + 2) * 10?")
+
+if __name__ == "__main__":  # pragma: no cover
+    asyncio.run(record_demo_cassette())
+
+
+# ---- organisms for the tests -----------------------------------------------------------
+
+CONFIG_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent / "config"
+
+
+def organism_yaml(
+    *backends: str,
+    prompt: str = "You are a careful arithmetic tutor.\\n@fact refund_limit: 500 USD\\n"
+                  "{tool_definitions}",
+    agent: str = "",
+    peers: str = "[calculator.add, calculator.multiply, echo]",
+    profile_budget: str = "",
+    strategy: str = "failover",
+    retries: int = 0,
+    cache_ttl_s: float = 0,
+    extra_listeners: str = "",
+    tutor_extra: str = "",
+) -> str:
+    """An organism with the agent `tutor` (MathQuestion), the calculator and echo.
+    `backends` are YAML flow mappings for llm.backends; the first is the agent's."""
+    first = re.search(r"name:\s*([\w.\-]+)", backends[0])
+    assert first is not None
+    budget = f", token_budget: {profile_budget}" if profile_budget else ""
+    items = "\n".join(f"    - {b}" for b in backends)
+    return f"""
+organism: {{name: lab}}
+pump: {{max_concurrency: 32, handler_timeout_s: 20, max_hops: 60}}
+profiles:
+  public: {{listeners: [tutor, calculator.add, calculator.multiply, echo]{budget}}}
+  admin: {{listeners: all}}
+prompts:
+  no_paperclippers: file:prompts/no_paperclippers.md
+  tutor_base: "{prompt}"
+llm:
+  strategy: {strategy}
+  retries: {retries}
+  cache_ttl_s: {cache_ttl_s}
+  backends:
+{items}
+listeners:
+  - name: tutor
+    payload_class: agentd.platform.demo:MathQuestion
+    description: Answers arithmetic questions.
+    agent: {{prompt: "no_paperclippers & tutor_base", model: {first.group(1)}{agent}}}
+    peers: {peers}{tutor_extra}
+  - name: calculator.add
+    payload_class: agentd.tools.calculator:Add
+    response_class: agentd.tools.calculator:Sum
+    handler: agentd.tools.calculator:add
+    description: Adds two integers.
+  - name: calculator.multiply
+    payload_class: agentd.tools.calculator:Multiply
+    response_class: agentd.tools.calculator:Sum
+    handler: agentd.tools.calculator:multiply
+    description: Multiplies two integers.
+  - name: echo
+    payload_class: agentd.tools.echo:Echo
+    response_class: agentd.tools.echo:EchoReply
+    handler: agentd.tools.echo:echo
+    description: Echoes text back.
+{extra_listeners}"""
+
+
+def openai_backend(server: FakeLLM, name: str = "primary", extra: str = "") -> str:
+    return (f"{{name: {name}, provider: {server.protocol}, base_url: \"{server.base_url}\", "
+            f"model: fake-1{extra}}}")
+
+
+def load(text: str) -> Any:
+    from agentd._config import load_config_text
+
+    return load_config_text(text, base_dir=CONFIG_DIR)
