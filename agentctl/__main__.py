@@ -1,0 +1,5 @@
+"""`python -m agentctl`."""
+
+from agentctl.cli import main
+
+main(prog_name="agentctl")

@@ -1,0 +1,73 @@
+"""How agentctl shows a daemon's `<result>`.
+
+`--json`: the result's JSON value by the rules of `agentd.oob._results` (typed
+collections, stable shapes). Human output: that same value as an indented,
+YAML-like outline; a text result (a schema, an example, a prompt) as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lxml import etree
+
+from agentd.oob import result_to_json
+
+__all__ = ["render_text", "result_to_json", "result_to_text"]
+
+
+def result_to_text(result: etree._Element | None) -> str:
+    return render_text(result_to_json(result))
+
+
+def render_text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    lines: list[str] = []
+    _outline(value, 0, lines)
+    return "\n".join(lines)
+
+
+def _scalar(value: Any) -> str | None:
+    """One-line form of a scalar or an empty collection; None when it needs lines."""
+    if isinstance(value, str):
+        return None if "\n" in value else value
+    if value == [] or value == {}:
+        return "(none)"
+    if isinstance(value, dict | list):
+        return None
+    return "null" if value is None else str(value)
+
+
+def _outline(value: Any, depth: int, lines: list[str]) -> None:
+    pad = "  " * depth
+    if isinstance(value, dict):
+        for key, item in value.items():
+            label = "text" if key == "#text" else key
+            _entry(f"{pad}{label}:", item, depth, lines)
+    elif isinstance(value, list):
+        for item in value:
+            if isinstance(item, dict) and item:
+                # YAML style: the mapping's first key shares the line with the dash.
+                start = len(lines)
+                _outline(item, depth + 1, lines)
+                lines[start] = f"{pad}- " + lines[start][len(pad) + 2:]
+            else:
+                _entry(f"{pad}-", item, depth, lines)
+    else:
+        text = str(value)
+        lines.extend(f"{pad}{line}" for line in text.splitlines() or [""])
+
+
+def _entry(head: str, item: Any, depth: int, lines: list[str]) -> None:
+    one = _scalar(item)
+    if one is not None:
+        lines.append(f"{head} {one}" if one else head)
+    elif isinstance(item, str):
+        lines.append(f"{head} |")
+        lines.extend(f"{'  ' * (depth + 1)}{line}" for line in item.splitlines())
+    else:
+        lines.append(head)
+        _outline(item, depth + 1, lines)
