@@ -46,12 +46,20 @@ INIT_FILES = (
 
 
 def _demo_sections() -> dict[str, Any]:
-    """pump/journal/profiles/listeners of the built-in demo organism."""
+    """pump/journal/profiles/listeners of the built-in demo organism, plus the LLM
+    agent of config/agent-demo.yaml (a tutor replaying a recorded cassette, so the
+    demo shows an agent conversation offline), with its files as absolute paths."""
     here = Path(__file__).resolve().parent
     for candidate in (here / "demo" / "organism.yaml", here.parent / "config" / "organism.yaml"):
         if candidate.is_file():
             data = yaml.safe_load(candidate.read_text(encoding="utf-8")) or {}
-            return {k: data[k] for k in ("pump", "journal", "profiles", "listeners") if k in data}
+            sections = {
+                k: data[k] for k in ("pump", "journal", "profiles", "listeners") if k in data
+            }
+            agent_demo = candidate.parent / "agent-demo.yaml"
+            if agent_demo.is_file():
+                _add_agent_demo(sections, agent_demo)
+            return sections
     return {  # the package without its demo folder: the calculator alone
         "profiles": {"public": {"listeners": ["calculator.add"]}, "admin": {"listeners": "all"}},
         "listeners": [{
@@ -62,6 +70,32 @@ def _demo_sections() -> dict[str, Any]:
             "description": "Adds two integers.",
         }],
     }
+
+
+def _add_agent_demo(sections: dict[str, Any], path: Path) -> None:
+    agent = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    base = path.parent.resolve()
+    names = {lst["name"] for lst in sections.get("listeners", [])}
+    agents = [lst for lst in agent.get("listeners", []) if "agent" in lst]
+    sections["listeners"] = list(sections.get("listeners", [])) + [
+        lst for lst in agents if lst["name"] not in names
+    ]
+    public = sections.get("profiles", {}).get("public")
+    if public is not None and isinstance(public.get("listeners"), list):
+        public["listeners"] = public["listeners"] + [lst["name"] for lst in agents]
+    sections["prompts"] = {
+        name: f"file:{base / text[5:]}" if str(text).startswith("file:") else text
+        for name, text in agent.get("prompts", {}).items()
+    }
+    llm = dict(agent.get("llm", {}))
+    llm["backends"] = [
+        {**b, **{k: str(base / b[k]) for k in ("cassette", "record") if k in b}}
+        for b in llm.get("backends", [])
+    ]
+    sections["llm"] = llm
+    pump = dict(sections.get("pump", {}))
+    pump["handler_timeout_s"] = max(pump.get("handler_timeout_s", 30), 60)
+    sections["pump"] = pump
 
 
 def organism_yaml(host: str, port: int, metrics: str, name: str = "demo") -> str:
@@ -131,7 +165,7 @@ def init_home(
     ).decode()
     _write(home / "operator.key", private, 0o600)
     _write(home / "authorized_keys", f"{public} {OPERATOR_KEY_ID}\n", 0o644)
-    _write(home / "organism.yaml", organism_yaml(host, port, metrics), 0o644)
+    _write(home / "organism.yaml", organism_yaml(host, port, metrics, name="agent-demo"), 0o644)
     from agentd._config import load_config
 
     load_config(home / "organism.yaml")  # what init writes must load

@@ -97,6 +97,7 @@ class Daemon:
         self._stop_mode = "graceful"
         self._watchdog: asyncio.Task[None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
+        self._platforms: list[Any] = []
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -141,6 +142,8 @@ class Daemon:
                 raise AgentdError(f"clients file names unknown profiles: {', '.join(unknown)}")
         self.routing = Routing.build(config, agent_handlers=self._agent_handlers(config))
         self.pump = Pump(self.routing, clients, self._deliver, settings_from(config), self.kernel)
+        if self.agents is not None:
+            self.agents.platform.bind_threads(self.pump.registry)
         self.pump.on_security = self.audit
         self.pump.meta_flags = config.meta
         resumed = await self.pump.recover()
@@ -193,13 +196,17 @@ class Daemon:
                 metrics.bus_connections.set(self.bus.connections)
 
     def _agent_handlers(self, config: OrganismConfig) -> Mapping[str, Any] | None:
+        """The LLM platform's handlers for the agents of `config` (none: None). Each
+        configuration (start, reload) gets its own platform; all are closed at stop."""
         if not any(lst.agent is not None for lst in config.listeners):
             return None
         from agentd.platform import make_agent_handlers
 
-        handlers: Mapping[str, Any] = make_agent_handlers(
-            config, kernel=self.kernel, audit=self.audit
-        )
+        handlers = make_agent_handlers(config, kernel=self.kernel, audit=self.audit)
+        if self.pump is not None:
+            handlers.platform.bind_threads(self.pump.registry)
+        self._platforms.append(handlers.platform)
+        self.agents = handlers
         return handlers
 
     def _deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> None:
@@ -245,6 +252,9 @@ class Daemon:
             await self.pump.stop()
         if self.metrics_server is not None:
             await self.metrics_server.close()
+        for platform in self._platforms:
+            await platform.aclose()
+        self._platforms.clear()
         if self.kernel is not None:
             await self.kernel.close()
             self.kernel = None
@@ -397,7 +407,9 @@ class DaemonCommands:
             if what == "example":
                 return spec.example.decode()
             if named.is_agent and d.agents is not None:
-                return str(d.agents.prompt_of(name))
+                # Operators only: the assembled system prompt and its hash.
+                prompt = d.agents.platform._registry.get(name)
+                return f"sha256 {prompt.sha256}\n\n{prompt.system_prompt}"
             return "\n\n".join(spec_of(s.cls).prompt for s in named.payload_specs)
         if what == "threads":
             root = etree.Element(_P + "threads")

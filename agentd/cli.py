@@ -131,7 +131,22 @@ async def _demo() -> int:
             for frame in await h.send("alice", data):
                 click.echo(f"  <- {_summary(frame)}")
                 click.echo(f"     {frame.decode()}")
+    await _agent_demo()
     return 0
+
+
+async def _agent_demo() -> None:
+    """An LLM agent using the calculator, replayed from a recorded cassette."""
+    from agentd.platform.demo import MathQuestion
+    from agentd.testing import Harness
+
+    config = DEMO_CONFIG.parent / "agent-demo.yaml"
+    click.echo(f"\nagentd demo: organism {config} (LLM replayed from a cassette)")
+    async with Harness.from_config(config, clients={"alice": "public"}) as h:
+        click.echo("\n--- alice asks the agent: What is (2 + 3) * 7?")
+        for frame in await h.send("alice", MathQuestion(text="What is (2 + 3) * 7?")):
+            click.echo(f"  <- {_summary(frame)}")
+            click.echo(f"     {frame.decode()}")
 
 
 def _summary(frame: bytes) -> str:

@@ -80,9 +80,17 @@ class Harness:
             state_dir = Path(self._tmp.name)
         self.state_dir = state_dir
         self.kernel: Kernel | None = None
+        self._own_platform: Any = None
+        if agent_handlers is None and any(lst.agent is not None for lst in config.listeners):
+            from agentd.platform import make_agent_handlers
+
+            agent_handlers = built = make_agent_handlers(config)
+            self._own_platform = built.platform
         self.routing = Routing.build(config, agent_handlers=agent_handlers)
         self.pump = Pump(self.routing, self.clients, self._deliver, settings_from(config))
         self.pump.meta_flags = config.meta
+        if self._own_platform is not None:
+            self._own_platform.bind_threads(self.pump.registry)
 
     @classmethod
     def from_config(cls, path: str | Path, clients: Mapping[str, str], **kwargs: Any) -> Harness:
@@ -115,6 +123,8 @@ class Harness:
         tb: TracebackType | None,
     ) -> None:
         await self.pump.stop()
+        if self._own_platform is not None:
+            await self._own_platform.aclose()
         if self.kernel is not None:
             await self.kernel.close()
         if self._tmp is not None:
