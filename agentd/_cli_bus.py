@@ -127,7 +127,6 @@ def init_home(
     metrics: str = "127.0.0.1:9464",
 ) -> dict[str, Any]:
     """Write a working setup into `home`; refuses to overwrite any of its files."""
-    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from agentd.bus._auth import CLIENT_ID
@@ -155,16 +154,13 @@ def init_home(
         {"clients": {client: {"totp_secret": secret, "profile": "public"}}}, sort_keys=False
     ), 0o600)
     _write(home / f"{client}.totp", secret + "\n", 0o600)
+    from agentd.oob import authorized_keys_line, write_private_key
+
     key = Ed25519PrivateKey.generate()
-    private = key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-        serialization.NoEncryption(),
-    )
-    public = key.public_key().public_bytes(
-        serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
-    ).decode()
-    _write(home / "operator.key", private, 0o600)
-    _write(home / "authorized_keys", f"{public} {OPERATOR_KEY_ID}\n", 0o644)
+    # The key file carries its key-id as its comment, so agentctl needs no --key-id.
+    write_private_key(home / "operator.key", key, OPERATOR_KEY_ID)
+    _write(home / "authorized_keys",
+           authorized_keys_line(key.public_key(), OPERATOR_KEY_ID) + "\n", 0o644)
     _write(home / "organism.yaml", organism_yaml(host, port, metrics, name="agent-demo"), 0o644)
     from agentd._config import load_config
 
@@ -197,6 +193,8 @@ def init_cmd(home: Path, client: str, host: str, port: int, as_json: bool) -> No
     click.echo(f"  {info['otpauth_uri']}")
     click.echo("\nNext:")
     click.echo(f"  agentd run --config {home / 'organism.yaml'}")
+    click.echo(f"  export AGENTCTL_SOCKET={home / 'state' / 'oob.sock'} "
+               f"AGENTCTL_KEY={home / 'operator.key'}")
     click.echo(
         f"  agentd send --url wss://{_url_host(host)}:{port}/bus --client {client} "
         f"--secret-file {home / (client + '.totp')} --cafile {home / 'tls' / 'cert.pem'} "

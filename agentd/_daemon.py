@@ -43,20 +43,9 @@ from agentd.testing import kernel_retention, settings_from
 log = logging.getLogger("agentd.daemon")
 
 _P = "{" + NS_PRIV + "}"
-SECURITY_KINDS = frozenset(
-    {
-        "forged-from",
-        "priv-on-bus",
-        "priv-from-handler",
-        "peer-violation",
-        "lockout",
-        "bad-signature",
-        "replay",
-        "stale",
-        "unknown-key",
-        "peer-refused",
-        "invalid",
-    }
+# Pump and bus security events; the OOB channel's own kinds are added below.
+_PUMP_SECURITY_KINDS = frozenset(
+    {"forged-from", "priv-on-bus", "priv-from-handler", "peer-violation", "lockout"}
 )
 
 
@@ -270,7 +259,10 @@ class Daemon:
 
     def audit(self, kind: str, fields: Mapping[str, str]) -> None:
         """An audit or security event, journaled as an entry of its own kind."""
-        direction = "security" if kind in SECURITY_KINDS else "audit"
+        from agentd.oob import SECURITY_KINDS as OOB_SECURITY_KINDS
+
+        security = kind in _PUMP_SECURITY_KINDS or kind in OOB_SECURITY_KINDS
+        direction = "security" if security else "audit"
         log.log(
             logging.WARNING if direction == "security" else logging.INFO,
             "%s kind=%s %s",
@@ -314,6 +306,11 @@ class Daemon:
         if self.config_path is None:
             raise ConfigError(["the daemon was not started from a configuration file"])
         new_config = load_config(self.config_path, state_dir_override=self.config.state_dir)
+        keys = None
+        if self.oob is not None and new_config.oob.authorized_keys is not None:
+            from agentd.oob import load_authorized_keys
+
+            keys = load_authorized_keys(new_config.oob.authorized_keys)  # ConfigError if bad
         plan = plan_reload(self.routing, new_config)
         # Build everything before touching anything: an error here changes nothing.
         new_routing = Routing.build(
@@ -336,6 +333,8 @@ class Daemon:
         self.pump.meta_flags = new_config.meta
         retire(old, plan)
         self.config = new_config
+        if keys is not None:
+            self.oob.reload_keys(keys)
         self.audit(
             "reload", {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in result.items()}
         )
@@ -379,23 +378,25 @@ class DaemonCommands:
         raise CommandFailed("unknown-command", f"unknown command {name!r}")
 
     def _introspect(self, args: Mapping[str, str]) -> etree._Element | str:
-        from agentd.oob import CommandFailed
+        from agentd.oob import CommandFailed, result_element
 
         d = self.daemon
         assert d.routing is not None and d.pump is not None
         what = args.get("what", "")
         if what == "capabilities":
-            root = etree.Element(_P + "capabilities")
-            for lst in sorted(d.routing.listeners.values(), key=lambda x: x.name):
-                el = etree.SubElement(
-                    root, _P + "listener", name=lst.name, kind="agent" if lst.is_agent else "tool"
-                )
-                etree.SubElement(el, _P + "description").text = lst.description
-                for spec in lst.payload_specs:
-                    etree.SubElement(el, _P + "accepts").text = spec.clark
-                for peer in sorted(lst.peers):
-                    etree.SubElement(el, _P + "peer").text = peer
-            return root
+            return result_element(
+                "capabilities",
+                [
+                    {
+                        "name": lst.name,
+                        "kind": "agent" if lst.is_agent else "tool",
+                        "description": lst.description,
+                        "accepts": [spec.clark for spec in lst.payload_specs],
+                        "peers": sorted(lst.peers),
+                    }
+                    for lst in sorted(d.routing.listeners.values(), key=lambda x: x.name)
+                ],
+            )
         if what in ("schema", "example", "prompt"):
             name = args.get("name", "")
             named = d.routing.listeners.get(name)
@@ -412,18 +413,19 @@ class DaemonCommands:
                 return f"sha256 {prompt.sha256}\n\n{prompt.system_prompt}"
             return "\n\n".join(spec_of(s.cls).prompt for s in named.payload_specs)
         if what == "threads":
-            root = etree.Element(_P + "threads")
-            for frame in d.pump.registry:
-                if frame.state is ThreadState.ACTIVE:
-                    etree.SubElement(
-                        root,
-                        _P + "thread",
-                        uuid=frame.uuid,
-                        owner=frame.owner,
-                        profile=frame.profile.name,
-                        root=str(frame.is_root).lower(),
-                    )
-            return root
+            return result_element(
+                "threads",
+                [
+                    {
+                        "uuid": frame.uuid,
+                        "owner": frame.owner,
+                        "profile": frame.profile.name,
+                        "root": frame.is_root,
+                    }
+                    for frame in d.pump.registry
+                    if frame.state is ThreadState.ACTIVE
+                ],
+            )
         if what == "thread":
             uuid = args.get("thread", "")
             found = d.pump.registry.get(uuid)
@@ -446,41 +448,37 @@ class DaemonCommands:
         raise CommandFailed("invalid", f"unknown introspection {what!r}")
 
     async def _journal(self, args: Mapping[str, str]) -> etree._Element:
+        from agentd.oob import result_element
+
         d = self.daemon
         assert d.kernel is not None
         limit = int(args.get("limit", "100"))
         if not 0 < limit <= 10_000:
             raise ValueError("limit must be between 1 and 10000")
         entries = await d.kernel.journal(thread=args.get("thread") or None, limit=limit)
-        root = etree.Element(_P + "journal")
-        for e in entries:
-            etree.SubElement(
-                root,
-                _P + "entry",
-                seq=str(e.seq),
-                ts=f"{e.ts:.6f}",
-                thread=e.thread,
-                direction=e.direction,
-                kind=e.kind,
-                handler=e.handler,
-                sender=e.sender,
-                tag=e.tag,
-                hash=e.payload_hash,
-            )
-        return root
+        return result_element(
+            "journal",
+            [
+                {
+                    "seq": e.seq,
+                    "ts": f"{e.ts:.6f}",
+                    "thread": e.thread,
+                    "direction": e.direction,
+                    "kind": e.kind,
+                    "handler": e.handler,
+                    "sender": e.sender,
+                    "tag": e.tag,
+                    "hash": e.payload_hash,
+                }
+                for e in entries
+            ],
+        )
 
 
 def _dict_element(tag: str, values: Mapping[str, Any]) -> etree._Element:
-    root = etree.Element(_P + tag)
-    for key, value in values.items():
-        if isinstance(value, list | tuple):
-            el = etree.SubElement(root, _P + key)
-            for item in value:
-                etree.SubElement(el, _P + "item").text = str(item)
-        else:
-            text = str(value).lower() if isinstance(value, bool) else str(value)
-            etree.SubElement(root, _P + key).text = text
-    return root
+    from agentd.oob import result_element
+
+    return result_element(tag, dict(values))
 
 
 def _start_watchdog() -> asyncio.Task[None] | None:
