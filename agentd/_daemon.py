@@ -36,9 +36,9 @@ from agentd._pump import Pump
 from agentd._routing import Routing, plan_reload, retire
 from agentd._schemas import NS_PRIV
 from agentd._threads import ThreadState
+from agentd._wiring import kernel_options
 from agentd._xmlify import spec_of
 from agentd.kernel import Kernel
-from agentd.testing import kernel_retention, settings_from
 
 log = logging.getLogger("agentd.daemon")
 
@@ -100,14 +100,9 @@ class Daemon:
 
     async def start(self) -> None:
         config = self.config
-        j = config.journal
         self.kernel = await Kernel.open(
             config.state_dir,
-            synchronous=j.synchronous,
-            commit_interval_s=j.commit_interval_ms / 1000,
-            commit_max_entries=j.commit_max_entries,
-            retention=kernel_retention(config),
-            sweep_interval_s=j.sweep_interval_s,
+            **kernel_options(config),
             on_commit=lambda seconds, _n: metrics.journal_commit_seconds.observe(seconds),
         )
         try:
@@ -130,7 +125,14 @@ class Daemon:
             if unknown:
                 raise AgentdError(f"clients file names unknown profiles: {', '.join(unknown)}")
         self.routing = Routing.build(config, agent_handlers=self._agent_handlers(config))
-        self.pump = Pump(self.routing, clients, self._deliver, settings_from(config), self.kernel)
+        self.pump = Pump(
+            self.routing,
+            clients,
+            self._deliver,
+            config.pump,
+            self.kernel,
+            max_envelope_bytes=config.bus.max_envelope_bytes,
+        )
         if self.agents is not None:
             self.agents.platform.bind_threads(self.pump.registry)
         self.pump.on_security = self.audit

@@ -35,7 +35,7 @@ from lxml import etree
 
 from agentd import _meta as meta
 from agentd import _metrics as metrics
-from agentd._config import MetaConfig
+from agentd._config import MetaConfig, PumpConfig
 from agentd._core import Ack, Answer, CorePayload, Huh, core_from_element
 from agentd._envelope import (
     NIL_THREAD,
@@ -73,17 +73,6 @@ _REQUEST, _REPLY = "request", "reply"
 class MsgKind(Enum):
     REQUEST = "request"  # routed by payload key; runs the callee in a child frame
     TO_HOLDER = "to-holder"  # a response, ack or huh for the holder of the frame
-
-
-@dataclass(frozen=True)
-class PumpSettings:
-    max_concurrency: int = 256
-    per_listener_concurrency: int = 64
-    handler_timeout_s: float = 30.0
-    max_hops: int = 64
-    max_queue: int = 10_000
-    max_fanout: int = 64
-    max_envelope_bytes: int = 256 * 1024
 
 
 class Message:
@@ -160,13 +149,16 @@ class Pump:
         routing: Routing,
         clients: Mapping[str, str],
         deliver: DeliverFn,
-        settings: PumpSettings | None = None,
+        settings: PumpConfig | None = None,
         kernel: Kernel | None = None,
+        *,
+        max_envelope_bytes: int = 256 * 1024,
     ) -> None:
         self.routing = routing
         self.clients = dict(clients)  # client id -> profile name
         self.deliver = deliver
-        self.settings = settings or PumpSettings()
+        self.settings = settings or PumpConfig()
+        self.max_envelope_bytes = max_envelope_bytes
         self.registry = ThreadRegistry()
         # With a kernel, every admitted message is journaled (pending until handled),
         # frames are persisted, and client-bound frames go through the outbox: the
@@ -255,7 +247,7 @@ class Pump:
         metrics.HOT.received += 1
         thread = NIL_THREAD
         try:
-            env = parse_envelope(data, max_bytes=self.settings.max_envelope_bytes)
+            env = parse_envelope(data, max_bytes=self.max_envelope_bytes)
             thread = env.thread
             if env.sender != client:
                 self._security_event("forged-from", client=client, claimed=env.sender)
@@ -555,7 +547,7 @@ class Pump:
             raise Rejection(HuhCode.INVALID_PAYLOAD, str(_CORE_SCHEMA.error_log.last_error))
         body = meta.answer(self.meta_flags, profile, env.payload)
         data = build_envelope(CORE, frame.uuid, body, to=client)
-        reply = parse_envelope(data, max_bytes=max(len(data), self.settings.max_envelope_bytes))
+        reply = parse_envelope(data, max_bytes=max(len(data), self.max_envelope_bytes))
         return Message(MsgKind.TO_HOLDER, CORE, frame, reply.payload, (), None, data)
 
     def _ingest_to_holder(
@@ -810,7 +802,7 @@ class Pump:
             self._huh_to(own, HuhCode.RATE_LIMITED, hops)
             return False
         try:
-            env = parse_envelope(data, max_bytes=self.settings.max_envelope_bytes)
+            env = parse_envelope(data, max_bytes=self.max_envelope_bytes)
             if env.thread != frame.uuid or env.sender != listener.name:  # pragma: no cover
                 raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
             if respond:

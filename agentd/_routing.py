@@ -181,8 +181,8 @@ class Routing:
                 handler = (agent_handlers or {}).get(lst.name)
                 if handler is None:
                     issues.append(
-                        f"{cfg.location}: listeners: {cfg.name}: LLM agents need the LLM "
-                        "platform, which is not built yet (issue 6)"
+                        f"{cfg.location}: listeners: {cfg.name}: no handler for this LLM "
+                        "agent (build them with agentd.platform.make_agent_handlers)"
                     )
                 lst.handler = handler
             for spec in lst.payload_specs:

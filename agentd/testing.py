@@ -20,40 +20,13 @@ from typing import Any
 from agentd._config import OrganismConfig, load_config
 from agentd._core import Huh
 from agentd._envelope import NIL_THREAD, build_envelope
-from agentd._pump import CORE, Pump, PumpSettings
+from agentd._pump import CORE, Pump
 from agentd._routing import Routing
 from agentd._threads import new_uuid
+from agentd._wiring import kernel_options
+from agentd._wiring import settings_from as settings_from  # re-exported for tests and benchmarks
 from agentd._xmlify import is_xmlified, spec_of
-from agentd.kernel import Kernel, KernelUnavailable, Retention
-
-
-def _retention_value(policy: Any) -> Any:
-    """The config's RetentionPolicy (kind, days) in the kernel's configuration form."""
-    if policy.kind == "retain_days":
-        return {"retain_days": policy.days}
-    return policy.kind
-
-
-def kernel_retention(config: OrganismConfig) -> dict[str, Retention]:
-    """journal.retention as the default ("*"), with per-profile overrides."""
-    policy = {"*": Retention.parse(_retention_value(config.journal.retention))}
-    for name, profile in config.profiles.items():
-        if profile.retention is not None:
-            policy[name] = Retention.parse(_retention_value(profile.retention))
-    return policy
-
-
-def settings_from(config: OrganismConfig) -> PumpSettings:
-    p = config.pump
-    return PumpSettings(
-        max_concurrency=p.max_concurrency,
-        per_listener_concurrency=p.per_listener_concurrency,
-        handler_timeout_s=p.handler_timeout_s,
-        max_hops=p.max_hops,
-        max_queue=p.max_queue,
-        max_fanout=p.max_fanout,
-        max_envelope_bytes=config.bus.max_envelope_bytes,
-    )
+from agentd.kernel import Kernel, KernelUnavailable
 
 
 class Harness:
@@ -87,7 +60,13 @@ class Harness:
             agent_handlers = built = make_agent_handlers(config)
             self._own_platform = built.platform
         self.routing = Routing.build(config, agent_handlers=agent_handlers)
-        self.pump = Pump(self.routing, self.clients, self._deliver, settings_from(config))
+        self.pump = Pump(
+            self.routing,
+            self.clients,
+            self._deliver,
+            config.pump,
+            max_envelope_bytes=config.bus.max_envelope_bytes,
+        )
         self.pump.meta_flags = config.meta
         if self._own_platform is not None:
             self._own_platform.bind_threads(self.pump.registry)
@@ -98,14 +77,7 @@ class Harness:
 
     async def __aenter__(self) -> Harness:
         if self.durable:
-            j = self.config.journal
-            self.kernel = await Kernel.open(
-                self.state_dir,
-                synchronous=j.synchronous,
-                commit_interval_s=j.commit_interval_ms / 1000,
-                commit_max_entries=j.commit_max_entries,
-                retention=kernel_retention(self.config),
-            )
+            self.kernel = await Kernel.open(self.state_dir, **kernel_options(self.config))
             self.pump.kernel = self.kernel
             await self.pump.recover()
             # What was committed for a client but not yet delivered (a crash between

@@ -207,8 +207,11 @@ async def test_init_then_serve_then_send(tmp_path: Path) -> None:
     assert config.auth.clients_file is not None
     auth = ClientAuth.load(config.auth.clients_file, config.state_dir, config.auth)
     holder: dict[str, BusServer] = {}
+    from agentd.platform import make_agent_handlers
+
+    agents = make_agent_handlers(config)  # the init'd demo has the tutor agent
     pump = Pump(
-        Routing.build(config), auth.profiles(),
+        Routing.build(config, agent_handlers=agents), auth.profiles(),
         lambda c, t, d, o=None: holder["bus"].deliver(c, t, d, o), settings_from(config),
     )
     await pump.start()
@@ -262,6 +265,7 @@ async def test_init_then_serve_then_send(tmp_path: Path) -> None:
     finally:
         await bus.close()
         await pump.stop()
+        await agents.platform.aclose()
 
 
 def _free_port() -> int:

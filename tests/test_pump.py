@@ -339,8 +339,8 @@ async def test_messages_on_one_thread_are_handled_in_order(h: Harness) -> None:
 
 
 async def test_busy_thread_does_not_starve_others() -> None:
-    from agentd._config import load_config
-    from agentd._pump import Pump, PumpSettings
+    from agentd._config import PumpConfig, load_config
+    from agentd._pump import Pump
     from agentd._routing import Routing
 
     busy = str(uuid.uuid4())
@@ -355,7 +355,7 @@ async def test_busy_thread_does_not_starve_others() -> None:
             done_when_bob_answered.append(busy_done)
 
     config = load_config(ORGANISM)
-    pump = Pump(Routing.build(config), CLIENTS, deliver, PumpSettings(max_concurrency=4))
+    pump = Pump(Routing.build(config), CLIENTS, deliver, PumpConfig(max_concurrency=4))
     work = spec_of(L.Work)
     for seq in range(200):
         await pump.submit("alice", build_envelope("alice", busy, work.to_bytes(L.Work(seq=seq))))
@@ -369,8 +369,8 @@ async def test_busy_thread_does_not_starve_others() -> None:
 
 
 async def test_queue_applies_backpressure_to_clients() -> None:
-    from agentd._config import load_config
-    from agentd._pump import Pump, PumpSettings
+    from agentd._config import PumpConfig, load_config
+    from agentd._pump import Pump
     from agentd._routing import Routing
 
     config = load_config(ORGANISM)
@@ -379,7 +379,7 @@ async def test_queue_applies_backpressure_to_clients() -> None:
         Routing.build(config),
         CLIENTS,
         lambda c, t, d, o: delivered.append(d),
-        PumpSettings(max_concurrency=1, max_queue=5),
+        PumpConfig(max_concurrency=1, max_queue=5),
     )
     # Not started: nothing drains, so the sixth submit must wait.
     for _ in range(5):

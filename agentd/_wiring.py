@@ -1,0 +1,44 @@
+"""How the configuration becomes the options of the kernel and the pump, in one
+place for the daemon and the test harness alike."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentd._config import OrganismConfig, PumpConfig, RetentionPolicy
+from agentd.kernel import Retention
+
+
+def _retention(policy: RetentionPolicy) -> Retention:
+    if policy.kind == "retain_days":
+        return Retention.parse({"retain_days": policy.days})
+    return Retention.parse(policy.kind)
+
+
+def kernel_retention(config: OrganismConfig) -> dict[str, Retention]:
+    """journal.retention as the default ("*"), with per-profile overrides."""
+    policy = {"*": _retention(config.journal.retention)}
+    for name, profile in config.profiles.items():
+        if profile.retention is not None:
+            policy[name] = _retention(profile.retention)
+    return policy
+
+
+def kernel_options(config: OrganismConfig) -> dict[str, Any]:
+    """Keyword arguments of `Kernel.open` for `config`."""
+    j = config.journal
+    return {
+        "synchronous": j.synchronous,
+        "commit_interval_s": j.commit_interval_ms / 1000,
+        "commit_max_entries": j.commit_max_entries,
+        "retention": kernel_retention(config),
+        "sweep_interval_s": j.sweep_interval_s,
+        "full_sync_profiles": frozenset(
+            name for name, p in config.profiles.items() if p.synchronous == "FULL"
+        ),
+    }
+
+
+def settings_from(config: OrganismConfig) -> PumpConfig:
+    """The pump's settings (kept for callers; the pump takes `config.pump` as is)."""
+    return config.pump
