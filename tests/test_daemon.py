@@ -204,3 +204,30 @@ async def test_reload_adds_removes_and_changes_listeners_while_threads_keep_thei
             assert "reload" in str(doc["result"])
     finally:
         await d.stop()
+
+
+async def test_systemd_notifications_reach_a_real_notify_socket(home: Path, tmp_path: Path) -> None:
+    import socket
+
+    path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    env = {"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000"}
+    d = await DaemonProcess(home, env=env).start()
+    try:
+        seen: list[str] = []
+        async with asyncio.timeout(30):
+            while not {"READY=1", "WATCHDOG=1"} <= set(seen):
+                seen.extend((await loop.sock_recv(sock, 4096)).decode().splitlines())
+        # READY=1 comes once the bus listens and the kernel is open.
+        assert d.url and seen.index("READY=1") >= 0
+        assert await d.stop() == 0
+        async with asyncio.timeout(30):
+            while "STOPPING=1" not in seen:
+                seen.extend((await loop.sock_recv(sock, 4096)).decode().splitlines())
+    finally:
+        sock.close()
+        if d.proc is not None and d.proc.returncode is None:
+            await d.stop()
