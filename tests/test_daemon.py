@@ -231,3 +231,68 @@ async def test_systemd_notifications_reach_a_real_notify_socket(home: Path, tmp_
         sock.close()
         if d.proc is not None and d.proc.returncode is None:
             await d.stop()
+
+
+async def test_oob_attacks_against_a_real_daemon_are_refused_and_journaled(home: Path) -> None:
+    import struct
+    import time as _time
+
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from agentd.oob import OobClient, load_private_key, parse_response, sign_request
+
+    d = await DaemonProcess(home).start()
+    key, key_id = load_private_key(home / "operator.key")
+    assert key_id == "ops-1"
+
+    def ask(frame: bytes) -> tuple[bool, str]:
+        with OobClient(d.socket, timeout=10) as c:
+            r = parse_response(c.exchange(frame))
+            return r.ok, (r.error_code or "")
+
+    def code_of(frame: bytes) -> str:
+        return ask(frame)[1]
+
+    try:
+        good = sign_request(key, key_id, "status")
+        assert await asyncio.to_thread(ask, good) == (True, "")
+        # The very same bytes again: a replay.
+        assert await asyncio.to_thread(code_of, good) == "replay"
+        # One byte of the command changed after signing.
+        tampered = sign_request(key, key_id, "status").replace(b'name="status"', b'name="statuz"')
+        assert await asyncio.to_thread(code_of, tampered) == "bad-signature"
+        # A key the daemon does not know, under a known key-id, and an unknown key-id.
+        other = Ed25519PrivateKey.generate()
+        assert await asyncio.to_thread(code_of, sign_request(other, key_id, "status")) in (
+            "bad-signature",
+            "unknown-key",
+        )
+        assert (
+            await asyncio.to_thread(code_of, sign_request(key, "nobody", "status")) == "unknown-key"
+        )
+        # Stale and future issued-at.
+        stale = sign_request(key, key_id, "status", issued_at=_time.time() - 3600)
+        future = sign_request(key, key_id, "status", issued_at=_time.time() + 3600)
+        assert await asyncio.to_thread(code_of, stale) == "stale"
+        assert await asyncio.to_thread(code_of, future) == "stale"
+        # Garbage, and a length prefix over the cap: refused, and the daemon lives on.
+        assert await asyncio.to_thread(code_of, b"<not-privileged/>") == "invalid"
+
+        def huge() -> bytes:
+            with OobClient(d.socket, timeout=10) as c:
+                c._raw_send(struct.pack(">I", 64 * 1024 * 1024))
+                try:
+                    return c.recv_frame()
+                except Exception:
+                    return b""
+
+        await asyncio.to_thread(huge)
+        assert await asyncio.to_thread(ask, sign_request(key, key_id, "status")) == (True, "")
+
+        code, doc = await asyncio.to_thread(d.agentctl, "journal", "--limit", "100")
+        kinds_seen = {e["kind"] for e in doc["result"]["journal"]}
+        assert {"replay", "bad-signature", "unknown-key", "stale", "invalid"} <= kinds_seen
+        directions = {e["kind"]: e["direction"] for e in doc["result"]["journal"]}
+        assert directions["replay"] == "security" and directions["oob-command"] == "audit"
+    finally:
+        await d.stop()
