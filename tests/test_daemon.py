@@ -290,6 +290,7 @@ async def test_oob_attacks_against_a_real_daemon_are_refused_and_journaled(home:
         assert await asyncio.to_thread(ask, sign_request(key, key_id, "status")) == (True, "")
 
         code, doc = await asyncio.to_thread(d.agentctl, "journal", "--limit", "100")
+        assert code == 0
         kinds_seen = {e["kind"] for e in doc["result"]["journal"]}
         assert {"replay", "bad-signature", "unknown-key", "stale", "invalid"} <= kinds_seen
         directions = {e["kind"]: e["direction"] for e in doc["result"]["journal"]}
