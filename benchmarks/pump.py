@@ -154,6 +154,36 @@ async def latency(data: list[bytes]) -> list[float]:
     return out
 
 
+def hostile_rejection_us() -> dict[str, float]:
+    """Median time to refuse each hostile input (CONTRACT: well under a millisecond)."""
+    from agentd._errors import Rejection
+
+    big = 20 * 1024 * 1024
+    cases = {
+        "billion_laughs": b'<?xml version="1.0"?><!DOCTYPE l [<!ENTITY a "a">'
+        + b"".join(f'<!ENTITY a{i} "&a{i - 1};&a{i - 1};">'.encode() for i in range(1, 30))
+        + b"]><l>&a29;</l>",
+        "external_entity": b'<!DOCTYPE r [<!ENTITY x SYSTEM "file:///etc/passwd">]><r>&x;</r>',
+        "depth_10000": b"<a>" * 10_000 + b"</a>" * 10_000,
+        "text_20mib": b"<a>" + b"x" * big + b"</a>",
+        "attribute_20mib": b'<a b="' + b"x" * big + b'"/>',
+    }
+    out = {}
+    for name, data in cases.items():
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            try:
+                parse_untrusted(data)
+            except Rejection:
+                pass
+            else:
+                raise AssertionError(f"{name} was accepted")
+            times.append(time.perf_counter() - t0)
+        out[name] = round(statistics.median(times) * 1e6, 1)
+    return out
+
+
 def rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -229,6 +259,10 @@ def main() -> None:
         f"hop latency client->reply, one conversation at a time: p50 {p50:.0f} us, p99 {p99:.0f} us"
     )
     print(f"peak RSS {peak:.0f} MB; registry RSS per 100k live threads {per_100k:.1f} MB")
+    hostile = hostile_rejection_us()
+    print(
+        "hostile input refused in (median us): " + ", ".join(f"{k} {v}" for k, v in hostile.items())
+    )
     print(
         json.dumps(
             {
@@ -239,6 +273,7 @@ def main() -> None:
                 "p99_us": round(p99),
                 "peak_rss_mb": round(peak, 1),
                 "rss_mb_per_100k_threads": round(per_100k, 1),
+                "hostile_reject_us_max": max(hostile.values()),
             }
         )
     )
