@@ -173,6 +173,7 @@ class JournalConfig:
     commit_interval_ms: float = 2.0
     commit_max_entries: int = 512
     sweep_interval_s: float = 60.0
+    max_outbox_per_client: int = 10000  # frames kept for an absent client (newest win)
 
 
 @dataclass(frozen=True)
@@ -986,6 +987,7 @@ class _Organism:
             "commit_interval_ms",
             "commit_max_entries",
             "sweep_interval_s",
+            "max_outbox_per_client",
         )
         e = _section(ctx, self.root, p, keys)
         d = JournalConfig()
@@ -1001,6 +1003,9 @@ class _Organism:
                 ctx, e, "commit_max_entries", p, _POSITIVE, d.commit_max_entries
             ),
             sweep_interval_s=get(ctx, e, "sweep_interval_s", p, _SECONDS, d.sweep_interval_s),
+            max_outbox_per_client=get(
+                ctx, e, "max_outbox_per_client", p, _POSITIVE, d.max_outbox_per_client
+            ),
         )
 
     def _meta(self) -> MetaConfig:

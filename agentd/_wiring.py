@@ -33,6 +33,7 @@ def kernel_options(config: OrganismConfig) -> dict[str, Any]:
         "commit_max_entries": j.commit_max_entries,
         "retention": kernel_retention(config),
         "sweep_interval_s": j.sweep_interval_s,
+        "max_outbox_per_client": j.max_outbox_per_client,
         "full_sync_profiles": frozenset(
             name for name, p in config.profiles.items() if p.synchronous == "FULL"
         ),

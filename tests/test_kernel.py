@@ -810,3 +810,19 @@ async def test_full_sync_profiles_commit_with_synchronous_full(state_dir: Path) 
         await Kernel.open(state_dir, synchronous="SOMETIMES")
     async with await Kernel.open(state_dir):  # the failed open released the lock
         pass
+
+
+async def test_outbox_of_an_absent_client_is_capped_keeping_the_newest(state_dir: Path) -> None:
+    async with await Kernel.open(state_dir, max_outbox_per_client=5) as k:
+        for i in range(12):
+            tx = k.transaction()
+            tx.outbox_put("gone", "t", f"<f{i}/>".encode())
+            if i < 3:
+                tx.outbox_put("present", "t", f"<p{i}/>".encode())
+            await k.commit(tx)
+        report = await k.sweep()
+        assert report.outbox_deleted == 7
+        assert [data for _, _, data in await k.outbox("gone")] == [
+            f"<f{i}/>".encode() for i in range(7, 12)
+        ]
+        assert len(await k.outbox("present")) == 3

@@ -81,6 +81,7 @@ class SweepReport:
     journal_deleted: int
     threads_deleted: int
     buffers_deleted: int
+    outbox_deleted: int = 0
 
 
 class Kernel:
@@ -90,7 +91,8 @@ class Kernel:
                  executor: ThreadPoolExecutor, reader: aiosqlite.Connection, ctx: TxContext,
                  commit_interval_s: float, commit_max_entries: int, sweep_interval_s: float,
                  context_ttl_s: float, checkpoint_idle_s: float, sweep_chunk: int,
-                 on_commit: OnCommit | None) -> None:
+                 on_commit: OnCommit | None, max_outbox_per_client: int = 10_000) -> None:
+        self._max_outbox = max_outbox_per_client
         self.state_dir = state_dir
         self.db_path = state_dir / DB_NAME
         self._lock = lock
@@ -149,6 +151,7 @@ class Kernel:
         max_db_bytes: int | None = None,
         checkpoint_idle_s: float = 1.0,
         sweep_chunk: int = 5000,
+        max_outbox_per_client: int = 10_000,
     ) -> Kernel:
         """Lock `state_dir`, open (create, migrate) its database, start the writer.
 
@@ -191,6 +194,7 @@ class Kernel:
                    commit_max_entries=commit_max_entries, sweep_interval_s=sweep_interval_s,
                    context_ttl_s=context_ttl_hours * 3600.0,
                    checkpoint_idle_s=checkpoint_idle_s, sweep_chunk=sweep_chunk,
+                   max_outbox_per_client=max_outbox_per_client,
                    on_commit=on_commit)
 
     async def close(self) -> None:
@@ -581,12 +585,17 @@ class Kernel:
         (when not forced, stops between chunks if transactions are waiting)."""
         forced, self._sweep_waiters = self._sweep_waiters, []
         now = time.time()
-        journal_deleted = threads_deleted = buffers_deleted = 0
+        journal_deleted = threads_deleted = buffers_deleted = outbox_deleted = 0
         try:
             if not self._retention_backlog or forced:
                 cutoff = now - self._context_ttl
                 idle = self._ctx.idle_buffers(cutoff)
                 threads_deleted, buffers_deleted = await self._call(self._store.gc, cutoff, idle)
+                outbox_deleted = await self._call(self._store.cap_outboxes, self._max_outbox)
+                if outbox_deleted:
+                    log.warning("kernel: %d outbox frames of long-absent clients dropped "
+                                "(more than %d waiting for one client)", outbox_deleted,
+                                self._max_outbox)
             self._retention_backlog = False
             while True:
                 deleted, more = await self._call(self._store.sweep_retention, now,
@@ -608,7 +617,7 @@ class Kernel:
             log.info("kernel sweep: %d journal entries, %d threads, %d context buffers deleted",
                      journal_deleted, threads_deleted, buffers_deleted)
         self._next_sweep = self._loop.time() + self._sweep_interval
-        report = SweepReport(journal_deleted, threads_deleted, buffers_deleted)
+        report = SweepReport(journal_deleted, threads_deleted, buffers_deleted, outbox_deleted)
         for waiter in forced:
             if not waiter.done():
                 waiter.set_result(report)

@@ -232,6 +232,29 @@ class Store:
             raise
         return threads, len(idle)
 
+    def cap_outboxes(self, max_per_client: int) -> int:
+        """Keep at most `max_per_client` undelivered frames per client (the newest):
+        the outbox of a client that never comes back must not grow without bound.
+        Returns how many frames were dropped."""
+        conn = self.conn
+        over = conn.execute("SELECT client FROM outbox GROUP BY client HAVING COUNT(*) > ?",
+                            (max_per_client,)).fetchall()
+        if not over:
+            return 0
+        deleted = 0
+        conn.execute("BEGIN")
+        try:
+            for (client,) in over:
+                deleted += conn.execute(
+                    "DELETE FROM outbox WHERE client = ? AND id <= (SELECT id FROM outbox "
+                    "WHERE client = ? ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                    (client, client, max_per_client)).rowcount
+            conn.execute("COMMIT")
+        except BaseException:
+            self._rollback()
+            raise
+        return deleted
+
     def checkpoint(self, mode: str = "PASSIVE") -> tuple[int, int, int]:
         """(busy, wal frames, frames checkpointed); TRUNCATE also empties the WAL file.
         Never waits for readers (busy_timeout 0): a reader in the way means busy=1 and
