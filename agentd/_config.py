@@ -170,7 +170,7 @@ RETAIN_FOREVER = RetentionPolicy("retain_forever")
 class JournalConfig:
     retention: RetentionPolicy = RETAIN_FOREVER
     synchronous: Synchronous = "NORMAL"
-    commit_interval_ms: float = 2.0
+    commit_interval_ms: float = 0.0  # commit as soon as the writer is free (see docs)
     commit_max_entries: int = 512
     sweep_interval_s: float = 60.0
     max_outbox_per_client: int = 10000  # frames kept for an absent client (newest win)

@@ -118,10 +118,9 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
         from agentd._daemon import KernelOutbox
         from agentd.kernel import Kernel
 
-        j = config.journal
-        kern = await Kernel.open(config.state_dir, synchronous=j.synchronous,
-                                 commit_interval_s=j.commit_interval_ms / 1000,
-                                 commit_max_entries=j.commit_max_entries)
+        from agentd._wiring import kernel_options
+
+        kern = await Kernel.open(config.state_dir, **kernel_options(config))
         pump.kernel = kern
         outbox = KernelOutbox(kern)
     await pump.start()

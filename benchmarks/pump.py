@@ -42,7 +42,7 @@ from agentd.testing import settings_from  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
 
 CLIENTS = 256  # concurrent submitters
-COMMIT_INTERVAL_S = 0.002  # the kernel default (journal.commit_interval_ms: 2)
+COMMIT_INTERVAL_S = 0.0  # the configuration default (journal.commit_interval_ms: 0)
 
 
 def envelopes(n: int) -> list[bytes]:
