@@ -116,9 +116,8 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
     kern = None
     if kernel:
         from agentd._daemon import KernelOutbox
-        from agentd.kernel import Kernel
-
         from agentd._wiring import kernel_options
+        from agentd.kernel import Kernel
 
         kern = await Kernel.open(config.state_dir, **kernel_options(config))
         pump.kernel = kern
