@@ -50,17 +50,29 @@ _PUMP_SECURITY_KINDS = frozenset(
 
 
 class KernelOutbox:
-    """The bus's view of the kernel's durable outbox."""
+    """The bus's view of the kernel's durable outbox. Delivery marks are coalesced:
+    a client's outbox ids are delivered in increasing order and `outbox_delivered`
+    removes everything up to an id, so one transaction per loop iteration carries
+    the highest id of each client instead of one transaction per frame."""
 
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
+        self._marks: dict[str, int] = {}
 
     async def pending(self, client: str) -> list[tuple[int, str, bytes]]:
         return await self.kernel.outbox(client)
 
     def delivered(self, client: str, outbox_id: int) -> None:
+        if not self._marks:
+            asyncio.get_running_loop().call_soon(self._flush)
+        if outbox_id > self._marks.get(client, 0):
+            self._marks[client] = outbox_id
+
+    def _flush(self) -> None:
+        marks, self._marks = self._marks, {}
         tx = self.kernel.transaction()
-        tx.outbox_delivered(client, outbox_id)
+        for client, up_to in marks.items():
+            tx.outbox_delivered(client, up_to)
         self.kernel.commit(tx).add_done_callback(_log_failure)
 
 
