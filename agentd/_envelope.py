@@ -14,7 +14,7 @@ from lxml import etree
 
 from agentd._errors import HuhCode, Rejection
 from agentd._schemas import NS_ENV, NS_PRIV, schema
-from agentd._xml import DEFAULT_MAX_BYTES, c14n, escape_text, parse_untrusted
+from agentd._xml import DEFAULT_MAX_BYTES, escape_text, parse_untrusted
 
 NIL_THREAD = "00000000-0000-0000-0000-000000000000"
 _MESSAGE = "{" + NS_ENV + "}message"
@@ -77,7 +77,3 @@ def build_envelope(sender: str, thread: str, payload_c14n: bytes, to: str | None
         f"<thread>{thread}</thread></meta>"
     ).encode()
     return head + payload_c14n + b"</message>"
-
-
-def payload_c14n(env: Envelope) -> bytes:
-    return c14n(env.payload)

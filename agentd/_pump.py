@@ -36,7 +36,7 @@ from lxml import etree
 from agentd import _meta as meta
 from agentd import _metrics as metrics
 from agentd._config import MetaConfig, PumpConfig
-from agentd._core import Ack, Answer, CorePayload, Huh, core_from_element
+from agentd._core import Accepted, Ack, Answer, CorePayload, Huh, core_from_element
 from agentd._envelope import (
     NIL_THREAD,
     Envelope,
@@ -280,7 +280,7 @@ class Pump:
                 if frame.is_root and frame.uuid not in self._inboxes and not frame.children:
                     self.registry.forget(frame)
                 return self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
-        self._emit_core(client, frame.uuid, _accepted_bytes(frame.uuid, msg.seq))
+        self._emit_core(client, frame.uuid, Accepted(frame.uuid, msg.seq).to_bytes())
         self._enqueue(msg)
         return SubmitResult(frame.uuid, seq=msg.seq)
 
@@ -311,7 +311,7 @@ class Pump:
         else:
             self._seq += 1
             seq = self._seq
-        self._emit_core(client, frame.uuid, _accepted_bytes(frame.uuid, seq))
+        self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
         self._open_tx()
         self._enqueue(answer)
         self._close_tx()
@@ -871,12 +871,6 @@ class Pump:
         else:
             detail = " ".join(f"{k}={v}" for k, v in fields.items())
             log.warning("security event kind=%s %s", kind, detail)
-
-
-def _accepted_bytes(thread: str, seq: int) -> bytes:
-    return (
-        f'<accepted xmlns="{NS_CORE}"><thread>{thread}</thread><seq>{seq}</seq></accepted>'
-    ).encode()
 
 
 def _validate(spec: XmlSpec, el: etree._Element) -> None:

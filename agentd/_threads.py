@@ -37,7 +37,6 @@ class ProfileEscalation(Exception):
 class Frame:
     __slots__ = (
         "children",
-        "hops",
         "owner",
         "parent",
         "path",
@@ -59,7 +58,6 @@ class Frame:
         self.profile = profile
         self.root: Frame = parent.root if parent is not None else self
         self.state = ThreadState.ACTIVE
-        self.hops = 0  # counted on the root frame only
         self.children = 0  # open child frames (calls in progress)
         self.touched = time.monotonic()
         self.persisted = False  # written to the kernel's thread table

@@ -143,4 +143,5 @@ class Harness:
         return list(self._frames.get((client, thread), ()))
 
     async def gather(self, *sends: Any) -> list[list[bytes]]:
+        """`asyncio.gather` over several `send` calls; each returns its own thread's frames."""
         return list(await asyncio.gather(*sends))

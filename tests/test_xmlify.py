@@ -237,8 +237,14 @@ def test_to_bytes_is_the_exclusive_c14n_of_to_element(obj: Everything) -> None:
     assert spec.to_bytes(obj) == c14n(spec.to_element(obj)) == to_xml(obj)
 
 
+def _xmlschema_reads(d: Decimal) -> bool:
+    # xmlschema (the cross-check, not the hot path) reads xs:decimal through a float
+    # and refuses values past the float range (about 308 digits); libxml2 does not.
+    return abs(d.adjusted()) < 300
+
+
 @settings(max_examples=15, deadline=None)
-@given(everything)
+@given(everything.filter(lambda o: _xmlschema_reads(o.money)))
 def test_emitted_payloads_also_validate_with_xmlschema(obj: Everything) -> None:
     assert _xmlschema(Everything).is_valid(to_xml(obj).decode())
 
