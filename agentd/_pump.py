@@ -349,24 +349,32 @@ class Pump:
         self.deliver(client, thread, build_envelope(CORE, thread, payload, to=client), None)
 
     def collect_idle(self, idle_s: float, now: float | None = None) -> int:
-        """End conversations (and stray frames) untouched for `idle_s` seconds: the
-        registry forgets them and the kernel marks them completed, so its thread GC
-        can delete them. O(frames); run periodically, never on the hot path."""
+        """End conversations (and stray frames, e.g. a call whose peer never answered)
+        untouched for `idle_s` seconds: the registry forgets them and the kernel marks
+        them completed, so its thread GC can delete them. Deepest frames go first, so
+        a conversation whose abandoned calls are collected is collected with them.
+        O(frames); run periodically, never on the hot path."""
         now = time.monotonic() if now is None else now
-        stale = [
-            f
-            for f in self.registry
-            if now - f.touched > idle_s and f.uuid not in self._inboxes and not f.children
-        ]
+        stale = sorted(
+            (f for f in self.registry if now - f.touched > idle_s and f.uuid not in self._inboxes),
+            key=lambda f: len(f.path),
+            reverse=True,
+        )
+        ended = 0
         self._open_tx()
         for frame in stale:
-            self.registry.forget(frame)
-            if frame.state is ThreadState.ACTIVE:
+            if frame.children:
+                continue  # a call under it is still live
+            if frame.parent is None:
+                self.registry.forget(frame)
                 frame.state = ThreadState.COMPLETED
+            else:
+                self.registry.complete(frame)
             if self._tx is not None and frame.persisted:
                 self._tx.thread_state(frame.uuid, ThreadState.COMPLETED.value)
+            ended += 1
         self._close_tx()
-        return len(stale)
+        return ended
 
     # ---- durability ------------------------------------------------------------
 

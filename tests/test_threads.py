@@ -103,3 +103,21 @@ async def test_idle_conversations_are_ended_in_pump_and_kernel(tmp_path) -> None
         assert h.kernel is not None
         row = await h.kernel.thread(thread)
         assert row is not None and row.state == "completed"
+
+
+async def test_abandoned_calls_do_not_keep_their_conversation_alive(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from agentd.testing import Harness
+    from tests.organisms import listeners as L
+
+    organism = Path(__file__).parent / "organisms" / "basic.yaml"
+    async with Harness.from_config(organism, {"alice": "public"}, state_dir=tmp_path) as h:
+        # ping and pong call each other until the hop limit stops the chain: every
+        # frame along the way is a call that will never be answered.
+        await h.send("alice", L.Ping(n=0))
+        frames = list(h.pump.registry)
+        assert len(frames) > 5
+        later = max(f.touched for f in frames) + 3600
+        assert h.pump.collect_idle(60, now=later) == len(frames)
+        assert len(h.pump.registry) == 0
