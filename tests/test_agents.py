@@ -18,6 +18,7 @@ from agentd._config import load_config
 from agentd._core import Answer
 from agentd._envelope import parse_envelope
 from agentd._handler import HandlerMetadata, ResponseKind
+from agentd.client import frame_kind
 from agentd.kernel import Kernel
 from agentd.platform import (
     AgentHandlers,
@@ -72,11 +73,8 @@ async def organism(
 
 
 def kinds(frames: list[bytes]) -> list[tuple[str, str]]:
-    out = []
-    for f in frames:
-        env = parse_envelope(f)
-        out.append((env.sender, env.payload.tag.split("}")[1]))
-    return out
+    """(sender, payload local name) of each frame."""
+    return [frame_kind(f)[:2] for f in frames]
 
 
 def child(frame: bytes, name: str) -> str:

@@ -13,6 +13,7 @@ from agentd._core import Ack, Huh
 from agentd._envelope import NIL_THREAD, build_envelope, parse_envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._xmlify import spec_of
+from agentd.client import frame_kind
 from agentd.testing import Harness
 from agentd.tools.calculator import Add
 from agentd.tools.relay import Relay
@@ -36,11 +37,7 @@ async def h():
 
 def kinds(frames: list[bytes]) -> list[tuple[str, str]]:
     """(sender, payload local name) of each frame."""
-    out = []
-    for f in frames:
-        env = parse_envelope(f)
-        out.append((env.sender, env.payload.tag.split("}")[1]))
-    return out
+    return [frame_kind(f)[:2] for f in frames]
 
 
 def field(frame: bytes, name: str) -> str:
