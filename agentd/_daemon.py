@@ -173,6 +173,7 @@ class Daemon:
                 audit=self.audit,
             )
             await self.oob.start()
+            await self._restore_nonces()
             log.info("oob listening socket=%s", socket)
         if config.metrics.listen:
             from agentd._observability import MetricsServer
@@ -197,6 +198,22 @@ class Daemon:
             metrics.db_size_bytes.set(self.kernel.db_size_bytes())
             if self.bus is not None:
                 metrics.bus_connections.set(self.bus.connections)
+
+    async def _restore_nonces(self) -> None:
+        """The OOB replay cache lives in memory; the journal has every command's nonce,
+        so a command captured before a restart is still refused after it."""
+        assert self.kernel is not None and self.oob is not None
+        seen = []
+        for entry in await self.kernel.journal(limit=10_000, kinds=["oob-command"]):
+            try:
+                nonce = json.loads(entry.payload or b"{}").get("nonce")
+            except ValueError:
+                continue
+            if isinstance(nonce, str):
+                seen.append((nonce, entry.ts))
+        kept = self.oob.remember_nonces(seen)
+        if kept:
+            log.info("oob nonces restored from the journal count=%d", kept)
 
     def _agent_handlers(self, config: OrganismConfig) -> Mapping[str, Any] | None:
         """The LLM platform's handlers for the agents of `config` (none: None). Each

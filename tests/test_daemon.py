@@ -297,3 +297,26 @@ async def test_oob_attacks_against_a_real_daemon_are_refused_and_journaled(home:
         assert directions["replay"] == "security" and directions["oob-command"] == "audit"
     finally:
         await d.stop()
+
+
+async def test_a_command_captured_before_a_restart_cannot_be_replayed_after_it(
+    home: Path,
+) -> None:
+    from agentd.oob import OobClient, load_private_key, parse_response, sign_request
+
+    key, key_id = load_private_key(home / "operator.key")
+    captured = sign_request(key, key_id or "ops-1", "status")
+
+    def send(socket: str) -> tuple[bool, str]:
+        with OobClient(socket, timeout=10) as c:
+            r = parse_response(c.exchange(captured))
+            return r.ok, r.error_code or ""
+
+    d = await DaemonProcess(home).start()
+    assert await asyncio.to_thread(send, d.socket) == (True, "")
+    assert await d.stop() == 0
+    d2 = await DaemonProcess(home).start()
+    try:
+        assert await asyncio.to_thread(send, d2.socket) == (False, "replay")
+    finally:
+        await d2.stop()

@@ -313,6 +313,18 @@ class OobServer:
         self._verifier.keys = dict(keys)
         log.info("oob: authorized keys reloaded (%s)", ", ".join(sorted(keys)) or "none")
 
+    def remember_nonces(self, seen: Iterable[tuple[str, float]]) -> int:
+        """Seed the replay cache with (nonce, time seen) pairs from before a restart
+        (the daemon reads them back from its journal), so a request captured shortly
+        before a restart cannot be replayed after it. Returns how many are in force."""
+        now = self._clock()
+        kept = 0
+        for nonce, seen_at in seen:
+            if now - seen_at < 2 * self._verifier.clock_skew_s:
+                self._verifier.nonces.add(nonce, seen_at)
+                kept += 1
+        return kept
+
     # --- connections ---------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
