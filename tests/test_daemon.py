@@ -320,3 +320,52 @@ async def test_a_command_captured_before_a_restart_cannot_be_replayed_after_it(
         assert await asyncio.to_thread(send, d2.socket) == (False, "replay")
     finally:
         await d2.stop()
+
+
+async def test_bus_attacks_against_a_real_daemon(home: Path) -> None:
+    """Authentication failures all look alike, a silent client times out, forged
+    `from`, garbage and oversize frames: against the real process."""
+    import pyotp
+    from websockets.asyncio.client import connect
+
+    from agentd.bus._tls import client_context
+    from agentd.client import AuthenticationFailed
+
+    edit_config(home, lambda doc: doc["bus"].update(auth_timeout_s=1))
+    d = await DaemonProcess(home).start()
+    try:
+        failures = []
+        for client, secret in (("alice", pyotp.random_base32()), ("mallory", d.secret)):
+            with pytest.raises(AuthenticationFailed) as info:
+                async with BusClient(d.url, client, secret=secret, cafile=d.cafile):
+                    pass
+            failures.append((info.value.code, info.value.reason))
+        used = pyotp.TOTP(d.secret).now()
+        async with BusClient(d.url, "alice", totp=used, cafile=d.cafile) as bus:
+            # Forged from, garbage, then an oversize frame (close 1009).
+            forged = await bus.exchange(
+                b'<message xmlns="https://xml-pipeline.org/ns/envelope/v1"><meta><from>bob'
+                b"</from><thread>6f1c2a9e-8d4b-4c1e-9a57-2b1f0c3d4e5f</thread></meta>"
+                b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>1</a><b>2</b>'
+                b"</add></message>"
+            )
+            assert b"<code>invalid-envelope</code>" in forged[-1]
+            await bus.send_raw(b"\x00\x01 not xml")
+            assert b"<code>malformed</code>" in await bus.recv(timeout=10)
+            await bus.send_raw(b"<a>" + b"x" * (300 * 1024) + b"</a>")
+            with pytest.raises(ConnectionClosed):
+                await bus.connection.recv()
+            assert bus.connection.close_code == 1009
+        # The code alice just used is refused now, like any wrong code.
+        with pytest.raises(AuthenticationFailed) as info:
+            async with BusClient(d.url, "alice", totp=used, cafile=d.cafile):
+                pass
+        failures.append((info.value.code, info.value.reason))
+        assert failures == [(4401, "authentication failed")] * 3
+        # A client that never authenticates is closed with 4408.
+        async with connect(d.url, ssl=client_context(d.cafile, True)) as ws:
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 10)
+            assert ws.close_code == 4408
+    finally:
+        await d.stop()
