@@ -34,15 +34,14 @@ from agentd._config import OrganismConfig, load_config
 from agentd._errors import AgentdError, ConfigError
 from agentd._pump import Pump
 from agentd._routing import Routing, plan_reload, retire
-from agentd._schemas import NS_PRIV
 from agentd._threads import ThreadState
 from agentd._wiring import kernel_options
 from agentd._xmlify import spec_of
 from agentd.kernel import Kernel
+from agentd.oob import result_element
 
 log = logging.getLogger("agentd.daemon")
 
-_P = "{" + NS_PRIV + "}"
 # Pump and bus security events; the OOB channel's own kinds are added below.
 _PUMP_SECURITY_KINDS = frozenset(
     {"forged-from", "priv-on-bus", "priv-from-handler", "peer-violation", "lockout"}
@@ -384,14 +383,14 @@ class DaemonCommands:
         d = self.daemon
         try:
             if name == "status":
-                return _dict_element("status", d.status())
+                return result_element("status", d.status())
             if name == "reload":
                 dry = args.get("dry-run", "false") == "true"
                 try:
                     diff = await d.reload(dry)
                 except ConfigError as exc:
                     raise CommandFailed("invalid", "\n".join(exc.issues)) from None
-                return _dict_element("reload", diff)
+                return result_element("reload", diff)
             if name == "introspect":
                 return self._introspect(args)
             if name == "journal":
@@ -401,7 +400,7 @@ class DaemonCommands:
                 if mode not in ("graceful", "now"):
                     raise CommandFailed("invalid", "mode must be graceful or now")
                 asyncio.get_running_loop().call_soon(d.request_stop, mode)
-                return _dict_element("shutdown", {"mode": mode})
+                return result_element("shutdown", {"mode": mode})
         except CommandFailed:
             raise
         except (KeyError, ValueError) as exc:
@@ -409,7 +408,7 @@ class DaemonCommands:
         raise CommandFailed("unknown-command", f"unknown command {name!r}")
 
     def _introspect(self, args: Mapping[str, str]) -> etree._Element | str:
-        from agentd.oob import CommandFailed, result_element
+        from agentd.oob import CommandFailed
 
         d = self.daemon
         assert d.routing is not None and d.pump is not None
@@ -464,7 +463,7 @@ class DaemonCommands:
                 raise CommandFailed("invalid", f"no live thread {uuid!r}")
             frame = found
             # The one place a private call-chain path is ever revealed.
-            return _dict_element(
+            return result_element(
                 "thread",
                 {
                     "uuid": frame.uuid,
@@ -479,8 +478,6 @@ class DaemonCommands:
         raise CommandFailed("invalid", f"unknown introspection {what!r}")
 
     async def _journal(self, args: Mapping[str, str]) -> etree._Element:
-        from agentd.oob import result_element
-
         d = self.daemon
         assert d.kernel is not None
         limit = int(args.get("limit", "100"))
@@ -504,12 +501,6 @@ class DaemonCommands:
                 for e in entries
             ],
         )
-
-
-def _dict_element(tag: str, values: Mapping[str, Any]) -> etree._Element:
-    from agentd.oob import result_element
-
-    return result_element(tag, dict(values))
 
 
 def _start_watchdog() -> asyncio.Task[None] | None:

@@ -261,61 +261,50 @@ class Pump:
             log.info("rejected client=%s code=%s detail=%s", client, rej.code.value, rej.detail)
             return self._refuse_client(client, thread, rej.code)
         frame = msg.frame
-        if msg.sender == CORE:
-            return await self._answer_meta(client, env, data, msg, is_new)
+        meta_answer = msg.sender == CORE  # answered by the pump itself (agentd/_meta.py)
+
+        def record(tx: Transaction) -> int:
+            if not meta_answer:
+                return self._journal_message(tx, msg)
+            return tx.journal(
+                thread=frame.uuid, direction="in", kind="meta", sender=client,
+                tag=env.key, payload=data, profile=frame.profile.name,
+            )  # fmt: skip
+
+        seq = await self._admit(client, frame, is_new, record)
+        if seq is None:
+            return self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
+        self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
+        if meta_answer:
+            self._open_tx()
+            self._enqueue(msg)
+            self._close_tx()
+        else:
+            msg.seq = seq
+            self._enqueue(msg)
+        return SubmitResult(frame.uuid, seq=seq)
+
+    async def _admit(
+        self, client: str, frame: Frame, is_new: bool, record: Callable[[Transaction], int]
+    ) -> int | None:
+        """`accepted` means durable: commit the thread (if new) and the journal entry
+        `record` writes, and return its seq; None if the storage is failing."""
         if self.kernel is None:
             self._seq += 1
-            msg.seq = self._seq
-        else:
-            # `accepted` means durable: the envelope and its thread are committed first.
-            tx = self.kernel.transaction()
-            if is_new:
-                tx.thread_put(_row(frame))
-                frame.persisted = True
-            msg.seq = self._journal_message(tx, msg)
-            try:
-                await self.kernel.commit(tx)
-            except KernelUnavailable as exc:
-                log.error("journal unavailable, refusing client=%s: %s", client, exc)
-                if frame.is_root and frame.uuid not in self._inboxes and not frame.children:
-                    self.registry.forget(frame)
-                return self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
-        self._emit_core(client, frame.uuid, Accepted(frame.uuid, msg.seq).to_bytes())
-        self._enqueue(msg)
-        return SubmitResult(frame.uuid, seq=msg.seq)
-
-    async def _answer_meta(
-        self, client: str, env: Envelope, data: bytes, answer: Message, is_new: bool
-    ) -> SubmitResult:
-        frame = answer.frame
-        seq = 0
-        if self.kernel is not None:
-            tx = self.kernel.transaction()
-            if is_new:
-                tx.thread_put(_row(frame))
-                frame.persisted = True
-            seq = tx.journal(
-                thread=frame.uuid,
-                direction="in",
-                kind="meta",
-                sender=client,
-                tag=env.key,
-                payload=data,
-                profile=frame.profile.name,
-            )
-            try:
-                await self.kernel.commit(tx)
-            except KernelUnavailable as exc:
-                log.error("journal unavailable, refusing client=%s: %s", client, exc)
-                return self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
-        else:
-            self._seq += 1
-            seq = self._seq
-        self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
-        self._open_tx()
-        self._enqueue(answer)
-        self._close_tx()
-        return SubmitResult(frame.uuid, seq=seq)
+            return self._seq
+        tx = self.kernel.transaction()
+        if is_new:
+            tx.thread_put(_row(frame))
+            frame.persisted = True
+        seq = record(tx)
+        try:
+            await self.kernel.commit(tx)
+        except KernelUnavailable as exc:
+            log.error("journal unavailable, refusing client=%s: %s", client, exc)
+            if frame.is_root and frame.uuid not in self._inboxes and not frame.children:
+                self.registry.forget(frame)
+            return None
+        return seq
 
     def _ingest_client(self, client: str, env: Envelope, data: bytes) -> Message:
         frame = self.registry.get(env.thread)
@@ -480,7 +469,7 @@ class Pump:
             if base == _REQUEST:
                 msg = self._resume_request(env, data, frame, handlers)
             else:
-                spec = None if env.sender == CORE else self._response_spec(env)
+                spec = None if env.sender == CORE else self._responder_spec(env)
                 msg = self._ingest_to_holder(env, data, sender=env.sender, frame=frame, spec=spec)
         except Rejection as rej:
             log.warning("recovered message refused thread=%s: %s", thread, rej.detail)
@@ -501,14 +490,11 @@ class Pump:
         _validate(spec, env.payload)
         return Message(MsgKind.REQUEST, env.sender, frame, env.payload, targets, spec, data)
 
-    def _response_spec(self, env: Envelope) -> XmlSpec | None:
+    def _responder_spec(self, env: Envelope) -> XmlSpec | None:
         responder = self.routing.listeners.get(env.sender)
         if responder is None:
             raise Rejection(HuhCode.UNROUTABLE, "responder gone after restart")
-        spec = responder.response_specs.get(env.key)
-        if spec is None and not _is_answer(env, responder):
-            raise Rejection(HuhCode.INVALID_PAYLOAD, "not a declared response class")
-        return spec
+        return _response_spec(responder, env)
 
     # ---- the shared admission checks --------------------------------------
 
@@ -551,8 +537,7 @@ class Pump:
     def _meta_answer(self, env: Envelope, client: str, frame: Frame, profile: Profile) -> Message:
         """A client's meta question, answered by the pump itself from the client's own
         profile (agentd/_meta.py). The answer is built as bytes and re-parsed."""
-        if not _CORE_SCHEMA.validate(env.payload):
-            raise Rejection(HuhCode.INVALID_PAYLOAD, str(_CORE_SCHEMA.error_log.last_error))
+        _validate_core(env.payload)
         body = meta.answer(self.meta_flags, profile, env.payload)
         data = build_envelope(CORE, frame.uuid, body, to=client)
         reply = parse_envelope(data, max_bytes=max(len(data), self.max_envelope_bytes))
@@ -563,8 +548,7 @@ class Pump:
     ) -> Message:
         """A message for the holder of `frame` (a response, ack or huh)."""
         if spec is None:
-            if not _CORE_SCHEMA.validate(env.payload):
-                raise Rejection(HuhCode.INVALID_PAYLOAD, str(_CORE_SCHEMA.error_log.last_error))
+            _validate_core(env.payload)
         else:
             _validate(spec, env.payload)
         targets: tuple[Listener, ...] = ()
@@ -814,9 +798,7 @@ class Pump:
             if env.thread != frame.uuid or env.sender != listener.name:  # pragma: no cover
                 raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
             if respond:
-                spec = listener.response_specs.get(env.key)
-                if spec is None and not _is_answer(env, listener):
-                    raise Rejection(HuhCode.INVALID_PAYLOAD, "not a declared response class")
+                spec = _response_spec(listener, env)
                 msg = self._ingest_to_holder(
                     env, data, sender=listener.name, frame=frame, spec=spec
                 )
@@ -886,9 +868,19 @@ def _validate(spec: XmlSpec, el: etree._Element) -> None:
         raise Rejection(HuhCode.INVALID_PAYLOAD, str(spec.schema.error_log.last_error))
 
 
-def _is_answer(env: Envelope, listener: Listener) -> bool:
-    """An LLM agent may always answer with core `answer` (its final text)."""
-    return listener.is_agent and env.key == _ANSWER
+def _validate_core(el: etree._Element) -> None:
+    if not _CORE_SCHEMA.validate(el):
+        raise Rejection(HuhCode.INVALID_PAYLOAD, str(_CORE_SCHEMA.error_log.last_error))
+
+
+def _response_spec(listener: Listener, env: Envelope) -> XmlSpec | None:
+    """The schema `listener` may answer `env`'s payload with: one of its declared
+    response classes, or None for core `answer`, which an LLM agent may always give
+    (its final text). Anything else is refused."""
+    spec = listener.response_specs.get(env.key)
+    if spec is None and not (listener.is_agent and env.key == _ANSWER):
+        raise Rejection(HuhCode.INVALID_PAYLOAD, "not a declared response class")
+    return spec
 
 
 def _row(frame: Frame) -> ThreadRow:
