@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentd._config import OrganismConfig, PumpConfig, RetentionPolicy
+from agentd._config import OrganismConfig, RetentionPolicy
 from agentd.kernel import Retention
 
 
@@ -38,8 +38,3 @@ def kernel_options(config: OrganismConfig) -> dict[str, Any]:
             name for name, p in config.profiles.items() if p.synchronous == "FULL"
         ),
     }
-
-
-def settings_from(config: OrganismConfig) -> PumpConfig:
-    """The pump's settings (kept for callers; the pump takes `config.pump` as is)."""
-    return config.pump

@@ -24,7 +24,6 @@ from agentd._pump import CORE, Pump
 from agentd._routing import Routing
 from agentd._threads import new_uuid
 from agentd._wiring import kernel_options
-from agentd._wiring import settings_from as settings_from  # re-exported for tests and benchmarks
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.kernel import Kernel, KernelUnavailable
 

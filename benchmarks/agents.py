@@ -36,7 +36,7 @@ from agentd._routing import Routing  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.platform import Platform, make_agent_handlers  # noqa: E402
 from agentd.platform.demo import MathQuestion  # noqa: E402
-from agentd.testing import Harness, settings_from  # noqa: E402
+from agentd.testing import Harness  # noqa: E402
 from agentd.tools.calculator import Add  # noqa: E402
 from tests.llm_servers import (  # noqa: E402
     FakeLLM,
@@ -60,7 +60,7 @@ async def pump_hop_us(n: int) -> float:
     data = [build_envelope("alice", str(uuid.uuid4()), spec.to_bytes(Add(a=i, b=2)))
             for i in range(n)]
     pump = Pump(Routing.build(config), {"alice": "public"},
-                lambda *_: None, settings_from(config))
+                lambda *_: None, config.pump)
     await pump.start()
     start = time.perf_counter()
     for raw in data:

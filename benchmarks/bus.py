@@ -101,7 +101,6 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
     from agentd._pump import Pump
     from agentd._routing import Routing
     from agentd.bus import BusServer, ClientAuth
-    from agentd.testing import settings_from
 
     config = load_config(ROOT / "config" / "organism.yaml", state_dir_override=home / "state")
     auth = ClientAuth.load(home / "clients.yaml", config.state_dir,
@@ -111,7 +110,7 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
     def deliver(client: str, thread: str, data: bytes, outbox_id: int | None = None) -> None:
         holder["bus"].deliver(client, thread, data, outbox_id)
 
-    pump = Pump(Routing.build(config), auth.profiles(), deliver, settings_from(config))
+    pump = Pump(Routing.build(config), auth.profiles(), deliver, config.pump)
     outbox = None
     kern = None
     if kernel:
@@ -286,7 +285,6 @@ async def inprocess(n: int) -> float:
     from agentd._config import load_config
     from agentd._pump import Pump
     from agentd._routing import Routing
-    from agentd.testing import settings_from
 
     config = load_config(ROOT / "config" / "organism.yaml")
     got = 0
@@ -296,7 +294,7 @@ async def inprocess(n: int) -> float:
         if not _is_accepted(d):
             got += 1
 
-    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, settings_from(config))
+    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump)
     await pump.start()
     data = requests("alice", n)
     start = time.perf_counter()

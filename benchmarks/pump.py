@@ -38,7 +38,6 @@ from agentd._threads import ThreadRegistry  # noqa: E402
 from agentd._xml import parse_untrusted  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.kernel import Kernel  # noqa: E402
-from agentd.testing import settings_from  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
 
 CLIENTS = 256  # concurrent submitters
@@ -100,7 +99,7 @@ async def real_pump(
         if b"<from>core</from>" not in frame:
             latencies.append(time.perf_counter() - sent[thread])
 
-    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, settings_from(config))
+    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump)
     kernel = (
         await Kernel.open(journal_dir, commit_interval_s=COMMIT_INTERVAL_S)
         if journal_dir is not None
@@ -142,7 +141,7 @@ async def latency(data: list[bytes]) -> list[float]:
         nonlocal got
         got += 1
 
-    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, settings_from(config))
+    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump)
     await pump.start()
     for raw in data:
         t0 = time.perf_counter()

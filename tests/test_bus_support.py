@@ -21,7 +21,6 @@ from agentd._pump import Pump
 from agentd._routing import Routing
 from agentd.bus import BusServer, ClientAuth, make_self_signed, totp_code
 from agentd.client import BusClient
-from agentd.testing import settings_from
 
 GATE_NS = "https://xml-pipeline.org/ns/test/gate/v1"
 
@@ -203,7 +202,7 @@ async def start_rig(
         else:
             holder["bus"].deliver(client, thread, data, outbox_id)
 
-    pump = Pump(Routing.build(config), client_auth.profiles(), deliver, settings_from(config))
+    pump = Pump(Routing.build(config), client_auth.profiles(), deliver, config.pump)
     await pump.start()
 
     async def submit(client: str, data: bytes) -> object:

@@ -23,7 +23,6 @@ from agentd._pump import Pump
 from agentd._routing import Routing
 from agentd.bus import BusServer, ClientAuth, server_context
 from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind
-from agentd.testing import settings_from
 from agentd.tools.calculator import Add
 from tests.test_bus_support import Rig, start_rig, stop_rig
 
@@ -212,7 +211,7 @@ async def test_init_then_serve_then_send(tmp_path: Path) -> None:
     agents = make_agent_handlers(config)  # the init'd demo has the tutor agent
     pump = Pump(
         Routing.build(config, agent_handlers=agents), auth.profiles(),
-        lambda c, t, d, o=None: holder["bus"].deliver(c, t, d, o), settings_from(config),
+        lambda c, t, d, o=None: holder["bus"].deliver(c, t, d, o), config.pump,
     )
     await pump.start()
     bus = holder["bus"] = BusServer(replace(config.bus, port=0), auth, pump.submit)
