@@ -27,6 +27,7 @@ from agentd.kernel import (
     retain_days,
     verify_journal_main,
 )
+from agentd.kernel._store import Store, verify_file
 
 
 def thread_row(uuid: str, state: str = "active", *, profile: str = "public", hops: int = 0,
@@ -656,10 +657,14 @@ async def test_older_schema_is_migrated(state_dir: Path, monkeypatch: pytest.Mon
         seq = await journal_one(k, pending=True)
     monkeypatch.setitem(_schema.MIGRATIONS, 2, (
         "CREATE TABLE extra (x INTEGER)", "ALTER TABLE threads ADD COLUMN note TEXT"))
-    async with await Kernel.open(state_dir) as k:
-        assert [e.seq for e in await k.pending_messages()] == [seq]
-        assert (await k.verify())[0]
+    # The newer code's Store.open, in this process (the monkeypatch does not reach a
+    # writer process): exactly what the kernel's writer runs first.
+    store = Store.open(state_dir / DB_NAME)
+    assert store.migrated_from == 1
+    store.close()
+    assert verify_file(state_dir / DB_NAME).ok
     with db_conn(state_dir) as conn:
+        assert conn.execute("SELECT seq FROM inflight").fetchall() == [(seq,)]
         assert conn.execute("SELECT version FROM schema_version").fetchone() == (2,)
         conn.execute("SELECT x FROM extra")
     monkeypatch.delitem(_schema.MIGRATIONS, 2)
@@ -789,23 +794,18 @@ async def test_checkpoint_never_waits_for_a_reader(state_dir: Path) -> None:
 async def test_full_sync_profiles_commit_with_synchronous_full(state_dir: Path) -> None:
     seen: list[int] = []
     async with await Kernel.open(state_dir, full_sync_profiles={"bank"}) as k:
-
-        def synchronous() -> int:
-            return int(k._store.conn.execute("PRAGMA synchronous").fetchone()[0])
-
         tx = k.transaction()
         tx.journal(thread="t", direction="in", profile="bank")
         assert tx.full_sync
         await k.commit(tx)
-        seen.append(await k._call(synchronous))
+        seen.append(await k._call("pragma", "synchronous"))
         tx = k.transaction()
         tx.journal(thread="t", direction="in", profile="public")
         assert not tx.full_sync
         await k.commit(tx)
     assert seen == [1]  # back to NORMAL after the FULL commit
     async with await Kernel.open(state_dir, synchronous="FULL") as k:
-        assert await k._call(lambda: int(k._store.conn.execute(
-            "PRAGMA synchronous").fetchone()[0])) == 2
+        assert await k._call("pragma", "synchronous") == 2
     with pytest.raises(ValueError, match="synchronous"):
         await Kernel.open(state_dir, synchronous="SOMETIMES")
     async with await Kernel.open(state_dir):  # the failed open released the lock

@@ -17,30 +17,30 @@ Invariants:
 - While writes fail, `healthy` is False; the writer retries with backoff (probing
   the disk when nothing is queued) and reports recovery.
 
-Why a dedicated thread with the stdlib sqlite3 module, not aiosqlite, for writes:
-aiosqlite hops to its thread and back once per call, and a batch is ~5 calls
-(BEGIN, executemany per table, head update, COMMIT); one hop per batch through a
-single-thread executor also lets the chain hashing and statement planning run off the
-event loop. Measured on the dev box: 10-entry batches cost 478 us with aiosqlite vs
-202 us in one hop. Reads use aiosqlite on a second, read-only connection.
+Why the writer is a child process (`_writer.WriterProcess`) running the stdlib sqlite3
+module, not aiosqlite on a thread: aiosqlite hops to its thread and back once per call
+and a batch is ~5 calls (10-entry batches cost 478 us with aiosqlite, 202 us in one
+hop); and any writer thread shares the GIL with the event loop, which sqlite3 and lxml
+both release so often that each side keeps waiting for the other (see _writer's
+docstring: 6.7x slower writes). One message per batch crosses to the process; the
+chain hashing and statement planning run there too, on the other core. Reads use
+aiosqlite on a second, read-only connection.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import os
 import sqlite3
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiosqlite
 
@@ -57,20 +57,18 @@ from agentd.kernel._schema import code_version, read_version, too_new_message
 from agentd.kernel._store import (
     JOURNAL_COLUMNS,
     THREAD_COLUMNS,
-    Store,
     entry_from_row,
     is_storage_error,
     readonly_uri,
     thread_from_row,
     verify_file,
 )
-from agentd.kernel._transaction import OnCommit, Transaction, TxContext, plan_batch
+from agentd.kernel._transaction import OnCommit, Transaction, TxContext
+from agentd.kernel._writer import WriterProcess
 
 DB_NAME = "agentd.db"
 
 log = logging.getLogger("agentd.kernel")
-
-T = TypeVar("T")
 
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
@@ -87,8 +85,8 @@ class SweepReport:
 class Kernel:
     """Use `await Kernel.open(state_dir)`; `async with` closes it."""
 
-    def __init__(self, *, state_dir: Path, lock: StateDirLock, store: Store,
-                 executor: ThreadPoolExecutor, reader: aiosqlite.Connection, ctx: TxContext,
+    def __init__(self, *, state_dir: Path, lock: StateDirLock, writer: WriterProcess,
+                 store_options: dict[str, Any], reader: aiosqlite.Connection, ctx: TxContext,
                  commit_interval_s: float, commit_max_entries: int, sweep_interval_s: float,
                  context_ttl_s: float, checkpoint_idle_s: float, sweep_chunk: int,
                  on_commit: OnCommit | None, max_outbox_per_client: int = 10_000) -> None:
@@ -96,8 +94,8 @@ class Kernel:
         self.state_dir = state_dir
         self.db_path = state_dir / DB_NAME
         self._lock = lock
-        self._store = store
-        self._executor = executor
+        self._writer_proc = writer
+        self._store_options = store_options
         self._reader = reader
         self._ctx = ctx
         self._interval = commit_interval_s
@@ -165,32 +163,30 @@ class Kernel:
         `sweep_chunk`: journal rows deleted per retention transaction."""
         state_dir = Path(state_dir)
         lock = StateDirLock.acquire(state_dir)
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentd-kernel")
-        loop = asyncio.get_running_loop()
-        store: Store | None = None
+        db = state_dir / DB_NAME
+        store_options: dict[str, Any] = {"synchronous": synchronous,
+                                         "max_db_bytes": max_db_bytes}
+        writer: WriterProcess | None = None
         try:
-            db = state_dir / DB_NAME
-            store = await loop.run_in_executor(executor, functools.partial(
-                Store.open, db, synchronous=synchronous, max_db_bytes=max_db_bytes))
-            if store.migrated_from != code_version():
+            writer, (seq, outbox_id, migrated_from, counts) = await _start_writer(
+                db, lock, store_options)
+            if migrated_from != code_version():
                 log.info("kernel database %s migrated from schema %d to %d", db,
-                         store.migrated_from, code_version())
-            counts = await loop.run_in_executor(executor, store.context_counts)
+                         migrated_from, code_version())
             reader = await aiosqlite.connect(readonly_uri(db), uri=True)
             await reader.execute("PRAGMA query_only=1")
         except BaseException:
-            if store is not None:
+            if writer is not None:
                 with contextlib.suppress(Exception):
-                    await loop.run_in_executor(executor, store.close)
-            executor.shutdown(wait=False)
+                    await writer.stop()
             lock.release()
             raise
-        ctx = TxContext(next_seq=store.head.seq + 1, next_outbox_id=store.head.outbox_id + 1,
+        ctx = TxContext(next_seq=seq + 1, next_outbox_id=outbox_id + 1,
                         retention=retention, audit_retention=audit_retention,
                         max_slots_per_thread=max_slots_per_thread, max_threads=max_threads,
                         context_counts=counts, full_sync_profiles=full_sync_profiles)
-        return cls(state_dir=state_dir, lock=lock, store=store, executor=executor,
-                   reader=reader, ctx=ctx, commit_interval_s=commit_interval_s,
+        return cls(state_dir=state_dir, lock=lock, writer=writer,
+                   store_options=store_options, reader=reader, ctx=ctx, commit_interval_s=commit_interval_s,
                    commit_max_entries=commit_max_entries, sweep_interval_s=sweep_interval_s,
                    context_ttl_s=context_ttl_hours * 3600.0,
                    checkpoint_idle_s=checkpoint_idle_s, sweep_chunk=sweep_chunk,
@@ -219,11 +215,11 @@ class Kernel:
                 _fail(waiter, KernelUnavailable("kernel closed"))
             with contextlib.suppress(Exception):
                 await self._reader.close()
-            with contextlib.suppress(Exception):
-                # queued behind any batch still running on the writer thread
-                await self._call(self._store.close)
-            self._executor.shutdown(wait=True)
-            self._lock.release()
+            try:
+                # queued behind any batch still being written; checkpoints, then exits
+                await self._writer_proc.stop()
+            finally:
+                self._lock.release()
 
     async def __aenter__(self) -> Kernel:
         return self
@@ -278,11 +274,13 @@ class Kernel:
 
     async def checkpoint(self) -> tuple[int, int, int]:
         """`PRAGMA wal_checkpoint(TRUNCATE)` now (normally done when idle)."""
-        return await self._call(self._store.checkpoint, "TRUNCATE")
+        return await self._call("checkpoint", "TRUNCATE")
 
     async def set_max_db_bytes(self, max_bytes: int | None) -> int:
         """Cap the database size (writes beyond fail like a full disk); None: no cap."""
-        return await self._call(self._store.set_max_bytes, max_bytes)
+        max_bytes = await self._call("set_max_bytes", max_bytes)
+        self._store_options["max_db_bytes"] = max_bytes
+        return max_bytes
 
     def set_retention(self, retention: RetentionPolicy) -> None:
         """New policy for entries journaled from now on (config reload)."""
@@ -371,8 +369,9 @@ class Kernel:
 
     # -- the writer ---------------------------------------------------------------------
 
-    def _call(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
-        return self._loop.run_in_executor(self._executor, functools.partial(fn, *args))
+    def _call(self, method: str, *args: Any) -> asyncio.Future[Any]:
+        """Run `method` in the writer process (in order with every other call)."""
+        return self._writer_proc.call(method, *args)
 
     async def _run(self) -> None:
         while True:
@@ -470,19 +469,15 @@ class Kernel:
             self._head_time = self._loop.time() - self._interval  # overdue: next at once
         return batch
 
-    def _write(self, txs: list[Transaction]) -> tuple[float, int]:
-        """(writer thread) plan + write one batch: (seconds it took, operations)."""
-        t0 = time.perf_counter()
-        plan = plan_batch(txs)
-        if plan.ops:  # empty transactions (flush barriers) need no SQLite transaction
-            self._store.write(plan)
-        return time.perf_counter() - t0, plan.ops
+    def _write(self, txs: list[Transaction]) -> asyncio.Future[tuple[float, int]]:
+        """Plan and write one batch in the writer: (seconds it took, operations)."""
+        return self._call("write_batch", [tx.wire() for tx in txs])
 
     async def _commit_batch(self, batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
         txs = [tx for tx, _ in batch]
         self._writing = batch
         try:
-            seconds, ops = await self._call(self._write, txs)
+            seconds, ops = await self._write(txs)
         except Exception as exc:
             if is_storage_error(exc):
                 self._storage_failed(exc, batch)
@@ -500,7 +495,7 @@ class Kernel:
             self, batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
         for i, (tx, fut) in enumerate(batch):
             try:
-                seconds, ops = await self._call(self._write, [tx])
+                seconds, ops = await self._write([tx])
             except Exception as exc:
                 if is_storage_error(exc):
                     self._storage_failed(exc, batch[i:])
@@ -558,7 +553,9 @@ class Kernel:
 
     async def _probe(self) -> None:
         try:
-            await self._call(self._store.probe)
+            if not self._writer_proc.alive:
+                await self._restart_writer()
+            await self._call("probe")
         except Exception as exc:
             self._last_error = str(exc)
             self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
@@ -569,9 +566,21 @@ class Kernel:
         self._last_error = ""
         self._backoff = _BACKOFF_START_S
 
+    async def _restart_writer(self) -> None:
+        """The writer process died (killed, out of memory): start another. What it
+        had not committed failed with `KernelUnavailable` and was never acknowledged;
+        the new one reads the chain head back from the database."""
+        old = self._writer_proc
+        with contextlib.suppress(Exception):
+            await old.stop()
+        self._writer_proc, _ = await _start_writer(self.db_path, self._lock,
+                                                   self._store_options)
+        log.warning("kernel: writer process %d replaced by %d", old.pid,
+                    self._writer_proc.pid)
+
     async def _idle_checkpoint(self) -> None:
         try:
-            busy, _, _ = await self._call(self._store.checkpoint, "TRUNCATE")
+            busy, _, _ = await self._call("checkpoint", "TRUNCATE")
         except Exception as exc:
             log.warning("kernel: WAL checkpoint failed: %s", exc)
             busy = 1
@@ -590,16 +599,15 @@ class Kernel:
             if not self._retention_backlog or forced:
                 cutoff = now - self._context_ttl
                 idle = self._ctx.idle_buffers(cutoff)
-                threads_deleted, buffers_deleted = await self._call(self._store.gc, cutoff, idle)
-                outbox_deleted = await self._call(self._store.cap_outboxes, self._max_outbox)
+                threads_deleted, buffers_deleted = await self._call("gc", cutoff, idle)
+                outbox_deleted = await self._call("cap_outboxes", self._max_outbox)
                 if outbox_deleted:
                     log.warning("kernel: %d outbox frames of long-absent clients dropped "
                                 "(more than %d waiting for one client)", outbox_deleted,
                                 self._max_outbox)
             self._retention_backlog = False
             while True:
-                deleted, more = await self._call(self._store.sweep_retention, now,
-                                                 self._sweep_chunk)
+                deleted, more = await self._call("sweep_retention", now, self._sweep_chunk)
                 journal_deleted += deleted
                 if not more:
                     break
@@ -621,6 +629,20 @@ class Kernel:
         for waiter in forced:
             if not waiter.done():
                 waiter.set_result(report)
+
+
+async def _start_writer(db: Path, lock: StateDirLock, store_options: dict[str, Any]
+                        ) -> tuple[WriterProcess, tuple[int, int, int, dict]]:
+    """Start a writer process and open the store in it: (writer, (seq, outbox_id,
+    migrated_from, context_counts)). Stops the process again if the open fails."""
+    writer = await WriterProcess.start(lock.fd)
+    try:
+        info = await writer.call("open", str(db), store_options)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await writer.stop()
+        raise
+    return writer, info
 
 
 def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:

@@ -14,11 +14,13 @@ import fcntl
 import logging
 import os
 import stat
+import time
 from pathlib import Path
 
 from agentd.kernel._errors import StateLocked
 
 LOCK_NAME = "agentd.lock"
+ORPHAN_WAIT_S = 10.0
 
 log = logging.getLogger("agentd.kernel")
 
@@ -42,15 +44,7 @@ class StateDirLock:
         path = state_dir / LOCK_NAME
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_pid(fd)
-            os.close(fd)
-            who = f"process {holder}" if holder else "another process"
-            raise StateLocked(
-                f"state directory {state_dir} is in use by {who} (lock {path}); "
-                f"only one agentd may run on a state directory"
-            ) from None
+            _lock(fd, state_dir, path)
         except BaseException:
             os.close(fd)
             raise
@@ -66,8 +60,45 @@ class StateDirLock:
             os.close(fd)  # closing the only descriptor releases the flock
 
     @property
+    def fd(self) -> int:
+        if self._fd is None:
+            raise RuntimeError("lock released")
+        return self._fd
+
+    @property
     def held(self) -> bool:
         return self._fd is not None
+
+
+def _lock(fd: int, state_dir: Path, path: Path) -> None:
+    """flock `fd`, or raise StateLocked. A lock whose recorded holder is dead is held
+    by that holder's kernel writer process, finishing its last batch before it exits
+    (see kernel/_writer.py): wait for it, up to ORPHAN_WAIT_S."""
+    deadline = time.monotonic() + ORPHAN_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = _read_pid(fd)
+            if holder is not None and not _alive(holder) and time.monotonic() < deadline:
+                time.sleep(0.01)
+                continue
+            who = f"process {holder}" if holder else "another process"
+            raise StateLocked(
+                f"state directory {state_dir} is in use by {who} (lock {path}); "
+                f"only one agentd may run on a state directory"
+            ) from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
 
 
 def _read_pid(fd: int) -> int | None:

@@ -314,6 +314,11 @@ class Transaction:
     def committed(self) -> bool:
         return self._committed
 
+    def wire(self) -> tuple:
+        """What the writer process needs of this transaction, as plain data:
+        (rows, encs, ops, pending offsets, full_sync). See `plan_batch`."""
+        return (self.rows, self.encs, self._ops, self._pending, self.full_sync)
+
     def _check_open(self) -> None:
         if self._committed:
             raise RuntimeError("transaction already committed")
@@ -344,27 +349,27 @@ class BatchPlan:
     full_sync: bool = False
 
 
-def plan_batch(txs: Iterable[Transaction]) -> BatchPlan:
+def plan_batch(txs: Iterable[tuple]) -> BatchPlan:
+    """Fold transactions, each as `Transaction.wire()` gives it, into one plan."""
     plan = BatchPlan()
     journal, encs, pending = plan.journal, plan.encs, plan.pending
     ops = 0
-    for tx in txs:
-        if tx.full_sync:
+    for rows, tx_encs, tx_ops, tx_pending, full_sync in txs:
+        if full_sync:
             plan.full_sync = True
-        rows = tx.rows
         if rows:
             ops += len(rows)
-            if tx._pending is not None:
+            if tx_pending is not None:
                 base = len(journal)
-                for offset in tx._pending:
+                for offset in tx_pending:
                     pending[rows[offset][0]] = base + offset
             journal.extend(rows)
-            encs.extend(tx.encs)
+            encs.extend(tx_encs)
             if rows[-1][0] > plan.max_seq:  # seqs ascend within a transaction
                 plan.max_seq = rows[-1][0]
-        if tx._ops:
-            ops += len(tx._ops)
-            for op in tx._ops:
+        if tx_ops:
+            ops += len(tx_ops)
+            for op in tx_ops:
                 _apply_op(plan, op)
     plan.ops = ops
     return plan
