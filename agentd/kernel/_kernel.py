@@ -72,6 +72,7 @@ log = logging.getLogger("agentd.kernel")
 
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
+_PIPELINE = 2  # batches sent to the writer and not yet answered
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ class Kernel:
         self._on_commit = on_commit
         self._loop = asyncio.get_running_loop()
         self._queue: deque[tuple[Transaction, asyncio.Future[None]]] = deque()
-        self._writing: list[tuple[Transaction, asyncio.Future[None]]] = []
+        self._writing: list[list[tuple[Transaction, asyncio.Future[None]]]] = []
+        self._inflight: deque[asyncio.Task[None]] = deque()
         self._queued_ops = 0
         self._last_batch_ops = 0
         self._saturated_ops = max(2, self._max_entries // 8)
@@ -209,8 +211,11 @@ class Kernel:
                     await self._writer
             # Only after a cancelled close: outcome unknown, so not acknowledged.
             self._fail_all(KernelUnavailable("kernel closed"))
-            for _, fut in self._writing:
-                _fail(fut, KernelUnavailable("kernel closed before the commit finished"))
+            for task in self._inflight:
+                task.cancel()
+            for batch in self._writing:
+                for _, fut in batch:
+                    _fail(fut, KernelUnavailable("kernel closed before the commit finished"))
             for waiter in self._sweep_waiters:
                 _fail(waiter, KernelUnavailable("kernel closed"))
             with contextlib.suppress(Exception):
@@ -250,7 +255,7 @@ class Kernel:
             self._wake.set()
         queue.append((tx, fut))
         self._queued_ops += len(tx.rows) + len(tx._ops)
-        if self._queued_ops >= self._max_entries:
+        if self._queued_ops >= self._saturated_ops:  # see _writer_ready
             self._wake.set()
         return fut
 
@@ -377,6 +382,9 @@ class Kernel:
         while True:
             try:
                 if not self._queue:
+                    if self._inflight:
+                        await self._inflight.popleft()
+                        continue
                     if self._closing:
                         return
                     await self._idle()
@@ -384,7 +392,8 @@ class Kernel:
                 if not self._healthy and not self._closing:
                     await self._pause(self._backoff)
                 await self._gather()
-                await self._commit_batch(self._take())
+                await self._writer_ready()
+                self._send(self._take())
                 if self._sweep_waiters or self._retention_backlog or (
                         self._loop.time() >= self._next_sweep):
                     await self._sweep()
@@ -453,6 +462,11 @@ class Kernel:
     def _take(self) -> list[tuple[Transaction, asyncio.Future[None]]]:
         queue = self._queue
         limit = self._max_entries
+        if not self._inflight and self._queued_ops >= 2 * self._saturated_ops:
+            # The writer is idle and much is waiting: send half now and the rest
+            # behind it, so callers whose half is committed build their next
+            # transactions while the other half is written.
+            limit = min(limit, (self._queued_ops + 1) // 2)
         item = queue.popleft()
         n = len(item[0].rows) + len(item[0]._ops)
         batch = [item]
@@ -469,42 +483,60 @@ class Kernel:
             self._head_time = self._loop.time() - self._interval  # overdue: next at once
         return batch
 
-    def _write(self, txs: list[Transaction]) -> asyncio.Future[tuple[float, int]]:
-        """Plan and write one batch in the writer: (seconds it took, operations)."""
-        return self._call("write_batch", [tx.wire() for tx in txs])
+    async def _writer_ready(self) -> None:
+        """Wait until the writer should get the next batch: when nothing is in flight,
+        or when one batch is and a second would not be small (a commit costs about a
+        millisecond whatever its size, so a pipeline of tiny batches writes less)."""
+        inflight = self._inflight
+        while True:
+            while inflight and inflight[0].done():
+                inflight.popleft()
+            if not inflight or self._closing or (
+                    len(inflight) < _PIPELINE and self._queued_ops >= self._saturated_ops):
+                return
+            self._wake.clear()
+            await self._wake.wait()
 
-    async def _commit_batch(self, batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
-        txs = [tx for tx, _ in batch]
-        self._writing = batch
+    def _send(self, batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
+        """Send `batch` to the writer now (calls are answered in order) and finish it
+        in a task of its own, so the next batch can be sent while this one is written
+        (two in flight: the event loop builds the next while the writer writes)."""
         try:
-            seconds, ops = await self._write(txs)
+            reply = self._call("write_batch", [tx.wire() for tx, _ in batch])
+        except Exception as exc:  # e.g. a payload that does not pickle: not written
+            self._storage_failed(KernelUnavailable(f"kernel writer error: {exc!r}"), batch)
+            return
+        self._writing.append(batch)
+        self._inflight.append(self._loop.create_task(self._finish(batch, reply)))
+
+    async def _finish(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
+                      reply: asyncio.Future[tuple]) -> None:
+        whole = batch
+        try:
+            seconds, ops, rejected, storage = await reply
         except Exception as exc:
-            if is_storage_error(exc):
-                self._storage_failed(exc, batch)
-            else:
-                log.warning("kernel: batch of %d failed (%s); retrying each transaction "
-                            "alone", len(batch), exc)
-                await self._commit_one_by_one(batch)
+            if not is_storage_error(exc):  # a bug in the writer: do not acknowledge
+                log.error("kernel: writer error: %r", exc)
+                exc = KernelUnavailable(f"kernel writer error: {exc}")
+            self._storage_failed(exc, batch)
         else:
+            # The writer retried each transaction alone after the batch failed: some
+            # were rejected, and a storage error may have stopped it at `storage[0]`.
+            for i, message in rejected:
+                tx, fut = batch[i]
+                log.error("kernel: transaction rejected: %s", message)
+                self._ctx.release(tx.ops)
+                _fail(fut, TransactionRejected(
+                    f"transaction rejected by the database: {message}"))
+            if storage is not None:
+                stop, message = storage
+                self._storage_failed(KernelUnavailable(message), batch[stop:])
+                batch = batch[:stop]
             self._committed(batch, seconds, ops)
         # Not in a `finally`: if this task is cancelled mid-write, close() must still
         # see the batch whose outcome is unknown, to fail its futures.
-        self._writing = []
-
-    async def _commit_one_by_one(
-            self, batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
-        for i, (tx, fut) in enumerate(batch):
-            try:
-                seconds, ops = await self._write([tx])
-            except Exception as exc:
-                if is_storage_error(exc):
-                    self._storage_failed(exc, batch[i:])
-                    return
-                log.error("kernel: transaction rejected: %s", exc)
-                self._ctx.release(tx.ops)
-                _fail(fut, TransactionRejected(f"transaction rejected by the database: {exc}"))
-                continue
-            self._committed([(tx, fut)], seconds, ops)
+        self._writing = [b for b in self._writing if b is not whole]
+        self._wake.set()  # _writer_ready
 
     def _committed(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
                    seconds: float, ops: int) -> None:

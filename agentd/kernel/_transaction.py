@@ -50,6 +50,11 @@ JournalRow = tuple[
     int, float, str, str, str, str, str, str, str, bytes, str, "float | None", int
 ]
 
+# Call paths repeat (every conversation of one shape has the same one): their JSON is
+# cached, bounded, since json.dumps is a good part of a thread row's cost.
+_PATH_JSON: dict[tuple[str, ...], str] = {}
+_PATH_JSON_MAX = 4096
+
 _sha256 = hashlib.sha256
 _time = time.time
 _time_ns = time.time_ns
@@ -240,9 +245,15 @@ class Transaction:
         self._check_open()
         if row.state not in THREAD_STATES:
             raise ValueError(f"thread state must be one of {sorted(THREAD_STATES)}")
+        key = row.path if type(row.path) is tuple else tuple(row.path)
+        path = _PATH_JSON.get(key)
+        if path is None:
+            path = json.dumps(list(key))
+            if len(_PATH_JSON) < _PATH_JSON_MAX:
+                _PATH_JSON[key] = path
         self._ops.append(
             (OP_THREAD_PUT, row.uuid,
-             (row.uuid, json.dumps(list(row.path)), row.parent, row.owner, row.profile,
+             (row.uuid, path, row.parent, row.owner, row.profile,
               row.table_version, row.state, row.created, row.updated, row.hops))
         )
 

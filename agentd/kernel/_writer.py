@@ -176,14 +176,45 @@ class _Served:
         head = self.store.head
         return head.seq, head.outbox_id, self.store.migrated_from, self.store.context_counts()
 
-    def write_batch(self, txs: list[tuple]) -> tuple[float, int]:
-        from agentd.kernel._transaction import plan_batch
+    def write_batch(self, txs: list[tuple]) -> tuple[float, int, list, tuple | None]:
+        """Plan and write a batch as one SQLite transaction. If that fails for a reason
+        other than the storage, retry each transaction alone, so one bad transaction
+        cannot take the others down with it (here, so the order of commits stays the
+        order of submission even with the next batch already queued behind this one).
+
+        Returns (seconds, operations written, [(index, message) of rejected
+        transactions], None or (index, message): a storage error stopped the retries
+        at that transaction, it and the rest were not written). A storage error on the
+        whole batch raises."""
+        from agentd.kernel._store import is_storage_error
 
         t0 = time.perf_counter()
+        try:
+            ops = self._write(txs)
+            return time.perf_counter() - t0, ops, [], None
+        except Exception as exc:
+            if is_storage_error(exc):
+                raise
+            log.warning("kernel: batch of %d failed (%s); retrying each transaction alone",
+                        len(txs), exc)
+        ops = 0
+        rejected: list[tuple[int, str]] = []
+        for i, tx in enumerate(txs):
+            try:
+                ops += self._write([tx])
+            except Exception as exc:
+                if is_storage_error(exc):
+                    return time.perf_counter() - t0, ops, rejected, (i, str(exc))
+                rejected.append((i, str(exc)))
+        return time.perf_counter() - t0, ops, rejected, None
+
+    def _write(self, txs: list[tuple]) -> int:
+        from agentd.kernel._transaction import plan_batch
+
         plan = plan_batch(txs)
         if plan.ops:  # empty transactions (flush barriers) need no SQLite transaction
             self.store.write(plan)
-        return time.perf_counter() - t0, plan.ops
+        return plan.ops
 
     def pragma(self, name: str) -> Any:
         if not name.isidentifier():
