@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import signal
 import sqlite3
 import stat
 import time
@@ -709,6 +710,40 @@ async def test_disk_full_makes_the_kernel_unavailable_then_it_recovers(
         assert [e.seq for e in await k.pending_messages()] == acknowledged
         ok, _, message = await k.verify()
         assert ok, message
+
+
+async def test_a_killed_writer_process_is_replaced_and_nothing_acknowledged_is_lost(
+        state_dir: Path) -> None:
+    async with await Kernel.open(state_dir) as k:
+        acknowledged = [await journal_one(k, pending=True) for _ in range(5)]
+        first = k._writer_proc.pid
+        await k._writer_proc.kill()
+        with pytest.raises(KernelUnavailable, match="exited"):
+            await journal_one(k, pending=True)
+        assert not k.healthy
+        for _ in range(100):  # the health probe starts a new writer, with backoff
+            if k.healthy:
+                break
+            await asyncio.sleep(0.05)
+        assert k.healthy and k._writer_proc.pid != first
+        acknowledged.append(await journal_one(k, pending=True))
+        assert [e.seq for e in await k.pending_messages()] == acknowledged
+        ok, _, message = await k.verify()
+        assert ok, message
+
+
+async def test_the_writer_process_ignores_sigterm_and_exits_with_its_parent(
+        state_dir: Path) -> None:
+    """systemd signals the whole control group; the writer must finish what the daemon
+    sends it and stop when the daemon closes it, not on its own."""
+    async with await Kernel.open(state_dir) as k:
+        os.kill(k._writer_proc.pid, signal.SIGTERM)
+        os.kill(k._writer_proc.pid, signal.SIGINT)
+        await journal_one(k, pending=True)
+        assert k._writer_proc.alive
+        pid = k._writer_proc.pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
 
 
 async def test_commit_after_close_is_refused(state_dir: Path) -> None:

@@ -56,6 +56,7 @@ HOLDER = textwrap.dedent("""
     async def main():
         kernel = await Kernel.open(sys.argv[1])
         print("ready", flush=True)
+        print(kernel._writer_proc.pid, flush=True)
         await asyncio.sleep(60)
 
     asyncio.run(main())
@@ -88,6 +89,35 @@ async def test_second_kernel_from_another_process_is_refused(tmp_path: Path) -> 
         holder.wait()
     async with await Kernel.open(state_dir):  # the OS released the dead holder's lock
         pass
+
+
+async def test_the_writer_process_of_a_killed_holder_exits_and_frees_the_state_dir(
+        tmp_path: Path) -> None:
+    state_dir = tmp_path / "state"
+    holder = spawn(HOLDER, state_dir)
+    assert holder.stdout is not None
+    writer = int(holder.stdout.readline())
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    deadline = time.monotonic() + 10
+    while _alive(writer) and time.monotonic() < deadline:  # orphaned: sees EOF, exits
+        time.sleep(0.01)
+    assert not _alive(writer), "the writer outlived its daemon"
+    async with await Kernel.open(state_dir):
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # An exited child of a dead parent is reaped by init; until then it is a zombie.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 async def test_sigkill_at_random_moments_loses_no_acknowledged_commit(tmp_path: Path) -> None:

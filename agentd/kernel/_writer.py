@@ -122,10 +122,11 @@ class WriterProcess:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._pump
 
-    def kill(self) -> None:
-        """SIGKILL the child (tests: a writer that dies under load)."""
+    async def kill(self) -> None:
+        """SIGKILL the child and wait until it is gone (a writer dying under load)."""
         with contextlib.suppress(ProcessLookupError):
             self._proc.kill()
+        await self._proc.wait()
 
     async def _responses(self) -> None:
         reader = self._reader
