@@ -188,7 +188,8 @@ class Kernel:
                         max_slots_per_thread=max_slots_per_thread, max_threads=max_threads,
                         context_counts=counts, full_sync_profiles=full_sync_profiles)
         return cls(state_dir=state_dir, lock=lock, writer=writer,
-                   store_options=store_options, reader=reader, ctx=ctx, commit_interval_s=commit_interval_s,
+                   store_options=store_options, reader=reader, ctx=ctx,
+                   commit_interval_s=commit_interval_s,
                    commit_max_entries=commit_max_entries, sweep_interval_s=sweep_interval_s,
                    context_ttl_s=context_ttl_hours * 3600.0,
                    checkpoint_idle_s=checkpoint_idle_s, sweep_chunk=sweep_chunk,

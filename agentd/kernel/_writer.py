@@ -259,6 +259,7 @@ def _serve(sock: socket.socket) -> None:
             if body is None:
                 return
             method, args = pickle.loads(body)
+            reply: tuple[Any, ...]
             try:
                 reply = (True, getattr(served, method)(*args))
             except Exception as exc:
