@@ -32,6 +32,7 @@ from lxml import etree
 from agentd import _metrics as metrics
 from agentd._config import OrganismConfig, load_config
 from agentd._errors import AgentdError, ConfigError
+from agentd._runtime import tune_gc
 from agentd._pump import Pump
 from agentd._routing import Routing, plan_reload, retire
 from agentd._threads import ThreadState
@@ -179,6 +180,7 @@ class Daemon:
 
             self.metrics_server = MetricsServer(config.metrics.listen, ready=lambda: self.ready)
             await self.metrics_server.start()
+        tune_gc()
         self._notify("READY=1")
         self._watchdog = _start_watchdog()
         self._maintenance = asyncio.create_task(self._maintain(), name="daemon-maintenance")

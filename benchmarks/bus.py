@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agentd._envelope import build_envelope  # noqa: E402
+from agentd._runtime import tune_gc  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.tools.calculator import Add  # noqa: E402
 
@@ -91,6 +92,7 @@ async def serve_echo(home: Path) -> None:
 
     server = await serve(echo, "127.0.0.1", 0, ssl=ctx, compression=None,
                          max_size=256 * 1024, max_queue=(4, 1))
+    tune_gc()  # the same process tuning as agentd's
     await _serve_control(server.sockets[0].getsockname()[1], server)
 
 
@@ -127,6 +129,7 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
                   tls=TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
     bus = holder["bus"] = BusServer(cfg, auth, pump.submit, outbox)
     await bus.start()
+    tune_gc()  # as the daemon does once started
     await _serve_control(bus.port, None)
     await bus.close()
     await pump.stop()

@@ -37,6 +37,7 @@ from agentd.kernel import Kernel
 from agentd.kernel._chain import GENESIS, encode, link
 from agentd.kernel._schema import migrate
 from agentd.kernel._store import INSERT_JOURNAL
+from agentd._runtime import tune_gc
 
 BATCH = 512
 PRODUCERS = 50
@@ -142,6 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI sizes (a few seconds)")
     args = parser.parse_args()
+    tune_gc()  # the daemon's process tuning (agentd/_runtime.py), for both arms
     n = 30_000 if args.quick else 200_000
     rounds = 3 if args.quick else 5
     baselines, kernels, pendings, ratios, latencies = [], [], [], [], []

@@ -39,6 +39,7 @@ from agentd._xml import parse_untrusted  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.kernel import Kernel  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
+from agentd._runtime import tune_gc  # noqa: E402
 
 CLIENTS = 256  # concurrent submitters
 COMMIT_INTERVAL_S = 0.0  # the configuration default (journal.commit_interval_ms: 0)
@@ -219,6 +220,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--registry-only", type=int, default=0)
     args = ap.parse_args()
+    tune_gc()  # the daemon's process tuning (agentd/_runtime.py), for both arms
     if args.registry_only:
         print(registry_rss(args.registry_only))
         return
