@@ -32,9 +32,9 @@ from lxml import etree
 from agentd import _metrics as metrics
 from agentd._config import OrganismConfig, load_config
 from agentd._errors import AgentdError, ConfigError
-from agentd._runtime import tune_gc
 from agentd._pump import Pump
 from agentd._routing import Routing, plan_reload, retire
+from agentd._runtime import tune_gc
 from agentd._threads import ThreadState
 from agentd._wiring import kernel_options
 from agentd._xmlify import spec_of

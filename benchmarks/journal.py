@@ -33,11 +33,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from agentd._runtime import tune_gc
 from agentd.kernel import Kernel
 from agentd.kernel._chain import GENESIS, encode, link
 from agentd.kernel._schema import migrate
 from agentd.kernel._store import INSERT_JOURNAL
-from agentd._runtime import tune_gc
 
 BATCH = 512
 PRODUCERS = 50

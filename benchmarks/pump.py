@@ -33,13 +33,13 @@ from agentd._config import load_config  # noqa: E402
 from agentd._envelope import build_envelope  # noqa: E402
 from agentd._pump import Pump  # noqa: E402
 from agentd._routing import Routing  # noqa: E402
+from agentd._runtime import tune_gc  # noqa: E402
 from agentd._schemas import NS_ENV, schema  # noqa: E402
 from agentd._threads import ThreadRegistry  # noqa: E402
 from agentd._xml import parse_untrusted  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.kernel import Kernel  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
-from agentd._runtime import tune_gc  # noqa: E402
 
 CLIENTS = 256  # concurrent submitters
 COMMIT_INTERVAL_S = 0.0  # the configuration default (journal.commit_interval_ms: 0)

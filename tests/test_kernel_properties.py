@@ -22,7 +22,8 @@ from agentd.kernel import (
     retain_days,
 )
 from agentd.kernel._chain import GENESIS, Gap, encode, link, verify_chain
-from agentd.kernel._transaction import TxContext
+from agentd.kernel._store import Store, verify_file
+from agentd.kernel._transaction import TxContext, plan_batch
 
 UUIDS = ["a", "b"]
 STATES = ["active", "completed", "failed"]
@@ -228,16 +229,27 @@ text = st.text(st.characters(blacklist_characters="\x1f", blacklist_categories=(
        payload=st.binary(max_size=40), pending=st.booleans(),
        direction=st.sampled_from(["in", "out", "audit", "security"]),
        policy=st.sampled_from([RETAIN_FOREVER, PRUNE_ON_DELIVERY, retain_days(2.5)]))
-def test_entries_are_encoded_exactly_as_the_verifier_encodes_them(
+def test_entries_written_by_the_writer_verify_whatever_their_fields(
         thread: str, kind: str, handler: str, sender: str, tag: str, profile: str,
         payload: bytes, pending: bool, direction: str, policy: Retention) -> None:
-    """Transaction.journal inlines _chain.encode for speed; they must never diverge."""
+    """The writer encodes and chains each entry from its fields; the verifier
+    re-encodes them from the stored columns (ts and expires went through REAL).
+    They must agree for any field values the builder accepts."""
     ctx = TxContext(next_seq=41, next_outbox_id=1, retention=policy, audit_retention=policy)
-    tx = Transaction(ctx)
-    tx.journal(thread=thread, direction=direction, kind=kind, handler=handler, sender=sender,
-               tag=tag, payload=payload, profile=profile, pending=pending)
-    (seq, ts, thread_, direction_, kind_, handler_, sender_, tag_, payload_hash, _, profile_,
-     expires, pending_) = tx.rows[0]
-    assert tx.encs[0] == encode(seq, ts, thread_, direction_, kind_, handler_, sender_, tag_,
-                                payload_hash, profile_, expires, bool(pending_))
-    assert round(ts * 1_000_000) / 1_000_000 == ts  # whole microseconds survive REAL
+    txs = []
+    for _ in range(2):  # the second entry is chained on the first
+        tx = Transaction(ctx)
+        tx.journal(thread=thread, direction=direction, kind=kind, handler=handler,
+                   sender=sender, tag=tag, payload=payload, profile=profile, pending=pending)
+        ts = tx.rows[0][1]
+        assert round(ts * 1_000_000) / 1_000_000 == ts  # whole microseconds survive REAL
+        txs.append(tx)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store.open(Path(tmp) / "j.db")
+        try:
+            for tx in txs:
+                store.write(plan_batch([tx.wire()]))
+        finally:
+            store.close()
+        verdict = verify_file(Path(tmp) / "j.db")
+    assert verdict.ok, verdict.message

@@ -52,7 +52,7 @@ def encode(
     payload_hash: str,
     profile: str,
     expires: float | None,
-    pending: bool,
+    pending: bool | int,
 ) -> bytes:
     """The canonical bytes of an entry's hashed fields (ValueError if a field holds
     the separator)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from agentd.kernel._chain import Gap, Verdict, verify_chain
+from agentd.kernel._chain import Gap, Verdict, encode, verify_chain
 from agentd.kernel._errors import KernelUnavailable
 from agentd.kernel._records import JournalEntry, ThreadRow
 from agentd.kernel._schema import migrate
@@ -121,10 +121,14 @@ class Store:
         pos, prev = head.pos, head.hash
         rows: list[tuple[Any, ...]] = []
         append = rows.append
-        for base, enc in zip(plan.journal, plan.encs, strict=True):
+        for (seq, ts, thread, direction, kind, handler, sender, tag, payload, profile,
+             expires, pending) in plan.journal:
             pos += 1
-            h = _sha256(prev + enc).digest()
-            append(base + (pos, prev, h))  # noqa: RUF005 (3x faster than unpacking)
+            payload_hash = _sha256(payload).hexdigest()
+            h = _sha256(prev + encode(seq, ts, thread, direction, kind, handler, sender, tag,
+                                      payload_hash, profile, expires, pending)).digest()
+            append((seq, ts, thread, direction, kind, handler, sender, tag, payload_hash,
+                    payload, profile, expires, pending, pos, prev, h))
             prev = h
         new_head = Head(pos, prev, max(head.seq, plan.max_seq),
                         max(head.outbox_id, plan.max_outbox_id))

@@ -15,13 +15,12 @@ cannot change after `Kernel.commit`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from agentd.kernel._chain import N_SEPARATORS, SEP
+from agentd.kernel._chain import SEP
 from agentd.kernel._errors import ContextLimitExceeded
 from agentd.kernel._records import (
     AUDIT_DIRECTIONS,
@@ -42,23 +41,18 @@ OP_OUTBOX_DELIVERED = 4  # (op, client, up_to_id)
 OP_CONTEXT_APPEND = 5  # (op, thread, role, content, ts)
 OP_CONTEXT_DROP = 6  # (op, thread)
 
-# Journal base row, in the column order of _store.INSERT_JOURNAL (pos, prev_hash and
-# hash are appended by the writer, which alone knows the chain head):
-# seq, ts, thread, direction, kind, handler, sender, tag, payload_hash, payload,
-# profile, expires, pending
-JournalRow = tuple[
-    int, float, str, str, str, str, str, str, str, bytes, str, "float | None", int
-]
+# Journal base row: seq, ts, thread, direction, kind, handler, sender, tag, payload,
+# profile, expires, pending. The writer adds payload_hash, pos, prev_hash and hash (it
+# alone knows the chain head) to make the row of _store.INSERT_JOURNAL.
+JournalRow = tuple[int, float, str, str, str, str, str, str, bytes, str, "float | None", int]
 
 # Call paths repeat (every conversation of one shape has the same one): their JSON is
 # cached, bounded, since json.dumps is a good part of a thread row's cost.
 _PATH_JSON: dict[tuple[str, ...], str] = {}
 _PATH_JSON_MAX = 4096
 
-_sha256 = hashlib.sha256
 _time = time.time
 _time_ns = time.time_ns
-_join = SEP.join
 
 
 class TxContext:
@@ -173,13 +167,12 @@ class Transaction:
     """A builder for ONE atomic unit. Nothing touches SQLite until Kernel.commit()
     batches it; either all of it is committed or none of it."""
 
-    __slots__ = ("_committed", "_ctx", "_ctx_overlay", "_has_ctx", "_ops", "_pending", "encs",
+    __slots__ = ("_committed", "_ctx", "_ctx_overlay", "_has_ctx", "_ops", "_pending",
                  "full_sync", "rows")
 
     def __init__(self, ctx: TxContext) -> None:
         self._ctx = ctx
         self.rows: list[JournalRow] = []
-        self.encs: list[bytes] = []
         self._ops: list[tuple] = []
         self._pending: list[int] | None = None  # offsets in rows of pending entries
         self.full_sync = False  # commit this one with synchronous=FULL (profile setting)
@@ -213,21 +206,14 @@ class Transaction:
         ctx = self._ctx
         seq = ctx.next_seq
         ctx.next_seq = seq + 1
-        us = _time_ns() // 1000  # entries are stamped on whole microseconds
-        ts = us / 1_000_000
-        payload_hash = _sha256(payload).hexdigest()
-        if ctx.forever:
-            expires = None
-            expires_text = ""
-        else:
-            expires = ctx.expires(profile, direction, ts)
-            expires_text = "" if expires is None else str(round(expires * 1_000_000))
-        # _chain.encode, inlined: this is the hot path of every message.
-        text = _join((str(seq), str(us), thread, direction, kind, handler, sender, tag,
-                      payload_hash, profile, expires_text, "1" if pending else "0"))
-        if text.count(SEP) != N_SEPARATORS:
+        ts = (_time_ns() // 1000) / 1_000_000  # entries are stamped on whole microseconds
+        expires = None if ctx.forever else ctx.expires(profile, direction, ts)
+        # The payload hash and the chain encoding (_chain.encode) are computed by the
+        # writer process, off the event loop; the separator check stays here, so a bad
+        # field fails now and not at commit.
+        if (SEP in thread or SEP in kind or SEP in handler or SEP in sender or SEP in tag
+                or SEP in profile):
             raise ValueError("journal fields must not contain U+001F")
-        self.encs.append(text.encode())
         if profile in ctx.full_sync_profiles:
             self.full_sync = True
         if pending:
@@ -235,8 +221,8 @@ class Transaction:
                 self._pending = []
             self._pending.append(len(self.rows))
         self.rows.append(
-            (seq, ts, thread, direction, kind, handler, sender, tag, payload_hash, payload,
-             profile, expires, 1 if pending else 0)
+            (seq, ts, thread, direction, kind, handler, sender, tag, payload, profile, expires,
+             1 if pending else 0)
         )
         return seq
 
@@ -327,8 +313,8 @@ class Transaction:
 
     def wire(self) -> tuple:
         """What the writer process needs of this transaction, as plain data:
-        (rows, encs, ops, pending offsets, full_sync). See `plan_batch`."""
-        return (self.rows, self.encs, self._ops, self._pending, self.full_sync)
+        (rows, ops, pending offsets, full_sync). See `plan_batch`."""
+        return (self.rows, self._ops, self._pending, self.full_sync)
 
     def _check_open(self) -> None:
         if self._committed:
@@ -345,7 +331,6 @@ class BatchPlan:
     deletes, then inserts/updates. See module docstring for the equivalence."""
 
     journal: list[JournalRow] = field(default_factory=list)
-    encs: list[bytes] = field(default_factory=list)
     pending: dict[int, int] = field(default_factory=dict)  # seq -> index in journal
     inflight_delete: list[tuple[int]] = field(default_factory=list)
     thread_put: dict[str, list] = field(default_factory=dict)
@@ -363,9 +348,9 @@ class BatchPlan:
 def plan_batch(txs: Iterable[tuple]) -> BatchPlan:
     """Fold transactions, each as `Transaction.wire()` gives it, into one plan."""
     plan = BatchPlan()
-    journal, encs, pending = plan.journal, plan.encs, plan.pending
+    journal, pending = plan.journal, plan.pending
     ops = 0
-    for rows, tx_encs, tx_ops, tx_pending, full_sync in txs:
+    for rows, tx_ops, tx_pending, full_sync in txs:
         if full_sync:
             plan.full_sync = True
         if rows:
@@ -375,7 +360,6 @@ def plan_batch(txs: Iterable[tuple]) -> BatchPlan:
                 for offset in tx_pending:
                     pending[rows[offset][0]] = base + offset
             journal.extend(rows)
-            encs.extend(tx_encs)
             if rows[-1][0] > plan.max_seq:  # seqs ascend within a transaction
                 plan.max_seq = rows[-1][0]
         if tx_ops:
