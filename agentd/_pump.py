@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 import time
@@ -394,15 +395,10 @@ class Pump:
         if handled is not None and handled.seq:
             tx.delivered(handled.seq)
         post, self._post = self._post, []
-        fut = self.kernel.commit(tx)
-        fut.add_done_callback(lambda f: self._committed(f, post))
+        self.kernel.commit_then(tx, functools.partial(self._committed, post))
 
-    def _committed(
-        self, fut: asyncio.Future[None], post: list[tuple[str, str, bytes, int]]
-    ) -> None:
-        if fut.cancelled():
-            return
-        exc = fut.exception()
+    def _committed(self, post: list[tuple[str, str, bytes, int]], exc: BaseException | None
+                   ) -> None:
         if exc is not None:
             # Not acknowledged, so redelivered after a restart; the outbox rows did
             # not commit either, so nothing is shown to the client now.

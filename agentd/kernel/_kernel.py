@@ -37,7 +37,7 @@ import sqlite3
 import sys
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,8 +248,25 @@ class Kernel:
             raise RuntimeError("transaction already committed")
         if tx._has_ctx:
             self._ctx.reserve(tx.ops, time.time())
-        tx._committed = True
         fut: asyncio.Future[None] = self._loop.create_future()
+        self._enqueue(tx, fut)
+        return fut
+
+    def commit_then(self, tx: Transaction, done: Callable[[BaseException | None], None]
+                    ) -> None:
+        """`commit`, for callers that need no future: `done(None)` runs once `tx` is
+        committed, `done(exc)` if it failed (same exceptions as `commit`), from the
+        kernel's own task. Cheaper on the hot path: no future, no scheduled callback."""
+        if self._closing:
+            raise KernelUnavailable("kernel is closed")
+        if tx._committed:
+            raise RuntimeError("transaction already committed")
+        if tx._has_ctx:
+            self._ctx.reserve(tx.ops, time.time())
+        self._enqueue(tx, _Then(done))
+
+    def _enqueue(self, tx: Transaction, fut: Any) -> None:
+        tx._committed = True
         queue = self._queue
         if not queue:
             self._head_time = self._loop.time()
@@ -258,7 +275,6 @@ class Kernel:
         self._queued_ops += len(tx.rows) + len(tx._ops)
         if self._queued_ops >= self._saturated_ops:  # see _writer_ready
             self._wake.set()
-        return fut
 
     async def flush(self) -> None:
         """Wait until everything submitted so far has been committed (or has failed).
@@ -676,6 +692,38 @@ async def _start_writer(db: Path, lock: StateDirLock, store_options: dict[str, A
             await writer.stop()
         raise
     return writer, info
+
+
+class _Then:
+    """Future-shaped holder of a `commit_then` callback: the kernel resolves it like
+    the futures of `commit`, and it calls the callback at once."""
+
+    __slots__ = ("_done", "_fn")
+
+    def __init__(self, fn: Callable[[BaseException | None], None]) -> None:
+        self._fn = fn
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, _result: None) -> None:
+        self._call(None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._call(exc)
+
+    def exception(self) -> None:
+        return None
+
+    def _call(self, exc: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._fn(exc)
+        except Exception:
+            log.exception("kernel: commit callback failed")
 
 
 def _fail(fut: asyncio.Future[Any], exc: BaseException) -> None:

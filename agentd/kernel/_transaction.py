@@ -237,11 +237,7 @@ class Transaction:
             path = json.dumps(list(key))
             if len(_PATH_JSON) < _PATH_JSON_MAX:
                 _PATH_JSON[key] = path
-        self._ops.append(
-            (OP_THREAD_PUT, row.uuid,
-             (row.uuid, path, row.parent, row.owner, row.profile,
-              row.table_version, row.state, row.created, row.updated, row.hops))
-        )
+        self._ops.append((OP_THREAD_PUT, row[0], (row[0], path, *row[2:])))
 
     def thread_state(self, uuid: str, state: str, hops: int | None = None) -> None:
         """Set a thread's state (and hop count); `updated` becomes now. No effect on a
