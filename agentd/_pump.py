@@ -171,7 +171,7 @@ class Pump:
         self.on_security: Callable[[str, Mapping[str, str]], None] | None = None
         self.meta_flags = MetaConfig()  # meta introspection on the bus: all off by default
         self._tx: Transaction | None = None
-        self._post: list[tuple[str, str, bytes, int]] = []
+        self._post: list[tuple[str, str, bytes, int | None]] = []
         self._inboxes: dict[str, _Inbox] = {}
         self._ready: deque[_Inbox] = deque()
         self._idle_workers: deque[asyncio.Future[None]] = deque()
@@ -272,6 +272,8 @@ class Pump:
                 tag=env.key, payload=data, profile=frame.profile.name,
             )  # fmt: skip
 
+        if self.kernel is not None and not meta_answer:
+            return await self._admit_and_dispatch(client, msg, is_new, record)
         seq = await self._admit(client, frame, is_new, record)
         if seq is None:
             return self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
@@ -284,6 +286,42 @@ class Pump:
             msg.seq = seq
             self._enqueue(msg)
         return SubmitResult(frame.uuid, seq=seq)
+
+    async def _admit_and_dispatch(
+        self, client: str, msg: Message, is_new: bool, record: Callable[[Transaction], int]
+    ) -> SubmitResult:
+        """Journal the envelope (durable before `accepted`) and hand it to its handler
+        at once, while the commit is being written: the handler's own transaction is
+        queued after this one, so it commits with it or after it, never before, and
+        `accepted` (sent from the commit callback, in commit order) always precedes
+        the answer. If the commit fails the client gets `huh internal` and nothing was
+        acknowledged; the handler may still have run (see docs/architecture.md)."""
+        assert self.kernel is not None
+        frame = msg.frame
+        tx = self.kernel.transaction()
+        if is_new:
+            tx.thread_put(_row(frame))
+            frame.persisted = True
+        seq = msg.seq = record(tx)
+        outcome: asyncio.Future[SubmitResult] = asyncio.get_running_loop().create_future()
+
+        def admitted(exc: BaseException | None) -> None:
+            if exc is None:
+                self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
+                result = SubmitResult(frame.uuid, seq=seq)
+            else:
+                log.error("journal unavailable, refusing client=%s: %s", client, exc)
+                result = self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
+            if not outcome.done():
+                outcome.set_result(result)
+
+        try:
+            self.kernel.commit_then(tx, admitted)
+        except KernelUnavailable as exc:
+            admitted(exc)
+            return await outcome
+        self._enqueue(msg)
+        return await outcome
 
     async def _admit(
         self, client: str, frame: Frame, is_new: bool, record: Callable[[Transaction], int]
@@ -397,7 +435,7 @@ class Pump:
         post, self._post = self._post, []
         self.kernel.commit_then(tx, functools.partial(self._committed, post))
 
-    def _committed(self, post: list[tuple[str, str, bytes, int]], exc: BaseException | None
+    def _committed(self, post: list[tuple[str, str, bytes, int | None]], exc: BaseException | None
                    ) -> None:
         if exc is not None:
             # Not acknowledged, so redelivered after a restart; the outbox rows did
@@ -848,7 +886,13 @@ class Pump:
     def _stop_chain(self, root: Frame, code: HuhCode, why: str) -> None:
         log.warning("chain stopped thread=%s owner=%s why=%s", root.uuid, root.owner, why)
         metrics.envelopes_rejected.labels(code.value).inc()
-        self._emit_core(root.owner, root.uuid, Huh.of(code).to_bytes())
+        if self._tx is None:
+            self._emit_core(root.owner, root.uuid, Huh.of(code).to_bytes())
+            return
+        # After this transaction's commit, like every client frame the handling
+        # produces: never before the conversation's `accepted`, committed first.
+        frame = build_envelope(CORE, root.uuid, Huh.of(code).to_bytes(), to=root.owner)
+        self._post.append((root.owner, root.uuid, frame, None))
 
     def _security_event(self, kind: str, **fields: str) -> None:
         metrics.security_events.labels(kind).inc()

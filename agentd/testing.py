@@ -118,11 +118,14 @@ class Harness:
             if not is_xmlified(data):
                 raise TypeError("send() takes envelope bytes or an @xmlify payload object")
             data = self.wrap(client, data, thread)
+        # The answer may be delivered before submit returns (the handler runs while
+        # the envelope's commit is written): count from before the submit.
+        before = {key: len(frames) for key, frames in self._frames.items() if key[0] == client}
         result = await self.pump.submit(client, bytes(data))
         if result.thread == NIL_THREAD and result.code is not None:
             return [build_envelope(CORE, NIL_THREAD, Huh.of(result.code).to_bytes(), to=client)]
         key = (client, result.thread)
-        start = len(self._frames[key]) - 1  # the accepted/huh just emitted
+        start = before.get(key, 0)
         await self.run_until_idle()
         return list(self._frames[key][start:])
 
