@@ -49,6 +49,7 @@ log = logging.getLogger("agentd.kernel")
 
 _LEN = struct.Struct(">I")
 _MAX_FRAME = 1 << 31  # a batch is at most commit_max_entries transactions
+_SOCKET_BUFFER = 4 << 20
 _STOP_TIMEOUT_S = 30.0  # time for the child's final checkpoint and close
 _CHILD = "import sys; from agentd.kernel._writer import main; sys.exit(main(sys.argv[1:]))"
 
@@ -71,6 +72,9 @@ class WriterProcess:
     async def start(cls, lock_fd: int) -> WriterProcess:
         """Start the child; `call("open", db, options)` opens the store in it."""
         parent_sock, child_sock = socket.socketpair()
+        for sock in (parent_sock, child_sock):  # a whole batch in one send, no copies
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
         try:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-c", _CHILD, str(child_sock.fileno()), str(lock_fd),
