@@ -187,10 +187,14 @@ class Pump:
         # times per timeout period. `asyncio.timeout()` per call costs ~5 us a hop.
         self._deadlines: dict[asyncio.Task[Any], float] = {}
         self._expired: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
 
     # ---- lifecycle -------------------------------------------------------
 
     async def start(self) -> None:
+        # Kept: asyncio.get_running_loop() costs a getpid() system call on every call
+        # (its fork check), several times a message on the hot path.
+        self._loop = asyncio.get_running_loop()
         for i in range(self.settings.max_concurrency):
             self._workers.append(asyncio.create_task(self._worker(), name=f"pump-worker-{i}"))
         self._workers.append(asyncio.create_task(self._watchdog(), name="pump-watchdog"))
@@ -303,7 +307,8 @@ class Pump:
             tx.thread_put(_row(frame))
             frame.persisted = True
         seq = msg.seq = record(tx)
-        outcome: asyncio.Future[SubmitResult] = asyncio.get_running_loop().create_future()
+        loop = self._loop or asyncio.get_running_loop()
+        outcome: asyncio.Future[SubmitResult] = loop.create_future()
 
         def admitted(exc: BaseException | None) -> None:
             if exc is None:
@@ -714,13 +719,15 @@ class Pump:
         handler = listener.handler
         assert handler is not None
         self.handled += 1
-        task = asyncio.current_task()
+        loop = self._loop
+        assert loop is not None  # handlers run on the workers start() made
+        task = asyncio.current_task(loop)
         assert task is not None
         if listener.active >= listener.max_concurrency:
             await listener.wait_for_slot()
         listener.active += 1
         started = time.perf_counter()
-        self._deadlines[task] = asyncio.get_running_loop().time() + listener.timeout_s
+        self._deadlines[task] = loop.time() + listener.timeout_s
         failure: HuhCode | None = None
         try:
             result = await handler(payload, meta)

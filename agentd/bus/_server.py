@@ -179,6 +179,7 @@ class BusServer:
 
     async def start(self) -> None:
         cfg = self.cfg
+        self._loop = asyncio.get_running_loop()  # get_running_loop() costs a getpid()
         # At most ~1 MiB of whole frames buffered per connection before websockets
         # stops reading the socket (bounded memory for a client we do not read).
         high = max(2, min(16, (1024 * 1024) // max(cfg.max_envelope_bytes, 1)))
@@ -446,7 +447,7 @@ class BusServer:
             conn.wake()
             return
         finally:
-            if conn.submits.get(thread) is asyncio.current_task():
+            if conn.submits.get(thread) is asyncio.current_task(self._loop):
                 del conn.submits[thread]
         real = getattr(result, "thread", thread)
         if real != thread:
@@ -455,7 +456,7 @@ class BusServer:
             if conn.inflight.answered(thread):
                 conn.wake()
             if getattr(result, "accepted", False):
-                conn.inflight.submitted(real, asyncio.get_running_loop().time())
+                conn.inflight.submitted(real, self._loop.time())
 
     async def _wait_room(self, conn: _Connection) -> None:
         """Backpressure: block the reader (so the socket fills and the client's sends

@@ -65,7 +65,8 @@ class WriterProcess:
         self._writer = writer
         self._waiting: deque[asyncio.Future[Any]] = deque()
         self._dead: str | None = None
-        self._pump = asyncio.get_running_loop().create_task(
+        self._loop = asyncio.get_running_loop()
+        self._pump = self._loop.create_task(
             self._responses(), name="agentd-kernel-writer-responses")
 
     @classmethod
@@ -99,7 +100,7 @@ class WriterProcess:
         return self._dead is None
 
     def call(self, method: str, *args: Any) -> asyncio.Future[Any]:
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Any] = self._loop.create_future()
         if self._dead is not None:
             fut.set_exception(KernelUnavailable(self._dead))
             return fut
