@@ -731,6 +731,18 @@ async def test_a_killed_writer_process_is_replaced_and_nothing_acknowledged_is_l
         assert k._writer_proc.pid != first
 
 
+async def test_a_writer_that_cannot_start_fails_the_open_clearly_and_frees_the_lock(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from agentd.kernel import _writer
+
+    monkeypatch.setattr(_writer, "_CHILD", "import sys; sys.exit(3)")
+    with pytest.raises(KernelUnavailable, match=r"kernel writer process \d+ exited \(status 3\)"):
+        await Kernel.open(state_dir)
+    monkeypatch.undo()
+    async with await Kernel.open(state_dir) as k:  # nothing left behind: lock released
+        await journal_one(k)
+
+
 async def test_the_writer_process_ignores_sigterm_and_exits_with_its_parent(
         state_dir: Path) -> None:
     """systemd signals the whole control group; the writer must finish what the daemon

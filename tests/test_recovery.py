@@ -157,6 +157,7 @@ async def test_disk_full_refuses_with_internal_and_acknowledges_nothing_unwritte
             if code:
                 break
         assert codes[-1] == b"internal"  # refused, never `accepted`
+        assert not any(b"<accepted" in f for f in frames)
         assert all(c == b"" for c in codes[:-1])
         await kernel.set_max_db_bytes(None)
         for _ in range(200):  # the kernel probes the disk by itself, with backoff

@@ -164,7 +164,8 @@ class Kernel:
         `checkpoint_idle_s`: idle time before `wal_checkpoint(TRUNCATE)`;
         `sweep_chunk`: journal rows deleted per retention transaction."""
         state_dir = Path(state_dir)
-        lock = StateDirLock.acquire(state_dir)
+        # In a thread: it may wait (up to 10 s) for the writer of a dead holder to exit.
+        lock = await asyncio.to_thread(StateDirLock.acquire, state_dir)
         db = state_dir / DB_NAME
         store_options: dict[str, Any] = {"synchronous": synchronous,
                                          "max_db_bytes": max_db_bytes}
