@@ -119,20 +119,28 @@ async def kernel_run(n: int, directory: Path, pending: bool = False
 def pump_journal_ratio(quick: bool) -> float | None:
     """The pump benchmark's workload (benchmarks/pump.py: a request to a tool that
     replies, each on its own thread, 256 concurrent clients) with the journal on,
-    over the journal off, measured alternately in this process."""
+    over the journal off, measured alternately in this process; the median of the
+    per-round ratios (this box's speed drifts by tens of percent within seconds)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import pump as pump_bench
 
     n = 3000 if quick else 20000
     data = pump_bench.envelopes(n)
-    off: list[float] = []
-    on: list[float] = []
-    for _ in range(2 if quick else 3):
-        off.append(asyncio.run(pump_bench.real_pump(data))[0])
+    asyncio.run(pump_bench.real_pump(data))  # warm-up (imports, schema caches)
+    ratios: list[float] = []
+    on_rates: list[float] = []
+    off_rates: list[float] = []
+    for _ in range(7 if quick else 5):
+        off = asyncio.run(pump_bench.real_pump(data))[0]
         with tempfile.TemporaryDirectory(prefix="agentd-bench-") as tmp:
-            on.append(asyncio.run(pump_bench.real_pump(data, Path(tmp)))[0])
-    print(f"pump with journal: {max(on):,.0f}/s; without: {max(off):,.0f}/s")
-    return max(on) / max(off)
+            on = asyncio.run(pump_bench.real_pump(data, Path(tmp)))[0]
+        off_rates.append(off)
+        on_rates.append(on)
+        ratios.append(on / off)
+    print(f"pump with journal: {statistics.median(on_rates):,.0f}/s; without: "
+          f"{statistics.median(off_rates):,.0f}/s (medians); per-round ratios "
+          + " ".join(f"{r:.2f}" for r in ratios))
+    return statistics.median(ratios)
 
 
 def percentile(values: list[float], q: float) -> float:
