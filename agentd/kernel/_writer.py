@@ -51,7 +51,11 @@ _LEN = struct.Struct(">I")
 _MAX_FRAME = 1 << 31  # a batch is at most commit_max_entries transactions
 _SOCKET_BUFFER = 4 << 20
 _STOP_TIMEOUT_S = 30.0  # time for the child's final checkpoint and close
-_CHILD = "import sys; from agentd.kernel._writer import main; sys.exit(main(sys.argv[1:]))"
+# The child imports this very copy of agentd, installed or not (sys.argv[1]: the
+# directory that holds the agentd package).
+_CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); "
+          "from agentd.kernel._writer import main; sys.exit(main(sys.argv[2:]))")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent.parent)
 
 
 class WriterProcess:
@@ -78,7 +82,8 @@ class WriterProcess:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-c", _CHILD, str(child_sock.fileno()), str(lock_fd),
+                sys.executable, "-c", _CHILD, _PACKAGE_ROOT, str(child_sock.fileno()),
+                str(lock_fd),
                 pass_fds=(child_sock.fileno(), lock_fd),
                 stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
                 start_new_session=True,  # no terminal signals; the parent stops it
