@@ -243,12 +243,6 @@ class Kernel:
         """Queue `tx`; the future resolves when its batch is durably committed, or fails
         with `KernelUnavailable` (`TransactionRejected` if `tx` alone was bad). Raises
         `ContextLimitExceeded` at once if its context appends no longer fit."""
-        if self._closing:
-            raise KernelUnavailable("kernel is closed")
-        if tx._committed:
-            raise RuntimeError("transaction already committed")
-        if tx._has_ctx:
-            self._ctx.reserve(tx.ops, time.time())
         fut: asyncio.Future[None] = self._loop.create_future()
         self._enqueue(tx, fut)
         return fut
@@ -258,15 +252,15 @@ class Kernel:
         """`commit`, for callers that need no future: `done(None)` runs once `tx` is
         committed, `done(exc)` if it failed (same exceptions as `commit`), from the
         kernel's own task. Cheaper on the hot path: no future, no scheduled callback."""
+        self._enqueue(tx, _Then(done))
+
+    def _enqueue(self, tx: Transaction, fut: Any) -> None:
         if self._closing:
             raise KernelUnavailable("kernel is closed")
         if tx._committed:
             raise RuntimeError("transaction already committed")
         if tx._has_ctx:
             self._ctx.reserve(tx.ops, time.time())
-        self._enqueue(tx, _Then(done))
-
-    def _enqueue(self, tx: Transaction, fut: Any) -> None:
         tx._committed = True
         queue = self._queue
         if not queue:
