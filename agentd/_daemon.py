@@ -197,6 +197,8 @@ class Daemon:
             metrics.queue_depth.set(self.pump.queue_depth)
             metrics.threads_active.set(len(self.pump.registry))
             metrics.db_size_bytes.set(self.kernel.db_size_bytes())
+            metrics.kernel_healthy.set(1 if self.kernel.healthy else 0)
+            metrics.kernel_writer_restarts.set(self.kernel.writer_restarts)
             if self.bus is not None:
                 metrics.bus_connections.set(self.bus.connections)
 
@@ -328,6 +330,8 @@ class Daemon:
             "threads": len(self.pump.registry),
             "queue_depth": self.pump.queue_depth,
             "kernel_healthy": self.kernel.healthy,
+            "kernel_writer_pid": self.kernel.writer_pid,
+            "kernel_writer_restarts": self.kernel.writer_restarts,
             "db_bytes": self.kernel.db_size_bytes(),
             "bus_connections": self.bus.connections if self.bus is not None else 0,
         }

@@ -73,3 +73,11 @@ llm_tokens = Counter(
     "agentd_llm_tokens", "LLM tokens", ["agent", "backend", "kind"], registry=REGISTRY
 )
 db_size_bytes = Gauge("agentd_db_size_bytes", "Kernel database size", registry=REGISTRY)
+kernel_healthy = Gauge(
+    "agentd_kernel_healthy", "1 while journal writes succeed, 0 while they fail", registry=REGISTRY
+)
+kernel_writer_restarts = Gauge(
+    "agentd_kernel_writer_restarts",
+    "Kernel writer processes started again after one died, since the daemon started",
+    registry=REGISTRY,
+)

@@ -722,13 +722,14 @@ async def test_a_killed_writer_process_is_replaced_and_nothing_acknowledged_is_l
         state_dir: Path) -> None:
     async with await Kernel.open(state_dir) as k:
         acknowledged = [await journal_one(k, pending=True) for _ in range(5)]
-        first = k._writer_proc.pid
+        first = k.writer_pid
+        assert k.writer_restarts == 0
         await k._writer_proc.kill()
         with pytest.raises(KernelUnavailable, match="exited"):
             await journal_one(k, pending=True)
         assert not k.healthy
         await recovers_with_nothing_lost(k, acknowledged)  # the probe starts a new writer
-        assert k._writer_proc.pid != first
+        assert k.writer_pid != first and k.writer_restarts == 1
 
 
 async def test_a_writer_that_cannot_start_fails_the_open_clearly_and_frees_the_lock(

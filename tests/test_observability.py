@@ -74,6 +74,7 @@ async def test_metrics_exposes_the_contract_series(metrics_server) -> None:
     for series in (
         "agentd_envelopes_received_total", "agentd_bus_connections", "agentd_auth_failures_total",
         "agentd_queue_depth", "agentd_threads_active", "agentd_journal_commit_seconds",
+        "agentd_kernel_healthy", "agentd_kernel_writer_restarts",
     ):
         assert series in body, series
 

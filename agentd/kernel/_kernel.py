@@ -128,6 +128,7 @@ class Kernel:
         self._retention_backlog = False
         self.last_commit_seconds = 0.0
         self.commits = 0
+        self.writer_restarts = 0
         self._writer = asyncio.create_task(self._run(), name="agentd-kernel-writer")
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -314,6 +315,11 @@ class Kernel:
     @property
     def queue_depth(self) -> int:
         return len(self._queue)
+
+    @property
+    def writer_pid(self) -> int:
+        """The pid of the writer process (see _writer.py)."""
+        return self._writer_proc.pid
 
     def db_size_bytes(self) -> int:
         total = 0
@@ -619,6 +625,7 @@ class Kernel:
             await old.stop()
         self._writer_proc, _ = await _start_writer(self.db_path, self._lock,
                                                    self._store_options)
+        self.writer_restarts += 1
         log.warning("kernel: writer process %d replaced by %d", old.pid,
                     self._writer_proc.pid)
 
