@@ -180,6 +180,9 @@ class Daemon:
 
             self.metrics_server = MetricsServer(config.metrics.listen, ready=lambda: self.ready)
             await self.metrics_server.start()
+        kernel = self.kernel
+        metrics.kernel_healthy.set_function(lambda: 1 if kernel.healthy else 0)
+        metrics.kernel_writer_restarts.set_function(lambda: kernel.writer_restarts)
         tune_gc()
         self._notify("READY=1")
         self._watchdog = _start_watchdog()
@@ -197,8 +200,6 @@ class Daemon:
             metrics.queue_depth.set(self.pump.queue_depth)
             metrics.threads_active.set(len(self.pump.registry))
             metrics.db_size_bytes.set(self.kernel.db_size_bytes())
-            metrics.kernel_healthy.set(1 if self.kernel.healthy else 0)
-            metrics.kernel_writer_restarts.set(self.kernel.writer_restarts)
             if self.bus is not None:
                 metrics.bus_connections.set(self.bus.connections)
 

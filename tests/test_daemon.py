@@ -43,6 +43,8 @@ async def test_daemon_answers_over_the_tls_bus_and_serves_metrics(home: Path) ->
         assert "agentd_envelopes_received_total 2.0" in body
         assert 'agentd_dispatch_total{listener="calculator.add",outcome="ok"}' in body
         assert "agentd_journal_commit_seconds_bucket" in body
+        assert "agentd_kernel_healthy 1.0" in body  # read at scrape time, from the start
+        assert "agentd_kernel_writer_restarts 0.0" in body
         assert await asyncio.to_thread(_get, d.metrics_url + "/healthz")
         assert await asyncio.to_thread(_get, d.metrics_url + "/readyz")
     finally:
