@@ -5,6 +5,7 @@ through the real `agentctl` over the real Unix socket."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import urllib.request
 from pathlib import Path
@@ -14,6 +15,7 @@ from websockets.exceptions import ConnectionClosed
 
 from agentd._envelope import parse_envelope
 from agentd.client import BusClient, frame_kind
+from agentd.kernel import verify_journal_main
 from agentd.tools.calculator import Add
 from agentd.tools.relay import Relay
 from tests.daemon_process import DaemonProcess, edit_config, make_home
@@ -104,6 +106,35 @@ async def test_accepted_messages_survive_kill_9_and_reach_the_client_after_resta
             assert b"<by>redelivered</by>" in frame
     finally:
         assert await d2.stop() == 0
+
+
+async def test_the_daemon_replaces_a_killed_journal_writer_by_itself(home: Path) -> None:
+    d = await DaemonProcess(home).start()
+
+    async def status() -> dict[str, str]:
+        code, doc = await asyncio.to_thread(d.agentctl, "status")
+        assert code == 0 and doc["ok"], doc
+        return doc["result"]["status"]  # values as text, as the wire carries them
+
+    try:
+        before = await status()
+        assert before["kernel_writer_restarts"] == "0"
+        os.kill(int(before["kernel_writer_pid"]), signal.SIGKILL)
+        for _ in range(200):  # the daemon notices at once and starts another, bounded
+            now = await status()
+            if now["kernel_writer_restarts"] == "1" and now["kernel_healthy"] == "true":
+                break
+            await asyncio.sleep(0.05)
+        assert now["kernel_writer_restarts"] == "1" and now["kernel_healthy"] == "true"
+        assert now["kernel_writer_pid"] != before["kernel_writer_pid"]
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            frames = await bus.exchange(Add(a=2, b=40))
+            assert kinds(frames) == [("core", "accepted"), ("calculator.add", "sum")]
+        body = await asyncio.to_thread(_get, d.metrics_url + "/metrics")
+        assert "agentd_kernel_writer_restarts 1.0" in body
+    finally:
+        assert await d.stop() == 0
+    assert verify_journal_main(home / "state") == 0
 
 
 # ---- the out-of-band channel through the real agentctl ---------------------------

@@ -96,6 +96,7 @@ class Kernel:
         self.db_path = state_dir / DB_NAME
         self._lock = lock
         self._writer_proc = writer
+        writer.on_exit = self._writer_died
         self._store_options = store_options
         self._reader = reader
         self._ctx = ctx
@@ -409,6 +410,12 @@ class Kernel:
                     continue
                 if not self._healthy and not self._closing:
                     await self._pause(self._backoff)
+                if not self._writer_proc.alive and not self._closing:
+                    try:
+                        await self._restart_writer()
+                    except Exception as exc:  # cannot start one: fail, do not hang
+                        self._storage_failed(exc, self._take())
+                        continue
                 await self._gather()
                 await self._writer_ready()
                 self._send(self._take())
@@ -616,6 +623,17 @@ class Kernel:
         self._last_error = ""
         self._backoff = _BACKOFF_START_S
 
+    def _writer_died(self, message: str) -> None:
+        """The writer process exited on its own: unhealthy now (not at the next
+        failed commit), and the writer loop's health probe starts a new one."""
+        if self._closing:
+            return
+        if self._healthy:
+            self._healthy = False
+            self._unhealthy_since = self._loop.time()
+        self._last_error = message
+        self._wake.set()
+
     async def _restart_writer(self) -> None:
         """The writer process died (killed, out of memory): start another. What it
         had not committed failed with `KernelUnavailable` and was never acknowledged;
@@ -625,6 +643,7 @@ class Kernel:
             await old.stop()
         self._writer_proc, _ = await _start_writer(self.db_path, self._lock,
                                                    self._store_options)
+        self._writer_proc.on_exit = self._writer_died
         self.writer_restarts += 1
         log.warning("kernel: writer process %d replaced by %d", old.pid,
                     self._writer_proc.pid)

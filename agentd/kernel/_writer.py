@@ -40,6 +40,7 @@ import struct
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,7 @@ class WriterProcess:
         self._writer = writer
         self._waiting: deque[asyncio.Future[Any]] = deque()
         self._dead: str | None = None
+        self.on_exit: Callable[[str], None] | None = None  # told when the child dies
         self._loop = asyncio.get_running_loop()
         self._pump = self._loop.create_task(
             self._responses(), name="agentd-kernel-writer-responses")
@@ -160,9 +162,12 @@ class WriterProcess:
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
             returncode = await self._proc.wait()
             message = f"kernel writer process {self._proc.pid} exited (status {returncode})"
-            if self._dead is None:
-                log.error("%s: %s", message, exc)
+            first = self._dead is None
             self._die(message)
+            if first:
+                log.error("%s: %s", message, exc)
+                if self.on_exit is not None:
+                    self.on_exit(message)
 
     def _die(self, message: str) -> None:
         if self._dead is None:
