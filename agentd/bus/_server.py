@@ -276,7 +276,7 @@ class BusServer:
             self._overflow(conn)
             return
         if conn.writer is None:
-            conn.writer = asyncio.get_running_loop().create_task(self._write(conn))
+            conn.writer = self._loop.create_task(self._write(conn))
 
     def _overflow(self, conn: _Connection) -> None:
         log.warning(
