@@ -14,8 +14,6 @@ forever on a lost answer.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 
 class TokenBucket:
     """`rate` tokens a second, at most `burst` saved up; one token per envelope."""
@@ -51,7 +49,8 @@ class InflightWindow:
         self.total = 0
         # thread -> [unanswered count, time of the last submit]; insertion order is
         # the order of last submission, so expiry scans from the front.
-        self._threads: OrderedDict[str, list[float]] = OrderedDict()
+        # A plain dict (insertion-ordered, half an OrderedDict's size: one per connection).
+        self._threads: dict[str, list[float]] = {}
 
     @property
     def full(self) -> bool:
@@ -67,7 +66,8 @@ class InflightWindow:
         else:
             entry[0] += 1
             entry[1] = now
-            self._threads.move_to_end(thread)
+            del self._threads[thread]  # to the end: the order is that of last submission
+            self._threads[thread] = entry
         self.total += 1
 
     def answered(self, thread: str) -> bool:

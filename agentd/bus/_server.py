@@ -33,7 +33,7 @@ import contextlib
 import logging
 import re
 import ssl
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Awaitable, Callable
 from enum import Enum
 from http import HTTPStatus
@@ -109,7 +109,6 @@ class _Connection:
         "closed_waiter",
         "held",
         "inflight",
-        "replayed",
         "room",
         "sendq",
         "sendq_bytes",
@@ -125,15 +124,16 @@ class _Connection:
         self.client = client
         self.state = ConnState.REPLAYING
         self.inflight = inflight
-        self.sendq: deque[tuple[bytes, int | None]] = deque()
+        # The containers below exist only while in use: an idle connection costs what
+        # websockets and TLS cost, plus this object (the issue's budget is 40 KiB).
+        self.sendq: deque[tuple[bytes, int | None]] | None = None  # frames to write
         self.sendq_bytes = 0
         self.writer: asyncio.Task[None] | None = None
         self.room: asyncio.Future[None] | None = None  # set while the reader waits
         self.closed_waiter: asyncio.Task[None] | None = None
-        self.held: list[tuple[str, bytes, int | None]] = []  # delivered while REPLAYING
-        self.replayed: set[int] = set()
-        self.submits: dict[str, asyncio.Task[None]] = {}  # thread -> its latest submit
-        self.threads: OrderedDict[str, None] = OrderedDict()  # recent threads, for affinity
+        self.held: list[tuple[str, bytes, int | None]] | None = None  # while REPLAYING
+        self.submits: dict[str, asyncio.Task[None]] | None = None  # thread -> its latest
+        self.threads: dict[str, None] | None = None  # recent threads, for affinity
 
     def wake(self) -> None:
         room = self.room
@@ -253,7 +253,7 @@ class BusServer:
         conn = conns[-1]
         if len(conns) > 1:
             for c in conns:
-                if thread in c.threads and c.state is not ConnState.CLOSED:
+                if c.threads and thread in c.threads and c.state is not ConnState.CLOSED:
                     conn = c
                     break
         self._push(conn, thread, data, outbox_id)
@@ -261,6 +261,8 @@ class BusServer:
     def _push(self, conn: _Connection, thread: str, data: bytes, outbox_id: int | None) -> None:
         state = conn.state
         if state is ConnState.REPLAYING:
+            if conn.held is None:
+                conn.held = []
             conn.held.append((thread, data, outbox_id))
             return
         if state is ConnState.CLOSED:
@@ -270,6 +272,8 @@ class BusServer:
         self._enqueue(conn, data, outbox_id)
 
     def _enqueue(self, conn: _Connection, data: bytes, outbox_id: int | None) -> None:
+        if conn.sendq is None:
+            conn.sendq = deque()
         conn.sendq.append((data, outbox_id))
         conn.sendq_bytes += len(data)
         if conn.sendq_bytes > self.send_queue_limit:
@@ -284,7 +288,7 @@ class BusServer:
             conn.client, conn.sendq_bytes,
         )
         conn.state = ConnState.CLOSED
-        conn.sendq.clear()
+        conn.sendq = None
         conn.sendq_bytes = 0
         conn.wake()
         self._spawn(conn.ws.close(1008, "send queue overflow"))
@@ -293,10 +297,12 @@ class BusServer:
         """Drain the send queue. Frames queued together are written in one batch: one
         TLS write and one flow-control wait for up to 64 frames or 256 KiB (an
         answer usually follows its `accepted` within the same loop turn)."""
-        ws, sendq, outbox = conn.ws, conn.sendq, self.outbox
+        ws, outbox = conn.ws, self.outbox
         batched = hasattr(ws, "send_context") and hasattr(ws.protocol, "send_text")
         try:
-            while sendq:
+            # conn.sendq is read again after every write: an overflow or a close
+            # drops it (None) while this task waits.
+            while sendq := conn.sendq:
                 batch: list[tuple[bytes, int | None]] = []
                 size = 0
                 while sendq and len(batch) < 64 and size < 256 * 1024:
@@ -323,6 +329,8 @@ class BusServer:
             log.exception("bus writer failed client=%s", conn.client)
         finally:
             conn.writer = None
+            if conn.sendq is not None and not conn.sendq:
+                conn.sendq = None  # an idle connection keeps no queue
 
     # ---- connections ----------------------------------------------------------------
 
@@ -378,19 +386,20 @@ class BusServer:
 
     async def _replay(self, conn: _Connection) -> None:
         """Queue the client's outbox, then what arrived meanwhile, then go OPEN."""
+        replayed: set[int] = set()
         if self.outbox is not None:
             pending = await self.outbox.pending(conn.client)
             for replay_id, _thread, frame in pending:
-                conn.replayed.add(replay_id)
+                replayed.add(replay_id)
                 self._enqueue(conn, frame, replay_id)
             if pending:
                 log.info("outbox replay client=%s frames=%d", conn.client, len(pending))
-        held, conn.held = conn.held, []
+        held, conn.held = conn.held or [], None
         if conn.state is ConnState.CLOSED:
             return
         conn.state = ConnState.DRAINING if self._closing else ConnState.OPEN
         for thread, data, outbox_id in held:
-            if outbox_id is not None and outbox_id in conn.replayed:
+            if outbox_id is not None and outbox_id in replayed:
                 continue
             self._push(conn, thread, data, outbox_id)
 
@@ -418,14 +427,20 @@ class BusServer:
                 self._enqueue(conn, build_envelope("core", thread, _RATE_LIMITED, to=client), None)
                 continue
             threads = conn.threads
+            if threads is None:
+                threads = conn.threads = {}
+            threads.pop(thread, None)  # most recent last
             threads[thread] = None
             if len(threads) > max_threads:
-                threads.popitem(last=False)
+                del threads[next(iter(threads))]
             # Counted before submitting: the answer may arrive before submit returns.
             inflight.submitted(thread, now)
-            previous = conn.submits.get(thread)
+            submits = conn.submits
+            if submits is None:
+                submits = conn.submits = {}
+            previous = submits.get(thread)
             task = loop.create_task(self._submit(conn, thread, data, previous))
-            conn.submits[thread] = task
+            submits[thread] = task
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -447,8 +462,9 @@ class BusServer:
             conn.wake()
             return
         finally:
-            if conn.submits.get(thread) is asyncio.current_task(self._loop):
-                del conn.submits[thread]
+            submits = conn.submits
+            if submits is not None and submits.get(thread) is asyncio.current_task(self._loop):
+                del submits[thread]
         real = getattr(result, "thread", thread)
         if real != thread:
             # The hint was wrong (e.g. input too broken to have a thread): the answer
@@ -493,8 +509,8 @@ class BusServer:
             conn.closed_waiter.cancel()
         # Durable frames still queued go to another live connection of the client
         # (they would otherwise wait for its next authentication).
-        leftover = [(d, i) for d, i in conn.sendq if i is not None]
-        conn.sendq.clear()
+        leftover = [(d, i) for d, i in conn.sendq or () if i is not None]
+        conn.sendq = None
         if leftover and conns:
             for data, outbox_id in leftover:
                 self._push(conns[-1], NIL_THREAD, data, outbox_id)
