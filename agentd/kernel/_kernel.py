@@ -473,6 +473,12 @@ class Kernel:
         writes, batching is natural, and waiting would only leave both the event loop
         and the writer idle (the GIL lets them overlap little)."""
         if self._interval <= 0 or self._last_batch_ops >= self._saturated_ops:
+            if not self._inflight and not self._closing:
+                # Yield once: what this loop turn already scheduled joins the batch.
+                # A client's envelope is queued, then its handler runs in the next
+                # turn and queues the answer; without this the two would commit one
+                # after the other, and a lone client would wait for both.
+                await asyncio.sleep(0)
             return
         loop = self._loop
         delay = self._head_time + self._interval - loop.time()

@@ -34,6 +34,7 @@ import logging
 import marshal
 import os
 import pickle
+import select
 import signal
 import socket
 import struct
@@ -51,6 +52,7 @@ log = logging.getLogger("agentd.kernel")
 _LEN = struct.Struct(">I")
 _MAX_FRAME = 1 << 31  # a batch is at most commit_max_entries transactions
 _SOCKET_BUFFER = 4 << 20
+_SPIN_S = 0.0002  # see _wait_readable
 _STOP_TIMEOUT_S = 30.0  # time for the child's final checkpoint and close
 # The child imports this very copy of agentd, installed or not (sys.argv[1]: the
 # directory that holds the agentd package).
@@ -252,6 +254,21 @@ class _Served:
         raise AttributeError(name)
 
 
+def _wait_readable(sock: socket.socket, spin_s: float) -> None:
+    """Poll for up to `spin_s` before the blocking read: a request that follows the
+    last answer closely (a lone client's next envelope, the next batch under load)
+    is read without the child first going to sleep, which on this VM costs 50-100 us
+    of wake-up on each side of every commit. Bounded: at most `spin_s` of CPU per
+    answer, nothing while idle."""
+    deadline = time.perf_counter() + spin_s
+    fd = sock.fileno()
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while time.perf_counter() < deadline:
+        if poller.poll(0):
+            return
+
+
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     chunks = []
     while n:
@@ -267,6 +284,7 @@ def _serve(sock: socket.socket) -> None:
     served = _Served()
     try:
         while True:
+            _wait_readable(sock, _SPIN_S)
             header = _recv_exactly(sock, _LEN.size)
             if header is None:
                 return
