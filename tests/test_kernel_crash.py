@@ -107,6 +107,22 @@ async def test_the_writer_process_of_a_killed_holder_exits_and_frees_the_state_d
         pass
 
 
+async def test_a_killed_holder_left_unreaped_does_not_keep_the_state_dir(tmp_path: Path) -> None:
+    """A daemon SIGKILLed by a parent that has not reaped it yet is a zombie: the
+    lock must treat it as dead and wait only for its writer to exit."""
+    state_dir = tmp_path / "state"
+    holder = spawn(HOLDER, state_dir)
+    holder.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while _alive(holder.pid) and time.monotonic() < deadline:  # a zombie, not reaped
+        time.sleep(0.01)
+    try:
+        async with await Kernel.open(state_dir):
+            pass
+    finally:
+        holder.wait()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -92,13 +92,21 @@ def _lock(fd: int, state_dir: Path, path: Path) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """False for a pid that is gone or a zombie (exited, not yet reaped by its
+    parent: its writer may still hold the lock for a moment)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, another user's
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b") ")[2][:1] != b"Z"
+    except FileNotFoundError:  # gone meanwhile
+        return False
+    except OSError:  # no /proc: trust kill(0)
+        return True
 
 
 def _read_pid(fd: int) -> int | None:
