@@ -302,11 +302,8 @@ class Pump:
         acknowledged; the handler may still have run (see docs/architecture.md)."""
         assert self.kernel is not None
         frame = msg.frame
-        tx = self.kernel.transaction()
-        if is_new:
-            tx.thread_put(_row(frame))
-            frame.persisted = True
-        seq = msg.seq = record(tx)
+        tx, seq = self._admission(frame, is_new, record)
+        msg.seq = seq
         loop = self._loop or asyncio.get_running_loop()
         outcome: asyncio.Future[SubmitResult] = loop.create_future()
 
@@ -324,9 +321,21 @@ class Pump:
             self.kernel.commit_then(tx, admitted)
         except KernelUnavailable as exc:
             admitted(exc)
-            return await outcome
-        self._enqueue(msg)
+        else:
+            self._enqueue(msg)
         return await outcome
+
+    def _admission(
+        self, frame: Frame, is_new: bool, record: Callable[[Transaction], int]
+    ) -> tuple[Transaction, int]:
+        """The transaction that makes a client envelope durable: its thread (if new)
+        and the journal entry `record` writes; and that entry's seq."""
+        assert self.kernel is not None
+        tx = self.kernel.transaction()
+        if is_new:
+            tx.thread_put(_row(frame))
+            frame.persisted = True
+        return tx, record(tx)
 
     async def _admit(
         self, client: str, frame: Frame, is_new: bool, record: Callable[[Transaction], int]
@@ -336,11 +345,7 @@ class Pump:
         if self.kernel is None:
             self._seq += 1
             return self._seq
-        tx = self.kernel.transaction()
-        if is_new:
-            tx.thread_put(_row(frame))
-            frame.persisted = True
-        seq = record(tx)
+        tx, seq = self._admission(frame, is_new, record)
         try:
             await self.kernel.commit(tx)
         except KernelUnavailable as exc:

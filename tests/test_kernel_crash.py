@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentd.kernel import Kernel, StateLocked
+from agentd.kernel._lock import _alive  # gone or a zombie: not alive
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -121,19 +122,6 @@ async def test_a_killed_holder_left_unreaped_does_not_keep_the_state_dir(tmp_pat
             pass
     finally:
         holder.wait()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # An exited child of a dead parent is reaped by init; until then it is a zombie.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def test_sigkill_at_random_moments_loses_no_acknowledged_commit(tmp_path: Path) -> None:

@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from agentd.kernel._errors import KernelUnavailable
+from agentd.kernel._store import Store, is_storage_error
+from agentd.kernel._transaction import plan_batch
 
 log = logging.getLogger("agentd.kernel")
 
@@ -191,8 +193,6 @@ class _Served:
         self.store: Any = None
 
     def open(self, db: str, options: dict[str, Any]) -> tuple[int, int, int, dict]:
-        from agentd.kernel._store import Store
-
         self.store = Store.open(Path(db), **options)
         head = self.store.head
         return head.seq, head.outbox_id, self.store.migrated_from, self.store.context_counts()
@@ -207,8 +207,6 @@ class _Served:
         transactions], None or (index, message): a storage error stopped the retries
         at that transaction, it and the rest were not written). A storage error on the
         whole batch raises."""
-        from agentd.kernel._store import is_storage_error
-
         t0 = time.perf_counter()
         try:
             ops = self._write(txs)
@@ -230,8 +228,6 @@ class _Served:
         return time.perf_counter() - t0, ops, rejected, None
 
     def _write(self, txs: list[tuple]) -> int:
-        from agentd.kernel._transaction import plan_batch
-
         plan = plan_batch(txs)
         if plan.ops:  # empty transactions (flush barriers) need no SQLite transaction
             self.store.write(plan)
@@ -254,16 +250,13 @@ class _Served:
         raise AttributeError(name)
 
 
-def _wait_readable(sock: socket.socket, spin_s: float) -> None:
+def _wait_readable(poller: select.poll, spin_s: float) -> None:
     """Poll for up to `spin_s` before the blocking read: a request that follows the
     last answer closely (a lone client's next envelope, the next batch under load)
     is read without the child first going to sleep, which on this VM costs 50-100 us
     of wake-up on each side of every commit. Bounded: at most `spin_s` of CPU per
     answer, nothing while idle."""
     deadline = time.perf_counter() + spin_s
-    fd = sock.fileno()
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
     while time.perf_counter() < deadline:
         if poller.poll(0):
             return
@@ -282,9 +275,11 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
 
 def _serve(sock: socket.socket) -> None:
     served = _Served()
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
     try:
         while True:
-            _wait_readable(sock, _SPIN_S)
+            _wait_readable(poller, _SPIN_S)
             header = _recv_exactly(sock, _LEN.size)
             if header is None:
                 return
