@@ -153,10 +153,12 @@ class Daemon:
         if resumed:
             log.info("recovered messages=%d", resumed)
         await self.pump.start()
+        self.kernel.idle_hint = self.pump.idle
         if config.bus.tls is not None and self.auth is not None:
             from agentd.bus import BusServer
 
-            self.bus = BusServer(config.bus, self.auth, self.pump.submit, KernelOutbox(self.kernel))
+            self.bus = BusServer(config.bus, self.auth, self.pump.submit, KernelOutbox(self.kernel),
+                                 submit_nowait=self.pump.submit_nowait)
             await self.bus.start()
             log.info("bus listening url=wss://%s:%d/bus", config.bus.host, self.bus.port)
         if config.oob.authorized_keys is not None:

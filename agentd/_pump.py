@@ -232,6 +232,10 @@ class Pump:
             self._idle_waiters.append(fut)
             await fut
 
+    def idle(self) -> bool:
+        """Nothing queued or running."""
+        return not self._queued and not self._running
+
     @property
     def queue_depth(self) -> int:
         return self._queued
@@ -244,11 +248,35 @@ class Pump:
 
     async def submit(self, client: str, data: bytes) -> SubmitResult:
         """Admit one envelope from an authenticated client. The client is sent one
-        `accepted` or one `huh` (through `deliver`), then whatever comes back."""
+        `accepted` or one `huh` (through `deliver`), then whatever comes back. Waits
+        for room in the pump, and with a kernel for the envelope's journal commit."""
         while self._queued >= self.settings.max_queue:
-            fut = asyncio.get_running_loop().create_future()
+            fut = (self._loop or asyncio.get_running_loop()).create_future()
             self._room_waiters.append(fut)
             await fut
+        result = self._submit_now(client, data, wait=True)
+        if isinstance(result, SubmitResult):
+            return result
+        return await result
+
+    def submit_nowait(self, client: str, data: bytes) -> SubmitResult | None:
+        """`submit` for a caller that cannot wait (the bus reads the next frame at
+        once): None if the pump has no room now (call `submit` instead). Otherwise the
+        envelope is admitted now and the client is told the outcome through `deliver`
+        exactly as with `submit`. The result is final for a refusal; for an envelope
+        being journaled it is provisional (`seq` set): if that commit fails, the
+        client gets `huh internal` and nothing is acknowledged."""
+        if self._queued >= self.settings.max_queue or self._room_waiters:
+            return None
+        result = self._submit_now(client, data, wait=False)
+        assert isinstance(result, SubmitResult)
+        return result
+
+    def _submit_now(
+        self, client: str, data: bytes, *, wait: bool
+    ) -> SubmitResult | asyncio.Future[SubmitResult]:
+        """Parse, check, route and admit `data` without awaiting anything. With a
+        kernel and `wait`, returns a future for the outcome of the journal commit."""
         metrics.HOT.received += 1
         thread = NIL_THREAD
         try:
@@ -267,54 +295,57 @@ class Pump:
             return self._refuse_client(client, thread, rej.code)
         frame = msg.frame
         meta_answer = msg.sender == CORE  # answered by the pump itself (agentd/_meta.py)
-
-        def record(tx: Transaction) -> int:
-            if not meta_answer:
-                return self._journal_message(tx, msg)
-            return tx.journal(
+        if self.kernel is None:
+            self._seq += 1
+            msg.seq = 0 if meta_answer else self._seq
+            self._emit_core(client, frame.uuid, Accepted(frame.uuid, self._seq).to_bytes())
+            self._enqueue(msg)
+            return SubmitResult(frame.uuid, seq=self._seq)
+        if meta_answer:
+            tx, seq = self._admission(frame, is_new, lambda tx: tx.journal(
                 thread=frame.uuid, direction="in", kind="meta", sender=client,
                 tag=env.key, payload=data, profile=frame.profile.name,
-            )  # fmt: skip
-
-        if self.kernel is not None and not meta_answer:
-            return await self._admit_and_dispatch(client, msg, is_new, record)
-        seq = await self._admit(client, frame, is_new, record)
-        if seq is None:
-            return self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
-        self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
-        if meta_answer:
-            self._open_tx()
-            self._enqueue(msg)
-            self._close_tx()
+            ))  # fmt: skip
         else:
+            tx, seq = self._admission(frame, is_new, lambda tx: self._journal_message(tx, msg))
             msg.seq = seq
-            self._enqueue(msg)
-        return SubmitResult(frame.uuid, seq=seq)
+        return self._admit(client, msg, tx, seq, wait=wait, optimistic=not meta_answer)
 
-    async def _admit_and_dispatch(
-        self, client: str, msg: Message, is_new: bool, record: Callable[[Transaction], int]
-    ) -> SubmitResult:
-        """Journal the envelope (durable before `accepted`) and hand it to its handler
-        at once, while the commit is being written: the handler's own transaction is
+    def _admit(
+        self, client: str, msg: Message, tx: Transaction, seq: int, *, wait: bool,
+        optimistic: bool,
+    ) -> SubmitResult | asyncio.Future[SubmitResult]:
+        """Commit the admission `tx`; `accepted` (or `huh internal`) is sent from the
+        commit callback, in commit order. `optimistic`: hand the message to its
+        handler at once, while the commit is being written. Its own transaction is
         queued after this one, so it commits with it or after it, never before, and
-        `accepted` (sent from the commit callback, in commit order) always precedes
-        the answer. If the commit fails the client gets `huh internal` and nothing was
-        acknowledged; the handler may still have run (see docs/architecture.md)."""
+        `accepted` always precedes the answer; if the commit fails the client gets
+        `huh internal` and nothing was acknowledged, but the handler may have run
+        (see docs/architecture.md). Otherwise (a meta answer) the message is queued
+        only once its envelope is durable."""
         assert self.kernel is not None
         frame = msg.frame
-        tx, seq = self._admission(frame, is_new, record)
-        msg.seq = seq
-        loop = self._loop or asyncio.get_running_loop()
-        outcome: asyncio.Future[SubmitResult] = loop.create_future()
+        outcome: asyncio.Future[SubmitResult] | None = None
+        if wait:
+            outcome = (self._loop or asyncio.get_running_loop()).create_future()
+        refused: list[SubmitResult] = []  # the kernel refused the commit at once
 
         def admitted(exc: BaseException | None) -> None:
             if exc is None:
                 self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
+                if not optimistic:
+                    self._open_tx()
+                    self._enqueue(msg)
+                    self._close_tx()
                 result = SubmitResult(frame.uuid, seq=seq)
             else:
                 log.error("journal unavailable, refusing client=%s: %s", client, exc)
+                if (not optimistic and frame.is_root and frame.uuid not in self._inboxes
+                        and not frame.children):
+                    self.registry.forget(frame)
                 result = self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
-            if not outcome.done():
+                refused.append(result)
+            if outcome is not None and not outcome.done():
                 outcome.set_result(result)
 
         try:
@@ -322,8 +353,11 @@ class Pump:
         except KernelUnavailable as exc:
             admitted(exc)
         else:
-            self._enqueue(msg)
-        return await outcome
+            if optimistic:
+                self._enqueue(msg)
+        if outcome is not None:
+            return outcome
+        return refused[0] if refused else SubmitResult(frame.uuid, seq=seq)
 
     def _admission(
         self, frame: Frame, is_new: bool, record: Callable[[Transaction], int]
@@ -336,24 +370,6 @@ class Pump:
             tx.thread_put(_row(frame))
             frame.persisted = True
         return tx, record(tx)
-
-    async def _admit(
-        self, client: str, frame: Frame, is_new: bool, record: Callable[[Transaction], int]
-    ) -> int | None:
-        """`accepted` means durable: commit the thread (if new) and the journal entry
-        `record` writes, and return its seq; None if the storage is failing."""
-        if self.kernel is None:
-            self._seq += 1
-            return self._seq
-        tx, seq = self._admission(frame, is_new, record)
-        try:
-            await self.kernel.commit(tx)
-        except KernelUnavailable as exc:
-            log.error("journal unavailable, refusing client=%s: %s", client, exc)
-            if frame.is_root and frame.uuid not in self._inboxes and not frame.children:
-                self.registry.forget(frame)
-            return None
-        return seq
 
     def _ingest_client(self, client: str, env: Envelope, data: bytes) -> Message:
         frame = self.registry.get(env.thread)

@@ -122,12 +122,14 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
 
         kern = await Kernel.open(config.state_dir, **kernel_options(config))
         pump.kernel = kern
+        kern.idle_hint = pump.idle
         outbox = KernelOutbox(kern)
     await pump.start()
     cfg = replace(BusConfig(), host="127.0.0.1", port=0, max_connections=20000,
                   rate_per_s=1e9, rate_burst=1_000_000,
                   tls=TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
-    bus = holder["bus"] = BusServer(cfg, auth, pump.submit, outbox)
+    bus = holder["bus"] = BusServer(cfg, auth, pump.submit, outbox,
+                                         submit_nowait=pump.submit_nowait)
     await bus.start()
     tune_gc()  # as the daemon does once started
     await _serve_control(bus.port, None)

@@ -214,7 +214,8 @@ async def test_init_then_serve_then_send(tmp_path: Path) -> None:
         lambda c, t, d, o=None: holder["bus"].deliver(c, t, d, o), config.pump,
     )
     await pump.start()
-    bus = holder["bus"] = BusServer(replace(config.bus, port=0), auth, pump.submit)
+    bus = holder["bus"] = BusServer(replace(config.bus, port=0), auth, pump.submit,
+                                         submit_nowait=pump.submit_nowait)
     await bus.start()
     url = f"wss://127.0.0.1:{bus.port}/bus"
     common = ["--url", url, "--client", "alice", "--secret-file", str(home / "alice.totp"),

@@ -472,3 +472,53 @@ async def test_meta_answers_only_about_the_clients_own_profile() -> None:
         # root's profile (admin) does include the vault.
         frames = await h.send("root", envelope("root", schema_q("vault")))
         assert kinds(frames)[-1] == ("core", "schema")
+
+
+async def test_submit_nowait_admits_at_once_or_says_there_is_no_room() -> None:
+    """The bus's task-free ingress: admitted now (the outcome goes out through
+    `deliver`, exactly as with `submit`), refused now, or None with nothing done
+    when the pump is full, so the caller falls back to waiting in `submit`."""
+    from agentd._config import PumpConfig, load_config
+    from agentd._pump import Pump
+    from agentd._routing import Routing
+
+    config = load_config(ORGANISM)
+    delivered: list[bytes] = []
+    pump = Pump(Routing.build(config), CLIENTS, lambda c, t, d, o: delivered.append(d),
+                PumpConfig(max_concurrency=1, max_queue=2))
+    first, second = (envelope("alice", ADD) for _ in range(2))
+    for data in (first, second):
+        result = pump.submit_nowait("alice", data)
+        assert result is not None and result.accepted
+    assert pump.queue_depth == 2 and len(delivered) == 2  # two `accepted`, nothing else
+    full = envelope("alice", ADD)
+    assert pump.submit_nowait("alice", full) is None
+    assert pump.queue_depth == 2 and len(delivered) == 2  # nothing admitted, nothing said
+    # A refusal is final and immediate, room or not.
+    forged = pump.submit_nowait("alice", envelope("bob", ADD))
+    assert forged is None  # still full: not even parsed
+    waiting = asyncio.ensure_future(pump.submit("alice", full))
+    await asyncio.sleep(0)
+    assert pump.submit_nowait("bob", envelope("bob", ADD)) is None  # no jumping the queue
+    await pump.start()
+    assert (await waiting).accepted
+    await pump.join()
+    forged = pump.submit_nowait("alice", envelope("bob", ADD))
+    assert forged is not None and forged.code is HuhCode.INVALID_ENVELOPE
+    await pump.stop()
+    assert sum(b"<sum" in d for d in delivered) == 3
+
+
+async def test_submit_nowait_with_the_journal_says_accepted_only_once_durable(
+    tmp_path: Path,
+) -> None:
+    async with Harness.from_config(ORGANISM, clients=CLIENTS, state_dir=tmp_path) as h:
+        assert h.kernel is not None
+        thread = str(uuid.uuid4())
+        result = h.pump.submit_nowait("alice", envelope("alice", ADD, thread))
+        assert result is not None and result.accepted and result.seq
+        assert h.frames("alice", thread) == []  # not before its commit
+        await h.run_until_idle()
+        assert kinds(h.frames("alice", thread)) == [("core", "accepted"), ("calculator.add", "sum")]
+        pending = await h.kernel.pending_messages()
+        assert [e.seq for e in pending] == []  # handled and marked delivered

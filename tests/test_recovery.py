@@ -166,3 +166,29 @@ async def test_disk_full_refuses_with_internal_and_acknowledges_nothing_unwritte
             await asyncio.sleep(0.05)
         frames = await h.send("alice", Echo(text="back"))
         assert b"<accepted" in frames[0] and b"<text>back</text>" in frames[-1]
+
+
+async def test_submit_nowait_refuses_with_internal_when_the_disk_is_full(tmp_path: Path) -> None:
+    """The provisional result of `submit_nowait` is not an acknowledgement: when the
+    commit fails the client gets `huh internal`, never `accepted`."""
+    from agentd.tools.echo import Echo
+
+    async with Harness.from_config(
+        ORGANISM.parent.parent.parent / "config" / "organism.yaml",
+        {"alice": "public"},
+        state_dir=tmp_path,
+    ) as h:
+        kernel = h.kernel
+        assert kernel is not None
+        await kernel.set_max_db_bytes(kernel.db_size_bytes() + 64 * 1024)
+        for _ in range(300):
+            thread = new_uuid()
+            result = h.pump.submit_nowait("alice", h.wrap("alice", Echo(text="x" * 4000), thread))
+            assert result is not None and result.thread == thread
+            await h.run_until_idle()
+            frames = h.frames("alice", thread)
+            if b"<huh" in frames[0]:
+                break
+        assert b"<code>internal</code>" in frames[0]
+        assert not any(b"<accepted" in f for f in frames)
+        await kernel.set_max_db_bytes(None)
