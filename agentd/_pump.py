@@ -69,6 +69,9 @@ DeliverFn = Callable[[str, str, bytes, "int | None"], None]
 # Journal kinds of pump traffic: a request is routed by key, a reply goes to the
 # holder of its frame. The suffix is the message's hop count (kept across restarts).
 _REQUEST, _REPLY = "request", "reply"
+# Journal kinds by hop count, prebuilt (one is formatted per journaled message).
+_KINDS = {to_holder: tuple(f"{_REPLY if to_holder else _REQUEST}/{h}" for h in range(64))
+          for to_holder in (False, True)}
 
 
 class MsgKind(Enum):
@@ -254,7 +257,7 @@ class Pump:
             fut = (self._loop or asyncio.get_running_loop()).create_future()
             self._room_waiters.append(fut)
             await fut
-        result = self._submit_now(client, data, wait=True)
+        result = self._submit_now(client, data, True)
         if isinstance(result, SubmitResult):
             return result
         return await result
@@ -268,12 +271,12 @@ class Pump:
         client gets `huh internal` and nothing is acknowledged."""
         if self._queued >= self.settings.max_queue or self._room_waiters:
             return None
-        result = self._submit_now(client, data, wait=False)
+        result = self._submit_now(client, data, False)
         assert isinstance(result, SubmitResult)
         return result
 
     def _submit_now(
-        self, client: str, data: bytes, *, wait: bool
+        self, client: str, data: bytes, wait: bool
     ) -> SubmitResult | asyncio.Future[SubmitResult]:
         """Parse, check, route and admit `data` without awaiting anything. With a
         kernel and `wait`, returns a future for the outcome of the journal commit."""
@@ -301,18 +304,23 @@ class Pump:
             self._emit_core(client, frame.uuid, Accepted(frame.uuid, self._seq).to_bytes())
             self._enqueue(msg)
             return SubmitResult(frame.uuid, seq=self._seq)
+        # The transaction that makes the envelope durable: its thread (if new) and
+        # its journal entry.
+        tx = self.kernel.transaction()
+        if is_new:
+            tx.thread_put(_row(frame))
+            frame.persisted = True
         if meta_answer:
-            tx, seq = self._admission(frame, is_new, lambda tx: tx.journal(
+            seq = tx.journal(
                 thread=frame.uuid, direction="in", kind="meta", sender=client,
                 tag=env.key, payload=data, profile=frame.profile.name,
-            ))  # fmt: skip
+            )  # fmt: skip
         else:
-            tx, seq = self._admission(frame, is_new, lambda tx: self._journal_message(tx, msg))
-            msg.seq = seq
-        return self._admit(client, msg, tx, seq, wait=wait, optimistic=not meta_answer)
+            seq = msg.seq = self._journal_message(tx, msg)
+        return self._admit(client, msg, tx, seq, wait, not meta_answer)
 
     def _admit(
-        self, client: str, msg: Message, tx: Transaction, seq: int, *, wait: bool,
+        self, client: str, msg: Message, tx: Transaction, seq: int, wait: bool,
         optimistic: bool,
     ) -> SubmitResult | asyncio.Future[SubmitResult]:
         """Commit the admission `tx`; `accepted` (or `huh internal`) is sent from the
@@ -322,31 +330,33 @@ class Pump:
         `accepted` always precedes the answer; if the commit fails the client gets
         `huh internal` and nothing was acknowledged, but the handler may have run
         (see docs/architecture.md). Otherwise (a meta answer) the message is queued
-        only once its envelope is durable."""
+        only once its envelope is durable. With `wait`, returns a future for the
+        outcome; without, the outcome as known now (provisional if accepted)."""
         assert self.kernel is not None
         frame = msg.frame
         outcome: asyncio.Future[SubmitResult] | None = None
         if wait:
             outcome = (self._loop or asyncio.get_running_loop()).create_future()
-        refused: list[SubmitResult] = []  # the kernel refused the commit at once
+        refused: SubmitResult | None = None
 
         def admitted(exc: BaseException | None) -> None:
+            nonlocal refused
             if exc is None:
                 self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
                 if not optimistic:
                     self._open_tx()
                     self._enqueue(msg)
                     self._close_tx()
-                result = SubmitResult(frame.uuid, seq=seq)
-            else:
-                log.error("journal unavailable, refusing client=%s: %s", client, exc)
-                if (not optimistic and frame.is_root and frame.uuid not in self._inboxes
-                        and not frame.children):
-                    self.registry.forget(frame)
-                result = self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
-                refused.append(result)
+                if outcome is not None:
+                    outcome.set_result(SubmitResult(frame.uuid, seq=seq))
+                return
+            log.error("journal unavailable, refusing client=%s: %s", client, exc)
+            if (not optimistic and frame.is_root and frame.uuid not in self._inboxes
+                    and not frame.children):
+                self.registry.forget(frame)
+            refused = self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
             if outcome is not None and not outcome.done():
-                outcome.set_result(result)
+                outcome.set_result(refused)
 
         try:
             self.kernel.commit_then(tx, admitted)
@@ -357,19 +367,7 @@ class Pump:
                 self._enqueue(msg)
         if outcome is not None:
             return outcome
-        return refused[0] if refused else SubmitResult(frame.uuid, seq=seq)
-
-    def _admission(
-        self, frame: Frame, is_new: bool, record: Callable[[Transaction], int]
-    ) -> tuple[Transaction, int]:
-        """The transaction that makes a client envelope durable: its thread (if new)
-        and the journal entry `record` writes; and that entry's seq."""
-        assert self.kernel is not None
-        tx = self.kernel.transaction()
-        if is_new:
-            tx.thread_put(_row(frame))
-            frame.persisted = True
-        return tx, record(tx)
+        return refused or SubmitResult(frame.uuid, seq=seq)
 
     def _ingest_client(self, client: str, env: Envelope, data: bytes) -> Message:
         frame = self.registry.get(env.thread)
@@ -434,11 +432,13 @@ class Pump:
 
     def _journal_message(self, tx: Transaction, msg: Message) -> int:
         to_holder = msg.kind is MsgKind.TO_HOLDER
+        hops, targets = msg.hops, msg.targets
+        kinds = _KINDS[to_holder]
         return tx.journal(
             thread=msg.frame.uuid,
             direction="in",
-            kind=f"{_REPLY if to_holder else _REQUEST}/{msg.hops}",
-            handler=",".join(t.name for t in msg.targets),
+            kind=kinds[hops] if hops < 64 else f"{_REPLY if to_holder else _REQUEST}/{hops}",
+            handler=targets[0].name if len(targets) == 1 else ",".join(t.name for t in targets),
             sender=msg.sender,
             tag=msg.payload.tag,
             payload=msg.envelope,
@@ -951,19 +951,17 @@ def _response_spec(listener: Listener, env: Envelope) -> XmlSpec | None:
     return spec
 
 
+_STATE_VALUES = {state: state.value for state in ThreadState}  # Enum.value is slow
+
+
 def _row(frame: Frame) -> ThreadRow:
     now = time.time()
-    return ThreadRow(
-        uuid=frame.uuid,
-        path=frame.path,
-        parent=frame.parent.uuid if frame.parent is not None else None,
-        owner=frame.owner,
-        profile=frame.profile.name,
-        table_version=frame.profile.table.version,
-        state=frame.state.value,
-        created=now,
-        updated=now,
-    )
+    profile = frame.profile
+    parent = frame.parent
+    # uuid, path, parent, owner, profile, table_version, state, created, updated
+    return ThreadRow(frame.uuid, frame.path, parent.uuid if parent is not None else None,
+                     frame.owner, profile.name, profile.table.version,
+                     _STATE_VALUES[frame.state], now, now)
 
 
 def _serialise_all(payload: object, max_fanout: int, *, allow_answer: bool = False) -> list[bytes]:
