@@ -1,8 +1,9 @@
 """The main bus: a TLS WebSocket server at `/bus` (CONTRACT section 3).
 
 The server is a transport. It authenticates a connection, turns each frame into one
-`submit(client, bytes)` call, and writes what `deliver` hands it back to the right
-socket. Every decision about an envelope (identity, route, schema) is the pump's.
+`submit_nowait(client, bytes)` call (or, when the pump is full, one awaited
+`submit`), and writes what `deliver` hands it back to the right socket. Every
+decision about an envelope (identity, route, schema) is the pump's.
 
 A connection moves through explicit states:
 
