@@ -413,6 +413,27 @@ async def test_answers_go_to_the_connection_that_asked(rig: Rig) -> None:
         await a2.close()
 
 
+async def test_frames_queued_together_arrive_whole_and_in_order(rig: Rig) -> None:
+    """Frames for one connection queued in the same loop turn leave in one TLS write;
+    the client still reads them as separate messages, in queue order."""
+    c = await rig.login("alice")
+    try:
+        thread = str(uuid.uuid4())
+        burst = [build_envelope("echo", thread, spec_of(Echo).to_bytes(Echo(text=f"n{i}")),
+                                to="alice") for i in range(50)]
+        transport = rig.bus._by_client["alice"][-1].ws.transport
+        writes: list[int] = []
+        write = transport.write
+        transport.write = lambda data: (writes.append(len(data)), write(data))[1]  # type: ignore[method-assign]
+        for frame in burst:
+            rig.bus.deliver("alice", thread, frame)
+        got = [await c.recv(timeout=5) for _ in burst]
+        assert got == burst
+        assert len(writes) == 1  # 50 frames, one write (a batch is up to 64 frames)
+    finally:
+        await c.close()
+
+
 # ---- flow control -------------------------------------------------------------------
 
 

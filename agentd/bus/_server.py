@@ -544,16 +544,22 @@ class BusServer:
 
 
 def _write_joined(ws: ServerConnection) -> None:
-    """Hand the frames the protocol has buffered to the transport in one write: the
-    TLS transport makes each write() a record and a send() of its own, and on this
-    kind of VM every send() to a loopback peer also wakes the peer once more.
-    (`send_context` would then write what is left: nothing, or an EOF marker.)"""
+    """Hand the frames the protocol has buffered to the transport in one write, where
+    websockets' `send_data` writes each frame alone: the TLS transport makes every
+    write() a record and a send() of its own, and every send() to a peer wakes it
+    once more. (`send_context` then finds nothing left to write.)"""
     chunks = ws.protocol.data_to_send()
-    data = [c for c in chunks if c]
-    if data:
-        ws.transport.write(data[0] if len(data) == 1 else b"".join(data))
-    if len(data) != len(chunks):  # an EOF marker: send_context's send_data() handles it
-        ws.protocol.writes.append(b"")
+    if all(chunks):
+        if chunks:
+            ws.transport.write(b"".join(chunks) if len(chunks) > 1 else chunks[0])
+        return
+    for chunk in chunks:  # an EOF marker among them: as websockets' send_data does
+        if chunk:
+            ws.transport.write(chunk)
+        elif ws.transport.can_write_eof():
+            ws.transport.write_eof()
+        else:
+            ws.transport.close()
 
 
 def _peer(ws: ServerConnection) -> str:
