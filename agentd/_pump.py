@@ -178,6 +178,7 @@ class Pump:
         self._inboxes: dict[str, _Inbox] = {}
         self._ready: deque[_Inbox] = deque()
         self._idle_workers: deque[asyncio.Future[None]] = deque()
+        self._waking = 0  # workers woken and not yet running (see _wake_worker)
         self._workers: list[asyncio.Task[None]] = []
         self._queued = 0  # messages admitted and not yet handled
         self._running = 0  # messages being handled
@@ -654,10 +655,22 @@ class Pump:
         if not inbox.scheduled:
             inbox.scheduled = True
             self._ready.append(inbox)
-            if self._idle_workers:
-                fut = self._idle_workers.popleft()
-                if not fut.done():
-                    fut.set_result(None)
+            if not self._waking:
+                self._wake_worker()
+
+    def _wake_worker(self) -> None:
+        """Wake one idle worker, unless one is already woken and not yet running: a
+        burst of messages queued in one loop turn wakes one worker, and each worker
+        that takes a message while more are ready wakes the next (`_worker`). Fast
+        handlers then drain a burst with few wake-ups (each costs a future and a task
+        step); slow ones still get one more worker per loop turn, up to the pool."""
+        idle = self._idle_workers
+        while idle:
+            fut = idle.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                self._waking += 1
+                return
 
     async def _worker(self) -> None:
         loop = asyncio.get_running_loop()
@@ -666,9 +679,15 @@ class Pump:
             if not ready:
                 fut = loop.create_future()
                 self._idle_workers.append(fut)
-                await fut
+                try:
+                    await fut
+                finally:
+                    if fut.done() and not fut.cancelled():
+                        self._waking -= 1
                 continue
             inbox = ready.popleft()
+            if ready and not self._waking:
+                self._wake_worker()  # more is ready: let the next worker start on it
             msg = inbox.items.popleft()
             self._queued -= 1
             self._running += 1

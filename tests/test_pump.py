@@ -522,3 +522,22 @@ async def test_submit_nowait_with_the_journal_says_accepted_only_once_durable(
         assert kinds(h.frames("alice", thread)) == [("core", "accepted"), ("calculator.add", "sum")]
         pending = await h.kernel.pending_messages()
         assert [e.seq for e in pending] == []  # handled and marked delivered
+
+
+async def test_a_burst_of_blocking_handlers_gets_the_whole_worker_pool(h: Harness) -> None:
+    """Workers are woken one at a time (each one that takes a message while more are
+    ready wakes the next), yet a burst of handlers that all block still ends up
+    running all at once, up to `max_concurrency` (32 here), and no more."""
+    gate = L.GATE["event"] = asyncio.Event()
+    try:
+        sends = [asyncio.ensure_future(h.send("alice", L.Hold(n=i))) for i in range(40)]
+        for _ in range(500):  # loop turns, not time: the ramp-up takes one per worker
+            if h.pump.running == 32:
+                break
+            await asyncio.sleep(0)
+        assert h.pump.running == 32 and h.pump.queue_depth == 8
+        gate.set()
+        results = await asyncio.gather(*sends)
+        assert all(kinds(r)[-1] == ("hold", "done") for r in results)
+    finally:
+        L.GATE["event"] = None
