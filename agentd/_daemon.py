@@ -153,7 +153,6 @@ class Daemon:
         if resumed:
             log.info("recovered messages=%d", resumed)
         await self.pump.start()
-        self.kernel.idle_hint = self.pump.idle
         if config.bus.tls is not None and self.auth is not None:
             from agentd.bus import BusServer
 

@@ -236,10 +236,6 @@ class Pump:
             self._idle_waiters.append(fut)
             await fut
 
-    def idle(self) -> bool:
-        """Nothing queued or running."""
-        return not self._queued and not self._running
-
     @property
     def queue_depth(self) -> int:
         return self._queued

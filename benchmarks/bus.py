@@ -122,7 +122,6 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
 
         kern = await Kernel.open(config.state_dir, **kernel_options(config))
         pump.kernel = kern
-        kern.idle_hint = pump.idle
         outbox = KernelOutbox(kern)
     await pump.start()
     cfg = replace(BusConfig(), host="127.0.0.1", port=0, max_connections=20000,

@@ -121,34 +121,6 @@ async def test_single_transaction_commits_within_the_interval(state_dir: Path) -
         assert time.monotonic() - started < 0.5
 
 
-async def test_an_idle_loop_polls_for_the_answer_and_commits_the_same(state_dir: Path) -> None:
-    """With `idle_hint` saying the loop has nothing else to do, the kernel polls for
-    a lone batch's answer instead of sleeping; commits, order and results are as
-    without it, and under a queue the hint is not even asked."""
-    asked = 0
-
-    def idle() -> bool:
-        nonlocal asked
-        asked += 1
-        return True
-
-    async with await Kernel.open(state_dir, commit_interval_s=0.0) as kernel:
-        kernel.idle_hint = idle
-        seqs = [await journal_one(kernel, f"t{i}") for i in range(20)]
-        assert asked >= 20  # once per lone batch at least
-        assert seqs == sorted(seqs)
-        asked = 0
-        txs = []
-        for i in range(200):  # a queue: batches are not alone
-            tx = kernel.transaction()
-            tx.journal(thread=f"q{i}", direction="in", payload=b"<m/>")
-            txs.append(kernel.commit(tx))
-        await asyncio.gather(*txs)
-        assert asked < 20
-    async with await Kernel.open(state_dir) as kernel:
-        assert len(await kernel.journal(limit=1000)) == 220
-
-
 async def test_transactions_commit_in_submission_order(state_dir: Path) -> None:
     async with await Kernel.open(state_dir, commit_max_entries=7) as k:
         built_first = k.transaction()

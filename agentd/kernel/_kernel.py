@@ -73,9 +73,6 @@ log = logging.getLogger("agentd.kernel")
 _BACKOFF_START_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _PIPELINE = 2  # batches sent to the writer and not yet answered
-# How long the event loop polls for the writer's answer when it has nothing else to
-# do (see `idle_hint`): a lone commit's round trip is about 70-120 us here.
-_MAIN_SPIN_S = 0.0003
 
 
 @dataclass(frozen=True)
@@ -110,10 +107,6 @@ class Kernel:
         self._checkpoint_idle = checkpoint_idle_s
         self._sweep_chunk = sweep_chunk
         self._on_commit = on_commit
-        # Tells whether the event loop has nothing to do but wait for this kernel (the
-        # daemon: the pump is idle); then the kernel polls briefly for the writer's
-        # answer instead of letting the loop sleep. None: never.
-        self.idle_hint: Callable[[], bool] | None = None
         self._loop = asyncio.get_running_loop()
         self._queue: deque[tuple[Transaction, asyncio.Future[None]]] = deque()
         self._writing: list[list[tuple[Transaction, asyncio.Future[None]]]] = []
@@ -546,18 +539,6 @@ class Kernel:
             return
         self._writing.append(batch)
         self._inflight.append(self._loop.create_task(self._finish(batch, reply)))
-        idle = self.idle_hint
-        if idle is not None and not self._queue and len(self._inflight) == 1 and idle():
-            self._loop.call_soon(self._spin_for_answer)
-
-    def _spin_for_answer(self) -> None:
-        """Next loop turn after a lone batch was sent: if still nothing else is
-        pending, poll for the answer briefly rather than sleep in epoll (a sleeping
-        process takes 50-100 us to wake on this kind of VM). Bounded, and never
-        under load: then the pump is not idle or more transactions are queued."""
-        idle = self.idle_hint
-        if idle is not None and not self._queue and self._inflight and idle():
-            self._writer_proc.await_answer_briefly(_MAIN_SPIN_S)
 
     async def _finish(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
                       reply: asyncio.Future[tuple]) -> None:

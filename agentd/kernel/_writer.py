@@ -74,9 +74,6 @@ class WriterProcess:
         self._writer = writer
         self._waiting: deque[asyncio.Future[Any]] = deque()
         self._dead: str | None = None
-        sock = writer.get_extra_info("socket")
-        self._sock_fd: int = sock.fileno() if sock is not None else -1
-        self._poller: select.poll | None = None
         self.on_exit: Callable[[str], None] | None = None  # told when the child dies
         self._loop = asyncio.get_running_loop()
         self._pump = self._loop.create_task(
@@ -123,15 +120,6 @@ class WriterProcess:
         self._writer.write(data)
         self._waiting.append(fut)
         return fut
-
-    def await_answer_briefly(self, spin_s: float = _SPIN_S) -> None:
-        """Poll for the next answer for up to `spin_s` without yielding: the caller
-        knows the event loop has nothing else to do, and going to sleep in epoll
-        costs 50-100 us of wake-up on this kind of VM when the answer arrives."""
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self._sock_fd, select.POLLIN)
-        _wait_readable(self._poller, spin_s)
 
     async def stop(self) -> None:
         """Close the store in the child (checkpoint) and wait for it to exit."""
