@@ -7,11 +7,13 @@ that was ever `accepted` must eventually be answered with the right value."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -134,11 +136,9 @@ async def test_a_second_organism_on_the_same_state_dir_is_refused(tmp_path: Path
                 pass
 
 
-async def test_disk_full_refuses_with_internal_and_acknowledges_nothing_unwritten(
-    tmp_path: Path,
-) -> None:
-    from agentd.tools.echo import Echo
-
+@contextlib.asynccontextmanager
+async def nearly_full_disk(tmp_path: Path) -> AsyncIterator[tuple[Harness, Kernel]]:
+    """The demo organism over a database allowed to grow by 64 KiB more."""
     async with Harness.from_config(
         ORGANISM.parent.parent.parent / "config" / "organism.yaml",
         {"alice": "public"},
@@ -147,6 +147,15 @@ async def test_disk_full_refuses_with_internal_and_acknowledges_nothing_unwritte
         kernel = h.kernel
         assert kernel is not None
         await kernel.set_max_db_bytes(kernel.db_size_bytes() + 64 * 1024)
+        yield h, kernel
+
+
+async def test_disk_full_refuses_with_internal_and_acknowledges_nothing_unwritten(
+    tmp_path: Path,
+) -> None:
+    from agentd.tools.echo import Echo
+
+    async with nearly_full_disk(tmp_path) as (h, kernel):
         codes = []
         for _ in range(300):
             frames = await h.send("alice", Echo(text="x" * 4000))
@@ -173,14 +182,7 @@ async def test_submit_nowait_refuses_with_internal_when_the_disk_is_full(tmp_pat
     commit fails the client gets `huh internal`, never `accepted`."""
     from agentd.tools.echo import Echo
 
-    async with Harness.from_config(
-        ORGANISM.parent.parent.parent / "config" / "organism.yaml",
-        {"alice": "public"},
-        state_dir=tmp_path,
-    ) as h:
-        kernel = h.kernel
-        assert kernel is not None
-        await kernel.set_max_db_bytes(kernel.db_size_bytes() + 64 * 1024)
+    async with nearly_full_disk(tmp_path) as (h, kernel):
         for _ in range(300):
             thread = new_uuid()
             result = h.pump.submit_nowait("alice", h.wrap("alice", Echo(text="x" * 4000), thread))
