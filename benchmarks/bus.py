@@ -10,7 +10,9 @@ process) over real TLS WebSockets on 127.0.0.1, both on uvloop:
 
 Measured: 8 pipelined clients (request/response pairs per second: a pair is a
 request and its answer; agentd's `accepted` frames are read but not counted), one
-sequential client's round trip (p50/p99), and the server's RSS growth per idle
+sequential client's round trip (p50/p99), both in 5 alternating rounds with the two
+servers up side by side (medians; ratios are medians of per-round ratios), and the
+server's RSS growth per idle
 authenticated connection (5,000 connections; --quick: 500). The in-process pump on
 the same workload is printed too (the cost of the network layer).
 
@@ -26,6 +28,7 @@ import json
 import os
 import resource
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,6 +46,7 @@ from agentd._xmlify import spec_of  # noqa: E402
 from agentd.tools.calculator import Add  # noqa: E402
 
 CLIENTS = 8
+ROUNDS = 5  # alternating echo/agentd rounds for pairs/s and round trips
 WINDOW = 64  # requests outstanding per pipelined client
 
 
@@ -343,21 +347,40 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rig = Rig(home, secrets)
     result: dict[str, Any] = {"clients": CLIENTS, "window": WINDOW, "kernel": not args.no_kernel}
 
-    for mode in ("echo", "agentd"):
-        server = ServerProcess(mode, home / mode if mode == "agentd" else home,
-                               kernel=not args.no_kernel)
-        try:
-            await pipelined(rig, server.port, max(50, n_pipe // 10))  # warm-up
-            rate = await pipelined(rig, server.port, n_pipe)
-            lat = await sequential(rig, server.port, n_seq)
-        finally:
+    # Both servers run side by side and are measured in alternating rounds, each
+    # figure a median over rounds and each ratio the median of per-round ratios:
+    # this machine's speed drifts by tens of percent within seconds, so two
+    # back-to-back single runs could compare a fast minute with a slow one.
+    modes = ("echo", "agentd")
+    servers = {m: ServerProcess(m, home / m if m == "agentd" else home,
+                                kernel=not args.no_kernel) for m in modes}
+    rates: dict[str, list[float]] = {m: [] for m in modes}
+    lats: dict[str, list[list[float]]] = {m: [] for m in modes}
+    try:
+        for mode in modes:
+            await pipelined(rig, servers[mode].port, max(50, n_pipe // 10))  # warm-up
+            await sequential(rig, servers[mode].port, 50)
+        for _ in range(ROUNDS):
+            for mode in modes:
+                rates[mode].append(await pipelined(rig, servers[mode].port, n_pipe // ROUNDS))
+                lats[mode].append(await sequential(rig, servers[mode].port, n_seq // ROUNDS))
+    finally:
+        for server in servers.values():
             server.stop()
-        p50, p99 = pct(lat, 0.5) * 1e6, pct(lat, 0.99) * 1e6
+    for mode in modes:
+        rate = statistics.median(rates[mode])
+        p50 = statistics.median(pct(lat, 0.5) for lat in lats[mode]) * 1e6
+        p99 = pct([x for lat in lats[mode] for x in lat], 0.99) * 1e6
         print(f"{mode:>6}: {rate:9.0f} pairs/s ({CLIENTS} pipelined clients), "
-              f"round trip p50 {p50:7.0f} us p99 {p99:7.0f} us")
+              f"round trip p50 {p50:7.0f} us p99 {p99:7.0f} us (medians of {ROUNDS} rounds)")
         result[f"{mode}_pairs_per_s"] = round(rate)
         result[f"{mode}_p50_us"] = round(p50)
         result[f"{mode}_p99_us"] = round(p99)
+    ratios = [a / e for a, e in zip(rates["agentd"], rates["echo"], strict=True)]
+    p50_ratios = [pct(a, 0.5) / pct(e, 0.5)
+                  for a, e in zip(lats["agentd"], lats["echo"], strict=True)]
+    print("per-round ratios: pairs/s " + " ".join(f"{r:.2f}" for r in ratios)
+          + "; p50 " + " ".join(f"{r:.1f}" for r in p50_ratios))
 
     for mode in ("echo", "agentd"):
         server = ServerProcess(mode, home / f"{mode}-idle" if mode == "agentd" else home,
@@ -380,8 +403,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     ip = await inprocess(n_pipe)
     print(f"in-process pump (no network, no journal): {ip:.0f} pairs/s")
     result["inprocess_pairs_per_s"] = round(ip)
-    result["ratio"] = round(result["agentd_pairs_per_s"] / result["echo_pairs_per_s"], 3)
-    result["p50_ratio"] = round(result["agentd_p50_us"] / result["echo_p50_us"], 2)
+    result["ratio"] = round(statistics.median(ratios), 3)
+    result["p50_ratio"] = round(statistics.median(p50_ratios), 2)
     result["network_vs_inprocess"] = round(result["agentd_pairs_per_s"] / ip, 3)
     result["idle_connections"] = n_idle
     print(f"agentd reaches {result['ratio']:.0%} of the echo server's pairs/s "
