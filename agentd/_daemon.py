@@ -25,7 +25,7 @@ import signal
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lxml import etree
 
@@ -40,6 +40,9 @@ from agentd._wiring import kernel_options
 from agentd._xmlify import spec_of
 from agentd.kernel import Kernel
 from agentd.oob import result_element
+
+if TYPE_CHECKING:
+    from agentd.bus._auth import ClientEntry
 
 log = logging.getLogger("agentd.daemon")
 
@@ -349,6 +352,7 @@ class Daemon:
             from agentd.oob import load_authorized_keys
 
             keys = load_authorized_keys(new_config.oob.authorized_keys)  # ConfigError if bad
+        clients = self._read_clients(new_config)
         plan = plan_reload(self.routing, new_config)
         # Build everything before touching anything: an error here changes nothing.
         new_routing = Routing.build(
@@ -364,6 +368,12 @@ class Daemon:
             "version": new_routing.version,
             "dry_run": dry_run,
         }
+        diff = None
+        if clients is not None:
+            assert self.auth is not None
+            diff = self.auth.diff(clients)
+            result.update(clients_added=list(diff.added), clients_removed=list(diff.removed),
+                          clients_changed=list(diff.changed))
         if dry_run:
             return result
         old = self.routing
@@ -373,10 +383,39 @@ class Daemon:
         self.config = new_config
         if keys is not None:
             self.oob.reload_keys(keys)
+        if clients is not None and diff is not None:
+            assert self.auth is not None
+            self.auth.replace(clients)
+            self.pump.clients = self.auth.profiles()
+            for client in diff.withdrawn:
+                if self.bus is not None:
+                    self.bus.disconnect(client)
         self.audit(
             "reload", {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in result.items()}
         )
         return result
+
+
+    def _read_clients(self, new_config: OrganismConfig) -> dict[str, ClientEntry] | None:
+        """The re-read clients file for a reload, checked against the new profiles;
+        None when the daemon has none. ConfigError (nothing changes) if unusable."""
+        path = new_config.auth.clients_file
+        if self.auth is None or path is None:
+            if (self.auth is None) != (path is None):
+                raise ConfigError(["auth.clients_file: adding or removing the clients file "
+                                   "needs a restart"])
+            return None
+        from agentd.bus import AuthFileError
+        from agentd.bus._auth import read_clients_file
+
+        try:
+            entries = read_clients_file(path)
+        except AuthFileError as exc:
+            raise ConfigError([str(exc)]) from None
+        unknown = sorted({e.profile for e in entries.values()} - set(new_config.profiles))
+        if unknown:
+            raise ConfigError([f"clients file {path}: unknown profiles: {', '.join(unknown)}"])
+        return dict(entries)
 
 
 class DaemonCommands:

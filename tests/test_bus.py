@@ -10,6 +10,7 @@ import ssl
 import uuid
 from pathlib import Path
 
+import pyotp
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
@@ -17,7 +18,7 @@ from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatu
 from agentd import _metrics
 from agentd._envelope import build_envelope, parse_envelope
 from agentd._xmlify import spec_of
-from agentd.bus import ClientAuth, auth_frame
+from agentd.bus import ClientAuth, auth_frame, totp_code
 from agentd.bus._auth import AuthFileError, parse_auth_ok
 from agentd.client import AuthenticationFailed, BusError, frame_kind
 from agentd.tools.calculator import Add
@@ -249,6 +250,43 @@ def test_clients_file_shape_is_checked(tmp_path: Path, body: str, message: str) 
     path.chmod(0o600)
     with pytest.raises(AuthFileError, match=message):
         ClientAuth.load(path, tmp_path, rig_auth_cfg(path))
+
+
+def test_a_new_clients_file_withdraws_removed_and_rekeyed_clients(rig: Rig) -> None:
+    """`ClientAuth.replace` (what `agentctl reload` applies): added clients log in,
+    removed ones and ones with a new secret lose their sessions; a new secret's code
+    works at once, and a removed client added back cannot reuse a code."""
+    from agentd.bus._auth import ClientEntry
+
+    auth = rig.auth
+    steps = {}
+    sessions = {}
+    for who in ("alice", "bob"):
+        code = rig.code(who)
+        ok = auth.authenticate(auth_frame(who, totp=code))
+        assert ok is not None
+        steps[who], sessions[who] = code, ok[1]
+    entries = {c: ClientEntry(c, rig.secrets[c], "public") for c in ("alice", "bob")}
+    carol = pyotp.random_base32()
+    new_alice = pyotp.random_base32()
+    wanted = {
+        "alice": ClientEntry("alice", new_alice, "public"),  # rekeyed
+        "carol": ClientEntry("carol", carol, "public"),  # added
+    }  # bob removed
+    diff = auth.diff(wanted)
+    assert (diff.added, diff.removed, diff.changed, diff.rekeyed) == (
+        ("carol",), ("bob",), ("alice",), ("alice",))
+    assert auth.profiles().keys() == {"alice", "bob"}  # diff changes nothing
+    assert auth.replace(wanted) == diff and diff.withdrawn == ("alice", "bob")
+    assert auth.profiles() == {"alice": "public", "carol": "public"}
+    for who in ("alice", "bob"):
+        assert auth.authenticate(auth_frame(who, session=sessions[who])) is None
+    now = int(rig.clock() // 30)
+    assert auth.authenticate(auth_frame("alice", totp=totp_code(new_alice, now))) is not None
+    assert auth.authenticate(auth_frame("carol", totp=totp_code(carol, now))) is not None
+    assert auth.authenticate(auth_frame("bob", totp=rig.code("bob"))) is None  # unknown now
+    auth.replace({**wanted, "bob": entries["bob"]})  # bob back, same secret
+    assert auth.authenticate(auth_frame("bob", totp=steps["bob"])) is None  # used before
 
 
 def rig_auth_cfg(path: Path):

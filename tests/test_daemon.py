@@ -9,12 +9,15 @@ import os
 import signal
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+import pyotp
 import pytest
+import yaml
 from websockets.exceptions import ConnectionClosed
 
 from agentd._envelope import parse_envelope
-from agentd.client import BusClient, frame_kind
+from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind
 from agentd.kernel import verify_journal_main
 from agentd.tools.calculator import Add
 from agentd.tools.relay import Relay
@@ -235,6 +238,83 @@ async def test_reload_adds_removes_and_changes_listeners_while_threads_keep_thei
             assert "echo2" in listeners and "echo" not in listeners
             code, doc = await asyncio.to_thread(d.agentctl, "journal", "--limit", "20")
             assert "reload" in str(doc["result"])
+    finally:
+        await d.stop()
+
+
+def write_clients(home: Path, edit: Any) -> None:
+    path = home / "clients.yaml"
+    doc = yaml.safe_load(path.read_text())
+    edit(doc["clients"])
+    path.write_text(yaml.safe_dump(doc))  # keeps the file's mode 0600
+
+
+async def closed_with(bus: BusClient) -> int | None:
+    """Wait for the server to close `bus`; its close code."""
+    with pytest.raises(BusError):
+        while True:
+            await bus.recv(timeout=10)
+    return bus.close_code
+
+
+async def test_reload_takes_the_clients_file_and_withdraws_removed_and_rekeyed_clients(
+    home: Path,
+) -> None:
+    d = await DaemonProcess(home).start()
+    bob_secret, alice_new = pyotp.random_base32(), pyotp.random_base32()
+    try:
+        alice = BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile)
+        await alice.connect()
+        assert kinds(await alice.exchange(Add(a=1, b=1)))[-1] == ("calculator.add", "sum")
+        with pytest.raises(AuthenticationFailed):  # not a client yet
+            await BusClient(d.url, "bob", secret=bob_secret, cafile=d.cafile).connect()
+
+        write_clients(home, lambda c: c.update(bob={"totp_secret": bob_secret,
+                                                    "profile": "public"}))
+        code, doc = await asyncio.to_thread(d.agentctl, "reload")
+        assert code == 0, doc
+        assert "bob" in str(doc["result"]["reload"]["clients_added"])
+        bob = BusClient(d.url, "bob", secret=bob_secret, cafile=d.cafile)
+        await bob.connect()
+        assert kinds(await bob.exchange(Add(a=2, b=2)))[-1] == ("calculator.add", "sum")
+        # alice was not touched: same connection, still served.
+        assert kinds(await alice.exchange(Add(a=3, b=3)))[-1] == ("calculator.add", "sum")
+
+        # Refused files change nothing: readable by others, or an unknown profile.
+        path = home / "clients.yaml"
+        path.chmod(0o644)
+        code, doc = await asyncio.to_thread(d.agentctl, "reload")
+        assert code == 1 and "clients file" in str(doc["error"])
+        path.chmod(0o600)
+        write_clients(home, lambda c: c["bob"].update(profile="nope"))
+        code, doc = await asyncio.to_thread(d.agentctl, "reload")
+        assert code == 1 and "nope" in str(doc["error"])
+        assert kinds(await bob.exchange(Add(a=4, b=4)))[-1] == ("calculator.add", "sum")
+
+        # bob removed, alice given a new secret: both lose their connections (4401,
+        # the one generic reason) and their sessions; alice's new secret works at once.
+        def withdraw(c: dict) -> None:  # type: ignore[type-arg]
+            del c["bob"]
+            c["alice"]["totp_secret"] = alice_new
+
+        write_clients(home, withdraw)
+        code, doc = await asyncio.to_thread(d.agentctl, "reload")
+        assert code == 0, doc
+        result = doc["result"]["reload"]
+        assert "bob" in str(result["clients_removed"]) and "alice" in str(result["clients_changed"])
+        assert await closed_with(alice) == 4401 and await closed_with(bob) == 4401
+        for who, session in (("alice", alice.session), ("bob", bob.session)):
+            with pytest.raises(AuthenticationFailed) as refused:
+                await BusClient(d.url, who, session=session, cafile=d.cafile).connect()
+            assert refused.value.code == 4401
+        with pytest.raises(AuthenticationFailed):
+            await BusClient(d.url, "bob", secret=bob_secret, cafile=d.cafile).connect()
+        with pytest.raises(AuthenticationFailed):  # the old secret
+            await BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile).connect()
+        async with BusClient(d.url, "alice", secret=alice_new, cafile=d.cafile) as again:
+            assert kinds(await again.exchange(Add(a=5, b=5)))[-1] == ("calculator.add", "sum")
+        code, doc = await asyncio.to_thread(d.agentctl, "journal", "--limit", "1000")
+        assert str(doc["result"]).count("'kind': 'reload'") == 2  # audited; refusals not
     finally:
         await d.stop()
 

@@ -72,6 +72,22 @@ class ClientEntry:
     profile: str
 
 
+@dataclass(frozen=True)
+class ClientsDiff:
+    """What a new clients file changes: client ids added, removed, and changed (a new
+    secret or profile); `rekeyed` are the changed ones whose secret is new."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    rekeyed: tuple[str, ...] = ()
+
+    @property
+    def withdrawn(self) -> tuple[str, ...]:
+        """Clients whose existing sessions and connections must end."""
+        return tuple(sorted((*self.removed, *self.rekeyed)))
+
+
 @dataclass
 class _ClientState:
     last_step: int = -1  # the last TOTP step accepted (never accepted again)
@@ -308,6 +324,36 @@ class ClientAuth:
         log.info("auth ok client=%s method=session", req.client)
         return req.client, req.session
 
+    def diff(self, entries: dict[str, ClientEntry]) -> ClientsDiff:
+        old = self._entries
+        changed = sorted(c for c in entries.keys() & old.keys() if entries[c] != old[c])
+        return ClientsDiff(
+            added=tuple(sorted(entries.keys() - old.keys())),
+            removed=tuple(sorted(old.keys() - entries.keys())),
+            changed=tuple(changed),
+            rekeyed=tuple(c for c in changed if entries[c].totp_secret != old[c].totp_secret),
+        )
+
+    def replace(self, entries: dict[str, ClientEntry]) -> ClientsDiff:
+        """Take a re-read clients file (`agentctl reload`). Added clients can log in at
+        once; removed clients cannot, and their sessions are revoked; a client whose
+        secret changed loses its sessions (they were opened with the old secret) and
+        may use the new secret's current code at once (no code of the new secret was
+        used yet); a new profile applies to conversations started from now on. The
+        used TOTP step of a removed client is kept, so adding it back cannot reopen a
+        code. The caller closes the withdrawn clients' connections."""
+        diff = self.diff(entries)
+        for client in diff.added:
+            self._state.setdefault(client, _ClientState())
+        for client in diff.withdrawn:
+            self._state[client].sessions.clear()
+        for client in diff.rekeyed:
+            self._state[client].last_step = -1
+        self._entries = dict(entries)
+        if diff.withdrawn:
+            self._write_state()
+        return diff
+
     def revoke_sessions(self, client: str) -> None:
         st = self._state.get(client)
         if st is not None and st.sessions:
@@ -427,6 +473,7 @@ __all__ = [
     "AuthRequest",
     "ClientAuth",
     "ClientEntry",
+    "ClientsDiff",
     "auth_frame",
     "auth_ok_frame",
     "check_private_file",

@@ -263,6 +263,16 @@ class BusServer:
                     break
         self._push(conn, thread, data, outbox_id)
 
+    def disconnect(self, client: str) -> int:
+        """Close every connection of `client` with 4401 and the one generic reason (its
+        access was withdrawn: removed from the clients file, or given a new secret).
+        Frames still queued for it stay in its outbox. Returns how many were closed."""
+        conns = list(self._by_client.get(client, ()))
+        for conn in conns:
+            log.info("closing connection client=%s reason=access-withdrawn", client)
+            self._spawn(conn.ws.close(CLOSE_AUTH_FAILED, AUTH_FAILED_REASON))
+        return len(conns)
+
     def _push(self, conn: _Connection, thread: str, data: bytes, outbox_id: int | None) -> None:
         state = conn.state
         if state is ConnState.REPLAYING:
