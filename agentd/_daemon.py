@@ -353,6 +353,16 @@ class Daemon:
 
             keys = load_authorized_keys(new_config.oob.authorized_keys)  # ConfigError if bad
         clients = self._read_clients(new_config)
+        tls = new_config.bus.tls if self.bus is not None else None
+        if self.bus is not None:
+            from agentd.bus import TlsSetupError, server_context
+
+            if tls is None:
+                raise ConfigError(["bus.tls: the bus is running; removing it needs a restart"])
+            try:
+                server_context(tls)  # the new pair must load before anything changes
+            except TlsSetupError as exc:
+                raise ConfigError([f"bus.tls: {exc}"]) from None
         plan = plan_reload(self.routing, new_config)
         # Build everything before touching anything: an error here changes nothing.
         new_routing = Routing.build(
@@ -374,6 +384,8 @@ class Daemon:
             diff = self.auth.diff(clients)
             result.update(clients_added=list(diff.added), clients_removed=list(diff.removed),
                           clients_changed=list(diff.changed))
+        if tls is not None:
+            result["tls_cert"] = str(tls.cert)
         if dry_run:
             return result
         old = self.routing
@@ -383,6 +395,11 @@ class Daemon:
         self.config = new_config
         if keys is not None:
             self.oob.reload_keys(keys)
+        if tls is not None and self.bus is not None:
+            try:
+                self.bus.reload_tls(tls)
+            except Exception as exc:  # changed on disk since it was checked above
+                log.error("bus certificate not reloaded: %s", exc)
         if clients is not None and diff is not None:
             assert self.auth is not None
             self.auth.replace(clients)

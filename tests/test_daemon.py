@@ -319,6 +319,36 @@ async def test_reload_takes_the_clients_file_and_withdraws_removed_and_rekeyed_c
         await d.stop()
 
 
+async def test_reload_serves_a_new_certificate_to_new_connections(home: Path) -> None:
+    from agentd.bus import make_self_signed
+
+    d = await DaemonProcess(home).start()
+    try:
+        old_ca = d.cafile
+        new_cert, new_key = home / "tls2" / "cert.pem", home / "tls2" / "key.pem"
+        make_self_signed(new_cert, new_key)
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=old_ca) as before:
+            # A pair that does not match (new certificate, old key) is refused whole.
+            edit_config(home, lambda doc: doc["bus"]["tls"].update(cert=str(new_cert)))
+            code, doc = await asyncio.to_thread(d.agentctl, "reload")
+            assert code == 1 and "bus.tls" in str(doc["error"])
+            async with BusClient(d.url, "alice", session=before.session, cafile=old_ca) as c:
+                assert kinds(await c.exchange(Add(a=1, b=1)))[-1] == ("calculator.add", "sum")
+
+            edit_config(home, lambda doc: doc["bus"]["tls"].update(key=str(new_key)))
+            code, doc = await asyncio.to_thread(d.agentctl, "reload")
+            assert code == 0 and doc["result"]["reload"]["tls_cert"] == str(new_cert)
+            with pytest.raises(BusError):  # new connections get the new certificate
+                await BusClient(d.url, "alice", session=before.session, cafile=old_ca).connect()
+            async with BusClient(d.url, "alice", session=before.session,
+                                 cafile=str(new_cert)) as c:
+                assert kinds(await c.exchange(Add(a=2, b=2)))[-1] == ("calculator.add", "sum")
+            # The connection opened before the reload is untouched.
+            assert kinds(await before.exchange(Add(a=3, b=3)))[-1] == ("calculator.add", "sum")
+    finally:
+        await d.stop()
+
+
 async def test_systemd_notifications_reach_a_real_notify_socket(home: Path, tmp_path: Path) -> None:
     import socket
 

@@ -46,7 +46,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from agentd import _metrics as metrics
-from agentd._config import BusConfig
+from agentd._config import BusConfig, TlsConfig
 from agentd._core import Huh
 from agentd._envelope import NIL_THREAD, build_envelope
 from agentd._errors import HuhCode
@@ -262,6 +262,14 @@ class BusServer:
                     conn = c
                     break
         self._push(conn, thread, data, outbox_id)
+
+    def reload_tls(self, tls: TlsConfig) -> None:
+        """Serve `tls`'s certificate and key to connections made from now on (open
+        ones keep theirs). The pair is loaded into a fresh context first, so a bad
+        pair raises `TlsSetupError` and changes nothing."""
+        server_context(tls)  # raises on a missing file or a key that does not match
+        self.ssl_context.load_cert_chain(str(tls.cert), str(tls.key))
+        log.info("bus certificate reloaded cert=%s", tls.cert)
 
     def disconnect(self, client: str) -> int:
         """Close every connection of `client` with 4401 and the one generic reason (its
