@@ -378,7 +378,6 @@ class Daemon:
             "version": new_routing.version,
             "dry_run": dry_run,
         }
-        diff = None
         if clients is not None:
             assert self.auth is not None
             diff = self.auth.diff(clients)
@@ -395,23 +394,22 @@ class Daemon:
         self.config = new_config
         if keys is not None:
             self.oob.reload_keys(keys)
-        if tls is not None and self.bus is not None:
+        if self.bus is not None and tls is not None:
             try:
                 self.bus.reload_tls(tls)
             except Exception as exc:  # changed on disk since it was checked above
                 log.error("bus certificate not reloaded: %s", exc)
-        if clients is not None and diff is not None:
+        if clients is not None:
             assert self.auth is not None
-            self.auth.replace(clients)
+            withdrawn = self.auth.replace(clients).withdrawn
             self.pump.clients = self.auth.profiles()
-            for client in diff.withdrawn:
-                if self.bus is not None:
+            if self.bus is not None:
+                for client in withdrawn:
                     self.bus.disconnect(client)
         self.audit(
             "reload", {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in result.items()}
         )
         return result
-
 
     def _read_clients(self, new_config: OrganismConfig) -> dict[str, ClientEntry] | None:
         """The re-read clients file for a reload, checked against the new profiles;

@@ -69,9 +69,14 @@ DeliverFn = Callable[[str, str, bytes, "int | None"], None]
 # Journal kinds of pump traffic: a request is routed by key, a reply goes to the
 # holder of its frame. The suffix is the message's hop count (kept across restarts).
 _REQUEST, _REPLY = "request", "reply"
-# Journal kinds by hop count, prebuilt (one is formatted per journaled message).
-_KINDS = {to_holder: tuple(f"{_REPLY if to_holder else _REQUEST}/{h}" for h in range(64))
-          for to_holder in (False, True)}
+
+
+def _kind(to_holder: bool, hops: int) -> str:
+    return f"{_REPLY if to_holder else _REQUEST}/{hops}"
+
+
+# Journal kinds by hop count, prebuilt (one is needed per journaled message).
+_KINDS = {to_holder: tuple(_kind(to_holder, h) for h in range(64)) for to_holder in (False, True)}
 
 
 class MsgKind(Enum):
@@ -434,7 +439,7 @@ class Pump:
         return tx.journal(
             thread=msg.frame.uuid,
             direction="in",
-            kind=kinds[hops] if hops < 64 else f"{_REPLY if to_holder else _REQUEST}/{hops}",
+            kind=kinds[hops] if hops < len(kinds) else _kind(to_holder, hops),
             handler=targets[0].name if len(targets) == 1 else ",".join(t.name for t in targets),
             sender=msg.sender,
             tag=msg.payload.tag,
