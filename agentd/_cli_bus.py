@@ -129,8 +129,8 @@ def init_home(
     """Write a working setup into `home`; refuses to overwrite any of its files."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from agentd.bus._auth import CLIENT_ID
     from agentd.bus._tls import make_self_signed
+    from agentd.config import CLIENT_ID
 
     if not CLIENT_ID.fullmatch(client) or client == "core":
         raise AgentdError(f"invalid client id {client!r}")
@@ -162,7 +162,7 @@ def init_home(
     _write(home / "authorized_keys",
            authorized_keys_line(key.public_key(), OPERATOR_KEY_ID) + "\n", 0o644)
     _write(home / "organism.yaml", organism_yaml(host, port, metrics, name="agent-demo"), 0o644)
-    from agentd._config import load_config
+    from agentd.config import load_config
 
     load_config(home / "organism.yaml")  # what init writes must load
     return {"dir": str(home), "client": client, "otpauth_uri": uri, "files": names}
@@ -205,7 +205,7 @@ def init_cmd(home: Path, client: str, host: str, port: int, as_json: bool) -> No
 def connect_hint(home: Path, client: str = "alice") -> str:
     """The exact `agentd send` line for a setup written by `init_home` (for `agentd run`
     with no arguments, which initialises ./agentd-home on first use)."""
-    from agentd._config import load_config
+    from agentd.config import load_config
 
     config = load_config(home / "organism.yaml")
     tls = config.bus.tls
@@ -227,7 +227,7 @@ def _url_host(host: str) -> str:
 
 def read_secret(path: Path) -> str:
     """A TOTP secret file: the base32 secret, or an otpauth:// URI, on one line."""
-    from agentd.bus._auth import normalise_secret
+    from agentd.config import normalise_secret
 
     try:
         text = path.read_text(encoding="utf-8").strip()

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 from lxml import etree
 
 from agentd import _metrics as metrics
-from agentd._config import OrganismConfig, load_config
 from agentd._errors import AgentdError, ConfigError
 from agentd._pump import Pump
 from agentd._routing import Routing, plan_reload, retire
@@ -38,6 +37,7 @@ from agentd._runtime import tune_gc
 from agentd._threads import ThreadState
 from agentd._wiring import kernel_options
 from agentd._xmlify import spec_of
+from agentd.config import OrganismConfig, load_config
 from agentd.kernel import Kernel
 from agentd.oob import result_element
 

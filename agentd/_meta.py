@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from lxml import etree
 
-from agentd._config import MetaConfig
 from agentd._errors import HuhCode, Rejection
 from agentd._routing import Profile
 from agentd._schemas import NS_CORE
 from agentd._xml import escape_text
+from agentd.config import MetaConfig
 
 _C = "{" + NS_CORE + "}"
 LIST, SCHEMA, EXAMPLE = _C + "list-capabilities", _C + "request-schema", _C + "request-example"

@@ -36,7 +36,6 @@ from lxml import etree
 
 from agentd import _meta as meta
 from agentd import _metrics as metrics
-from agentd._config import MetaConfig, PumpConfig
 from agentd._core import Accepted, Ack, Answer, CorePayload, Huh, core_from_element
 from agentd._envelope import (
     NIL_THREAD,
@@ -52,6 +51,7 @@ from agentd._schemas import NS_CORE, schema
 from agentd._threads import Frame, ThreadRegistry, ThreadState
 from agentd._xml import c14n, parse_untrusted
 from agentd._xmlify import XmlSpec, is_xmlified, spec_of
+from agentd.config import MetaConfig, PumpConfig
 from agentd.kernel import Kernel, KernelUnavailable, ThreadRow, Transaction
 
 log = logging.getLogger("agentd.pump")

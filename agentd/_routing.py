@@ -21,7 +21,7 @@ from agentd._errors import ConfigError
 from agentd._xmlify import XmlSpec, spec_of
 
 if TYPE_CHECKING:
-    from agentd._config import ListenerConfig, OrganismConfig
+    from agentd.config import ListenerConfig, OrganismConfig
 
 # A routing key in Clark notation, "{namespace}localname": the payload element's tag
 # as lxml reports it, so routing needs no string building on the hot path.

@@ -5,22 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentd._config import OrganismConfig, RetentionPolicy
+from agentd.config import OrganismConfig
 from agentd.kernel import Retention
-
-
-def _retention(policy: RetentionPolicy) -> Retention:
-    if policy.kind == "retain_days":
-        return Retention.parse({"retain_days": policy.days})
-    return Retention.parse(policy.kind)
 
 
 def kernel_retention(config: OrganismConfig) -> dict[str, Retention]:
     """journal.retention as the default ("*"), with per-profile overrides."""
-    policy = {"*": _retention(config.journal.retention)}
+    policy = {"*": config.journal.retention}
     for name, profile in config.profiles.items():
         if profile.retention is not None:
-            policy[name] = _retention(profile.retention)
+            policy[name] = profile.retention
     return policy
 
 

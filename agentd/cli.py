@@ -26,7 +26,7 @@ def main() -> None:
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 def check_config(file: Path) -> None:
     """Validate a configuration: exit 0, or 1 with every error and its location."""
-    from agentd._config import check_config_main
+    from agentd.config import check_config_main
 
     sys.exit(check_config_main(file))
 

@@ -85,8 +85,8 @@ def requests(client: str, n: int) -> list[bytes]:
 async def serve_echo(home: Path) -> None:
     from websockets.asyncio.server import serve
 
-    from agentd._config import TlsConfig
     from agentd.bus._tls import server_context
+    from agentd.config import TlsConfig
 
     ctx = server_context(TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
 
@@ -103,10 +103,10 @@ async def serve_echo(home: Path) -> None:
 async def serve_agentd(home: Path, kernel: bool) -> None:
     from dataclasses import replace
 
-    from agentd._config import AuthConfig, BusConfig, TlsConfig, load_config
     from agentd._pump import Pump
     from agentd._routing import Routing
     from agentd.bus import BusServer, ClientAuth
+    from agentd.config import AuthConfig, BusConfig, TlsConfig, load_config
 
     config = load_config(ROOT / "config" / "organism.yaml", state_dir_override=home / "state")
     auth = ClientAuth.load(home / "clients.yaml", config.state_dir,
@@ -290,9 +290,9 @@ async def idle(rig: Rig, port: int, n: int) -> list[Any]:
 
 async def inprocess(n: int) -> float:
     """The same workload through the pump in this process (no network, no journal)."""
-    from agentd._config import load_config
     from agentd._pump import Pump
     from agentd._routing import Routing
+    from agentd.config import load_config
 
     config = load_config(ROOT / "config" / "organism.yaml")
     got = 0

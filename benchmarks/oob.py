@@ -161,11 +161,11 @@ async def _reload_under_load(tmp: Path, key: Ed25519PrivateKey, quick: bool) -> 
     """The daemon in process (no bus): closed-loop load on listeners that stay and on
     listeners that change, a signed `reload` over the OOB socket in the middle
     (50 listeners removed, 50 added, 50 changed, of 200)."""
-    from agentd._config import load_config
     from agentd._daemon import Daemon
     from agentd._envelope import build_envelope
     from agentd._threads import new_uuid
     from agentd._xmlify import spec_of
+    from agentd.config import load_config
 
     module = f"oob_bench_payloads_{os.getpid()}"
     source = _MODULE + "".join(_CLASS.format(i=i) for i in range(LISTENERS + 50))

@@ -29,7 +29,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agentd._config import load_config  # noqa: E402
 from agentd._envelope import build_envelope  # noqa: E402
 from agentd._pump import Pump  # noqa: E402
 from agentd._routing import Routing  # noqa: E402
@@ -38,6 +37,7 @@ from agentd._schemas import NS_ENV, schema  # noqa: E402
 from agentd._threads import ThreadRegistry  # noqa: E402
 from agentd._xml import parse_untrusted  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
+from agentd.config import load_config  # noqa: E402
 from agentd.kernel import Kernel  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
 

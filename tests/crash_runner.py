@@ -15,10 +15,10 @@ import asyncio
 import sys
 from pathlib import Path
 
-from agentd._config import load_config
 from agentd._envelope import build_envelope, parse_envelope
 from agentd._threads import new_uuid
 from agentd._xmlify import spec_of
+from agentd.config import load_config
 from agentd.testing import Harness
 from agentd.tools.relay import Relay
 

@@ -263,7 +263,7 @@ async def record_demo_cassette() -> None:  # pragma: no cover - a maintenance to
     import dataclasses
     from pathlib import Path
 
-    from agentd._config import load_config
+    from agentd.config import load_config
     from agentd.platform import make_agent_handlers
     from agentd.platform.demo import MathQuestion
     from agentd.testing import Harness
@@ -364,6 +364,6 @@ def openai_backend(server: FakeLLM, name: str = "primary", extra: str = "") -> s
 
 
 def load(text: str) -> Any:
-    from agentd._config import load_config_text
+    from agentd.config import load_config_text
 
     return load_config_text(text, base_dir=CONFIG_DIR)

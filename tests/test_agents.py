@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from agentd import _metrics as metrics
-from agentd._config import load_config
 from agentd._core import Answer
 from agentd._envelope import parse_envelope
 from agentd._handler import HandlerMetadata, ResponseKind
 from agentd.client import frame_kind
+from agentd.config import load_config
 from agentd.kernel import Kernel
 from agentd.platform import (
     AgentHandlers,

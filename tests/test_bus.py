@@ -242,7 +242,7 @@ def test_clients_file_readable_by_others_is_refused(tmp_path: Path) -> None:
     ("clients:\n  alice: {totp_secret: JBSWY3DP, profile: public}\n", "80 bits"),
     ("clients:\n  alice: {totp_secret: JBSWY3DPEHPK3PXP}\n", "profile: required"),
     ("clients:\n  'bad id': {totp_secret: JBSWY3DPEHPK3PXP, profile: p}\n", "client id"),
-    ("clients:\n  alice: {totp_secret: JBSWY3DPEHPK3PXP, profile: p, x: 1}\n", "unknown keys"),
+    ("clients:\n  alice: {totp_secret: JBSWY3DPEHPK3PXP, profile: p, x: 1}\n", "unknown key"),
 ])
 def test_clients_file_shape_is_checked(tmp_path: Path, body: str, message: str) -> None:
     path = tmp_path / "clients.yaml"
@@ -290,7 +290,7 @@ def test_a_new_clients_file_withdraws_removed_and_rekeyed_clients(rig: Rig) -> N
 
 
 def rig_auth_cfg(path: Path):
-    from agentd._config import AuthConfig
+    from agentd.config import AuthConfig
 
     return AuthConfig(clients_file=path)
 

@@ -16,18 +16,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentd._config import (
+from agentd._errors import ConfigError
+from agentd.config import (
     AgentConfig,
     ListenerConfig,
     LlmBackendConfig,
     OrganismConfig,
-    RetentionPolicy,
+    Retention,
     TlsConfig,
     check_config_main,
     load_config,
     load_config_text,
 )
-from agentd._errors import ConfigError
 
 TESTS_DIR = Path(__file__).resolve().parent
 SOURCE = "organism.yaml"
@@ -168,12 +168,12 @@ def test_full_configuration_loads_into_dataclasses(home: Path) -> None:
     assert (config.pump.max_concurrency, config.pump.handler_timeout_s) == (128, 12.5)
     assert config.pump.max_hops == 32
     assert config.pump.per_listener_concurrency == 64
-    assert config.journal.retention == RetentionPolicy("retain_days", 30)
+    assert config.journal.retention == Retention("retain_days", 30)
     assert config.journal.synchronous == "FULL"
     assert list(config.profiles) == ["public", "admin"]
     assert config.profiles["public"].listeners == ("calculator.add", "greeter")
     assert config.profiles["admin"].listeners == "all"
-    assert config.profiles["admin"].retention == RetentionPolicy("prune_on_delivery")
+    assert config.profiles["admin"].retention == Retention("prune_on_delivery")
     assert config.profiles["admin"].token_budget == 100000
     assert config.prompts["no_paperclippers"] == "Never make paperclips.\n"
     assert config.prompts["greeter_base"] == "You are a friendly greeter. {tool_definitions}"
@@ -223,7 +223,7 @@ def test_defaults_apply_when_sections_are_absent(tmp_path: Path) -> None:
     assert config.bus.port == 8765 and config.bus.tls is None
     assert config.auth.clients_file is None
     assert config.metrics.listen is None
-    assert config.journal.retention == RetentionPolicy("retain_forever")
+    assert config.journal.retention == Retention("retain_forever")
     assert config.llm is None
     assert config.listeners == ()
     assert dict(config.profiles) == {}
@@ -266,12 +266,12 @@ def test_the_same_text_loads_to_equal_configs(home: Path) -> None:
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        ("retain_forever", RetentionPolicy("retain_forever")),
-        ("prune_on_delivery", RetentionPolicy("prune_on_delivery")),
-        ("{retain_days: 7}", RetentionPolicy("retain_days", 7)),
+        ("retain_forever", Retention("retain_forever")),
+        ("prune_on_delivery", Retention("prune_on_delivery")),
+        ("{retain_days: 7}", Retention("retain_days", 7)),
     ],
 )
-def test_retention_forms(tmp_path: Path, value: str, expected: RetentionPolicy) -> None:
+def test_retention_forms(tmp_path: Path, value: str, expected: Retention) -> None:
     config = load(f"organism: {{name: t}}\njournal: {{retention: {value}}}\n", tmp_path)
     assert config.journal.retention == expected
 
@@ -478,7 +478,13 @@ def test_sync_handler_is_rejected(tmp_path: Path) -> None:
 def test_missing_module_is_reported(tmp_path: Path) -> None:
     text = body("listeners:\n" + handler_listener("a", payload_class="no_such_mod.sub:Add"))
     assert issues_of(text, tmp_path) == [
-        at(text, "no_such_mod", "listeners[0].payload_class", "no module named 'no_such_mod'")
+        at(
+            text,
+            "no_such_mod",
+            "listeners[0].payload_class",
+            "no module named 'no_such_mod' "
+            "(is the folder that holds it listed in `python_path`?)",
+        )
     ]
 
 

@@ -445,15 +445,12 @@ async def test_audit_entries_follow_the_audit_retention(state_dir: Path) -> None
         assert (await k.sweep()).journal_deleted == 0  # audit default: forever
 
 
-async def test_configuration_retention_objects_are_accepted() -> None:
-    from agentd._config import RetentionPolicy
-
-    assert Retention.parse(RetentionPolicy("retain_days", 7)) == retain_days(7)
-    assert Retention.parse(RetentionPolicy("prune_on_delivery")) == PRUNE_ON_DELIVERY
-    assert Retention.parse({"retain_days": 30}) == retain_days(30)
-    assert Retention.parse("retain_days(2)") == retain_days(2)
+async def test_retention_refuses_an_unknown_mode_and_non_positive_days() -> None:
+    # The written forms (`{retain_days: N}`, ...) are parsed by the configuration.
+    assert Retention("retain_days", 7) == retain_days(7)
+    assert Retention("prune_on_delivery") == PRUNE_ON_DELIVERY
     with pytest.raises(ValueError):
-        Retention.parse("keep_some")
+        Retention("keep_some")
     with pytest.raises(ValueError):
         Retention("retain_days", 0)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agentd._config import LlmBackendConfig, LlmConfig
 from agentd._errors import ConfigError
+from agentd.config import LlmBackendConfig, LlmConfig
 from agentd.llm import (
     BackendError,
     Cassette,

@@ -336,9 +336,9 @@ async def test_messages_on_one_thread_are_handled_in_order(h: Harness) -> None:
 
 
 async def test_busy_thread_does_not_starve_others() -> None:
-    from agentd._config import PumpConfig, load_config
     from agentd._pump import Pump
     from agentd._routing import Routing
+    from agentd.config import PumpConfig, load_config
 
     busy = str(uuid.uuid4())
     done_when_bob_answered: list[int] = []
@@ -366,9 +366,9 @@ async def test_busy_thread_does_not_starve_others() -> None:
 
 
 async def test_queue_applies_backpressure_to_clients() -> None:
-    from agentd._config import PumpConfig, load_config
     from agentd._pump import Pump
     from agentd._routing import Routing
+    from agentd.config import PumpConfig, load_config
 
     config = load_config(ORGANISM)
     delivered: list[bytes] = []
@@ -444,8 +444,8 @@ async def test_meta_questions_are_refused_when_not_enabled(h: Harness) -> None:
 async def test_meta_answers_only_about_the_clients_own_profile() -> None:
     import dataclasses
 
-    from agentd._config import MetaConfig, load_config
     from agentd._xml import parse_untrusted
+    from agentd.config import MetaConfig, load_config
 
     config = dataclasses.replace(load_config(ORGANISM), meta=MetaConfig(True, True, True))
     async with Harness(config, CLIENTS) as h:
@@ -478,9 +478,9 @@ async def test_submit_nowait_admits_at_once_or_says_there_is_no_room() -> None:
     """The bus's task-free ingress: admitted now (the outcome goes out through
     `deliver`, exactly as with `submit`), refused now, or None with nothing done
     when the pump is full, so the caller falls back to waiting in `submit`."""
-    from agentd._config import PumpConfig, load_config
     from agentd._pump import Pump
     from agentd._routing import Routing
+    from agentd.config import PumpConfig, load_config
 
     config = load_config(ORGANISM)
     delivered: list[bytes] = []

@@ -24,15 +24,12 @@ Invariants:
 
 from __future__ import annotations
 
-import base64
-import binascii
 import contextlib
 import hashlib
 import hmac
 import json
 import logging
 import os
-import re
 import secrets
 import stat
 import time
@@ -42,12 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyotp
-import yaml
 
-from agentd._config import AuthConfig
-from agentd._errors import AgentdError, Rejection
+from agentd._errors import AgentdError, ConfigError, Rejection
 from agentd._schemas import NS_AUTH, schema
 from agentd._xml import escape_text, parse_untrusted
+from agentd.config import (
+    AuthConfig,
+    ClientEntry,
+    normalise_secret,
+    read_clients_text,
+)
 
 log = logging.getLogger("agentd.auth")
 
@@ -56,20 +57,11 @@ TOTP_STEP_S = 30
 TOTP_DIGITS = 6
 MAX_AUTH_FRAME_BYTES = 4096
 MAX_SESSIONS_PER_CLIENT = 64  # oldest tokens are dropped beyond this
-CLIENT_ID = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
-_BASE32 = re.compile(r"[A-Z2-7]+=*")
 _X = "{" + NS_AUTH + "}"
 
 
 class AuthFileError(AgentdError):
     """The clients file or the auth state file cannot be used."""
-
-
-@dataclass(frozen=True)
-class ClientEntry:
-    client: str
-    totp_secret: str  # base32, upper case, no padding or spaces
-    profile: str
 
 
 @dataclass(frozen=True)
@@ -155,20 +147,6 @@ def parse_auth_ok(frame: bytes) -> tuple[str, str] | None:
 # ---- the clients file -------------------------------------------------------------
 
 
-def normalise_secret(secret: str) -> str:
-    """A base32 TOTP secret without spaces or padding, upper case; ValueError if bad."""
-    value = re.sub(r"[\s-]", "", secret).upper().rstrip("=")
-    if not value or not _BASE32.fullmatch(value):
-        raise ValueError("not a base32 string")
-    try:
-        raw = base64.b32decode(value + "=" * (-len(value) % 8))
-    except binascii.Error:
-        raise ValueError("not a base32 string") from None
-    if len(raw) < 10:
-        raise ValueError("shorter than 80 bits (16 base32 characters)")
-    return value
-
-
 def check_private_file(path: Path, what: str) -> None:
     """Refuse a secrets file that someone other than its owner can read or write."""
     try:
@@ -188,46 +166,11 @@ def read_clients_file(path: Path) -> dict[str, ClientEntry]:
     """Read and check `{clients: {id: {totp_secret, profile}}}`; every problem is listed."""
     check_private_file(path, "clients file")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise AuthFileError(f"clients file {path}: cannot parse: {exc}") from None
-    problems: list[str] = []
-    entries: dict[str, ClientEntry] = {}
-    if not isinstance(data, dict) or set(data) != {"clients"} or not isinstance(
-        data["clients"], dict
-    ):
-        raise AuthFileError(
-            f"clients file {path}: expected one top-level key `clients` mapping client ids "
-            "to {totp_secret: BASE32, profile: NAME}"
-        )
-    for client, body in data["clients"].items():
-        where = f"clients.{client}"
-        if not isinstance(client, str) or not CLIENT_ID.fullmatch(client):
-            problems.append(f"{where}: client id must match {CLIENT_ID.pattern}")
-            continue
-        if client == "core":
-            problems.append(f"{where}: `core` is reserved for agentd itself")
-            continue
-        if not isinstance(body, dict):
-            problems.append(f"{where}: expected a mapping with totp_secret and profile")
-            continue
-        unknown = sorted(set(body) - {"totp_secret", "profile"})
-        if unknown:
-            problems.append(f"{where}: unknown keys {', '.join(map(str, unknown))}")
-        secret, profile = body.get("totp_secret"), body.get("profile")
-        if not isinstance(secret, str):
-            problems.append(f"{where}.totp_secret: required, a base32 string")
-        if not isinstance(profile, str) or not profile:
-            problems.append(f"{where}.profile: required, a profile name")
-        if not isinstance(secret, str) or not isinstance(profile, str) or not profile:
-            continue
-        try:
-            entries[client] = ClientEntry(client, normalise_secret(secret), profile)
-        except ValueError as exc:
-            problems.append(f"{where}.totp_secret: {exc}")
-    if problems:
-        raise AuthFileError(f"clients file {path}:\n  " + "\n  ".join(problems))
-    return entries
+        return read_clients_text(path.read_text(encoding="utf-8"), str(path))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuthFileError(f"clients file {path}: cannot read: {exc}") from None
+    except ConfigError as exc:
+        raise AuthFileError(f"clients file {path}:\n  " + "\n  ".join(exc.issues)) from None
 
 
 # ---- authentication ---------------------------------------------------------------

@@ -46,7 +46,6 @@ from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
 from agentd import _metrics as metrics
-from agentd._config import BusConfig, TlsConfig
 from agentd._core import Huh
 from agentd._envelope import NIL_THREAD, build_envelope
 from agentd._errors import HuhCode
@@ -54,6 +53,7 @@ from agentd._schemas import NS_ENV
 from agentd.bus._auth import ClientAuth, auth_ok_frame
 from agentd.bus._limits import InflightWindow, TokenBucket
 from agentd.bus._tls import server_context
+from agentd.config import BusConfig, TlsConfig
 
 log = logging.getLogger("agentd.bus")
 

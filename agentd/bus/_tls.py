@@ -19,8 +19,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from agentd._config import TlsConfig
 from agentd._errors import AgentdError
+from agentd.config import TlsConfig
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 

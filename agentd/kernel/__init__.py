@@ -11,7 +11,10 @@ from agentd.kernel._errors import (
 from agentd.kernel._kernel import DB_NAME, Kernel, SweepReport, verify_journal_main
 from agentd.kernel._records import (
     PRUNE_ON_DELIVERY,
+    PRUNE_ON_DELIVERY_MODE,
+    RETAIN_DAYS_MODE,
     RETAIN_FOREVER,
+    RETAIN_FOREVER_MODE,
     JournalEntry,
     Retention,
     RetentionPolicy,
@@ -23,7 +26,10 @@ from agentd.kernel._transaction import Transaction
 __all__ = [
     "DB_NAME",
     "PRUNE_ON_DELIVERY",
+    "PRUNE_ON_DELIVERY_MODE",
+    "RETAIN_DAYS_MODE",
     "RETAIN_FOREVER",
+    "RETAIN_FOREVER_MODE",
     "ContextLimitExceeded",
     "JournalEntry",
     "Kernel",

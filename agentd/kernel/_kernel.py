@@ -301,10 +301,6 @@ class Kernel:
         self._store_options["max_db_bytes"] = max_bytes
         return max_bytes
 
-    def set_retention(self, retention: RetentionPolicy) -> None:
-        """New policy for entries journaled from now on (config reload)."""
-        self._ctx.set_retention(retention)
-
     @property
     def healthy(self) -> bool:
         return self._healthy

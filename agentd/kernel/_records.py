@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 THREAD_STATES = frozenset({"active", "completed", "failed"})
 DIRECTIONS = frozenset({"in", "out", "audit", "security"})
@@ -57,7 +57,8 @@ class JournalEntry:
 
 @dataclass(frozen=True)
 class Retention:
-    """One retention policy (seed 002 section 7.1).
+    """One retention policy, the one type for it in agentd (the configuration's
+    `retention` keys are parsed into it).
 
     `retain_forever`: never deleted. `prune_on_delivery`: deleted by the next sweep
     once delivered (entries journaled without `pending` count as delivered).
@@ -73,28 +74,6 @@ class Retention:
             raise ValueError(f"unknown retention policy {self.mode!r}")
         if self.mode == RETAIN_DAYS_MODE and not self.days > 0:
             raise ValueError(f"retain_days needs a positive number of days, got {self.days!r}")
-
-    @classmethod
-    def parse(cls, value: Any) -> Retention:
-        """From the configuration form: `retain_forever`, `prune_on_delivery`,
-        `{retain_days: N}` (also accepts `retain_days: N` / `retain_days(N)` strings)."""
-        if isinstance(value, Retention):
-            return value
-        kind = getattr(value, "kind", None)  # agentd._config.RetentionPolicy
-        if isinstance(kind, str):
-            days = getattr(value, "days", None)
-            return cls(kind, float(days) if days is not None else 0.0)
-        if isinstance(value, Mapping) and set(value) == {RETAIN_DAYS_MODE}:
-            return cls(RETAIN_DAYS_MODE, float(value[RETAIN_DAYS_MODE]))
-        if isinstance(value, str):
-            text = value.strip()
-            if text in (RETAIN_FOREVER_MODE, PRUNE_ON_DELIVERY_MODE):
-                return cls(text)
-            for sep in (":", "("):
-                head, found, rest = text.partition(sep)
-                if found and head.strip() == RETAIN_DAYS_MODE:
-                    return cls(RETAIN_DAYS_MODE, float(rest.rstrip(")").strip()))
-        raise ValueError(f"not a retention policy: {value!r}")
 
     def expires(self, ts: float) -> float | None:
         """The `expires` stamp of an entry written at `ts` under this policy."""
@@ -113,8 +92,7 @@ def retain_days(days: float) -> Retention:
     return Retention(RETAIN_DAYS_MODE, float(days))
 
 
-RetentionPolicy = Retention | Mapping[str, Any] | Any
+RetentionPolicy = Retention | Mapping[str, Retention]
 """One policy for every profile, or a mapping profile -> policy (key "*": default;
-profiles not listed and without "*" are retained forever). Each policy may be a
-`Retention` or anything `Retention.parse` accepts (e.g. the configuration's own
-`RetentionPolicy(kind, days)`)."""
+profiles not listed and without "*" are retained forever). The configuration's
+journal section parses the written form (`retain_days: N`, ...) into these."""

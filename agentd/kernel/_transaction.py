@@ -79,21 +79,16 @@ class TxContext:
         for thread, (n, last) in (context_counts or {}).items():
             self.ctx_count[thread] = n
             self.ctx_last[thread] = last
-        self.audit_retention = Retention.parse(audit_retention)
+        self.audit_retention = audit_retention
         self.full_sync_profiles = frozenset(full_sync_profiles)
-        self.set_retention(retention)
-
-    def set_retention(self, retention: RetentionPolicy) -> None:
-        """Applies to entries journaled from now on (each entry keeps the policy it
-        was written under, seed 002 section 7.2)."""
-        if not isinstance(retention, Mapping):
-            retention = Retention.parse(retention)
+        # Each entry keeps the policy it was written under.
+        if isinstance(retention, Retention):
             self._single: Retention | None = retention
             self._by_profile: dict[str, Retention] = {}
             self._default = retention
         else:
             self._single = None
-            self._by_profile = {k: Retention.parse(v) for k, v in retention.items()}
+            self._by_profile = dict(retention)
             self._default = self._by_profile.pop("*", RETAIN_FOREVER)
         self.forever = self.audit_retention == RETAIN_FOREVER and all(
             p == RETAIN_FOREVER for p in (self._default, *self._by_profile.values()))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from agentd._config import LlmBackendConfig
+from agentd.config import LlmBackendConfig
 from agentd.llm._cassette import Cassette, CassetteRecorder
 from agentd.llm._limits import Clock, TokenBucket
 from agentd.llm._types import BackendError, LlmRequest, LlmResponse, RequestTooLarge

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 import httpx
 
 from agentd import _metrics as metrics
-from agentd._config import LlmConfig
+from agentd.config import LlmConfig
 from agentd.llm._backends import Backend, HttpBackend, ReplayBackend
 from agentd.llm._cache import ResponseCache
 from agentd.llm._cassette import Cassette

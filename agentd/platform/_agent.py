@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from agentd._config import ListenerConfig, OrganismConfig
 from agentd._core import Ack, Answer, Huh
 from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._xmlify import is_xmlified, to_xml
+from agentd.config import ListenerConfig, OrganismConfig
 from agentd.llm import LlmError
 from agentd.platform._audit import kernel_audit
 from agentd.platform._budget import BudgetExceeded

@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from agentd import _metrics as metrics
-from agentd._config import AgentConfig, OrganismConfig
+from agentd.config import AgentConfig, OrganismConfig
 from agentd.llm import LlmError, LlmRequest, LlmRouter
 from agentd.llm._types import Role
 from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
@@ -183,7 +183,7 @@ class Platform:
             "history", "memory", "audit", "shared_facts", "resolve_thread", "recall_limit"
         ) if k in kwargs}
         if router is None:
-            from agentd._config import LlmConfig
+            from agentd.config import LlmConfig
 
             router = LlmRouter(config.llm or LlmConfig(), **kwargs)
         return cls(config, registry, router, **own)

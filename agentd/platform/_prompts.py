@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from agentd._config import AgentConfig, ListenerConfig, OrganismConfig
 from agentd._errors import ConfigError
 from agentd._xmlify import XmlSpec, spec_of
+from agentd.config import AgentConfig, ListenerConfig, OrganismConfig
 
 MANIFESTO = "no_paperclippers"
 BUNDLED_MANIFESTO = (

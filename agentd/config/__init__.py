@@ -1,0 +1,67 @@
+"""The organism's configuration: `organism.yaml` (and the bus's clients file) read
+once into frozen dataclasses, validated with pydantic, every problem reported with
+its `file:line:col` and key path.
+
+Modules: `reader` (YAML with locations, safe-YAML rules, pydantic errors worded as
+issues) · `values` (the value types) · `sections` (one class per section, each key
+declared once) · `references` (rules across sections) · `imports` (`module:attribute`
+and `sys.path`) · `organism` (loading, the runtime objects) · `clients` (the clients
+file) · `schema` (the published JSON Schema).
+"""
+
+from agentd._errors import ConfigError
+from agentd.config.clients import CLIENT_ID, ClientEntry, normalise_secret, read_clients_text
+from agentd.config.organism import (
+    FrozenMapping,
+    ListenerConfig,
+    OrganismConfig,
+    check_config_main,
+    load_config,
+    load_config_text,
+)
+from agentd.config.schema import organism_schema
+from agentd.config.sections import (
+    AgentConfig,
+    AuthConfig,
+    BusConfig,
+    JournalConfig,
+    LlmBackendConfig,
+    LlmConfig,
+    MetaConfig,
+    MetricsConfig,
+    OobConfig,
+    OrganismDocument,
+    ProfileConfig,
+    PumpConfig,
+    TlsConfig,
+)
+from agentd.kernel import Retention
+
+__all__ = [
+    "CLIENT_ID",
+    "AgentConfig",
+    "AuthConfig",
+    "BusConfig",
+    "ClientEntry",
+    "ConfigError",
+    "FrozenMapping",
+    "JournalConfig",
+    "ListenerConfig",
+    "LlmBackendConfig",
+    "LlmConfig",
+    "MetaConfig",
+    "MetricsConfig",
+    "OobConfig",
+    "OrganismConfig",
+    "OrganismDocument",
+    "ProfileConfig",
+    "PumpConfig",
+    "Retention",
+    "TlsConfig",
+    "check_config_main",
+    "load_config",
+    "load_config_text",
+    "normalise_secret",
+    "organism_schema",
+    "read_clients_text",
+]

@@ -1,0 +1,92 @@
+"""The bus's clients file: `{clients: {id: {totp_secret: BASE32, profile: NAME}}}`.
+
+Read with the same machinery as `organism.yaml` (safe YAML, every problem with its
+`file:line:col` and key path). Whether the profiles exist is the caller's check:
+the file is read by the bus and by `agentctl reload`, against a configuration.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, ConfigDict, ValidatorFunctionWrapHandler, model_validator
+from pydantic.dataclasses import dataclass as section
+
+from agentd.config.organism import validate_document
+from agentd.config.values import NAME_PATTERN, Problem, Text, checked, problem
+
+CLIENT_ID = NAME_PATTERN
+_BASE32 = re.compile(r"[A-Z2-7]+=*")
+SHAPE = (
+    "expected one top-level key `clients` mapping client ids to "
+    "{totp_secret: BASE32, profile: NAME}"
+)
+
+
+@dataclass(frozen=True)
+class ClientEntry:
+    client: str
+    totp_secret: str  # base32, upper case, no padding or spaces
+    profile: str
+
+
+def normalise_secret(secret: str) -> str:
+    """A base32 TOTP secret without spaces or padding, upper case; ValueError if bad."""
+    value = re.sub(r"[\s-]", "", secret).upper().rstrip("=")
+    if not value or not _BASE32.fullmatch(value):
+        raise ValueError("not a base32 string")
+    try:
+        raw = base64.b32decode(value + "=" * (-len(value) % 8))
+    except binascii.Error:
+        raise ValueError("not a base32 string") from None
+    if len(raw) < 10:
+        raise ValueError("shorter than 80 bits (16 base32 characters)")
+    return value
+
+
+def _client_id(value: str) -> str:
+    if not CLIENT_ID.fullmatch(value):
+        raise problem(f"client id must match {CLIENT_ID.pattern}")
+    if value == "core":
+        raise problem("`core` is reserved for agentd itself")
+    return value
+
+
+def _secret(value: str) -> str:
+    try:
+        return normalise_secret(value)
+    except ValueError as exc:
+        raise problem(str(exc)) from None
+
+
+@section(frozen=True, config=ConfigDict(extra="forbid"))
+class ClientSection:
+    totp_secret: Annotated[str, AfterValidator(_secret)]
+    profile: Text
+
+
+@section(frozen=True, config=ConfigDict(extra="forbid"))
+class ClientsFile:
+    clients: dict[Annotated[str, AfterValidator(_client_id)], ClientSection]
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _shape(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        problems: list[Problem] = []
+        if not isinstance(data, dict) or set(data) != {"clients"}:
+            problems.append(Problem((), SHAPE, data))
+            data = {"clients": data.get("clients", {})} if isinstance(data, dict) else {}
+        return checked(handler, data, problems, "clients file")
+
+
+def read_clients_text(text: str, source_name: str) -> dict[str, ClientEntry]:
+    """The entries of a clients file; `ConfigError` listing every problem."""
+    document, _ = validate_document(text, ClientsFile, source_name)
+    return {
+        client: ClientEntry(client, body.totp_secret, body.profile)
+        for client, body in document.clients.items()
+    }

@@ -1,0 +1,278 @@
+"""Loading `organism.yaml`: read the YAML, validate it against `OrganismDocument`,
+and make the `OrganismConfig` the daemon runs from.
+
+Every problem of a file is reported at once, each as `file:line:col: key.path:
+message`, in one `ConfigError`; nothing downstream sees a raw dict or a
+half-checked value. A value that loads is a value that works (imports resolved,
+prompt files read, references checked), so `reload` can validate a file fully
+before touching anything. Relative paths are resolved against the file's folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import TypeAdapter, ValidationError
+
+from agentd._errors import ConfigError
+from agentd.config.reader import Document, Issues, nulls_as_empty, read_document
+from agentd.config.sections import (
+    AgentConfig,
+    AuthConfig,
+    BusConfig,
+    JournalConfig,
+    ListenerSection,
+    LlmConfig,
+    MetaConfig,
+    MetricsConfig,
+    OobConfig,
+    OrganismDocument,
+    ProfileConfig,
+    PumpConfig,
+)
+
+K = TypeVar("K")
+V = TypeVar("V")
+T = TypeVar("T")
+
+
+class FrozenMapping(Mapping[K, V]):
+    """An immutable, hashable mapping that keeps insertion order."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[K, V] | None = None) -> None:
+        self._data: dict[K, V] = dict(data or {})
+
+    def __getitem__(self, key: K) -> V:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._data.items()))
+
+    def __repr__(self) -> str:
+        return f"FrozenMapping({self._data!r})"
+
+
+@dataclass(frozen=True)
+class ListenerConfig:
+    """A listener ready to run: its classes and handler imported."""
+
+    name: str
+    payload_classes: tuple[type, ...]
+    response_classes: tuple[type, ...] = ()
+    handler: Callable[..., Any] | None = None
+    agent: AgentConfig | None = None
+    description: str = ""
+    peers: tuple[str, ...] = ()
+    max_concurrency: int | None = None  # None: pump.per_listener_concurrency
+    timeout_s: float | None = None  # None: pump.handler_timeout_s
+    location: str = ""  # "file:line:col" of the listener's entry, for later messages
+    handler_ref: str = ""  # the `module:attribute` strings as written, for reload diffs
+    payload_refs: tuple[str, ...] = ()
+    response_refs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OrganismConfig:
+    name: str
+    source: Path | None
+    base_dir: Path
+    state_dir: Path
+    bus: BusConfig = field(default_factory=BusConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    oob: OobConfig = field(default_factory=OobConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    pump: PumpConfig = field(default_factory=PumpConfig)
+    journal: JournalConfig = field(default_factory=JournalConfig)
+    profiles: Mapping[str, ProfileConfig] = field(default_factory=FrozenMapping)
+    prompts: Mapping[str, str] = field(default_factory=FrozenMapping)
+    llm: LlmConfig | None = None
+    listeners: tuple[ListenerConfig, ...] = ()
+    meta: MetaConfig = field(default_factory=MetaConfig)
+    digest: str = ""  # SHA-256 hex of the file's bytes
+    python_path: tuple[Path, ...] = ()
+
+    def listener(self, name: str) -> ListenerConfig:
+        return self._listeners_by_name[name]
+
+    @cached_property
+    def _listeners_by_name(self) -> Mapping[str, ListenerConfig]:
+        return {lst.name: lst for lst in self.listeners}
+
+
+# ------------------------------------------------------------------------ entry points
+
+
+def read_source(path: str | Path) -> tuple[str, bytes, Path]:
+    """The file's text, bytes and absolute path; `ConfigError` if it cannot be read."""
+    source_name = str(path)
+    source = Path(path).expanduser().absolute()
+    try:
+        data = source.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            [f"{source_name}:1:1: (file): cannot read: {exc.strerror or exc}"]
+        ) from None
+    try:
+        return data.decode("utf-8"), data, source
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [f"{source_name}:1:1: (file): not UTF-8 text ({exc.reason} at byte {exc.start})"]
+        ) from None
+
+
+def load_config(path: str | Path, *, state_dir_override: Path | None = None) -> OrganismConfig:
+    """Read and validate `path`. Raises `ConfigError` listing every problem."""
+    text, data, source = read_source(path)
+    digest = hashlib.sha256(data).hexdigest()
+    return _load(text, source.parent, str(path), source, digest, state_dir_override)
+
+
+def load_config_text(
+    text: str,
+    *,
+    base_dir: Path,
+    source_name: str = "<string>",
+    state_dir_override: Path | None = None,
+) -> OrganismConfig:
+    """Like `load_config`, from text; relative paths resolve against `base_dir`."""
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    base = Path(base_dir).expanduser().absolute()
+    return _load(text, base, source_name, None, digest, state_dir_override)
+
+
+def check_config_main(path: str | Path) -> int:
+    """`agentd check-config`: 0 and a summary on stdout, or 1 and every issue on stderr."""
+    try:
+        config = load_config(path)
+    except ConfigError as exc:
+        for issue in exc.issues:
+            print(issue, file=sys.stderr)
+        return 1
+    print(f"ok: {config.name}, {len(config.listeners)} listeners, {len(config.profiles)} profiles")
+    return 0
+
+
+def validate_document(
+    text: str, kind: type[T], source_name: str, base_dir: Path | None = None
+) -> tuple[T, Document]:
+    """Read `text` and validate it as `kind`; `ConfigError` with every issue if not."""
+    issues = Issues(source_name)
+    doc = read_document(text, issues)
+    issues.raise_if_any()
+    assert doc is not None
+    adapter: TypeAdapter[T] = _adapter(kind)
+    schema = json_schema(kind)
+    doc.data = nulls_as_empty(doc.data, schema)
+    context = {"base_dir": base_dir, "line_of": lambda loc: _line(doc, loc)}
+    try:
+        value: T = adapter.validate_python(doc.data, context=context)
+    except ValidationError as exc:
+        issues.add_validation_error(doc, exc, schema)
+        if not issues:  # pragma: no cover - every pydantic error is located
+            raise ConfigError([str(exc)]) from None
+    issues.raise_if_any()
+    return value, doc
+
+
+_ADAPTERS: dict[object, tuple[TypeAdapter[Any], dict[str, Any]]] = {}
+
+
+def _adapter(kind: Any) -> TypeAdapter[Any]:
+    """Built once per document kind: building one costs milliseconds."""
+    if kind not in _ADAPTERS:
+        adapter: TypeAdapter[Any] = TypeAdapter(kind)
+        _ADAPTERS[kind] = (adapter, adapter.json_schema())
+    return _ADAPTERS[kind][0]
+
+
+def json_schema(kind: Any) -> dict[str, Any]:
+    """The JSON Schema of a document kind (what an editor checks the YAML against)."""
+    _adapter(kind)
+    return _ADAPTERS[kind][1]
+
+
+def _line(doc: Document, loc: tuple[str | int, ...]) -> int:
+    node = doc.node(loc)
+    return 0 if node is None else node.start_mark.line + 1
+
+
+def _load(
+    text: str,
+    base_dir: Path,
+    source_name: str,
+    source: Path | None,
+    digest: str,
+    state_dir_override: Path | None,
+) -> OrganismConfig:
+    document, doc = validate_document(text, OrganismDocument, source_name, base_dir)
+    if not isinstance(doc.data, dict):  # pragma: no cover - the document is a mapping
+        raise ConfigError([f"{source_name}:1:1: (root): expected a mapping"])
+    issues = Issues(source_name)
+    if state_dir_override is not None:
+        state_dir = Path(state_dir_override).expanduser().absolute()
+    else:
+        state_dir = document.state_dir or base_dir / "state"
+    oob = document.oob
+    if oob.socket is None:
+        oob = replace(oob, socket=state_dir / "oob.sock")
+    listeners = tuple(
+        _listener(section, issues, doc.node(("listeners", i)))
+        for i, section in enumerate(document.listeners)
+    )
+    return OrganismConfig(
+        name=document.organism.name,
+        source=source,
+        base_dir=base_dir,
+        state_dir=state_dir,
+        bus=document.bus,
+        auth=document.auth,
+        oob=oob,
+        metrics=document.metrics,
+        pump=document.pump,
+        journal=document.journal,
+        profiles=FrozenMapping(document.profiles),
+        prompts=FrozenMapping(document.prompts),
+        llm=document.llm,
+        listeners=listeners,
+        meta=document.meta,
+        digest=digest,
+        python_path=document.python_path,
+    )
+
+
+def _listener(section: ListenerSection, issues: Issues, node: yaml.Node | None) -> ListenerConfig:
+    description = section.description
+    if description is None:  # an agent: the payload's docstring tells the LLM what it does
+        from agentd import _xmlify  # late: the schema layer imports our error type
+
+        description = _xmlify.spec_of(section.payload_class[0].value).description
+    return ListenerConfig(
+        name=section.name,
+        payload_classes=tuple(i.value for i in section.payload_class),
+        response_classes=tuple(i.value for i in section.response_class),
+        handler=None if section.handler is None else section.handler.value,
+        agent=section.agent,
+        description=description,
+        peers=section.peers,
+        max_concurrency=section.max_concurrency,
+        timeout_s=section.timeout_s,
+        location="" if node is None else issues.where(node),
+        handler_ref="" if section.handler is None else section.handler.ref,
+        payload_refs=tuple(i.ref for i in section.payload_class),
+        response_refs=tuple(i.ref for i in section.response_class),
+    )

@@ -1,0 +1,326 @@
+"""The sections of `organism.yaml`: one frozen pydantic dataclass each, every key
+declared once with its default and constraints.
+
+A section is what the rest of agentd reads (plain dataclass attributes, no
+validation on access). Rules that span keys are the section's wrap validator,
+which reports them together with pydantic's own errors; rules that span sections
+belong to `OrganismDocument`. A new section is one more class here and one more
+field of `OrganismDocument`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+from pydantic.json_schema import SkipJsonSchema
+
+from agentd.config.references import cross_references
+from agentd.config.values import (
+    Bool,
+    ClassRefs,
+    EnvName,
+    FilePath,
+    Folder,
+    HandlerRef,
+    HostPort,
+    Members,
+    Name,
+    Names,
+    NonNegative,
+    NonNegativeNumber,
+    OptionalText,
+    Port,
+    Positive,
+    Problem,
+    ProfileName,
+    Prompt,
+    PromptName,
+    RetentionValue,
+    Seconds,
+    Synchronous,
+    Text,
+    Url,
+    checked,
+    split_host_port,
+)
+from agentd.kernel import RETAIN_FOREVER
+
+SECTION = ConfigDict(extra="forbid")
+
+Provider = Literal["openai", "anthropic", "replay"]
+Strategy = Literal["failover", "round-robin"]
+# `core` is the platform's own sender name (`<from>core</from>`); a listener with
+# that name would make the platform's messages forgeable.
+RESERVED_LISTENER_NAMES = frozenset({"core"})
+
+
+@dataclass(frozen=True, config=SECTION)
+class TlsConfig:
+    cert: FilePath
+    key: FilePath
+
+
+@dataclass(frozen=True, config=SECTION)
+class BusConfig:
+    host: Text = "127.0.0.1"
+    port: Port = 8765
+    tls: TlsConfig | None = None
+    max_envelope_bytes: Annotated[int, Strict(), Field(ge=256)] = 262144
+    max_inflight: Positive = 1000
+    max_connections: Positive = 1024
+    rate_per_s: Seconds = 200.0  # per-client message rate (token bucket refill)
+    rate_burst: Positive = 400
+    auth_timeout_s: Seconds = 10.0
+    compression: Bool = False
+
+
+@dataclass(frozen=True, config=SECTION)
+class AuthConfig:
+    clients_file: FilePath | None = None  # only a path here; the bus reads the file
+    session_ttl_s: Seconds = 28800.0
+    max_failures: Positive = 5
+    failure_window_s: Seconds = 60.0
+    lockout_s: Seconds = 60.0
+
+
+@dataclass(frozen=True, config=SECTION)
+class OobConfig:
+    authorized_keys: FilePath | None = None
+    socket: FilePath | None = None  # the loader fills it (default state_dir/oob.sock)
+    allowed_uids: tuple[NonNegative, ...] = ()
+    max_frame_bytes: Annotated[int, Strict(), Field(ge=1024)] = 1048576
+    clock_skew_s: Seconds = 60.0
+
+
+@dataclass(frozen=True, config=SECTION)
+class MetricsConfig:
+    listen: HostPort | None = None  # "host:port"; None: no metrics endpoint
+
+    @property
+    def host_port(self) -> tuple[str, int] | None:
+        return None if self.listen is None else split_host_port(self.listen)
+
+
+@dataclass(frozen=True, config=SECTION)
+class PumpConfig:
+    max_concurrency: Positive = 256
+    per_listener_concurrency: Positive = 64
+    handler_timeout_s: Seconds = 30.0
+    max_hops: Positive = 64
+    max_queue: Positive = 10000
+    max_fanout: Positive = 64
+    thread_idle_s: Seconds = 86400.0  # conversations idle this long are ended and forgotten
+
+
+@dataclass(frozen=True, config=SECTION)
+class JournalConfig:
+    retention: RetentionValue = RETAIN_FOREVER
+    synchronous: Synchronous = "NORMAL"
+    commit_interval_ms: NonNegativeNumber = 0.0  # commit as soon as the writer is free
+    commit_max_entries: Positive = 512
+    sweep_interval_s: Seconds = 60.0
+    max_outbox_per_client: Positive = 10000  # frames kept for an absent client (newest win)
+
+
+@dataclass(frozen=True, config=SECTION)
+class ProfileConfig:
+    listeners: Members
+    retention: RetentionValue | None = None  # overrides journal.retention
+    synchronous: Synchronous | None = None  # overrides journal.synchronous
+    token_budget: Positive | None = None
+    name: SkipJsonSchema[str] = ""  # the profile's key in `profiles`, filled in by the loader
+
+
+@dataclass(frozen=True, config=SECTION)
+class MetaConfig:
+    allow_list_capabilities: Bool = False
+    allow_schema_requests: Bool = False
+    allow_example_requests: Bool = False
+
+
+@dataclass(frozen=True, config=SECTION)
+class LlmBackendConfig:
+    name: Name
+    provider: Provider
+    base_url: Url | None = None
+    model: Text | None = None
+    api_key_env: EnvName | None = None  # the variable's name; its value is read at use
+    cassette: FilePath | None = None  # replay: the recorded exchanges to play back
+    record: FilePath | None = None  # openai/anthropic: append exchanges to this cassette
+    max_concurrency: Positive = 8
+    requests_per_minute: Positive | None = None
+    tokens_per_minute: Positive | None = None
+    timeout_s: Seconds = 60.0
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _provider_rules(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        problems: list[Problem] = []
+        if isinstance(data, dict):
+            provider = data.get("provider")
+            if provider == "replay":
+                if "cassette" not in data:
+                    problems.append(Problem(("cassette",), "required for provider replay", data))
+                if "record" in data:
+                    problems.append(Problem(("record",), "a replay backend cannot record", data))
+            elif provider in ("openai", "anthropic"):
+                if "model" not in data:
+                    problems.append(Problem(("model",), f"required for provider {provider}", data))
+                if "cassette" in data:
+                    problems.append(Problem(("cassette",), "only for provider replay", data))
+        return checked(handler, data, problems, "llm backend")
+
+
+@dataclass(
+    frozen=True, config=ConfigDict(extra="forbid", json_schema_extra={"required": ["backends"]})
+)
+class LlmConfig:
+    strategy: Strategy = "failover"
+    backends: tuple[LlmBackendConfig, ...] = ()
+    retries: NonNegative = 3
+    cache_ttl_s: NonNegativeNumber = 0.0
+
+    def backend(self, name: str) -> LlmBackendConfig:
+        for backend in self.backends:
+            if backend.name == name:
+                return backend
+        raise KeyError(name)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _backend_rules(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        problems: list[Problem] = []
+        if isinstance(data, dict):
+            backends = data.get("backends")
+            if "backends" not in data:
+                problems.append(Problem(("backends",), "missing", data))
+            elif backends == ():
+                problems.append(
+                    Problem(("backends",), "at least one backend is required", backends)
+                )
+            seen: set[str] = set()
+            for i, backend in enumerate(backends if isinstance(backends, tuple) else ()):
+                name = backend.get("name") if isinstance(backend, dict) else None
+                if isinstance(name, str) and name in seen:
+                    problems.append(
+                        Problem(
+                            ("backends", i, "name"), f"duplicate backend name {name!r}", name, True
+                        )
+                    )
+                elif isinstance(name, str):
+                    seen.add(name)
+        return checked(handler, data, problems, "llm")
+
+
+@dataclass(frozen=True, config=SECTION)
+class AgentConfig:
+    prompt: Text  # "a & b": names of `prompts` entries, composed in this order
+    model: Name  # the name of an `llm.backends` entry
+    max_iterations: Positive = 8
+    max_tokens: Positive = 2048
+    token_budget: Positive | None = None
+    temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
+
+    @property
+    def prompt_names(self) -> tuple[str, ...]:
+        return tuple(part.strip() for part in self.prompt.split("&"))
+
+
+@dataclass(frozen=True, config=SECTION)
+class ListenerSection:
+    """A listener as written; `ListenerConfig` is what the loader makes of it."""
+
+    name: Name
+    payload_class: ClassRefs
+    response_class: ClassRefs = ()
+    handler: HandlerRef | None = None
+    agent: AgentConfig | None = None
+    description: OptionalText | None = None  # required for handlers; agents: the docstring
+    peers: Names = ()
+    max_concurrency: Positive | None = None  # None: pump.per_listener_concurrency
+    timeout_s: Seconds | None = None  # None: pump.handler_timeout_s
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _kind_rules(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        problems: list[Problem] = []
+        if isinstance(data, dict):
+            name = data.get("name")
+            if name in RESERVED_LISTENER_NAMES:
+                problems.append(Problem(("name",), f"{name!r} is reserved for the platform", name))
+            if "handler" in data and "agent" in data:
+                message = "a listener has a handler or an agent, not both"
+                problems.append(Problem(("agent",), message, data["agent"]))
+            elif "agent" in data and "response_class" in data:
+                message = "an agent answers with core `answer`; response_class is for handlers"
+                problems.append(Problem(("response_class",), message, data["response_class"]))
+            elif "handler" not in data and "agent" not in data:
+                problems.append(Problem((), "a listener needs a `handler` or an `agent`", data))
+            if "agent" not in data and "description" not in data:
+                problems.append(Problem(("description",), "missing", data))
+        return checked(handler, data, problems, "listener")
+
+
+def _name_profiles(value: Any) -> Any:
+    """Each profile learns its own name (its key)."""
+    if not isinstance(value, dict):
+        return value
+    return {
+        key: {**body, "name": key} if isinstance(body, dict) and "name" not in body else body
+        for key, body in value.items()
+    }
+
+
+@dataclass(frozen=True, config=SECTION)
+class OrganismSection:
+    name: Name
+
+
+Profiles = Annotated[dict[ProfileName, ProfileConfig], BeforeValidator(_name_profiles)]
+
+
+@dataclass(frozen=True, config=SECTION)
+class OrganismDocument:
+    """The whole file as written. Keys are validated in this order: `python_path`
+    comes before `listeners`, whose modules it makes importable."""
+
+    organism: OrganismSection
+    state_dir: FilePath | None = None
+    python_path: tuple[Folder, ...] = ()
+    bus: BusConfig = BusConfig()
+    auth: AuthConfig = AuthConfig()
+    oob: OobConfig = OobConfig()
+    metrics: MetricsConfig = MetricsConfig()
+    pump: PumpConfig = PumpConfig()
+    journal: JournalConfig = JournalConfig()
+    profiles: Profiles = Field(default_factory=dict)
+    prompts: dict[PromptName, Prompt] = Field(default_factory=dict)
+    llm: LlmConfig | None = None
+    listeners: tuple[ListenerSection, ...] = ()
+    meta: MetaConfig = MetaConfig()
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _references(
+        cls, data: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> Any:
+        if isinstance(data, dict) and "organism" not in data:
+            data = {**data, "organism": {}}  # reported as organism.name, the key one writes
+        lines = (info.context or {}).get("line_of", _no_line)
+        problems = cross_references(data, lines) if isinstance(data, dict) else []
+        return checked(handler, data, problems, "organism")
+
+
+def _no_line(loc: tuple[str | int, ...]) -> int:
+    del loc
+    return 0
