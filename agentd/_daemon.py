@@ -117,7 +117,7 @@ class Daemon:
         config = self.config
         self.kernel = await Kernel.open(
             config.state_dir,
-            **kernel_options(config),
+            kernel_options(config),
             on_commit=lambda seconds, _n: metrics.journal_commit_seconds.observe(seconds),
         )
         try:

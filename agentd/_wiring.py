@@ -3,10 +3,8 @@ place for the daemon and the test harness alike."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from agentd.config import OrganismConfig
-from agentd.kernel import Retention
+from agentd.kernel import KernelOptions, Retention
 
 
 def kernel_retention(config: OrganismConfig) -> dict[str, Retention]:
@@ -18,17 +16,17 @@ def kernel_retention(config: OrganismConfig) -> dict[str, Retention]:
     return policy
 
 
-def kernel_options(config: OrganismConfig) -> dict[str, Any]:
-    """Keyword arguments of `Kernel.open` for `config`."""
+def kernel_options(config: OrganismConfig) -> KernelOptions:
+    """The kernel's options for `config` (the rest keep the kernel's defaults)."""
     j = config.journal
-    return {
-        "synchronous": j.synchronous,
-        "commit_interval_s": j.commit_interval_ms / 1000,
-        "commit_max_entries": j.commit_max_entries,
-        "retention": kernel_retention(config),
-        "sweep_interval_s": j.sweep_interval_s,
-        "max_outbox_per_client": j.max_outbox_per_client,
-        "full_sync_profiles": frozenset(
+    return KernelOptions(
+        synchronous=j.synchronous,
+        commit_interval_s=j.commit_interval_ms / 1000,
+        commit_max_entries=j.commit_max_entries,
+        retention=kernel_retention(config),
+        sweep_interval_s=j.sweep_interval_s,
+        max_outbox_per_client=j.max_outbox_per_client,
+        full_sync_profiles=frozenset(
             name for name, p in config.profiles.items() if p.synchronous == "FULL"
         ),
-    }
+    )

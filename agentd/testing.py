@@ -76,7 +76,7 @@ class Harness:
 
     async def __aenter__(self) -> Harness:
         if self.durable:
-            self.kernel = await Kernel.open(self.state_dir, **kernel_options(self.config))
+            self.kernel = await Kernel.open(self.state_dir, kernel_options(self.config))
             self.pump.kernel = self.kernel
             await self.pump.recover()
             # What was committed for a client but not yet delivered (a crash between

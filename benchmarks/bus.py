@@ -124,7 +124,7 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
         from agentd._wiring import kernel_options
         from agentd.kernel import Kernel
 
-        kern = await Kernel.open(config.state_dir, **kernel_options(config))
+        kern = await Kernel.open(config.state_dir, kernel_options(config))
         pump.kernel = kern
         outbox = KernelOutbox(kern)
     await pump.start()

@@ -53,7 +53,7 @@ from agentd.config.values import (
     checked,
     split_host_port,
 )
-from agentd.kernel import RETAIN_FOREVER
+from agentd.kernel import DEFAULT_KERNEL_OPTIONS, RETAIN_FOREVER
 
 SECTION = ConfigDict(extra="forbid")
 
@@ -122,14 +122,18 @@ class PumpConfig:
     thread_idle_s: Seconds = 86400.0  # conversations idle this long are ended and forgotten
 
 
+_KERNEL = DEFAULT_KERNEL_OPTIONS  # the journal's defaults are the kernel's own
+
+
 @dataclass(frozen=True, config=SECTION)
 class JournalConfig:
     retention: RetentionValue = RETAIN_FOREVER
     synchronous: Synchronous = "NORMAL"
-    commit_interval_ms: NonNegativeNumber = 0.0  # commit as soon as the writer is free
-    commit_max_entries: Positive = 512
-    sweep_interval_s: Seconds = 60.0
-    max_outbox_per_client: Positive = 10000  # frames kept for an absent client (newest win)
+    commit_interval_ms: NonNegativeNumber = _KERNEL.commit_interval_s * 1000
+    commit_max_entries: Positive = _KERNEL.commit_max_entries
+    sweep_interval_s: Seconds = _KERNEL.sweep_interval_s
+    # frames kept for an absent client (newest win)
+    max_outbox_per_client: Positive = _KERNEL.max_outbox_per_client
 
 
 @dataclass(frozen=True, config=SECTION)

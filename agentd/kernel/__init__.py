@@ -9,6 +9,7 @@ from agentd.kernel._errors import (
     TransactionRejected,
 )
 from agentd.kernel._kernel import DB_NAME, Kernel, SweepReport, verify_journal_main
+from agentd.kernel._options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from agentd.kernel._records import (
     PRUNE_ON_DELIVERY,
     PRUNE_ON_DELIVERY_MODE,
@@ -25,6 +26,7 @@ from agentd.kernel._transaction import Transaction
 
 __all__ = [
     "DB_NAME",
+    "DEFAULT_KERNEL_OPTIONS",
     "PRUNE_ON_DELIVERY",
     "PRUNE_ON_DELIVERY_MODE",
     "RETAIN_DAYS_MODE",
@@ -33,6 +35,7 @@ __all__ = [
     "ContextLimitExceeded",
     "JournalEntry",
     "Kernel",
+    "KernelOptions",
     "KernelUnavailable",
     "Retention",
     "RetentionPolicy",

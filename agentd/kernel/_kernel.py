@@ -38,7 +38,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +46,9 @@ import aiosqlite
 
 from agentd.kernel._errors import KernelUnavailable, SchemaTooNew, TransactionRejected
 from agentd.kernel._lock import StateDirLock
+from agentd.kernel._options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from agentd.kernel._records import (
-    RETAIN_FOREVER,
     JournalEntry,
-    Retention,
-    RetentionPolicy,
     ThreadRow,
 )
 from agentd.kernel._schema import code_version, read_version, too_new_message
@@ -138,39 +136,24 @@ class Kernel:
     async def open(
         cls,
         state_dir: Path | str,
+        options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
         *,
-        synchronous: str = "NORMAL",
-        commit_interval_s: float = 0.002,
-        commit_max_entries: int = 512,
-        retention: RetentionPolicy = RETAIN_FOREVER,
-        sweep_interval_s: float = 60.0,
-        max_slots_per_thread: int = 1000,
-        max_threads: int = 100000,
-        context_ttl_hours: float = 24,
         on_commit: OnCommit | None = None,
-        audit_retention: Retention = RETAIN_FOREVER,
-        full_sync_profiles: Iterable[str] = (),
-        max_db_bytes: int | None = None,
-        checkpoint_idle_s: float = 1.0,
-        sweep_chunk: int = 5000,
-        max_outbox_per_client: int = 10_000,
+        **changes: Any,
     ) -> Kernel:
         """Lock `state_dir`, open (create, migrate) its database, start the writer.
 
+        `options` with `changes` applied (`Kernel.open(d, commit_max_entries=16)`);
+        `on_commit(seconds, operations)` is called after every committed batch.
         Raises `StateLocked` if another kernel holds the directory, `SchemaTooNew` if
-        the database is newer than this code. Additions to the agreed signature:
-        `on_commit(seconds, operations)` after every committed batch;
-        `audit_retention` for audit/security entries; `full_sync_profiles`: batches
-        holding an entry of these profiles commit with synchronous=FULL;
-        `max_db_bytes`: a size cap (writes beyond it fail like a full disk);
-        `checkpoint_idle_s`: idle time before `wal_checkpoint(TRUNCATE)`;
-        `sweep_chunk`: journal rows deleted per retention transaction."""
+        the database is newer than this code."""
+        o = replace(options, **changes) if changes else options
         state_dir = Path(state_dir)
         # In a thread: it may wait (up to 10 s) for the writer of a dead holder to exit.
         lock = await asyncio.to_thread(StateDirLock.acquire, state_dir)
         db = state_dir / DB_NAME
-        store_options: dict[str, Any] = {"synchronous": synchronous,
-                                         "max_db_bytes": max_db_bytes}
+        store_options: dict[str, Any] = {"synchronous": o.synchronous,
+                                         "max_db_bytes": o.max_db_bytes}
         writer: WriterProcess | None = None
         try:
             writer, (seq, outbox_id, migrated_from, counts) = await _start_writer(
@@ -187,16 +170,17 @@ class Kernel:
             lock.release()
             raise
         ctx = TxContext(next_seq=seq + 1, next_outbox_id=outbox_id + 1,
-                        retention=retention, audit_retention=audit_retention,
-                        max_slots_per_thread=max_slots_per_thread, max_threads=max_threads,
-                        context_counts=counts, full_sync_profiles=full_sync_profiles)
+                        retention=o.retention, audit_retention=o.audit_retention,
+                        max_slots_per_thread=o.max_slots_per_thread, max_threads=o.max_threads,
+                        context_counts=counts, full_sync_profiles=o.full_sync_profiles)
         return cls(state_dir=state_dir, lock=lock, writer=writer,
                    store_options=store_options, reader=reader, ctx=ctx,
-                   commit_interval_s=commit_interval_s,
-                   commit_max_entries=commit_max_entries, sweep_interval_s=sweep_interval_s,
-                   context_ttl_s=context_ttl_hours * 3600.0,
-                   checkpoint_idle_s=checkpoint_idle_s, sweep_chunk=sweep_chunk,
-                   max_outbox_per_client=max_outbox_per_client,
+                   commit_interval_s=o.commit_interval_s,
+                   commit_max_entries=o.commit_max_entries,
+                   sweep_interval_s=o.sweep_interval_s,
+                   context_ttl_s=o.context_ttl_hours * 3600.0,
+                   checkpoint_idle_s=o.checkpoint_idle_s, sweep_chunk=o.sweep_chunk,
+                   max_outbox_per_client=o.max_outbox_per_client,
                    on_commit=on_commit)
 
     async def close(self) -> None:
