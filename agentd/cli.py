@@ -31,6 +31,14 @@ def check_config(file: Path) -> None:
     sys.exit(check_config_main(file))
 
 
+@main.command("config-schema")
+def config_schema() -> None:
+    """Print the JSON Schema of organism.yaml (for an editor's YAML language server)."""
+    from agentd.config import organism_schema_text
+
+    click.echo(organism_schema_text(), nl=False)
+
+
 @main.command("run")
 @click.option(
     "--config",

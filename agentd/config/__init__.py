@@ -19,7 +19,7 @@ from agentd.config.organism import (
     load_config,
     load_config_text,
 )
-from agentd.config.schema import organism_schema
+from agentd.config.schema import organism_schema, organism_schema_text
 from agentd.config.sections import (
     AgentConfig,
     AuthConfig,
@@ -63,5 +63,6 @@ __all__ = [
     "load_config_text",
     "normalise_secret",
     "organism_schema",
+    "organism_schema_text",
     "read_clients_text",
 ]

@@ -12,13 +12,10 @@ from typing import Any
 from agentd.config.organism import json_schema
 from agentd.config.sections import OrganismDocument
 
-SCHEMA_ID = "https://agentd.dev/schemas/organism.schema.json"
-
 
 def organism_schema() -> dict[str, Any]:
     schema = {
         "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "$id": SCHEMA_ID,
         **json_schema(OrganismDocument),
     }
     schema["title"] = "agentd organism.yaml"
