@@ -8,6 +8,7 @@ import hashlib
 import importlib
 import json
 import re
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from hypothesis import strategies as st
 from agentd._errors import ConfigError
 from agentd.config import (
     AgentConfig,
+    ClientEntry,
     ListenerConfig,
     LlmBackendConfig,
     OrganismConfig,
@@ -27,6 +29,7 @@ from agentd.config import (
     check_config_main,
     load_config,
     load_config_text,
+    read_clients_text,
 )
 
 TESTS_DIR = Path(__file__).resolve().parent
@@ -838,3 +841,63 @@ def test_any_mutated_file_loads_or_fails_with_located_issues(
 def test_deep_nesting_is_refused_before_it_is_composed(tmp_path: Path) -> None:
     text = "organism: {name: t}\nbus: " + "[" * 50_000 + "]" * 50_000 + "\n"
     assert issues_of(text, tmp_path) == [f"{SOURCE}:2:37: (root): nested more than 32 levels deep"]
+
+
+def test_python_path_folders_come_first_on_sys_path_in_their_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    config = load("organism: {name: t}\npython_path: [a, b]\n", tmp_path)
+    assert config.python_path == (tmp_path / "a", tmp_path / "b")
+    assert sys.path[:2] == [str(tmp_path / "a"), str(tmp_path / "b")]
+
+
+def test_null_sections_and_lists_read_as_empty(tmp_path: Path) -> None:
+    config = load("organism: {name: t}\nbus:\npump:\nlisteners:\nprofiles:\n", tmp_path)
+    assert config.bus.port == 8765 and config.pump.max_hops == 64
+    assert config.listeners == () and dict(config.profiles) == {}
+    text = "organism: {name: t}\nbus: {port: null}\n"
+    assert issues_of(text, tmp_path) == [
+        at(text, "null", "bus.port", "expected an integer, got null")
+    ]
+
+
+def test_a_python_path_folder_that_does_not_exist_is_reported(tmp_path: Path) -> None:
+    text = "organism: {name: t}\npython_path: [nowhere]\n"
+    assert issues_of(text, tmp_path) == [
+        at(text, "nowhere", "python_path[0]", f"not a folder: {tmp_path / 'nowhere'}")
+    ]
+
+
+# ------------------------------------------------------------------- the clients file
+
+
+def test_clients_file_reads_into_entries_with_normalised_secrets() -> None:
+    text = "clients:\n  alice: {totp_secret: 'jbsw y3dp ehpk 3pxp', profile: public}\n"
+    assert read_clients_text(text, "clients.yaml") == {
+        "alice": ClientEntry("alice", "JBSWY3DPEHPK3PXP", "public")
+    }
+
+
+def test_clients_file_problems_are_all_reported_with_locations() -> None:
+    text = textwrap.dedent(
+        """\
+        clients:
+          alice: {totp_secret: JBSWY3DP, profile: public}
+          core: {totp_secret: JBSWY3DPEHPK3PXP, profile: admin}
+          bob: {totp_secret: JBSWY3DPEHPK3PXP, colour: red}
+        """
+    )
+    with pytest.raises(ConfigError) as info:
+        read_clients_text(text, SOURCE)
+    assert info.value.issues == [
+        at(text, "JBSWY3DP,", "clients.alice.totp_secret",
+           "shorter than 80 bits (16 base32 characters)"),
+        at(text, "core", "clients.core", "`core` is reserved for agentd itself"),
+        at(text, "{totp_secret: JBSWY3DPEHPK3PXP, colour", "clients.bob.profile",
+           "required key is missing"),
+        at(text, "colour", "clients.bob.colour",
+           "unknown key; expected one of: totp_secret, profile"),
+    ]

@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, ConfigDict, ValidatorFunctionWrapHandler, model_validator
+from pydantic import AfterValidator, ConfigDict
 from pydantic.dataclasses import dataclass as section
 
 from agentd.config.organism import validate_document
-from agentd.config.values import NAME_PATTERN, Problem, Text, checked, problem
+from agentd.config.values import NAME_PATTERN, Problem, Text, problem, rules
 
 CLIENT_ID = NAME_PATTERN
 _BASE32 = re.compile(r"[A-Z2-7]+=*")
@@ -69,18 +69,20 @@ class ClientSection:
     profile: Text
 
 
+def _shape(data: dict[str, Any]) -> list[Problem]:
+    return [] if set(data) == {"clients"} else [Problem((), SHAPE, data)]
+
+
+def _clients_only(data: Any) -> Any:
+    """Past a wrong shape, the entries are still checked if there are any."""
+    return {"clients": data.get("clients", {})} if isinstance(data, dict) else data
+
+
 @section(frozen=True, config=ConfigDict(extra="forbid"))
 class ClientsFile:
     clients: dict[Annotated[str, AfterValidator(_client_id)], ClientSection]
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _shape(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        problems: list[Problem] = []
-        if not isinstance(data, dict) or set(data) != {"clients"}:
-            problems.append(Problem((), SHAPE, data))
-            data = {"clients": data.get("clients", {})} if isinstance(data, dict) else {}
-        return checked(handler, data, problems, "clients file")
+    _rules = rules(lambda data, _: _shape(data), "clients file", prepare=_clients_only)
 
 
 def read_clients_text(text: str, source_name: str) -> dict[str, ClientEntry]:

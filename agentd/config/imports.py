@@ -12,7 +12,6 @@ import importlib
 import inspect
 import re
 import sys
-from collections.abc import Iterable
 from pathlib import Path
 
 REFERENCE = re.compile(
@@ -25,11 +24,13 @@ class ReferenceProblem(Exception):
     """A `module:attribute` reference that cannot be used; str() says why."""
 
 
-def add_import_folders(folders: Iterable[Path]) -> None:
-    """Put `folders` first on `sys.path`, in their order (each once)."""
-    for folder in reversed(tuple(folders)):
-        if str(folder) not in sys.path:
-            sys.path.insert(0, str(folder))
+def add_import_folder(folder: Path, position: int) -> int:
+    """Put `folder` at `position` of `sys.path` unless it is there already; returns
+    where the next folder goes (python_path's folders keep their order, first)."""
+    if str(folder) in sys.path:
+        return position
+    sys.path.insert(position, str(folder))
+    return position + 1
 
 
 def resolve(ref: str) -> object:

@@ -22,21 +22,8 @@ import yaml
 from pydantic import TypeAdapter, ValidationError
 
 from agentd._errors import ConfigError
+from agentd.config import sections
 from agentd.config.reader import Document, Issues, nulls_as_empty, read_document
-from agentd.config.sections import (
-    AgentConfig,
-    AuthConfig,
-    BusConfig,
-    JournalConfig,
-    ListenerSection,
-    LlmConfig,
-    MetaConfig,
-    MetricsConfig,
-    OobConfig,
-    OrganismDocument,
-    ProfileConfig,
-    PumpConfig,
-)
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -75,7 +62,7 @@ class ListenerConfig:
     payload_classes: tuple[type, ...]
     response_classes: tuple[type, ...] = ()
     handler: Callable[..., Any] | None = None
-    agent: AgentConfig | None = None
+    agent: sections.AgentConfig | None = None
     description: str = ""
     peers: tuple[str, ...] = ()
     max_concurrency: int | None = None  # None: pump.per_listener_concurrency
@@ -92,17 +79,17 @@ class OrganismConfig:
     source: Path | None
     base_dir: Path
     state_dir: Path
-    bus: BusConfig = field(default_factory=BusConfig)
-    auth: AuthConfig = field(default_factory=AuthConfig)
-    oob: OobConfig = field(default_factory=OobConfig)
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    pump: PumpConfig = field(default_factory=PumpConfig)
-    journal: JournalConfig = field(default_factory=JournalConfig)
-    profiles: Mapping[str, ProfileConfig] = field(default_factory=FrozenMapping)
+    bus: sections.BusConfig = field(default_factory=sections.BusConfig)
+    auth: sections.AuthConfig = field(default_factory=sections.AuthConfig)
+    oob: sections.OobConfig = field(default_factory=sections.OobConfig)
+    metrics: sections.MetricsConfig = field(default_factory=sections.MetricsConfig)
+    pump: sections.PumpConfig = field(default_factory=sections.PumpConfig)
+    journal: sections.JournalConfig = field(default_factory=sections.JournalConfig)
+    profiles: Mapping[str, sections.ProfileConfig] = field(default_factory=FrozenMapping)
     prompts: Mapping[str, str] = field(default_factory=FrozenMapping)
-    llm: LlmConfig | None = None
+    llm: sections.LlmConfig | None = None
     listeners: tuple[ListenerConfig, ...] = ()
-    meta: MetaConfig = field(default_factory=MetaConfig)
+    meta: sections.MetaConfig = field(default_factory=sections.MetaConfig)
     digest: str = ""  # SHA-256 hex of the file's bytes
     python_path: tuple[Path, ...] = ()
 
@@ -219,7 +206,7 @@ def _load(
     digest: str,
     state_dir_override: Path | None,
 ) -> OrganismConfig:
-    document, doc = validate_document(text, OrganismDocument, source_name, base_dir)
+    document, doc = validate_document(text, sections.OrganismDocument, source_name, base_dir)
     if not isinstance(doc.data, dict):  # pragma: no cover - the document is a mapping
         raise ConfigError([f"{source_name}:1:1: (root): expected a mapping"])
     issues = Issues(source_name)
@@ -255,7 +242,9 @@ def _load(
     )
 
 
-def _listener(section: ListenerSection, issues: Issues, node: yaml.Node | None) -> ListenerConfig:
+def _listener(
+    section: sections.ListenerSection, issues: Issues, node: yaml.Node | None
+) -> ListenerConfig:
     description = section.description
     if description is None:  # an agent: the payload's docstring tells the LLM what it does
         from agentd import _xmlify  # late: the schema layer imports our error type

@@ -17,9 +17,6 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
-    ValidationInfo,
-    ValidatorFunctionWrapHandler,
-    model_validator,
 )
 from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
@@ -50,7 +47,7 @@ from agentd.config.values import (
     Synchronous,
     Text,
     Url,
-    checked,
+    rules,
     split_host_port,
 )
 from agentd.kernel import DEFAULT_KERNEL_OPTIONS, RETAIN_FOREVER
@@ -62,6 +59,60 @@ Strategy = Literal["failover", "round-robin"]
 # `core` is the platform's own sender name (`<from>core</from>`); a listener with
 # that name would make the platform's messages forgeable.
 RESERVED_LISTENER_NAMES = frozenset({"core"})
+
+
+# ------------------------------------------------------------- rules across keys
+# Pure: the raw mapping of one section in, the problems out.
+
+
+def _provider_rules(data: dict[str, Any]) -> list[Problem]:
+    provider, problems = data.get("provider"), []
+    if provider == "replay":
+        if "cassette" not in data:
+            problems.append(Problem(("cassette",), "required for provider replay", data))
+        if "record" in data:
+            problems.append(Problem(("record",), "a replay backend cannot record", data))
+    elif provider in ("openai", "anthropic"):
+        if "model" not in data:
+            problems.append(Problem(("model",), f"required for provider {provider}", data))
+        if "cassette" in data:
+            problems.append(Problem(("cassette",), "only for provider replay", data))
+    return problems
+
+
+def _backend_rules(data: dict[str, Any]) -> list[Problem]:
+    backends, problems = data.get("backends"), []
+    if "backends" not in data:
+        problems.append(Problem(("backends",), "missing", data))
+    elif backends == ():
+        problems.append(Problem(("backends",), "at least one backend is required", backends))
+    seen: set[str] = set()
+    for i, backend in enumerate(backends if isinstance(backends, tuple) else ()):
+        name = backend.get("name") if isinstance(backend, dict) else None
+        if isinstance(name, str) and name in seen:
+            message = f"duplicate backend name {name!r}"
+            problems.append(Problem(("backends", i, "name"), message, name, at_entry=True))
+        elif isinstance(name, str):
+            seen.add(name)
+    return problems
+
+
+def _kind_rules(data: dict[str, Any]) -> list[Problem]:
+    """A listener has a handler or an agent; a handler needs a description."""
+    name, problems = data.get("name"), []
+    if name in RESERVED_LISTENER_NAMES:
+        problems.append(Problem(("name",), f"{name!r} is reserved for the platform", name))
+    if "handler" in data and "agent" in data:
+        message = "a listener has a handler or an agent, not both"
+        problems.append(Problem(("agent",), message, data["agent"]))
+    elif "agent" in data and "response_class" in data:
+        message = "an agent answers with core `answer`; response_class is for handlers"
+        problems.append(Problem(("response_class",), message, data["response_class"]))
+    elif "handler" not in data and "agent" not in data:
+        problems.append(Problem((), "a listener needs a `handler` or an `agent`", data))
+    if "agent" not in data and "description" not in data:
+        problems.append(Problem(("description",), "missing", data))
+    return problems
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -166,23 +217,7 @@ class LlmBackendConfig:
     tokens_per_minute: Positive | None = None
     timeout_s: Seconds = 60.0
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _provider_rules(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        problems: list[Problem] = []
-        if isinstance(data, dict):
-            provider = data.get("provider")
-            if provider == "replay":
-                if "cassette" not in data:
-                    problems.append(Problem(("cassette",), "required for provider replay", data))
-                if "record" in data:
-                    problems.append(Problem(("record",), "a replay backend cannot record", data))
-            elif provider in ("openai", "anthropic"):
-                if "model" not in data:
-                    problems.append(Problem(("model",), f"required for provider {provider}", data))
-                if "cassette" in data:
-                    problems.append(Problem(("cassette",), "only for provider replay", data))
-        return checked(handler, data, problems, "llm backend")
+    _rules = rules(lambda data, _: _provider_rules(data), "llm backend")
 
 
 @dataclass(
@@ -200,30 +235,7 @@ class LlmConfig:
                 return backend
         raise KeyError(name)
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _backend_rules(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        problems: list[Problem] = []
-        if isinstance(data, dict):
-            backends = data.get("backends")
-            if "backends" not in data:
-                problems.append(Problem(("backends",), "missing", data))
-            elif backends == ():
-                problems.append(
-                    Problem(("backends",), "at least one backend is required", backends)
-                )
-            seen: set[str] = set()
-            for i, backend in enumerate(backends if isinstance(backends, tuple) else ()):
-                name = backend.get("name") if isinstance(backend, dict) else None
-                if isinstance(name, str) and name in seen:
-                    problems.append(
-                        Problem(
-                            ("backends", i, "name"), f"duplicate backend name {name!r}", name, True
-                        )
-                    )
-                elif isinstance(name, str):
-                    seen.add(name)
-        return checked(handler, data, problems, "llm")
+    _rules = rules(lambda data, _: _backend_rules(data), "llm")
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -254,25 +266,7 @@ class ListenerSection:
     max_concurrency: Positive | None = None  # None: pump.per_listener_concurrency
     timeout_s: Seconds | None = None  # None: pump.handler_timeout_s
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _kind_rules(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        problems: list[Problem] = []
-        if isinstance(data, dict):
-            name = data.get("name")
-            if name in RESERVED_LISTENER_NAMES:
-                problems.append(Problem(("name",), f"{name!r} is reserved for the platform", name))
-            if "handler" in data and "agent" in data:
-                message = "a listener has a handler or an agent, not both"
-                problems.append(Problem(("agent",), message, data["agent"]))
-            elif "agent" in data and "response_class" in data:
-                message = "an agent answers with core `answer`; response_class is for handlers"
-                problems.append(Problem(("response_class",), message, data["response_class"]))
-            elif "handler" not in data and "agent" not in data:
-                problems.append(Problem((), "a listener needs a `handler` or an `agent`", data))
-            if "agent" not in data and "description" not in data:
-                problems.append(Problem(("description",), "missing", data))
-        return checked(handler, data, problems, "listener")
+    _rules = rules(lambda data, _: _kind_rules(data), "listener")
 
 
 def _name_profiles(value: Any) -> Any:
@@ -291,6 +285,18 @@ class OrganismSection:
 
 
 Profiles = Annotated[dict[ProfileName, ProfileConfig], BeforeValidator(_name_profiles)]
+
+
+def _organism_key(data: Any) -> Any:
+    """A file without `organism` is told it lacks organism.name, the key one writes."""
+    if isinstance(data, dict) and "organism" not in data:
+        return {**data, "organism": {}}
+    return data
+
+
+def _no_line(loc: tuple[str | int, ...]) -> int:
+    del loc
+    return 0
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -313,18 +319,8 @@ class OrganismDocument:
     listeners: tuple[ListenerSection, ...] = ()
     meta: MetaConfig = MetaConfig()
 
-    @model_validator(mode="wrap")
-    @classmethod
-    def _references(
-        cls, data: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
-    ) -> Any:
-        if isinstance(data, dict) and "organism" not in data:
-            data = {**data, "organism": {}}  # reported as organism.name, the key one writes
-        lines = (info.context or {}).get("line_of", _no_line)
-        problems = cross_references(data, lines) if isinstance(data, dict) else []
-        return checked(handler, data, problems, "organism")
-
-
-def _no_line(loc: tuple[str | int, ...]) -> int:
-    del loc
-    return 0
+    _rules = rules(
+        lambda data, context: cross_references(data, context.get("line_of", _no_line)),
+        "organism",
+        prepare=_organism_key,
+    )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -24,7 +24,9 @@ from pydantic import (
     Strict,
     ValidationError,
     ValidationInfo,
+    ValidatorFunctionWrapHandler,
     WithJsonSchema,
+    model_validator,
 )
 from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticKnownError
 from pydantic_core.core_schema import ErrorType
@@ -93,6 +95,23 @@ def merged(exc: ValidationError | None, problems: Sequence[Problem], title: str)
         )
     if details:
         raise ValidationError.from_exception_data(title, details)
+
+
+Rule = Callable[[dict[str, Any], Mapping[str, Any]], list[Problem]]
+
+
+def rules(check: Rule, title: str, prepare: Callable[[Any], Any] | None = None) -> Any:
+    """A section's rules across its keys, as its wrap validator: `check` reads the
+    raw mapping (and the validation context), so its problems are reported with
+    pydantic's own even when a key fails; `prepare` may then amend the data."""
+
+    def validate(
+        cls: type, data: Any, handler: ValidatorFunctionWrapHandler, info: ValidationInfo
+    ) -> Any:
+        problems = check(data, info.context or {}) if isinstance(data, dict) else []
+        return checked(handler, data if prepare is None else prepare(data), problems, title)
+
+    return model_validator(mode="wrap")(validate)
 
 
 def checked(
@@ -205,10 +224,15 @@ def _prompt(value: str, info: ValidationInfo) -> str:
         raise problem(f"cannot read prompt file {file}: {exc.strerror or exc}") from None
 
 
-def _folder(value: Path) -> Path:
+def _folder(value: Path, info: ValidationInfo) -> Path:
+    """A python_path folder, put on `sys.path` at once: the listeners after it in the
+    file are imported in the same validation pass."""
     if not value.is_dir():
         raise problem(f"not a folder: {value}")
-    imports.add_import_folders([value])  # before the listeners after it are imported
+    context = info.context if isinstance(info.context, dict) else {}
+    context["python_path_at"] = imports.add_import_folder(
+        value, context.get("python_path_at", 0)
+    )
     return value
 
 
