@@ -42,7 +42,7 @@ from agentd.kernel import Kernel
 from agentd.oob import result_element
 
 if TYPE_CHECKING:
-    from agentd.bus._auth import ClientEntry
+    from agentd.config import ClientEntry
 
 log = logging.getLogger("agentd.daemon")
 

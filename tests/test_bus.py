@@ -256,7 +256,7 @@ def test_a_new_clients_file_withdraws_removed_and_rekeyed_clients(rig: Rig) -> N
     """`ClientAuth.replace` (what `agentctl reload` applies): added clients log in,
     removed ones and ones with a new secret lose their sessions; a new secret's code
     works at once, and a removed client added back cannot reuse a code."""
-    from agentd.bus._auth import ClientEntry
+    from agentd.config import ClientEntry
 
     auth = rig.auth
     steps = {}

@@ -178,6 +178,7 @@ def test_full_configuration_loads_into_dataclasses(home: Path) -> None:
     assert config.profiles["admin"].listeners == "all"
     assert config.profiles["admin"].retention == Retention("prune_on_delivery")
     assert config.profiles["admin"].token_budget == 100000
+    assert [p.name for p in config.profiles.values()] == ["public", "admin"]
     assert config.prompts["no_paperclippers"] == "Never make paperclips.\n"
     assert config.prompts["greeter_base"] == "You are a friendly greeter. {tool_definitions}"
     assert config.llm is not None
@@ -901,3 +902,14 @@ def test_clients_file_problems_are_all_reported_with_locations() -> None:
         at(text, "colour", "clients.bob.colour",
            "unknown key; expected one of: totp_secret, profile"),
     ]
+
+
+def test_a_profile_is_named_by_its_key_only(tmp_path: Path) -> None:
+    text = "organism: {name: t}\nprofiles:\n  public: {listeners: all, name: admin}\n"
+    [issue] = issues_of(text, tmp_path)
+    assert issue == at(
+        text,
+        "name: admin",
+        "profiles.public.name",
+        "unknown key; expected one of: listeners, retention, synchronous, token_budget",
+    )

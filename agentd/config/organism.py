@@ -232,7 +232,7 @@ def _load(
         metrics=document.metrics,
         pump=document.pump,
         journal=document.journal,
-        profiles=FrozenMapping(document.profiles),
+        profiles=FrozenMapping({k: replace(p, name=k) for k, p in document.profiles.items()}),
         prompts=FrozenMapping(document.prompts),
         llm=document.llm,
         listeners=listeners,

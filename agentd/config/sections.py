@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -23,6 +22,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from agentd.config.references import cross_references
 from agentd.config.values import (
+    AnyText,
     Bool,
     ClassRefs,
     EnvName,
@@ -35,7 +35,6 @@ from agentd.config.values import (
     Names,
     NonNegative,
     NonNegativeNumber,
-    OptionalText,
     Port,
     Positive,
     Problem,
@@ -97,6 +96,11 @@ def _backend_rules(data: dict[str, Any]) -> list[Problem]:
     return problems
 
 
+def _name_is_the_key(data: dict[str, Any]) -> list[Problem]:
+    """A profile is named by its key; `name` is not a key one writes."""
+    return [Problem(("name",), "extra_forbidden", data["name"])] if "name" in data else []
+
+
 def _kind_rules(data: dict[str, Any]) -> list[Problem]:
     """A listener has a handler or an agent; a handler needs a description."""
     name, problems = data.get("name"), []
@@ -110,7 +114,7 @@ def _kind_rules(data: dict[str, Any]) -> list[Problem]:
         problems.append(Problem(("response_class",), message, data["response_class"]))
     elif "handler" not in data and "agent" not in data:
         problems.append(Problem((), "a listener needs a `handler` or an `agent`", data))
-    if "agent" not in data and "description" not in data:
+    if "agent" not in data and data.get("description") is None:
         problems.append(Problem(("description",), "missing", data))
     return problems
 
@@ -193,7 +197,9 @@ class ProfileConfig:
     retention: RetentionValue | None = None  # overrides journal.retention
     synchronous: Synchronous | None = None  # overrides journal.synchronous
     token_budget: Positive | None = None
-    name: SkipJsonSchema[str] = ""  # the profile's key in `profiles`, filled in by the loader
+    name: SkipJsonSchema[str] = ""  # its key in `profiles`, filled in by the loader
+
+    _rules = rules(lambda data, _: _name_is_the_key(data), "profile")
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -261,7 +267,7 @@ class ListenerSection:
     response_class: ClassRefs = ()
     handler: HandlerRef | None = None
     agent: AgentConfig | None = None
-    description: OptionalText | None = None  # required for handlers; agents: the docstring
+    description: AnyText | None = None  # required for handlers; agents: the docstring
     peers: Names = ()
     max_concurrency: Positive | None = None  # None: pump.per_listener_concurrency
     timeout_s: Seconds | None = None  # None: pump.handler_timeout_s
@@ -269,22 +275,9 @@ class ListenerSection:
     _rules = rules(lambda data, _: _kind_rules(data), "listener")
 
 
-def _name_profiles(value: Any) -> Any:
-    """Each profile learns its own name (its key)."""
-    if not isinstance(value, dict):
-        return value
-    return {
-        key: {**body, "name": key} if isinstance(body, dict) and "name" not in body else body
-        for key, body in value.items()
-    }
-
-
 @dataclass(frozen=True, config=SECTION)
 class OrganismSection:
     name: Name
-
-
-Profiles = Annotated[dict[ProfileName, ProfileConfig], BeforeValidator(_name_profiles)]
 
 
 def _organism_key(data: Any) -> Any:
@@ -313,7 +306,7 @@ class OrganismDocument:
     metrics: MetricsConfig = MetricsConfig()
     pump: PumpConfig = PumpConfig()
     journal: JournalConfig = JournalConfig()
-    profiles: Profiles = Field(default_factory=dict)
+    profiles: dict[ProfileName, ProfileConfig] = Field(default_factory=dict)
     prompts: dict[PromptName, Prompt] = Field(default_factory=dict)
     llm: LlmConfig | None = None
     listeners: tuple[ListenerSection, ...] = ()

@@ -17,7 +17,6 @@ from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import (
     AfterValidator,
-    BeforeValidator,
     Field,
     PlainSerializer,
     PlainValidator,
@@ -187,10 +186,6 @@ def _env_name(value: str) -> str:
     return value
 
 
-def _text_or_empty(value: Any) -> Any:
-    return "" if value is None else value
-
-
 def _path(value: Any, info: ValidationInfo) -> Path:
     """`~` expanded; relative to the configuration's folder when there is one."""
     if isinstance(value, Path):
@@ -230,9 +225,7 @@ def _folder(value: Path, info: ValidationInfo) -> Path:
     if not value.is_dir():
         raise problem(f"not a folder: {value}")
     context = info.context if isinstance(info.context, dict) else {}
-    context["python_path_at"] = imports.add_import_folder(
-        value, context.get("python_path_at", 0)
-    )
+    context["python_path_at"] = imports.add_import_folder(value, context.get("python_path_at", 0))
     return value
 
 
@@ -245,7 +238,7 @@ Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
 NonNegativeNumber = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 Bool = Annotated[bool, Strict()]
 Text = Annotated[str, Strict(), AfterValidator(_not_empty)]
-OptionalText = Annotated[str, BeforeValidator(_text_or_empty), Strict()]
+AnyText = Annotated[str, Strict()]  # may be empty
 Name = Annotated[
     str,
     Strict(),
