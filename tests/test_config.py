@@ -913,3 +913,15 @@ def test_a_profile_is_named_by_its_key_only(tmp_path: Path) -> None:
         "profiles.public.name",
         "unknown key; expected one of: listeners, retention, synchronous, token_budget",
     )
+
+
+def test_an_invalid_profile_name_is_reported_at_the_key(tmp_path: Path) -> None:
+    text = "organism: {name: t}\nprofiles:\n  'bad name': {listeners: all}\n"
+    assert issues_of(text, tmp_path) == [
+        at(
+            text,
+            "'bad name'",
+            "profiles['bad name']",
+            "invalid profile name 'bad name': use letters, digits, '_', '.', '-'",
+        )
+    ]

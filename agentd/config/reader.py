@@ -31,6 +31,7 @@ from agentd._errors import ConfigError
 
 Loc = tuple[str | int, ...]
 _UNKNOWN_KEY = ("unexpected_keyword_argument", "extra_forbidden")
+ENTRY_ERROR = "config_entry"  # one of our rules, pointing at the mapping holding its key
 
 _TAG = "tag:yaml.org,2002:"
 STR, INT, FLOAT, BOOL, NULL = (_TAG + t for t in ("str", "int", "float", "bool", "null"))
@@ -250,7 +251,7 @@ def _locate(doc: Document, loc: Loc, error_type: str) -> tuple[yaml.Node | None,
     if error_type in _UNKNOWN_KEY and loc in doc.keys:
         return doc.keys[loc], path
     node = doc.values.get(loc)
-    if node is not None and error_type not in ("missing", "config_entry"):
+    if node is not None and error_type not in ("missing", ENTRY_ERROR):
         return node, path
     for end in range(len(loc) - 1, -1, -1):  # a missing key: point at its mapping
         node = doc.values.get(loc[:end])
@@ -329,7 +330,7 @@ def describe(error: ErrorDetails, node: yaml.Node | None, schema: Mapping[str, A
             return f"expected a string, got {kind_of(node)}"
         choices = ", ".join(str(c) for c in schema.get("enum", ()))
         return f"expected one of {choices}; got {error['input']!r}"
-    if kind == "config_entry":
+    if kind == ENTRY_ERROR:
         return error["msg"]
     if kind == "value_error":
         return str(error.get("ctx", {}).get("error", error["msg"]))

@@ -31,6 +31,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError, PydanticKnownEr
 from pydantic_core.core_schema import ErrorType
 
 from agentd.config import imports
+from agentd.config.reader import ENTRY_ERROR
 from agentd.kernel import (
     PRUNE_ON_DELIVERY_MODE,
     RETAIN_DAYS_MODE,
@@ -43,9 +44,6 @@ _NAME_RULE = "use letters, digits, '_', '.', '-' (not first), at most 128 charac
 _BUILTIN_ERRORS = frozenset(typing.get_args(ErrorType))
 
 # ------------------------------------------------------------ reporting many errors
-
-ENTRY_ERROR = "config_entry"  # reported at the mapping that holds the key
-
 
 class Problem(NamedTuple):
     """One of our rules failed at `loc` (below the value being validated)."""
