@@ -117,7 +117,7 @@ metrics: {{listen: "{metrics}"}}
 
 
 def _write(path: Path, data: bytes | str, mode: int) -> None:
-    from agentd.bus._tls import write_new
+    from agentd.bus import write_new
 
     write_new(path, data.encode() if isinstance(data, str) else data, mode)
 
@@ -129,8 +129,7 @@ def init_home(
     """Write a working setup into `home`; refuses to overwrite any of its files."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from agentd.bus._auth import CLIENT_ID
-    from agentd.bus._tls import make_self_signed
+    from agentd.bus import CLIENT_ID, make_self_signed
 
     if not CLIENT_ID.fullmatch(client) or client == "core":
         raise AgentdError(f"invalid client id {client!r}")
@@ -227,7 +226,7 @@ def _url_host(host: str) -> str:
 
 def read_secret(path: Path) -> str:
     """A TOTP secret file: the base32 secret, or an otpauth:// URI, on one line."""
-    from agentd.bus._auth import normalise_secret
+    from agentd.bus import normalise_secret
 
     try:
         text = path.read_text(encoding="utf-8").strip()
@@ -243,7 +242,7 @@ def read_secret(path: Path) -> str:
 
 def _secret_for(client: str, secret_file: Path | None, clients_file: Path | None) -> str:
     if clients_file is not None:
-        from agentd.bus._auth import read_clients_file
+        from agentd.bus import read_clients_file
 
         entries = read_clients_file(clients_file)
         if client not in entries:
@@ -328,7 +327,7 @@ async def _send_main(
         return EXIT_CONNECT, report
     if bus.session and bus.session != session:
         try:
-            from agentd.bus._auth import write_private_atomic
+            from agentd.bus import write_private_atomic
 
             write_private_atomic(session_path, (bus.session + "\n").encode())
         except OSError:

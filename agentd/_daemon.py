@@ -42,7 +42,7 @@ from agentd.kernel import Kernel
 from agentd.oob import result_element
 
 if TYPE_CHECKING:
-    from agentd.bus._auth import ClientEntry
+    from agentd.bus import ClientEntry
 
 log = logging.getLogger("agentd.daemon")
 
@@ -420,8 +420,7 @@ class Daemon:
                 raise ConfigError(["auth.clients_file: adding or removing the clients file "
                                    "needs a restart"])
             return None
-        from agentd.bus import AuthFileError
-        from agentd.bus._auth import read_clients_file
+        from agentd.bus import AuthFileError, read_clients_file
 
         try:
             entries = read_clients_file(path)
