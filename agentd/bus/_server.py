@@ -104,9 +104,14 @@ class BusServer:
         cfg = self.cfg
         self.loop = asyncio.get_running_loop()  # get_running_loop() costs a getpid()
         self._server = await self.loop.create_server(
-            lambda: BusConnection(self), cfg.host, cfg.port, ssl=self.ssl_context
+            self.new_connection, cfg.host, cfg.port, ssl=self.ssl_context
         )
         log.info("bus listening url=wss://%s:%d%s", cfg.host, self.port, BUS_PATH)
+
+    def new_connection(self) -> BusConnection:
+        """The protocol for one accepted socket (the listening socket's factory; a
+        test may feed one from a transport of its own)."""
+        return BusConnection(self)
 
     @property
     def port(self) -> int:

@@ -302,12 +302,12 @@ class BusSession:
             if held_id is None or held_id not in replayed:
                 actions.extend(self.deliver(thread, data, held_id))
         if self.state is ConnState.CLOSED:
-            return actions  # the held frames overflowed the queue
+            return tuple(actions)  # the held frames overflowed the queue
         if self._shutdown:
             self._to(ConnEvent.SHUTDOWN)
-            return actions
+            return tuple(actions)
         actions.extend(self._update_reading())
-        return actions
+        return tuple(actions)
 
     # ---- envelopes in ----------------------------------------------------------------
 
