@@ -153,10 +153,11 @@ class BusServer:
         self._all_gone = asyncio.Event()
         for conn in live:
             conn.go_away(code)
-        if self._live:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(2 * 5.0):
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10.0):  # twice a close handshake's own limit
+                if self._live:
                     await self._all_gone.wait()
+                await self._server.wait_closed()
         log.info("bus closed")
 
     # ---- the pump's side ---------------------------------------------------------
