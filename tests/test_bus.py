@@ -1,4 +1,4 @@
-"""The main bus over real TLS WebSockets on 127.0.0.1 (CONTRACT section 3): first-
+"""The main bus over real TLS WebSockets on 127.0.0.1: first-
 frame TOTP authentication, sessions, lockout, transport limits, backpressure, rate
 limits, routing of answers and the outbox. The server side is the real BusServer,
 ClientAuth and Pump (on a real Kernel for the outbox); only the clock of ClientAuth
