@@ -64,6 +64,7 @@ class BusConnection(asyncio.Protocol):
     """One TLS connection: websockets' framing + a `BusSession` + the loop."""
 
     __slots__ = (
+        "_close_armed",
         "_flush_at",
         "_fragments",
         "_inbox",
@@ -92,6 +93,7 @@ class BusConnection(asyncio.Protocol):
         self._inbox: deque[bytes] | None = None  # frames received while reading is paused
         self._fragments: list[bytes] | None = None
         self._processing = False
+        self._close_armed = False  # the close timeout is armed
         self._flush_at: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None  # handshake/auth timeout, TTL
         self._ping: asyncio.TimerHandle | None = None
@@ -351,6 +353,8 @@ class BusConnection(asyncio.Protocol):
         self._run(session.submitted(thread, result, server.loop.time()))
 
     def _set_ttl_timer(self, at: float) -> None:
+        if self._close_armed:
+            return  # the timer cuts the closing connection; keep it
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self.server.loop.call_at(at, self._ttl_expired)
@@ -440,7 +444,11 @@ class BusConnection(asyncio.Protocol):
 
     def _expect_close(self) -> None:
         """websockets expects the TCP connection to close: cut it if the peer does
-        not finish the closing handshake in time."""
+        not finish the closing handshake in time (armed once, so a peer that keeps
+        sending cannot push the deadline back)."""
+        if self._close_armed:
+            return
+        self._close_armed = True
         if self._timer is not None:
             self._timer.cancel()
         transport = self.transport

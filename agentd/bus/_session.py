@@ -201,6 +201,8 @@ PAUSE, RESUME, LOAD_OUTBOX = PauseReading(), ResumeReading(), LoadOutbox()
 
 @dataclass(frozen=True, slots=True)
 class SessionLimits:
+    """The per-connection bounds, shared by every session of one server."""
+
     max_inflight: int
     inflight_ttl_s: float
     send_queue_limit: int
@@ -211,6 +213,10 @@ class SessionLimits:
 
 
 class BusSession:
+    """One connection's state and decisions. Each public method is an event and
+    returns the actions to carry out, in order (an empty tuple when there is none:
+    the common case on the hot path allocates nothing)."""
+
     __slots__ = (
         "_held",
         "_limits",
