@@ -35,9 +35,11 @@ class RecordingTransport(asyncio.Transport):
         self.closed = False
         self.reading = True
         self.protocol: asyncio.Protocol | None = None
+        self.written = asyncio.Event()  # set on every write (for timer-driven frames)
 
     def write(self, data: Any) -> None:
         self.writes.append(bytes(data))
+        self.written.set()
 
     def close(self) -> None:
         if not self.closed and self.protocol is not None:
@@ -96,6 +98,14 @@ class Wire:
     def send(self, data: bytes) -> None:
         self.client.send_text(data)
         self.push()
+
+    async def next_frame(self) -> Frame:
+        """Wait for the server's next write (a timer may cause it); its one frame."""
+        self.transport.written.clear()
+        await asyncio.wait_for(self.transport.written.wait(), 5)
+        [frame] = self.pull()
+        assert isinstance(frame, Frame)
+        return frame
 
 
 async def next_turn() -> None:
@@ -218,3 +228,20 @@ async def test_the_peer_closing_ends_the_session(rig: Rig) -> None:
     assert rig.bus.connections == 0 and not rig.bus.connections_of("alice")
     [close] = wire.pull()
     assert close.opcode is Opcode.CLOSE and wire.transport.closed
+
+
+async def test_pings_answered_keep_the_connection_an_unanswered_one_closes_1011(
+    tmp_path: Path,
+) -> None:
+    r = await start_rig(tmp_path, server_kw={"ping_interval_s": 0.05})
+    try:
+        wire = await logged_in(r)
+        ping = await wire.next_frame()
+        assert ping.opcode is Opcode.PING
+        wire.push()  # the client protocol answered with a pong
+        assert (await wire.next_frame()).opcode is Opcode.PING  # still open: pinged again
+        close = await wire.next_frame()  # that one was not answered
+        assert close.opcode is Opcode.CLOSE
+        assert Close.parse(close.data) == Close(1011, "keepalive ping timeout")
+    finally:
+        await stop(r)
