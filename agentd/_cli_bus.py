@@ -117,7 +117,7 @@ metrics: {{listen: "{metrics}"}}
 
 
 def _write(path: Path, data: bytes | str, mode: int) -> None:
-    from agentd.bus._tls import write_new
+    from agentd.bus import write_new
 
     write_new(path, data.encode() if isinstance(data, str) else data, mode)
 
@@ -129,7 +129,7 @@ def init_home(
     """Write a working setup into `home`; refuses to overwrite any of its files."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from agentd.bus._tls import make_self_signed
+    from agentd.bus import make_self_signed
     from agentd.config import CLIENT_ID
 
     if not CLIENT_ID.fullmatch(client) or client == "core":
@@ -243,7 +243,7 @@ def read_secret(path: Path) -> str:
 
 def _secret_for(client: str, secret_file: Path | None, clients_file: Path | None) -> str:
     if clients_file is not None:
-        from agentd.bus._auth import read_clients_file
+        from agentd.bus import read_clients_file
 
         entries = read_clients_file(clients_file)
         if client not in entries:
@@ -328,7 +328,7 @@ async def _send_main(
         return EXIT_CONNECT, report
     if bus.session and bus.session != session:
         try:
-            from agentd.bus._auth import write_private_atomic
+            from agentd.bus import write_private_atomic
 
             write_private_atomic(session_path, (bus.session + "\n").encode())
         except OSError:

@@ -420,8 +420,7 @@ class Daemon:
                 raise ConfigError(["auth.clients_file: adding or removing the clients file "
                                    "needs a restart"])
             return None
-        from agentd.bus import AuthFileError
-        from agentd.bus._auth import read_clients_file
+        from agentd.bus import AuthFileError, read_clients_file
 
         try:
             entries = read_clients_file(path)

@@ -33,8 +33,7 @@ from agentd._schemas import NS_CORE, NS_ENV
 from agentd._threads import new_uuid
 from agentd._xml import c14n, parse_untrusted
 from agentd._xmlify import is_xmlified, spec_of
-from agentd.bus._auth import TOTP_STEP_S, auth_frame, parse_auth_ok
-from agentd.bus._tls import client_context
+from agentd.bus import TOTP_STEP_S, auth_frame, client_context, parse_auth_ok
 
 __all__ = ["AuthenticationFailed", "BusClient", "BusError", "frame_kind"]
 

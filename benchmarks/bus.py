@@ -85,8 +85,8 @@ def requests(client: str, n: int) -> list[bytes]:
 async def serve_echo(home: Path) -> None:
     from websockets.asyncio.server import serve
 
-    from agentd.bus._tls import server_context
     from agentd.config import TlsConfig
+    from agentd.bus import server_context
 
     ctx = server_context(TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
 
@@ -214,7 +214,7 @@ class Rig:
         import pyotp
         from websockets.asyncio.client import connect
 
-        from agentd.bus._auth import auth_frame, parse_auth_ok
+        from agentd.bus import auth_frame, parse_auth_ok
 
         ws = await connect(f"wss://127.0.0.1:{port}/bus", ssl=self.ctx, compression=None,
                            max_size=1 << 20, open_timeout=60, ping_interval=None)

@@ -1,7 +1,8 @@
-"""The main bus over real TLS WebSockets on 127.0.0.1 (CONTRACT section 3): first-
+"""The main bus over real TLS WebSockets on 127.0.0.1: first-
 frame TOTP authentication, sessions, lockout, transport limits, backpressure, rate
 limits, routing of answers and the outbox. The server side is the real BusServer,
-ClientAuth and Pump; only the clock of ClientAuth is moved by the tests."""
+ClientAuth and Pump (on a real Kernel for the outbox); only the clock of ClientAuth
+is moved by the tests. The session's decisions alone are in test_bus_session.py."""
 
 from __future__ import annotations
 
@@ -18,13 +19,12 @@ from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatu
 from agentd import _metrics
 from agentd._envelope import build_envelope, parse_envelope
 from agentd._xmlify import spec_of
-from agentd.bus import ClientAuth, auth_frame, totp_code
-from agentd.bus._auth import AuthFileError, parse_auth_ok
+from agentd.bus import AuthFileError, BusSession, ClientAuth, auth_frame, parse_auth_ok, totp_code
 from agentd.client import AuthenticationFailed, BusError, frame_kind
 from agentd.tools.calculator import Add
 from agentd.tools.echo import Echo
 from agentd.tools.relay import Relay
-from tests.test_bus_support import GATE, Gate, MemoryOutbox, Rig, start_rig, stop_rig
+from tests.test_bus_support import GATE, Gate, Rig, gate_entered, start_rig, stop_rig
 
 
 @pytest.fixture
@@ -36,7 +36,7 @@ async def rig(tmp_path: Path):
 
 @pytest.fixture(autouse=True)
 def _gate():
-    GATE.update(event=None, entered=0)
+    GATE.update(event=None, entered=0, watch=None, times=[])
     yield
     event = GATE["event"]
     if event is not None:
@@ -459,15 +459,13 @@ async def test_frames_queued_together_arrive_whole_and_in_order(rig: Rig) -> Non
         thread = str(uuid.uuid4())
         burst = [build_envelope("echo", thread, spec_of(Echo).to_bytes(Echo(text=f"n{i}")),
                                 to="alice") for i in range(50)]
-        transport = rig.bus._by_client["alice"][-1].ws.transport
-        writes: list[int] = []
-        write = transport.write
-        transport.write = lambda data: (writes.append(len(data)), write(data))[1]  # type: ignore[method-assign]
+        conn = rig.bus.connections_of("alice")[-1]
+        writes_before = conn.writes
         for frame in burst:
             rig.bus.deliver("alice", thread, frame)
         got = [await c.recv(timeout=5) for _ in burst]
         assert got == burst
-        assert len(writes) == 1  # 50 frames, one write (a batch is up to 64 frames)
+        assert conn.writes - writes_before == 1  # 50 frames, one transport write
     finally:
         await c.close()
 
@@ -481,10 +479,11 @@ async def test_inflight_limit_stops_reading_until_answers_come(tmp_path: Path) -
     try:
         async with r.client("alice") as c:
             threads = [await c.send(Gate(n=i)) for i in range(20)]
-            await asyncio.sleep(0.5)
-            assert len(r.submitted) == 4  # the server stopped consuming frames
-            assert GATE["entered"] == 4
-            await asyncio.sleep(0.3)
+            await gate_entered(4)
+            session = r.bus.connections_of("alice")[-1].session
+            assert session is not None
+            # The server stopped consuming frames: its window is full, reading paused.
+            assert session.inflight.full and not session.reading
             assert len(r.submitted) == 4
             event.set()
             answers: dict[str, str] = {}
@@ -499,45 +498,51 @@ async def test_inflight_limit_stops_reading_until_answers_come(tmp_path: Path) -
 
 
 async def test_inflight_slots_of_unanswered_threads_expire(tmp_path: Path) -> None:
-    r = await start_rig(tmp_path, bus={"max_inflight": 2}, server_kw={"inflight_ttl_s": 0.4})
+    ttl = 0.4
+    r = await start_rig(tmp_path, bus={"max_inflight": 2}, server_kw={"inflight_ttl_s": ttl})
     GATE["event"] = asyncio.Event()  # never set during the test
     try:
         async with r.client("alice") as c:
+            sent_at = asyncio.get_running_loop().time()
             for i in range(3):
                 await c.send(Gate(n=i))
-            await asyncio.sleep(0.2)
+            await gate_entered(2)
+            session = r.bus.connections_of("alice")[-1].session
+            assert session is not None and not session.reading
             assert len(r.submitted) == 2
-            await asyncio.sleep(0.6)
+            await gate_entered(3)  # the first slot expired, the third envelope went in
             assert len(r.submitted) == 3
+            assert GATE["times"][2] - sent_at >= ttl
     finally:
         await stop_rig(r)
 
 
 async def test_a_client_that_never_reads_is_bounded(tmp_path: Path) -> None:
+    limit = 64 * 1024
     r = await start_rig(
         tmp_path, bus={"max_envelope_bytes": 16384},
-        server_kw={"send_queue_limit": 64 * 1024, "read_pause_bytes": 16 * 1024},
+        server_kw={"send_queue_limit": limit, "read_pause_bytes": 16 * 1024},
     )
+    closed: list[BusSession] = []
+    gone = asyncio.Event()
+    r.bus.on_session_closed = lambda session: (closed.append(session), gone.set())
     try:
         c = await r.login("alice")
         text = "x" * 4000
-        peak = 0
 
         async def flood() -> None:
             for _ in range(3000):
                 await c.send(Echo(text=text))
 
         flooding = asyncio.create_task(flood())
-        for _ in range(15):
-            await asyncio.sleep(0.1)
-            conns = [conn for cs in r.bus._by_client.values() for conn in cs]
-            peak = max([peak, *(conn.sendq_bytes for conn in conns)])
+        await asyncio.wait_for(gone.wait(), 30)
         # The server stopped reading long before the client ran out of things to send,
         # its queue for this client never passed the limit, and it dropped the client.
         assert not flooding.done()
         assert len(r.submitted) < 200
-        assert peak <= 64 * 1024
-        assert r.bus.connections == 0 and not r.bus._by_client
+        assert [s.close_code for s in closed] == [1008]
+        assert 0 < closed[0].peak_queued_bytes <= limit
+        assert r.bus.connections == 0 and not r.bus.connections_of("alice")
         flooding.cancel()
         c.connection.transport.abort()
     finally:
@@ -547,23 +552,12 @@ async def test_a_client_that_never_reads_is_bounded(tmp_path: Path) -> None:
 # ---- outbox --------------------------------------------------------------------------
 
 
-def _outbox_deliver(outbox: MemoryOutbox):
-    """What the kernel-backed pump does: answers are written to the outbox, then
-    handed to the bus with their outbox id; accepted/huh go straight through."""
-
-    def deliver(rig: Rig, client: str, thread: str, data: bytes) -> None:
-        sender = frame_kind(data)[0]
-        oid = None if sender == "core" else outbox.add(client, thread, data)
-        rig.bus.deliver(client, thread, data, oid)
-
-    return deliver
-
-
 async def test_answers_for_a_disconnected_client_arrive_on_reconnect_in_order(
     tmp_path: Path,
 ) -> None:
-    outbox = MemoryOutbox()
-    r = await start_rig(tmp_path, outbox=outbox, deliver_hook=_outbox_deliver(outbox))
+    r = await start_rig(tmp_path, kernel=True)
+    kernel = r.kernel
+    assert kernel is not None
     GATE["event"] = event = asyncio.Event()
     try:
         c = await r.login("alice")
@@ -573,7 +567,8 @@ async def test_answers_for_a_disconnected_client_arrive_on_reconnect_in_order(
         await c.close()  # mid-conversation
         event.set()
         await r.pump.join()
-        assert [t for _, t, _ in outbox.frames["alice"]] == threads
+        await kernel.flush()
+        assert [t for _, t, _ in await kernel.outbox("alice")] == threads
         async with r.client("alice", session=c.session) as again:
             replayed = [await again.recv(timeout=5) for _ in threads]
             assert [frame_kind(f)[2] for f in replayed] == threads
@@ -581,22 +576,30 @@ async def test_answers_for_a_disconnected_client_arrive_on_reconnect_in_order(
             # new traffic comes after the replay
             frames = await again.exchange(Add(a=3, b=4), timeout=5)
             assert value(frames[-1], "value") == "7"
-        assert not [f for f in outbox.frames["alice"] if f[1] in threads]  # all delivered
+        await kernel.flush()
+        assert not [f for f in await kernel.outbox("alice") if f[1] in threads]  # delivered
     finally:
         await stop_rig(r)
 
 
 async def test_outbox_frames_are_replayed_before_anything_new(tmp_path: Path) -> None:
-    outbox = MemoryOutbox()
-    r = await start_rig(tmp_path, outbox=outbox, deliver_hook=_outbox_deliver(outbox))
+    r = await start_rig(tmp_path, kernel=True)
+    kernel = r.kernel
+    assert kernel is not None
     try:
         seeded = [str(uuid.uuid4()) for _ in range(3)]
+        tx = kernel.transaction()
         for i, t in enumerate(seeded):
             body = f'<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1"><value>{i}</value></sum>'
-            outbox.add("alice", t, build_envelope("calculator.add", t, body.encode(), to="alice"))
+            frame = build_envelope("calculator.add", t, body.encode(), to="alice")
+            tx.outbox_put("alice", t, frame)
+        await kernel.commit(tx)
         async with r.client("alice") as c:
             assert [frame_kind(await c.recv(timeout=5))[2] for _ in seeded] == seeded
-        assert outbox.delivered_ids == [1, 2, 3]
+            frames = await c.exchange(Add(a=1, b=2), timeout=5)
+            assert value(frames[-1], "value") == "3"
+        await kernel.flush()
+        assert await kernel.outbox("alice") == []
     finally:
         await stop_rig(r)
 
@@ -620,8 +623,7 @@ async def test_connections_gauge_moves(rig: Rig) -> None:
     c = await rig.login("alice")
     assert _metrics.bus_connections._value.get() == before + 1
     assert rig.bus.connections >= 1
-    await c.close()
-    await asyncio.sleep(0.1)
+    await c.close()  # the server counted the close before it answered it
     assert _metrics.bus_connections._value.get() == before
 
 

@@ -1,14 +1,15 @@
 """Shared pieces for the bus tests: a real server (TLS WebSocket + ClientAuth + the
-real Pump) on 127.0.0.1 port 0, a listener gated by an asyncio.Event the test
-controls, an in-memory outbox, and a clock the tests move forward (so TOTP steps and
-lockouts do not need real waiting). No test lives here."""
+real Pump, optionally on a real Kernel whose durable outbox the bus replays) on
+127.0.0.1 port 0, a listener gated by an asyncio.Event the test controls, and a
+clock the tests move forward (so TOTP steps and lockouts do not need real waiting).
+No test lives here."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,11 +17,13 @@ import pyotp
 import yaml
 
 from agentd import HandlerMetadata, HandlerResponse, xmlify
+from agentd._daemon import KernelOutbox
 from agentd._pump import Pump
 from agentd._routing import Routing
 from agentd.bus import BusServer, ClientAuth, make_self_signed, totp_code
 from agentd.client import BusClient
 from agentd.config import AuthConfig, BusConfig, TlsConfig, load_config_text
+from agentd.kernel import Kernel
 
 GATE_NS = "https://xml-pipeline.org/ns/test/gate/v1"
 
@@ -39,11 +42,15 @@ class Gated:
     n: Annotated[int, "the number"]
 
 
-GATE: dict[str, Any] = {"event": None, "entered": 0}
+GATE: dict[str, Any] = {"event": None, "entered": 0, "watch": None}
 
 
 async def gate(payload: Gate, meta: HandlerMetadata) -> HandlerResponse:
     GATE["entered"] += 1
+    GATE.setdefault("times", []).append(asyncio.get_running_loop().time())
+    watch = GATE["watch"]
+    if watch is not None:
+        watch.set()
     event = GATE["event"]
     if event is not None:
         await event.wait()
@@ -82,6 +89,14 @@ listeners:
 """
 
 
+async def gate_entered(n: int, timeout: float = 5.0) -> None:
+    """Wait until the gate handler has been entered `n` times."""
+    async with asyncio.timeout(timeout):
+        while GATE["entered"] < n:
+            watch = GATE["watch"] = asyncio.Event()
+            await watch.wait()
+
+
 class Clock:
     """Wall-clock seconds that only move when the test says so."""
 
@@ -98,30 +113,6 @@ class Clock:
 
 
 @dataclass
-class MemoryOutbox:
-    """What the kernel's outbox does for the bus, in memory: frames for a client
-    are kept until written to its socket."""
-
-    frames: dict[str, list[tuple[int, str, bytes]]] = field(default_factory=dict)
-    delivered_ids: list[int] = field(default_factory=list)
-    next_id: int = 1
-
-    def add(self, client: str, thread: str, data: bytes) -> int:
-        oid = self.next_id
-        self.next_id += 1
-        self.frames.setdefault(client, []).append((oid, thread, data))
-        return oid
-
-    async def pending(self, client: str) -> list[tuple[int, str, bytes]]:
-        await asyncio.sleep(0)
-        return list(self.frames.get(client, []))
-
-    def delivered(self, client: str, outbox_id: int) -> None:
-        self.delivered_ids.append(outbox_id)
-        self.frames[client] = [f for f in self.frames.get(client, []) if f[0] != outbox_id]
-
-
-@dataclass
 class Rig:
     bus: BusServer
     auth: ClientAuth
@@ -131,6 +122,7 @@ class Rig:
     home: Path
     auth_cfg: AuthConfig
     submitted: list[tuple[str, bytes]]
+    kernel: Kernel | None = None
 
     @property
     def url(self) -> str:
@@ -174,8 +166,7 @@ async def start_rig(
     clients: tuple[str, ...] = ("alice", "bob"),
     bus: dict[str, Any] | None = None,
     auth: dict[str, Any] | None = None,
-    outbox: MemoryOutbox | None = None,
-    deliver_hook: Callable[[Rig, str, str, bytes], None] | None = None,
+    kernel: bool = False,
     submit_hook: Callable[[Callable[[str, bytes], Awaitable[object]]], Any] | None = None,
     server_kw: dict[str, Any] | None = None,
 ) -> Rig:
@@ -197,12 +188,10 @@ async def start_rig(
     submitted: list[tuple[str, bytes]] = []
 
     def deliver(client: str, thread: str, data: bytes, outbox_id: int | None = None) -> None:
-        if deliver_hook is not None:
-            deliver_hook(holder["rig"], client, thread, data)
-        else:
-            holder["bus"].deliver(client, thread, data, outbox_id)
+        holder["bus"].deliver(client, thread, data, outbox_id)
 
-    pump = Pump(Routing.build(config), client_auth.profiles(), deliver, config.pump)
+    store = await Kernel.open(config.state_dir) if kernel else None
+    pump = Pump(Routing.build(config), client_auth.profiles(), deliver, config.pump, store)
     await pump.start()
 
     async def submit(client: str, data: bytes) -> object:
@@ -218,12 +207,13 @@ async def start_rig(
     # As the daemon wires it: the task-free path first. A test that hooks `submit`
     # (to hold envelopes back) gets every envelope through its hook instead.
     server = BusServer(
-        bus_cfg, client_auth, submit_hook(submit) if submit_hook else submit, outbox,
+        bus_cfg, client_auth, submit_hook(submit) if submit_hook else submit,
+        KernelOutbox(store) if store is not None else None,
         **{"submit_nowait": None if submit_hook else submit_nowait, **(server_kw or {})},
     )
     holder["bus"] = server
     await server.start()
-    rig = Rig(server, client_auth, pump, secrets, clock, home, auth_cfg, submitted)
+    rig = Rig(server, client_auth, pump, secrets, clock, home, auth_cfg, submitted, store)
     holder["rig"] = rig
     return rig
 
@@ -231,3 +221,5 @@ async def start_rig(
 async def stop_rig(rig: Rig) -> None:
     await rig.bus.close()
     await rig.pump.stop()
+    if rig.kernel is not None:
+        await rig.kernel.close()

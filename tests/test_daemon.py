@@ -471,7 +471,7 @@ async def test_bus_attacks_against_a_real_daemon(home: Path) -> None:
     import pyotp
     from websockets.asyncio.client import connect
 
-    from agentd.bus._tls import client_context
+    from agentd.bus import client_context
     from agentd.client import AuthenticationFailed
 
     edit_config(home, lambda doc: doc["bus"].update(auth_timeout_s=1))

@@ -1,8 +1,8 @@
 """The bus's flow limits as plain objects (no sockets): a token bucket per client and
-the in-flight window per connection. The server asks them questions; they never do
+the in-flight window per connection. The session asks them questions; they never do
 I/O, so the policies are tested without a network.
 
-"In flight" (CONTRACT section 3, `bus.max_inflight`) means: an envelope the pump
+"In flight" (`bus.max_inflight`) means: an envelope the pump
 accepted whose thread has not yet received its answer. The answer is the first
 frame on that thread that is not `accepted` (a response, an `ack` or a `huh`).
 An envelope refused at ingress is answered by its `huh` at once and never counts.
