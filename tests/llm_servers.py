@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentd.demo import DEMO_DIR
+
 _BLOCK = re.compile(
     r"\u27e6data:(\w+) layer=(\d) source=([^\u27e7\n]*)\u27e7\n(.*?)\n\u27e6/data:\1\u27e7",
     re.DOTALL,
@@ -259,7 +261,7 @@ def tutor_script(seen: Seen) -> str:
 
 
 async def record_demo_cassette() -> None:  # pragma: no cover - a maintenance tool
-    """Re-record config/cassettes/agent-demo.jsonl from the tutor script."""
+    """Re-record agentd/demo/cassettes/agent-demo.jsonl from the tutor script."""
     import dataclasses
     from pathlib import Path
 
@@ -297,7 +299,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 # ---- organisms for the tests -----------------------------------------------------------
 
-CONFIG_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent / "config"
+CONFIG_DIR = DEMO_DIR  # the demo organisms, prompts and cassette (package data)
 
 
 def organism_yaml(
