@@ -30,6 +30,7 @@ from agentd.oob._protocol import (
     Verifier,
     build_response,
     encode_frame,
+    format_time,
     parse_response,
     sign_request,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "build_response",
     "element_to_json",
     "encode_frame",
+    "format_time",
     "load_authorized_keys",
     "load_private_key",
     "parse_authorized_keys",
