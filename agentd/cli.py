@@ -48,7 +48,8 @@ def _counted(n: int, noun: str) -> str:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The organism file. Without it: the built-in demo in ./agentd-home.",
 )
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Overrides the organism file's state_dir.")
 @click.option("--log-format", type=click.Choice(["kv", "json"]), default="kv", show_default=True)
 @click.option("--log-level", default="INFO", show_default=True)
 def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_level: str) -> None:
