@@ -1,5 +1,5 @@
 """`agentctl` against a real OobServer on a real socket: every command, the exit
-codes of CONTRACT section 5, --json, environment defaults, keygen, completion."""
+codes of docs/commands.md, --json, environment defaults, keygen, completion."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The importable BusClient and the bus-side commands (`agentd init`, `totp`, `send`),
-against a real TLS bus on 127.0.0.1 (CONTRACT section 5)."""
+against a real TLS bus on 127.0.0.1 (docs/commands.md)."""
 
 from __future__ import annotations
 

@@ -57,3 +57,12 @@ def test_send_trusts_the_certificate_beside_the_secret_file(tmp_path: Path) -> N
     assert default_cafile(tmp_path / "home" / "alice.totp") == (
         tmp_path / "home" / "tls" / "cert.pem")
     assert default_cafile(tmp_path / "alice.totp") is None
+
+
+def test_the_bundled_manifesto_is_package_data() -> None:
+    import agentd
+    from agentd.platform._prompts import BUNDLED_MANIFESTO
+
+    assert BUNDLED_MANIFESTO.is_file()
+    assert BUNDLED_MANIFESTO.is_relative_to(Path(agentd.__file__).parent)
+    assert BUNDLED_MANIFESTO.read_text().startswith("# No Paperclippers")
