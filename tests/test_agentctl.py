@@ -158,7 +158,7 @@ def test_every_command_is_audited(env: Env, server: ServerThread) -> None:
         assert ctl(env, *argv).exit_code == 0
     assert [(k, f["command"], f["outcome"]) for k, f in server.audit] == [
         ("oob-command", name, "ok")
-        for name in ("status", "reload", "introspect", "journal", "shutdown")]
+        for name in ("status", "reload", "introspect threads", "journal", "shutdown")]
 
 
 # --- exit codes --------------------------------------------------------------------------
