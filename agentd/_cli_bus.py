@@ -34,6 +34,9 @@ DEFAULT_URL = "wss://127.0.0.1:8765/bus"
 OPERATOR_KEY_ID = "ops-1"
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONNECT, EXIT_AUTH = 0, 1, 2, 3, 4
+# `-h` as well as `--help`, set on each command too: click keeps a command's help
+# option once made, so one invoked on its own first would forget the group's.
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 
 
 # ---------------------------------------------------------------------------- init
@@ -190,7 +193,7 @@ DEMO_QUESTION = (
 )
 
 
-@click.command("init")
+@click.command("init", context_settings=HELP_OPTIONS)
 @click.option("--dir", "home", type=click.Path(file_okay=False, path_type=Path),
               default=DEFAULT_HOME, show_default=True, help="Folder to write the setup into.")
 @click.option("--client", default="alice", show_default=True, help="The first client's id.")
@@ -265,7 +268,7 @@ def _secret_for(client: str, secret_file: Path | None, clients_file: Path | None
     return read_secret(secret_file or DEFAULT_HOME / f"{client}.totp")
 
 
-@click.command("totp")
+@click.command("totp", context_settings=HELP_OPTIONS)
 @click.option("--client", required=True, help="The client id.")
 @click.option("--secret-file", type=click.Path(dir_okay=False, path_type=Path),
               help="File with the base32 secret [default: agentd-home/CLIENT.totp].")
@@ -399,7 +402,7 @@ def default_cafile(secret_file: Path) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-@click.command("send")
+@click.command("send", context_settings=HELP_OPTIONS)
 @click.option("--url", default=DEFAULT_URL, show_default=True, help="The bus URL.")
 @click.option("--client", default="alice", show_default=True, help="The client id.")
 @click.option("--secret-file", type=click.Path(dir_okay=False, path_type=Path),

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import click
 
-from agentd._cli_bus import init_cmd, send_cmd, totp_cmd
+from agentd._cli_bus import HELP_OPTIONS, init_cmd, send_cmd, totp_cmd
 from agentd._envelope import parse_envelope
 from agentd._errors import AgentdError, ConfigError
 from agentd.demo import AGENT_ORGANISM, ORGANISM
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings=HELP_OPTIONS)
 @click.version_option(package_name="agentd")
 def main() -> None:
     """agentd: a zero-trust runtime for multi-agent LLM systems."""
