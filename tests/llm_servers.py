@@ -263,16 +263,14 @@ def tutor_script(seen: Seen) -> str:
 async def record_demo_cassette() -> None:  # pragma: no cover - a maintenance tool
     """Re-record agentd/demo/cassettes/agent-demo.jsonl from the tutor script."""
     import dataclasses
-    from pathlib import Path
 
     from agentd._config import load_config
     from agentd.platform import make_agent_handlers
     from agentd.platform.demo import MathQuestion
     from agentd.testing import Harness
 
-    root = Path(__file__).resolve().parent.parent
-    cassette = root / "config" / "cassettes" / "agent-demo.jsonl"
-    config = load_config(root / "config" / "agent-demo.yaml")
+    cassette = DEMO_DIR / "cassettes" / "agent-demo.jsonl"
+    config = load_config(DEMO_DIR / "agent-demo.yaml")
     async with FakeLLM("openai", tutor_script) as server:
         assert config.llm is not None
         live = dataclasses.replace(
