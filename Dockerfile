@@ -14,7 +14,8 @@ COPY agentd ./agentd
 COPY agentctl ./agentctl
 RUN python -m venv /opt/agentd \
     && /opt/agentd/bin/pip install --no-cache-dir . \
-    && /opt/agentd/bin/agentd --help > /dev/null
+    && /opt/agentd/bin/agentd --help > /dev/null \
+    && /opt/agentd/bin/agentd demo > /dev/null
 
 # ---- runtime: the virtualenv only, as an unprivileged user ------------------------
 FROM ${PYTHON_IMAGE} AS runtime

@@ -1,4 +1,5 @@
-"""`agentctl`: the operator's client for agentd's out-of-band socket (CONTRACT section 5).
+"""`agentctl`: the operator's client for agentd's out-of-band socket
+(docs/commands.md).
 
 It only turns flags into one signed request and the answer into output; signing,
 framing and parsing are `agentd.oob`'s.

@@ -1,4 +1,4 @@
-"""The bus-side `agentd` commands: `init`, `send`, `totp` (CONTRACT section 5).
+"""The bus-side `agentd` commands: `init`, `send`, `totp` (see docs/commands.md).
 
 They only turn flags into calls. `agentd.cli` registers them on the `agentd` group:
 
@@ -14,6 +14,9 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import os
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,12 +27,16 @@ import yaml
 
 from agentd._errors import AgentdError, Rejection
 from agentd._xml import c14n, parse_untrusted
+from agentd.demo import AGENT_FILES, AGENT_ORGANISM, DEMO_DIR, ORGANISM
 
 DEFAULT_HOME = Path("agentd-home")
 DEFAULT_URL = "wss://127.0.0.1:8765/bus"
 OPERATOR_KEY_ID = "ops-1"
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONNECT, EXIT_AUTH = 0, 1, 2, 3, 4
+# `-h` as well as `--help`, set on each command too: click keeps a command's help
+# option once made, so one invoked on its own first would forget the group's.
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 
 
 # ---------------------------------------------------------------------------- init
@@ -42,66 +49,40 @@ INIT_FILES = (
     "tls/key.pem",
     "operator.key",
     "authorized_keys",
+    *AGENT_FILES,
 )
+DEFAULT_METRICS_PORT = 9464
 
 
 def _demo_sections() -> dict[str, Any]:
-    """pump/journal/profiles/listeners of the built-in demo organism, plus the LLM
-    agent of config/agent-demo.yaml (a tutor replaying a recorded cassette, so the
-    demo shows an agent conversation offline), with its files as absolute paths."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "demo" / "organism.yaml", here.parent / "config" / "organism.yaml"):
-        if candidate.is_file():
-            data = yaml.safe_load(candidate.read_text(encoding="utf-8")) or {}
-            sections = {
-                k: data[k] for k in ("pump", "journal", "profiles", "listeners") if k in data
-            }
-            agent_demo = candidate.parent / "agent-demo.yaml"
-            if agent_demo.is_file():
-                _add_agent_demo(sections, agent_demo)
-            return sections
-    return {  # the package without its demo folder: the calculator alone
-        "profiles": {"public": {"listeners": ["calculator.add"]}, "admin": {"listeners": "all"}},
-        "listeners": [{
-            "name": "calculator.add",
-            "payload_class": "agentd.tools.calculator:Add",
-            "response_class": "agentd.tools.calculator:Sum",
-            "handler": "agentd.tools.calculator:add",
-            "description": "Adds two integers.",
-        }],
-    }
-
-
-def _add_agent_demo(sections: dict[str, Any], path: Path) -> None:
-    agent = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    base = path.parent.resolve()
-    names = {lst["name"] for lst in sections.get("listeners", [])}
-    agents = [lst for lst in agent.get("listeners", []) if "agent" in lst]
-    sections["listeners"] = list(sections.get("listeners", [])) + [
+    """The organism `init` writes, below its bus/auth/oob/metrics head: the demo's
+    tools (agentd/demo/organism.yaml) and the `tutor` agent with its prompts and
+    cassette (agentd/demo/agent-demo.yaml). The agent's file paths stay relative:
+    `init_home` copies those files into the home under the same names."""
+    data = yaml.safe_load(ORGANISM.read_text(encoding="utf-8"))
+    sections = {k: data[k] for k in ("pump", "journal", "profiles", "listeners")}
+    agent = yaml.safe_load(AGENT_ORGANISM.read_text(encoding="utf-8"))
+    names = {lst["name"] for lst in sections["listeners"]}
+    agents = [lst for lst in agent["listeners"] if "agent" in lst]
+    sections["listeners"] = sections["listeners"] + [
         lst for lst in agents if lst["name"] not in names
     ]
-    public = sections.get("profiles", {}).get("public")
-    if public is not None and isinstance(public.get("listeners"), list):
-        public["listeners"] = public["listeners"] + [lst["name"] for lst in agents]
-    sections["prompts"] = {
-        name: f"file:{base / text[5:]}" if str(text).startswith("file:") else text
-        for name, text in agent.get("prompts", {}).items()
-    }
-    llm = dict(agent.get("llm", {}))
-    llm["backends"] = [
-        {**b, **{k: str(base / b[k]) for k in ("cassette", "record") if k in b}}
-        for b in llm.get("backends", [])
-    ]
-    sections["llm"] = llm
-    pump = dict(sections.get("pump", {}))
-    pump["handler_timeout_s"] = max(pump.get("handler_timeout_s", 30), 60)
-    sections["pump"] = pump
+    public = sections["profiles"]["public"]
+    public["listeners"] = public["listeners"] + [lst["name"] for lst in agents]
+    sections["prompts"] = agent["prompts"]
+    sections["llm"] = agent["llm"]
+    sections["pump"] = {**sections["pump"], "handler_timeout_s": agent["pump"]["handler_timeout_s"]}
+    return sections
 
 
-def organism_yaml(host: str, port: int, metrics: str, name: str = "demo") -> str:
+def organism_yaml(host: str, port: int, metrics: str) -> str:
+    # The organism's name is part of every prompt, so it is the one the cassette
+    # was recorded with.
+    name = yaml.safe_load(AGENT_ORGANISM.read_text(encoding="utf-8"))["organism"]["name"]
     head = f"""\
 # Written by `agentd init` on {dt.date.today().isoformat()}.
-# Relative paths resolve against this file's folder.
+# Relative paths resolve against this file's folder, so the folder can be moved.
+# The daemon opens: the bus on {host}:{port} (wss) and metrics on {metrics} (http).
 organism: {{name: {name}}}
 state_dir: state
 bus:
@@ -124,9 +105,10 @@ def _write(path: Path, data: bytes | str, mode: int) -> None:
 
 def init_home(
     home: Path, client: str = "alice", host: str = "127.0.0.1", port: int = 8765,
-    metrics: str = "127.0.0.1:9464",
+    metrics: str = f"127.0.0.1:{DEFAULT_METRICS_PORT}",
 ) -> dict[str, Any]:
-    """Write a working setup into `home`; refuses to overwrite any of its files."""
+    """Write a working setup into `home`; refuses to overwrite any of its files.
+    Everything the organism refers to is inside `home`, by relative path."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from agentd.bus import make_self_signed
@@ -134,6 +116,9 @@ def init_home(
 
     if not CLIENT_ID.fullmatch(client) or client == "core":
         raise AgentdError(f"invalid client id {client!r}")
+    metrics_port = int(metrics.rpartition(":")[2])
+    if port != 0 and port == metrics_port:
+        raise AgentdError(f"the bus and the metrics listener cannot share port {port}")
     names = [f.format(client=client) for f in INIT_FILES]
     existing = [n for n in names if (home / n).exists()]
     if existing:
@@ -161,25 +146,72 @@ def init_home(
     write_private_key(home / "operator.key", key, OPERATOR_KEY_ID)
     _write(home / "authorized_keys",
            authorized_keys_line(key.public_key(), OPERATOR_KEY_ID) + "\n", 0o644)
-    _write(home / "organism.yaml", organism_yaml(host, port, metrics, name="agent-demo"), 0o644)
+    for name in AGENT_FILES:
+        _write(home / name, (DEMO_DIR / name).read_bytes(), 0o644)
+    _write(home / "organism.yaml", organism_yaml(host, port, metrics), 0o644)
     from agentd.config import load_config
 
     load_config(home / "organism.yaml")  # what init writes must load
     return {"dir": str(home), "client": client, "otpauth_uri": uri, "files": names}
 
 
-@click.command("init")
+def executable(name: str) -> str:
+    """The full path of the `agentd` or `agentctl` next to the running program, so a
+    printed command works when pasted into a shell whose PATH lacks the venv."""
+    for folder in (Path(sys.argv[0]).parent, Path(sys.executable).parent):
+        candidate = folder / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate.absolute())
+    return shutil.which(name) or name
+
+
+def next_steps(home: Path, client: str = "alice") -> list[str]:
+    """The shell lines that talk to the daemon of a home written by `init_home`: the
+    operator's environment and status, and a question to the demo tutor."""
+    from agentd.config import load_config
+
+    config = load_config(home / "organism.yaml")
+    tls = config.bus.tls
+    cafile = f" --cafile {shlex.quote(str(tls.cert))}" if tls is not None else ""
+    secret = (home / f"{client}.totp").absolute()
+    socket = config.oob.socket or config.state_dir / "oob.sock"
+    key = (home / "operator.key").absolute()
+    return [
+        f"export AGENTCTL_SOCKET={shlex.quote(str(socket.absolute()))} "
+        f"AGENTCTL_KEY={shlex.quote(str(key))}",
+        f"{shlex.quote(executable('agentctl'))} status",
+        f"echo {shlex.quote(DEMO_QUESTION)} | {shlex.quote(executable('agentd'))} send "
+        f"--url wss://{_url_host(config.bus.host)}:{config.bus.port}/bus --client {client} "
+        f"--secret-file {shlex.quote(str(secret))}{cafile} -",
+    ]
+
+
+# The question the demo cassette holds an answer to.
+DEMO_QUESTION = (
+    '<mathquestion xmlns="https://xml-pipeline.org/ns/agents/math-tutor/v1">'
+    "<text>What is (2 + 3) * 7?</text></mathquestion>"
+)
+
+
+@click.command("init", context_settings=HELP_OPTIONS)
 @click.option("--dir", "home", type=click.Path(file_okay=False, path_type=Path),
               default=DEFAULT_HOME, show_default=True, help="Folder to write the setup into.")
 @click.option("--client", default="alice", show_default=True, help="The first client's id.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bus.host to listen on.")
-@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535),
+              help="bus.port: the TLS WebSocket bus (0: any free port).")
+@click.option("--metrics-port", default=DEFAULT_METRICS_PORT, show_default=True,
+              type=click.IntRange(0, 65535),
+              help="Port of metrics.listen on 127.0.0.1 (/metrics, /healthz, /readyz).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
-def init_cmd(home: Path, client: str, host: str, port: int, as_json: bool) -> None:
-    """Write a working setup into DIR: organism.yaml, a self-signed TLS cert, a
-    clients file with one client and its TOTP secret, an operator key."""
+def init_cmd(
+    home: Path, client: str, host: str, port: int, metrics_port: int, as_json: bool
+) -> None:
+    """Write a working setup into the --dir folder: organism.yaml (the demo tools and
+    the tutor agent with its prompt and cassette), a self-signed TLS cert, a clients
+    file with one client and its TOTP secret, an operator key."""
     try:
-        info = init_home(home, client, host, port)
+        info = init_home(home, client, host, port, f"127.0.0.1:{metrics_port}")
     except AgentdError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
@@ -189,31 +221,15 @@ def init_cmd(home: Path, client: str, host: str, port: int, as_json: bool) -> No
     for name in info["files"]:
         click.echo(f"  {home / name}")
     click.echo(f"  {home / 'state'}/")
+    click.echo(f"\nPorts: bus {host}:{port} (wss), metrics 127.0.0.1:{metrics_port} (http).")
     click.echo(f"\nTOTP for client {client} (scan into an authenticator app or keep for scripts):")
     click.echo(f"  {info['otpauth_uri']}")
-    click.echo("\nNext:")
-    click.echo(f"  agentd run --config {home / 'organism.yaml'}")
-    click.echo(f"  export AGENTCTL_SOCKET={home / 'state' / 'oob.sock'} "
-               f"AGENTCTL_KEY={home / 'operator.key'}")
-    click.echo(
-        f"  agentd send --url wss://{_url_host(host)}:{port}/bus --client {client} "
-        f"--secret-file {home / (client + '.totp')} --cafile {home / 'tls' / 'cert.pem'} "
-        "payload.xml"
-    )
-
-
-def connect_hint(home: Path, client: str = "alice") -> str:
-    """The exact `agentd send` line for a setup written by `init_home` (for `agentd run`
-    with no arguments, which initialises ./agentd-home on first use)."""
-    from agentd.config import load_config
-
-    config = load_config(home / "organism.yaml")
-    tls = config.bus.tls
-    cafile = f" --cafile {tls.cert}" if tls is not None else ""
-    return (
-        f"agentd send --url wss://{_url_host(config.bus.host)}:{config.bus.port}/bus "
-        f"--client {client} --secret-file {home / (client + '.totp')}{cafile} payload.xml"
-    )
+    click.echo("\nNext: run the daemon")
+    config = (home / "organism.yaml").absolute()
+    click.echo(f"  {shlex.quote(executable('agentd'))} run --config {shlex.quote(str(config))}")
+    click.echo("and talk to it from another shell:")
+    for line in next_steps(home, client):
+        click.echo(f"  {line}")
 
 
 def _url_host(host: str) -> str:
@@ -252,7 +268,7 @@ def _secret_for(client: str, secret_file: Path | None, clients_file: Path | None
     return read_secret(secret_file or DEFAULT_HOME / f"{client}.totp")
 
 
-@click.command("totp")
+@click.command("totp", context_settings=HELP_OPTIONS)
 @click.option("--client", required=True, help="The client id.")
 @click.option("--secret-file", type=click.Path(dir_okay=False, path_type=Path),
               help="File with the base32 secret [default: agentd-home/CLIENT.totp].")
@@ -300,10 +316,11 @@ async def _send_main(
 ) -> tuple[int, dict[str, Any]]:
     from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind, is_answer
 
-    secret = read_secret(secret_file or DEFAULT_HOME / f"{client}.totp")
-    session_path = session_file or (secret_file or DEFAULT_HOME / f"{client}.totp").with_suffix(
-        ".session"
-    )
+    secret_path = secret_file or DEFAULT_HOME / f"{client}.totp"
+    secret = read_secret(secret_path)
+    session_path = session_file or secret_path.with_suffix(".session")
+    if cafile is None and verify:
+        cafile = default_cafile(secret_path)
     session: str | None = None
     try:
         session = session_path.read_text(encoding="utf-8").strip() or None
@@ -377,7 +394,15 @@ async def _send_main(
     return code, report
 
 
-@click.command("send")
+def default_cafile(secret_file: Path) -> Path | None:
+    """The certificate `agentd init` wrote beside a secret file (`tls/cert.pem` in the
+    same home), if it is there: a home's own self-signed certificate is trusted
+    without naming it."""
+    candidate = secret_file.parent / "tls" / "cert.pem"
+    return candidate if candidate.is_file() else None
+
+
+@click.command("send", context_settings=HELP_OPTIONS)
 @click.option("--url", default=DEFAULT_URL, show_default=True, help="The bus URL.")
 @click.option("--client", default="alice", show_default=True, help="The client id.")
 @click.option("--secret-file", type=click.Path(dir_okay=False, path_type=Path),
@@ -389,7 +414,8 @@ async def _send_main(
 @click.option("--timeout", default=30.0, show_default=True, type=float,
               help="Seconds to wait for the answers.")
 @click.option("--cafile", type=click.Path(dir_okay=False, path_type=Path),
-              help="CA or self-signed certificate to trust (e.g. agentd-home/tls/cert.pem).")
+              help="CA or self-signed certificate to trust [default: tls/cert.pem beside "
+                   "the secret file, if it exists; else the system's CAs].")
 @click.option("--insecure", is_flag=True, help="Do not verify the server certificate.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
 @click.argument("file", type=click.File("rb"))
@@ -430,4 +456,6 @@ def send_cmd(
     sys.exit(code)
 
 
-__all__ = ["connect_hint", "init_cmd", "init_home", "read_secret", "send_cmd", "totp_cmd"]
+__all__ = [
+    "executable", "init_cmd", "init_home", "next_steps", "read_secret", "send_cmd", "totp_cmd"
+]

@@ -39,7 +39,7 @@ from agentd._wiring import kernel_options
 from agentd._xmlify import spec_of
 from agentd.config import OrganismConfig, load_config
 from agentd.kernel import Kernel
-from agentd.oob import result_element
+from agentd.oob import format_time, result_element
 
 if TYPE_CHECKING:
     from agentd.config import ClientEntry
@@ -161,8 +161,7 @@ class Daemon:
 
             self.bus = BusServer(config.bus, self.auth, self.pump.submit, KernelOutbox(self.kernel),
                                  submit_nowait=self.pump.submit_nowait)
-            await self.bus.start()
-            log.info("bus listening url=wss://%s:%d/bus", config.bus.host, self.bus.port)
+            await self.bus.start()  # it logs "bus listening url=..." itself
         if config.oob.authorized_keys is not None:
             from agentd.oob import OobServer
 
@@ -177,8 +176,7 @@ class Daemon:
                 audit=self.audit,
             )
             await self.oob.start()
-            await self._restore_nonces()
-            log.info("oob listening socket=%s", socket)
+            await self._restore_nonces()  # the server logs where it listens
         if config.metrics.listen:
             from agentd._observability import MetricsServer
 
@@ -187,6 +185,8 @@ class Daemon:
         kernel = self.kernel
         metrics.kernel_healthy.set_function(lambda: 1 if kernel.healthy else 0)
         metrics.kernel_writer_restarts.set_function(lambda: kernel.writer_restarts)
+        for warning in unserved(config):
+            log.warning("%s", warning)
         tune_gc()
         self._notify("READY=1")
         self._watchdog = _start_watchdog()
@@ -302,13 +302,14 @@ class Daemon:
 
         security = kind in _PUMP_SECURITY_KINDS or kind in OOB_SECURITY_KINDS
         direction = "security" if security else "audit"
-        log.log(
-            logging.WARNING if direction == "security" else logging.INFO,
-            "%s kind=%s %s",
-            direction,
-            kind,
-            " ".join(f"{k}={v}" for k, v in fields.items()),
-        )
+        if fields.get("channel") != "oob":  # the OOB server logs its own events
+            log.log(
+                logging.WARNING if direction == "security" else logging.INFO,
+                "%s kind=%s %s",
+                direction,
+                kind,
+                " ".join(f"{k}={v}" for k, v in fields.items()),
+            )
         if self.kernel is None:
             return
         tx = self.kernel.transaction()
@@ -550,7 +551,7 @@ class DaemonCommands:
             [
                 {
                     "seq": e.seq,
-                    "ts": f"{e.ts:.6f}",
+                    "ts": format_time(e.ts),
                     "thread": e.thread,
                     "direction": e.direction,
                     "kind": e.kind,
@@ -562,6 +563,28 @@ class DaemonCommands:
                 for e in entries
             ],
         )
+
+
+def unserved(config: OrganismConfig) -> list[str]:
+    """What a configuration leaves unreachable, one warning each: a daemon without a
+    bus has nobody to talk to, one without an OOB channel cannot be operated."""
+    warnings = []
+    if config.bus.tls is None or config.auth.clients_file is None:
+        missing = " and ".join(
+            key for key, value in (("bus.tls", config.bus.tls),
+                                   ("auth.clients_file", config.auth.clients_file))
+            if value is None
+        )
+        warnings.append(
+            f"NOT SERVING THE BUS: {missing} not set, so no client can connect "
+            "(`agentd init` writes a configuration that sets them)"
+        )
+    if config.oob.authorized_keys is None:
+        warnings.append(
+            "NO OPERATOR CHANNEL: oob.authorized_keys is not set, so agentctl cannot "
+            "reach this daemon"
+        )
+    return warnings
 
 
 def _start_watchdog() -> asyncio.Task[None] | None:

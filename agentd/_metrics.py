@@ -1,4 +1,4 @@
-"""Prometheus series (CONTRACT section 8). One registry per process; the pump and
+"""Prometheus series (listed in docs/protocol.md). One registry per process; the pump and
 transports increment pre-bound children so the hot path pays a dict-free increment."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Observability at the edge (CONTRACT section 8): the metrics/health HTTP endpoint,
+"""Observability at the edge (docs/protocol.md): the metrics/health HTTP endpoint,
 one-line logs, and systemd's notify protocol.
 
 - `MetricsServer`: a deliberately tiny HTTP/1.1 server (GET only, one request per

@@ -1,4 +1,5 @@
-"""The fixed schemas of the wire protocol, loaded once from `schemas/`.
+"""The fixed schemas of the wire protocol, loaded once from the package data
+in `agentd/schemas/`.
 
 They are compiled with lxml (libxml2) for the hot path. `xmlschema` is used only by
 tooling that needs its richer error messages.

@@ -9,14 +9,13 @@ from pathlib import Path
 
 import click
 
-from agentd._cli_bus import init_cmd, send_cmd, totp_cmd
+from agentd._cli_bus import HELP_OPTIONS, init_cmd, send_cmd, totp_cmd
 from agentd._envelope import parse_envelope
 from agentd._errors import AgentdError, ConfigError
+from agentd.demo import AGENT_ORGANISM, ORGANISM
 
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "config" / "organism.yaml"
 
-
-@click.group()
+@click.group(context_settings=HELP_OPTIONS)
 @click.version_option(package_name="agentd")
 def main() -> None:
     """agentd: a zero-trust runtime for multi-agent LLM systems."""
@@ -26,9 +25,20 @@ def main() -> None:
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 def check_config(file: Path) -> None:
     """Validate a configuration: exit 0, or 1 with every error and its location."""
-    from agentd.config import check_config_main
+    from agentd.config import load_config
 
-    sys.exit(check_config_main(file))
+    try:
+        config = load_config(file)
+    except ConfigError as exc:
+        for issue in exc.issues:
+            click.echo(issue, err=True)
+        sys.exit(1)
+    click.echo(f"ok: {config.name}, {_counted(len(config.listeners), 'listener')}, "
+               f"{_counted(len(config.profiles), 'profile')}")
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 @main.command("config-schema")
@@ -46,12 +56,13 @@ def config_schema() -> None:
     type=click.Path(dir_okay=False, path_type=Path),
     help="The organism file. Without it: the built-in demo in ./agentd-home.",
 )
-@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Overrides the organism file's state_dir.")
 @click.option("--log-format", type=click.Choice(["kv", "json"]), default="kv", show_default=True)
 @click.option("--log-level", default="INFO", show_default=True)
 def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_level: str) -> None:
     """Run the daemon; with no --config, the built-in demo (initialised on first use)."""
-    from agentd._cli_bus import init_home
+    from agentd._cli_bus import init_home, next_steps
     from agentd._daemon import run_daemon
     from agentd._observability import setup_logging
     from agentd.kernel import StateLocked
@@ -64,13 +75,9 @@ def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_l
             info = init_home(home)
             click.echo(f"agentd: initialised the demo in {home}/ (client alice)", err=True)
             click.echo(f"  TOTP: {info['otpauth_uri']}", err=True)
-        click.echo(
-            "agentd: talk to it from another shell with\n"
-            '  echo \'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1">'
-            "<a>2</a><b>3</b></add>' | agentd send --url wss://127.0.0.1:8765/bus "
-            f"--client alice --secret-file {home}/alice.totp --cafile {home}/tls/cert.pem -",
-            err=True,
-        )
+        click.echo("agentd: talk to it from another shell with", err=True)
+        for line in next_steps(home):
+            click.echo(f"  {line}", err=True)
     _install_uvloop()
     try:
         sys.exit(asyncio.run(run_daemon(config_file, state_dir)))
@@ -119,8 +126,8 @@ async def _demo() -> int:
     from agentd.tools.echo import Echo
     from agentd.tools.relay import Relay
 
-    click.echo(f"agentd demo: organism {DEMO_CONFIG}")
-    async with Harness.from_config(DEMO_CONFIG, clients={"alice": "public"}) as h:
+    click.echo(f"agentd demo: organism {ORGANISM}")
+    async with Harness.from_config(ORGANISM, clients={"alice": "public"}) as h:
         steps: list[tuple[str, object]] = [
             ("alice asks calculator.add for 2 + 3", Add(a=2, b=3)),
             ("alice asks the relay, which asks the calculator, for 20 + 22", Relay(a=20, b=22)),
@@ -148,9 +155,8 @@ async def _agent_demo() -> None:
     from agentd.platform.demo import MathQuestion
     from agentd.testing import Harness
 
-    config = DEMO_CONFIG.parent / "agent-demo.yaml"
-    click.echo(f"\nagentd demo: organism {config} (LLM replayed from a cassette)")
-    async with Harness.from_config(config, clients={"alice": "public"}) as h:
+    click.echo(f"\nagentd demo: organism {AGENT_ORGANISM} (LLM replayed from a cassette)")
+    async with Harness.from_config(AGENT_ORGANISM, clients={"alice": "public"}) as h:
         click.echo("\n--- alice asks the agent: What is (2 + 3) * 7?")
         for frame in await h.send("alice", MathQuestion(text="What is (2 + 3) * 7?")):
             click.echo(f"  <- {_summary(frame)}")

@@ -7,7 +7,7 @@
             ...
         frames = await bus.exchange(Add(a=1, b=1))      # send and wait for the answer
 
-Authentication is the first frame (CONTRACT section 3): a TOTP code computed from
+Authentication is the first frame (docs/protocol.md): a TOTP code computed from
 `secret`, or a `session` token from an earlier `auth-ok` (`bus.session` after
 connecting). The client only wraps bare payloads: it never decides a route and sets
 `from` to its own id (the server checks it anyway).

@@ -55,7 +55,7 @@ SUM = '<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1"><value>{v}</va
 
 async def pump_hop_us(n: int) -> float:
     """Microseconds per handler invocation of the real pump (calculator requests)."""
-    config = load_config(ROOT / "config" / "organism.yaml")
+    config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
     spec = spec_of(Add)
     data = [build_envelope("alice", str(uuid.uuid4()), spec.to_bytes(Add(a=i, b=2)))
             for i in range(n)]

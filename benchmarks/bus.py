@@ -108,7 +108,8 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
     from agentd.bus import BusServer, ClientAuth
     from agentd.config import AuthConfig, BusConfig, TlsConfig, load_config
 
-    config = load_config(ROOT / "config" / "organism.yaml", state_dir_override=home / "state")
+    config = load_config(ROOT / "agentd" / "demo" / "organism.yaml",
+                         state_dir_override=home / "state")
     auth = ClientAuth.load(home / "clients.yaml", config.state_dir,
                            AuthConfig(clients_file=home / "clients.yaml"))
     holder: dict[str, Any] = {}
@@ -294,7 +295,7 @@ async def inprocess(n: int) -> float:
     from agentd._routing import Routing
     from agentd.config import load_config
 
-    config = load_config(ROOT / "config" / "organism.yaml")
+    config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
     got = 0
 
     def deliver(c: str, t: str, d: bytes, o: int | None = None) -> None:

@@ -92,7 +92,7 @@ async def real_pump(
     data: list[bytes], journal_dir: Path | None = None
 ) -> tuple[float, list[float]]:
     """The pump on the workload; with `journal_dir`, over a real kernel (SQLite WAL)."""
-    config = load_config(ROOT / "config" / "organism.yaml")
+    config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
     sent: dict[str, float] = {}
     latencies: list[float] = []
 
@@ -134,7 +134,7 @@ async def real_pump(
 
 async def latency(data: list[bytes]) -> list[float]:
     """Client envelope in -> reply delivered, one conversation at a time."""
-    config = load_config(ROOT / "config" / "organism.yaml")
+    config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
     out: list[float] = []
     got = 0
 
@@ -190,7 +190,7 @@ def rss_mb() -> float:
 
 
 def registry_rss(n: int) -> float:
-    config = load_config(ROOT / "config" / "organism.yaml")
+    config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
     profile = Routing.build(config).profiles["public"]
     gc.collect()
     before = rss_mb()

@@ -19,10 +19,11 @@ from agentd._envelope import build_envelope, parse_envelope
 from agentd._threads import new_uuid
 from agentd._xmlify import spec_of
 from agentd.config import load_config
+from agentd.demo import ORGANISM
 from agentd.testing import Harness
 from agentd.tools.relay import Relay
 
-CONFIG = Path(__file__).resolve().parent.parent / "config" / "organism.yaml"
+CONFIG = ORGANISM
 
 
 class Printer(Harness):

@@ -20,7 +20,7 @@ from agentd._cli_bus import init_home
 ROOT = Path(__file__).resolve().parent.parent
 _BUS = re.compile(r"bus listening url=(wss://[0-9.]+:\d+/bus)")
 _METRICS = re.compile(r"metrics listening url=(http://[0-9.]+:\d+)/metrics")
-_OOB = re.compile(r"oob listening socket=([^\s\"]+)")
+_OOB = re.compile(r"oob: listening on (\S+) \(keys")
 
 TEST_LISTENERS = [
     {

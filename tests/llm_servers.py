@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentd.demo import DEMO_DIR
+
 _BLOCK = re.compile(
     r"\u27e6data:(\w+) layer=(\d) source=([^\u27e7\n]*)\u27e7\n(.*?)\n\u27e6/data:\1\u27e7",
     re.DOTALL,
@@ -259,18 +261,16 @@ def tutor_script(seen: Seen) -> str:
 
 
 async def record_demo_cassette() -> None:  # pragma: no cover - a maintenance tool
-    """Re-record config/cassettes/agent-demo.jsonl from the tutor script."""
+    """Re-record agentd/demo/cassettes/agent-demo.jsonl from the tutor script."""
     import dataclasses
-    from pathlib import Path
 
     from agentd.config import load_config
     from agentd.platform import make_agent_handlers
     from agentd.platform.demo import MathQuestion
     from agentd.testing import Harness
 
-    root = Path(__file__).resolve().parent.parent
-    cassette = root / "config" / "cassettes" / "agent-demo.jsonl"
-    config = load_config(root / "config" / "agent-demo.yaml")
+    cassette = DEMO_DIR / "cassettes" / "agent-demo.jsonl"
+    config = load_config(DEMO_DIR / "agent-demo.yaml")
     async with FakeLLM("openai", tutor_script) as server:
         assert config.llm is not None
         live = dataclasses.replace(
@@ -297,7 +297,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 # ---- organisms for the tests -----------------------------------------------------------
 
-CONFIG_DIR = __import__("pathlib").Path(__file__).resolve().parent.parent / "config"
+CONFIG_DIR = DEMO_DIR  # the demo organisms, prompts and cassette (package data)
 
 
 def organism_yaml(

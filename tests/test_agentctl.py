@@ -1,5 +1,5 @@
 """`agentctl` against a real OobServer on a real socket: every command, the exit
-codes of CONTRACT section 5, --json, environment defaults, keygen, completion."""
+codes of docs/commands.md, --json, environment defaults, keygen, completion."""
 
 from __future__ import annotations
 
@@ -87,21 +87,21 @@ def test_status(env: Env, server: ServerThread) -> None:
     code, doc = ctl_json(env, "status")
     assert code == 0
     assert doc == {"ok": True, "error": None, "result": {"status": {
-        "organism": "hello", "uptime_s": "12.5", "config_sha256": "abc123",
-        "listeners": ["calculator.add", "greeter"], "threads": "3", "queue_depth": "0",
+        "organism": "hello", "uptime_s": 12.5, "config_sha256": "abc123",
+        "listeners": ["calculator.add", "greeter"], "threads": 3, "queue_depth": 0,
     }}}
 
 
-@pytest.mark.parametrize(("flags", "dry"), [([], "false"), (["--dry-run"], "true")])
-def test_reload(env: Env, server: ServerThread, flags: list[str], dry: str) -> None:
+@pytest.mark.parametrize(("flags", "dry"), [([], False), (["--dry-run"], True)])
+def test_reload(env: Env, server: ServerThread, flags: list[str], dry: bool) -> None:
     result = ctl(env, "reload", *flags)
     assert result.exit_code == 0
-    assert server.commands.calls[-1] == ("reload", {"dry-run": dry})
+    assert server.commands.calls[-1] == ("reload", {"dry-run": "true" if dry else "false"})
     assert "  added:\n    - new.one\n  removed: (none)\n" in result.stdout
     code, doc = ctl_json(env, "reload", *flags)
     assert code == 0
     assert doc["result"]["reload"] == {
-        "added": ["new.one"], "removed": [], "changed": ["greeter"], "version": "2",
+        "added": ["new.one"], "removed": [], "changed": ["greeter"], "version": 2,
         "dry_run": dry}
 
 
@@ -158,7 +158,7 @@ def test_every_command_is_audited(env: Env, server: ServerThread) -> None:
         assert ctl(env, *argv).exit_code == 0
     assert [(k, f["command"], f["outcome"]) for k, f in server.audit] == [
         ("oob-command", name, "ok")
-        for name in ("status", "reload", "introspect", "journal", "shutdown")]
+        for name in ("status", "reload", "introspect threads", "journal", "shutdown")]
 
 
 # --- exit codes --------------------------------------------------------------------------

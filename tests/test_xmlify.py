@@ -1,4 +1,4 @@
-"""The schema layer (`@xmlify`): CONTRACT section 6.
+"""The schema layer (`@xmlify`, docs/schema-layer.md).
 
 The XSD is the firewall; these tests pin what it lets through and what it refuses,
 and that what we emit is C14N, validates, and round-trips."""

@@ -1,6 +1,6 @@
 """The out-of-band channel: signed privileged commands on a local Unix socket.
 
-CONTRACT section 4. The daemon runs an `OobServer` with its own `Commands`; the
+The wire format is in docs/protocol.md. The daemon runs an `OobServer` with its own `Commands`; the
 operator's `agentctl` signs requests with `sign_request` and sends them with
 `OobClient`. The decisions (framing, verification, nonce window, responses) live in
 `_protocol` without I/O; `_server` and `_client` are the socket adapters.
@@ -30,6 +30,7 @@ from agentd.oob._protocol import (
     Verifier,
     build_response,
     encode_frame,
+    format_time,
     parse_response,
     sign_request,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "build_response",
     "element_to_json",
     "encode_frame",
+    "format_time",
     "load_authorized_keys",
     "load_private_key",
     "parse_authorized_keys",

@@ -3,7 +3,7 @@
 Two file formats, both OpenSSH's so that operators can use the tools they know:
 
 - the daemon's `authorized_keys`: one `ssh-ed25519 AAAA… KEY-ID` a line, the comment
-  is the key-id (CONTRACT section 4). Only Ed25519 is accepted; options before the
+  is the key-id. Only Ed25519 is accepted; options before the
   key type, a missing or malformed key-id and duplicate key-ids are errors, each
   reported with its line. Like sshd's StrictModes, a file that group or others may
   write, or that belongs to someone other than root or the daemon's user, is

@@ -4,7 +4,7 @@ Everything here takes values and returns values (the clock is an argument), so t
 whole decision of whether a privileged request is accepted is testable without a
 socket. The server and the client are thin adapters around it.
 
-Verification (CONTRACT section 4), in this order, each failure a `Refusal` with its
+Verification, in this order, each failure a `Refusal` with its
 error code: size and hardened parse (`invalid`; a frame that is not well-formed XML
 also closes the connection), root element and privileged.xsd (`invalid`), key-id
 (`unknown-key`), Ed25519 over the exclusive C14N of `privileged` with `signature`
@@ -77,7 +77,7 @@ SECURITY_KINDS = frozenset({
 })
 
 # Codes that mean "the daemon did not believe who you are or when you asked";
-# agentctl exits 4 on them (CONTRACT section 5).
+# agentctl exits 4 on them (docs/commands.md).
 AUTH_CODES = frozenset({
     ErrorCode.BAD_SIGNATURE.value, ErrorCode.REPLAY.value, ErrorCode.STALE.value,
     ErrorCode.UNKNOWN_KEY.value,

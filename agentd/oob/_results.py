@@ -1,21 +1,23 @@
-"""Command results as XML, and back to JSON-like values for `agentctl --json`.
+"""Command results as XML, and back to JSON values for `agentctl --json`.
 
 A `<result>` may hold any XML (privileged.xsd: `xs:any`). So that clients get a
-stable JSON shape, results built from Python values with `result_element` mark their
-collections, and `element_to_json` reads any element by these rules, in order:
+stable, typed JSON shape, results built from Python values with `result_element`
+mark their collections and their non-string scalars, and `element_to_json` reads
+any element by these rules, in order:
 
 1. `type="list"` -> a JSON array of the converted children (whatever their names);
 2. `type="map"` -> an object (used for an empty mapping, or one whose keys are all
-   `item`, which rule 4 would otherwise read as a list);
-3. no attributes and no child elements -> its text, a string ("" when empty);
-4. child elements all named `item`, no attributes -> an array;
-5. otherwise an object: attributes -> `"name": "value"`; child elements -> by local
+   `item`, which rule 5 would otherwise read as a list);
+3. `type="int"`, `"float"`, `"bool"` (text `true`/`false`), `"null"` -> that scalar;
+4. no attributes and no child elements -> its text, a string ("" when empty);
+5. child elements all named `item`, no attributes -> an array;
+6. otherwise an object: attributes -> `"name": "value"`; child elements -> by local
    name, an array when the name repeats; an attribute whose name a child also has
    becomes `"@name"`; non-blank text beside children -> `"#text"`.
 
-Namespaces are dropped (local names). Scalars are strings: XML does not type them.
-`element_to_json(result_element(tag, v))` equals `v` with scalars as strings,
-None as "", tuples as lists (a property test checks it).
+Namespaces are dropped (local names). `element_to_json(result_element(tag, v))`
+equals `v` with tuples as lists (a property test checks it); times are sent as
+ISO 8601 strings (`format_time`), so they stay strings.
 """
 
 from __future__ import annotations
@@ -51,11 +53,24 @@ def _fill(el: etree._Element, value: Any, q: str) -> None:
         for item in value:
             _fill(etree.SubElement(el, q + "item"), item, q)
     elif value is None:
-        return
+        el.set(TYPE_ATTR, "null")
     elif isinstance(value, bool):
+        el.set(TYPE_ATTR, "bool")
         el.text = "true" if value else "false"
+    elif isinstance(value, int | float):
+        el.set(TYPE_ATTR, "int" if isinstance(value, int) else "float")
+        el.text = repr(value)
     else:
         el.text = str(value)
+
+
+# Scalar types `result_element` marks, and how `element_to_json` reads them back.
+_SCALARS: dict[str, Any] = {
+    "int": int,
+    "float": float,
+    "bool": lambda text: text == "true",
+    "null": lambda _text: None,
+}
 
 
 def local(tag: str) -> str:
@@ -72,6 +87,11 @@ def element_to_json(el: etree._Element) -> Any:
     marker = attrs.get(TYPE_ATTR)
     if marker == "list":
         return [element_to_json(c) for c in children]
+    if marker in _SCALARS and len(attrs) == 1 and not children:
+        try:
+            return _SCALARS[marker]((el.text or "").strip())
+        except ValueError:
+            pass  # not a value of its declared type: read it as untyped XML
     if marker == "map":
         del attrs[TYPE_ATTR]
     elif not attrs and not children:

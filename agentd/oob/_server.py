@@ -125,6 +125,13 @@ def command_label(name: str | None) -> str:
     return name if name in COMMAND_NAMES else "other"
 
 
+def command_title(name: str, args: Mapping[str, str]) -> str:
+    """How the journal names a command that ran: `introspect` with what it looked at
+    (`introspect thread`), so an audit entry says which subcommand ran."""
+    what = args.get("what")
+    return f"{name} {what}" if name == "introspect" and what else name
+
+
 class ServerState(Enum):
     NEW = "new"
     SERVING = "serving"
@@ -428,15 +435,15 @@ class OobServer:
         elapsed_ms = (time.perf_counter() - started) * 1000
         metrics.oob_commands.labels(command_label(cmd.name), outcome).inc()
         fields = {
-            "channel": "oob", "key_id": cmd.key_id, "command": cmd.name,
+            "channel": "oob", "key_id": cmd.key_id, "command": command_title(cmd.name, cmd.args),
             "args": json.dumps(dict(cmd.args), sort_keys=True, ensure_ascii=False),
             "nonce": cmd.nonce, "issued_at": cmd.issued_at.isoformat(), "outcome": outcome,
             **peer.fields(), "duration_ms": f"{elapsed_ms:.1f}",
         }
         if message:
             fields["error"] = message
-        log.info("oob command key_id=%s command=%s args=%s outcome=%s uid=%d",
-                 cmd.key_id, cmd.name, fields["args"], outcome, peer.uid)
+        log.info("oob command key_id=%s command=%r args=%s outcome=%s uid=%d",
+                 cmd.key_id, fields["command"], fields["args"], outcome, peer.uid)
         self._audit("oob-command", fields)
         return response, False
 

@@ -24,17 +24,16 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from types import MappingProxyType
 
 from agentd._errors import ConfigError
 from agentd._xmlify import XmlSpec, spec_of
 from agentd.config import AgentConfig, ListenerConfig, OrganismConfig
+from agentd.demo import MANIFESTO_FILE
 
 MANIFESTO = "no_paperclippers"
-BUNDLED_MANIFESTO = (
-    Path(__file__).resolve().parent.parent.parent / "config" / "prompts" / "no_paperclippers.md"
-)
+# Package data (one copy, with the demo's prompts), so an installed agentd has it too.
+BUNDLED_MANIFESTO = MANIFESTO_FILE
 _VAR = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 FACT_LINE = re.compile(
     r"(?m)^[ \t]*@fact[ \t]+(?P<key>[A-Za-z][A-Za-z0-9_.\-]*)[ \t]*[:=][ \t]*(?P<value>\S[^\n]*?)"

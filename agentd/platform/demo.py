@@ -1,4 +1,4 @@
-"""The demo agent's task payload (`config/agent-demo.yaml`): a question in words.
+"""The demo agent's task payload (`agentd/demo/agent-demo.yaml`): a question in words.
 
 An LLM agent needs a payload root of its own (blind self-iteration routes by it),
 so every agent declares its own task class; this is the demo's.

@@ -1,0 +1,68 @@
+"""The newcomer's first minutes: what `agentd init` writes, what the daemon says at
+start-up about what it does not serve, and what the commands print to be pasted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from agentd._cli_bus import init_home
+from agentd.config import load_config
+from agentd._daemon import unserved
+from agentd.cli import main
+from agentd.demo import AGENT_ORGANISM, ORGANISM
+
+
+def test_an_organism_without_bus_and_oob_is_warned_about_both() -> None:
+    warnings = unserved(load_config(AGENT_ORGANISM))
+    assert len(warnings) == 2
+    assert warnings[0].startswith("NOT SERVING THE BUS: bus.tls and auth.clients_file not set")
+    assert warnings[1].startswith("NO OPERATOR CHANNEL: oob.authorized_keys is not set")
+
+
+def test_the_home_init_writes_serves_everything(tmp_path: Path) -> None:
+    init_home(tmp_path / "home")
+    assert unserved(load_config(tmp_path / "home" / "organism.yaml")) == []
+
+
+def test_agentd_accepts_dash_h() -> None:
+    result = CliRunner().invoke(main, ["-h"], prog_name="agentd")
+    assert result.exit_code == 0 and "Usage: agentd" in result.output
+    result = CliRunner().invoke(main, ["init", "-h"])
+    assert result.exit_code == 0 and "--metrics-port" in result.output
+    assert "into DIR" not in result.output
+
+
+def test_check_config_counts_in_the_singular_and_the_plural(tmp_path: Path) -> None:
+    one = tmp_path / "one.yaml"
+    one.write_text(
+        "organism: {name: one}\nstate_dir: state\n"
+        "profiles: {public: {listeners: [echo]}}\n"
+        "listeners:\n  - {name: echo, payload_class: agentd.tools.echo:Echo,\n"
+        "     response_class: agentd.tools.echo:EchoReply, handler: agentd.tools.echo:echo,\n"
+        "     description: Echoes text back.}\n"
+    )
+    result = CliRunner().invoke(main, ["check-config", str(one)])
+    assert result.exit_code == 0
+    assert result.output == "ok: one, 1 listener, 1 profile\n"
+    result = CliRunner().invoke(main, ["check-config", str(ORGANISM)])
+    assert result.output == "ok: demo, 4 listeners, 2 profiles\n"
+
+
+def test_send_trusts_the_certificate_beside_the_secret_file(tmp_path: Path) -> None:
+    from agentd._cli_bus import default_cafile
+
+    init_home(tmp_path / "home")
+    assert default_cafile(tmp_path / "home" / "alice.totp") == (
+        tmp_path / "home" / "tls" / "cert.pem")
+    assert default_cafile(tmp_path / "alice.totp") is None
+
+
+def test_the_bundled_manifesto_is_package_data() -> None:
+    import agentd
+    from agentd.platform._prompts import BUNDLED_MANIFESTO
+
+    assert BUNDLED_MANIFESTO.is_file()
+    assert BUNDLED_MANIFESTO.is_relative_to(Path(agentd.__file__).parent)
+    assert BUNDLED_MANIFESTO.read_text().startswith("# No Paperclippers")
