@@ -17,12 +17,15 @@ from jsonschema import Draft202012Validator
 
 from agentd.cli import main
 from agentd.config import load_config, organism_schema, organism_schema_text
+from agentd.demo import ORGANISM
 
 ROOT = Path(__file__).resolve().parent.parent
 CHECKED_IN = ROOT / "docs" / "organism.schema.json"
-SHIPPED = sorted((ROOT / "config").glob("*.yaml")) + sorted(
-    (ROOT / "tests" / "organisms").glob("*.yaml")
-)
+SHIPPED = [
+    *sorted((ROOT / "agentd" / "demo").glob("*.yaml")),
+    *sorted((ROOT / "config").glob("*.yaml")),
+    *sorted((ROOT / "tests" / "organisms").glob("*.yaml")),
+]
 
 
 def validator() -> Draft202012Validator:
@@ -64,7 +67,7 @@ def test_the_shipped_organisms_are_found() -> None:
 
 def test_the_demo_organism_also_loads() -> None:
     # the schema and the loader agree on the shipped demo
-    assert load_config(ROOT / "config" / "organism.yaml").name
+    assert load_config(ORGANISM).name
 
 
 def test_the_schema_refuses_what_the_loader_refuses() -> None:
