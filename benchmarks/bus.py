@@ -85,8 +85,8 @@ def requests(client: str, n: int) -> list[bytes]:
 async def serve_echo(home: Path) -> None:
     from websockets.asyncio.server import serve
 
-    from agentd.config import TlsConfig
     from agentd.bus import server_context
+    from agentd.config import TlsConfig
 
     ctx = server_context(TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
 

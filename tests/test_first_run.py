@@ -8,9 +8,9 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from agentd._cli_bus import init_home
-from agentd.config import load_config
 from agentd._daemon import unserved
 from agentd.cli import main
+from agentd.config import load_config
 from agentd.demo import AGENT_ORGANISM, ORGANISM
 
 

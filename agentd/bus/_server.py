@@ -27,7 +27,6 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
 from agentd import _metrics as metrics
-from agentd.config import BusConfig, TlsConfig
 from agentd._envelope import NIL_THREAD
 from agentd.bus._adapter import BUS_PATH, BusConnection
 from agentd.bus._auth import ClientAuth
