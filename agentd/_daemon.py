@@ -32,7 +32,6 @@ from lxml import etree
 from agentd import _metrics as metrics
 from agentd._config import OrganismConfig, load_config
 from agentd._errors import AgentdError, ConfigError
-from agentd._pump import Pump
 from agentd._routing import Routing, plan_reload, retire
 from agentd._runtime import tune_gc
 from agentd._threads import ThreadState
@@ -40,6 +39,7 @@ from agentd._wiring import kernel_options
 from agentd._xmlify import spec_of
 from agentd.kernel import Kernel
 from agentd.oob import result_element
+from agentd.pump import Pump
 
 if TYPE_CHECKING:
     from agentd.bus._auth import ClientEntry

@@ -104,9 +104,9 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
     from dataclasses import replace
 
     from agentd._config import AuthConfig, BusConfig, TlsConfig, load_config
-    from agentd._pump import Pump
     from agentd._routing import Routing
     from agentd.bus import BusServer, ClientAuth
+    from agentd.pump import Pump
 
     config = load_config(ROOT / "config" / "organism.yaml", state_dir_override=home / "state")
     auth = ClientAuth.load(home / "clients.yaml", config.state_dir,
@@ -291,8 +291,8 @@ async def idle(rig: Rig, port: int, n: int) -> list[Any]:
 async def inprocess(n: int) -> float:
     """The same workload through the pump in this process (no network, no journal)."""
     from agentd._config import load_config
-    from agentd._pump import Pump
     from agentd._routing import Routing
+    from agentd.pump import Pump
 
     config = load_config(ROOT / "config" / "organism.yaml")
     got = 0
