@@ -32,11 +32,17 @@ class ThreadState(Enum):
     COMPLETED = "completed"
     FAILED = "failed"
 
+    # Members are singletons: identity hashing is correct and, unlike Enum's own
+    # (a Python call hashing the name), costs nothing on the hot path.
+    __hash__ = object.__hash__
+
 
 class ThreadEvent(Enum):
     ANSWERED = "answered"  # the callee answered (or acknowledged) the call
     FAILED = "failed"  # the callee failed: error, timeout, refused output
     ABANDONED = "abandoned"  # untouched for the idle period: collected
+
+    __hash__ = object.__hash__
 
 
 class IllegalTransition(Exception):

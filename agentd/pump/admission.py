@@ -68,17 +68,18 @@ def admit_client(
         raise Rejection(HuhCode.UNROUTABLE, "thread not owned by this client")
     elif frame.state is not ThreadState.ACTIVE:
         raise Rejection(HuhCode.UNROUTABLE, "conversation has ended")
-    if env.key in meta.QUESTIONS:
+    key = env.key
+    if key in meta.QUESTIONS:
         return meta_answer(env, client, frame, meta_flags, max_bytes)
-    return route_request(env, data, client, None, frame)
+    return route_request(env, key, data, client, None, frame)
 
 
 def route_request(
-    env: Envelope, data: bytes, sender: str, sender_listener: Listener | None, frame: Frame
+    env: Envelope, key: str, data: bytes, sender: str, sender_listener: Listener | None,
+    frame: Frame,
 ) -> Message:
-    """Route `env` against `frame`'s table (and a listener sender's peers) and
-    validate the payload against the routed schema."""
-    key = env.key
+    """Route `env` (whose routing key is `key`) against `frame`'s table (and a
+    listener sender's peers) and validate the payload against the routed schema."""
     table = frame.profile.table
     targets = table.resolve(key, env.to)
     if sender_listener is not None:

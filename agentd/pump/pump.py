@@ -421,7 +421,7 @@ class Pump:
                 spec = admission.response_spec(listener, env)
                 msg = admission.to_holder(env, data, listener.name, frame, spec)
             else:
-                msg = admission.route_request(env, data, listener.name, listener, frame)
+                msg = admission.route_request(env, env.key, data, listener.name, listener, frame)
         except PrivilegedOnBus:
             self._security_event("priv-from-handler", {"listener": listener.name})
             self._huh_to(own, HuhCode.UNROUTABLE, hops, batch)
