@@ -38,7 +38,5 @@ class WaiterQueue(deque["asyncio.Future[None]"]):
         return False
 
     def wake_all(self) -> None:
-        while self:
-            fut = self.popleft()
-            if not fut.done():
-                fut.set_result(None)
+        while self.wake_one():
+            pass

@@ -46,6 +46,14 @@ def root(routing: Routing, client: str = "alice") -> Frame:
     return Frame(new_uuid(), (client,), None, client, routing.profiles[CLIENTS[client]])
 
 
+def registered(routing: Routing) -> tuple[ThreadRegistry, Frame]:
+    """A registry holding one conversation of alice's."""
+    reg = ThreadRegistry()
+    conversation = root(routing)
+    reg.add(conversation)
+    return reg, conversation
+
+
 def test_first_envelope_opens_a_conversation_under_the_clients_profile(routing: Routing) -> None:
     msg = admit(routing, "alice", Add(a=1, b=2))
     assert msg.kind is MsgKind.REQUEST and msg.sender == "alice"
@@ -85,9 +93,7 @@ def test_another_clients_thread_is_unroutable(routing: Routing) -> None:
 
 
 def test_a_client_cannot_write_into_a_call_frame(routing: Routing) -> None:
-    reg = ThreadRegistry()
-    conversation = root(routing)
-    reg.add(conversation)
+    reg, conversation = registered(routing)
     call = reg.extend(conversation, "relay")
     with pytest.raises(Rejection) as caught:
         admit(routing, "alice", Add(a=1, b=2), frame=call)
@@ -95,9 +101,7 @@ def test_a_client_cannot_write_into_a_call_frame(routing: Routing) -> None:
 
 
 def test_an_ended_conversation_takes_no_more_envelopes(routing: Routing) -> None:
-    reg = ThreadRegistry()
-    conversation = root(routing)
-    reg.add(conversation)
+    reg, conversation = registered(routing)
     assert admit(routing, "alice", Add(a=1, b=2), frame=conversation).frame is conversation
     reg.end(conversation, ThreadEvent.ABANDONED)
     with pytest.raises(Rejection) as caught:
@@ -157,9 +161,7 @@ def test_retired_listener_is_not_routed_to(routing: Routing) -> None:
 
 
 def test_reply_goes_to_frame_holder(routing: Routing) -> None:
-    reg = ThreadRegistry()
-    conversation = root(routing)
-    reg.add(conversation)
+    reg, conversation = registered(routing)
     call = reg.extend(conversation, "relay")  # relay holds `call`
     env, data = wrap("calculator.add", Sum(value=3), call.uuid, to="relay")
     msg = to_holder(env, data, "calculator.add", call, spec_of(Sum))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from agentd._core import Ack, Answer, CorePayload, Huh
 from agentd._envelope import build_envelope
@@ -34,34 +35,18 @@ _XML_DECL = re.compile(rb"^\s*<\?xml[^>]*\?>")
 _ACTIVE = ThreadState.ACTIVE
 
 
-class ResponsePlan:
+class ResponsePlan(NamedTuple):
     """`envelopes` re-enter on `thread` (as answers to its holder if `respond`);
     `notice` (core payload bytes) goes to the holder of `notice_to`, counted as a
     rejection with `rejected` when set; `end` ends the handler's frame."""
 
-    __slots__ = ("end", "envelopes", "notice", "notice_to", "rejected", "respond", "thread")
-
-    def __init__(
-        self,
-        envelopes: list[bytes] | tuple[()],
-        thread: Frame | None,
-        respond: bool,
-        notice_to: Frame | None,
-        notice: bytes,
-        rejected: HuhCode | None,
-        end: ThreadEvent | None,
-    ) -> None:
-        self.envelopes = envelopes
-        self.thread = thread
-        self.respond = respond
-        self.notice_to = notice_to
-        self.notice = notice
-        self.rejected = rejected
-        self.end = end
-
-    def __repr__(self) -> str:
-        return (f"<ResponsePlan {len(self.envelopes)} envelopes respond={self.respond} "
-                f"notice={self.notice!r} end={self.end}>")
+    envelopes: list[bytes] | tuple[()]
+    thread: Frame | None
+    respond: bool
+    notice_to: Frame | None
+    notice: bytes
+    rejected: HuhCode | None
+    end: ThreadEvent | None
 
 
 def _notice(to: Frame | None, payload: bytes, rejected: HuhCode | None,
