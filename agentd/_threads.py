@@ -157,7 +157,12 @@ class ThreadRegistry:
     def end(self, frame: Frame, event: ThreadEvent) -> ThreadState:
         """The call `frame` stands for has ended by `event`: it takes its final state
         and leaves the registry. Raises `IllegalTransition` if it had already ended."""
-        state = frame.state = transition(frame.state, event)
+        try:  # transition() inlined: this runs once per call on the hot path
+            state = TRANSITIONS[frame.state][event]
+        except KeyError:
+            transition(frame.state, event)  # raises IllegalTransition
+            raise
+        frame.state = state
         if self._frames.pop(frame.uuid, None) is not None and frame.parent is not None:
             frame.parent.children -= 1
         return state

@@ -1,12 +1,11 @@
 """The message pump: admission, scheduling, handler calls, responses, recovery.
 
-Other packages use `Pump` (and `SubmitResult`, `CORE`, `DeliverFn`); the modules
-inside are the pump's own. See docs/architecture.md, "Module map", for who owns
-which decision.
+Other packages use what is exported here; the modules inside are the pump's own
+(see docs/architecture.md, "Module map", for which module owns which decision).
 """
 
 from agentd.pump.batch import DeliverFn
-from agentd.pump.message import CORE, Message, MsgKind, SubmitResult
+from agentd.pump.message import CORE, SubmitResult
 from agentd.pump.pump import Pump
 
-__all__ = ["CORE", "DeliverFn", "Message", "MsgKind", "Pump", "SubmitResult"]
+__all__ = ["CORE", "DeliverFn", "Pump", "SubmitResult"]

@@ -49,7 +49,7 @@ from agentd.pump.batch import (
 )
 from agentd.pump.invoker import CallFailed, Invoker
 from agentd.pump.message import CORE, Message, MsgKind, SubmitResult
-from agentd.pump.response import ResponsePlan, plan_failure, plan_response
+from agentd.pump.response import plan_failure, plan_response
 from agentd.pump.scheduler import Scheduler
 
 log = logging.getLogger("agentd.pump")
@@ -376,20 +376,8 @@ class Pump:
             plan = plan_failure(msg, frame, result.code)
         else:
             plan = plan_response(msg, listener, frame, result, self.settings.max_fanout)
-        self._apply(plan, listener, frame, hops, batch)
-        if created and batch is not None and frame.state is _ACTIVE:
-            # Only a frame that outlives this transaction (a call still open: the
-            # listener sent requests and awaits answers) needs a durable row; a call
-            # answered at once ends inside the transaction that would create it.
-            batch.tx.thread_put(thread_row(frame))
-            frame.persisted = True
-        self._close(batch, msg if last else None)
-
-    def _apply(
-        self, plan: ResponsePlan, listener: Listener, frame: Frame, hops: int,
-        batch: Batch | None,
-    ) -> None:
-        """Carry out `plan` for `listener`, which ran in `frame`."""
+        # Carry out the plan: the notice, the envelopes, then the end of the frame
+        # (only once every envelope was taken: a refused answer leaves it open).
         if plan.notice_to is not None:
             if plan.rejected is not None:
                 metrics.envelopes_rejected.labels(plan.rejected.value).inc()
@@ -402,6 +390,13 @@ class Pump:
                 taken = False
         if plan.end is not None and taken:
             self._end(frame, plan.end, batch)
+        if created and batch is not None and frame.state is _ACTIVE:
+            # Only a frame that outlives this transaction (a call still open: the
+            # listener sent requests and awaits answers) needs a durable row; a call
+            # answered at once ends inside the transaction that would create it.
+            batch.tx.thread_put(thread_row(frame))
+            frame.persisted = True
+        self._close(batch, msg if last else None)
 
     def _reenter(
         self, data: bytes, listener: Listener, frame: Frame, own: Frame, respond: bool,
