@@ -38,7 +38,7 @@ def wrap(sender: str, payload: object, thread: str | None = None,
 def admit(routing: Routing, client: str, payload: object, frame: Frame | None = None,
           thread: str | None = None, sender: str | None = None):  # type: ignore[no-untyped-def]
     env, data = wrap(sender or client, payload, thread or (frame.uuid if frame else None))
-    return admit_client(client, env, data, frame, routing.profiles, CLIENTS.get(client),
+    return admit_client(client, env, data, frame, routing.profiles, CLIENTS,
                         MetaConfig(), MAX)
 
 
@@ -115,7 +115,7 @@ def test_payload_that_fails_its_schema_is_invalid_payload(routing: Routing) -> N
                           b"<a>two</a><b>3</b></add>")
     env = parse_envelope(data)
     with pytest.raises(Rejection) as caught:
-        admit_client("alice", env, data, None, routing.profiles, "public", MetaConfig(), MAX)
+        admit_client("alice", env, data, None, routing.profiles, CLIENTS, MetaConfig(), MAX)
     assert caught.value.code is HuhCode.INVALID_PAYLOAD
 
 
@@ -124,10 +124,10 @@ def test_meta_question_is_answered_by_the_pump_itself(routing: Routing) -> None:
                           b'<list-capabilities xmlns="https://xml-pipeline.org/ns/core/v1"/>')
     env = parse_envelope(data)
     with pytest.raises(Rejection) as off:  # off by default
-        admit_client("alice", env, data, None, routing.profiles, "public", MetaConfig(), MAX)
+        admit_client("alice", env, data, None, routing.profiles, CLIENTS, MetaConfig(), MAX)
     assert off.value.code is HuhCode.UNROUTABLE
     allowed = MetaConfig(allow_list_capabilities=True)
-    msg = admit_client("alice", env, data, None, routing.profiles, "public", allowed, MAX)
+    msg = admit_client("alice", env, data, None, routing.profiles, CLIENTS, allowed, MAX)
     assert b"calculator.add" in msg.envelope and b"vault" not in msg.envelope
     assert msg.kind is MsgKind.TO_HOLDER and msg.sender == CORE and msg.targets == ()
     assert parse_envelope(msg.envelope).to == "alice"

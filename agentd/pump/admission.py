@@ -50,16 +50,18 @@ def admit_client(
     data: bytes,
     frame: Frame | None,
     profiles: Mapping[str, Profile],
-    profile_name: str | None,
+    clients: Mapping[str, str],
     meta_flags: MetaConfig,
     max_bytes: int,
 ) -> Message:
     """A client's envelope on the thread `frame` (None: a new conversation, under
-    the client's profile `profile_name`). The message's frame is new iff `frame` is None."""
+    the profile `clients` names for the client). The message's frame is new iff
+    `frame` is None."""
     if env.sender != client:
         raise Violation(HuhCode.INVALID_ENVELOPE, "from does not match the client",
                         "forged-from", {"client": client, "claimed": env.sender})
     if frame is None:
+        profile_name = clients.get(client)
         profile = profiles.get(profile_name) if profile_name is not None else None
         if profile is None:
             raise Rejection(HuhCode.UNROUTABLE, f"client {client} has no profile")

@@ -167,7 +167,7 @@ class Pump:
             thread = env.thread
             known = self.registry.get(thread)
             msg = admission.admit_client(
-                client, env, data, known, self.routing.profiles, self.clients.get(client),
+                client, env, data, known, self.routing.profiles, self.clients,
                 self.meta_flags, self.max_envelope_bytes,
             )  # fmt: skip
         except PrivilegedOnBus:
