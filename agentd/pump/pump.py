@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from agentd import _metrics as metrics
@@ -110,9 +110,10 @@ class Pump:
         await self._scheduler.stop()
         await self._invoker.stop()
 
-    async def join(self) -> None:
-        """Run until idle: return once nothing is queued or running."""
-        await self._scheduler.join()
+    def join(self) -> Coroutine[Any, Any, None]:
+        """Run until idle: await it to return once nothing is queued or running.
+        (The scheduler's own coroutine, not one wrapping it: no extra frame.)"""
+        return self._scheduler.join()
 
     @property
     def queue_depth(self) -> int:
