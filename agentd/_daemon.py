@@ -31,7 +31,6 @@ from lxml import etree
 
 from agentd import _metrics as metrics
 from agentd._errors import AgentdError, ConfigError
-from agentd._pump import Pump
 from agentd._routing import Routing, plan_reload, retire
 from agentd._runtime import tune_gc
 from agentd._threads import ThreadState
@@ -40,6 +39,7 @@ from agentd._xmlify import spec_of
 from agentd.config import OrganismConfig, load_config
 from agentd.kernel import Kernel
 from agentd.oob import format_time, result_element
+from agentd.pump import Pump
 
 if TYPE_CHECKING:
     from agentd.config import ClientEntry

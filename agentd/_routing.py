@@ -10,7 +10,6 @@ the table they were created with (no runtime downgrade or upgrade).
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -18,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentd import _metrics as metrics
 from agentd._errors import ConfigError
+from agentd._waiters import WaiterQueue
 from agentd._xmlify import XmlSpec, spec_of
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ class Listener:
     config: Any = None
     retired: bool = False
     active: int = 0  # handler calls running now (bounded by max_concurrency)
-    _slot_waiters: deque[asyncio.Future[None]] = field(default_factory=deque, repr=False)
+    _slot_waiters: WaiterQueue = field(default_factory=WaiterQueue, repr=False)
     _seconds: Any = field(default=None, repr=False)
 
     def count(self, outcome: str) -> None:
@@ -64,17 +64,12 @@ class Listener:
         """Wait until fewer than `max_concurrency` calls of this listener run. (A
         counter rather than asyncio.Semaphore: the uncontended path costs nothing.)"""
         while self.active >= self.max_concurrency:
-            fut = asyncio.get_running_loop().create_future()
-            self._slot_waiters.append(fut)
-            await fut
+            await self._slot_waiters.park(asyncio.get_running_loop())
 
     def release_slot(self) -> None:
         self.active -= 1
-        while self._slot_waiters:
-            fut = self._slot_waiters.popleft()
-            if not fut.done():
-                fut.set_result(None)
-                return
+        if self._slot_waiters:
+            self._slot_waiters.wake_one()
 
     def may_send_to(self, target: str) -> bool:
         # LLM agents iterate blindly through their own unique root tag.
@@ -94,10 +89,6 @@ class DispatchTable:
         if to is not None:
             found = tuple(lst for lst in found if lst.name == to)
         return found
-
-    def is_within(self, other: DispatchTable) -> bool:
-        """True if every route of self is a route of `other` (self is no wider)."""
-        return all(set(lsts) <= set(other.routes.get(key, ())) for key, lsts in self.routes.items())
 
 
 @dataclass(frozen=True, eq=False)

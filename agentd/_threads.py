@@ -12,6 +12,9 @@ Invariants:
   (profile monotonicity); a child simply inherits its parent's profile object.
 - Paths are never shown to handlers, agents or clients; only `introspect thread`
   (privileged) reveals one.
+- A frame's state changes only through `transition` (the table `TRANSITIONS`): a
+  frame is active until its call ends once, as answered, failed or abandoned; an
+  ended frame takes no further event, and asking it to is a bug that raises.
 """
 
 from __future__ import annotations
@@ -29,9 +32,41 @@ class ThreadState(Enum):
     COMPLETED = "completed"
     FAILED = "failed"
 
+    # Members are singletons: identity hashing is correct and, unlike Enum's own
+    # (a Python call hashing the name), costs nothing on the hot path.
+    __hash__ = object.__hash__
 
-class ProfileEscalation(Exception):
-    """A child frame asked for a profile wider than its parent's."""
+
+class ThreadEvent(Enum):
+    ANSWERED = "answered"  # the callee answered (or acknowledged) the call
+    FAILED = "failed"  # the callee failed: error, timeout, refused output
+    ABANDONED = "abandoned"  # untouched for the idle period: collected
+
+    __hash__ = object.__hash__
+
+
+class IllegalTransition(Exception):
+    """An event a frame in its current state cannot take."""
+
+
+# state -> event -> next state; a missing entry is an illegal event.
+TRANSITIONS: dict[ThreadState, dict[ThreadEvent, ThreadState]] = {
+    ThreadState.ACTIVE: {
+        ThreadEvent.ANSWERED: ThreadState.COMPLETED,
+        ThreadEvent.FAILED: ThreadState.FAILED,
+        ThreadEvent.ABANDONED: ThreadState.COMPLETED,
+    },
+    ThreadState.COMPLETED: {},
+    ThreadState.FAILED: {},
+}
+
+
+def transition(state: ThreadState, event: ThreadEvent) -> ThreadState:
+    """The state a frame in `state` moves to on `event`; raises `IllegalTransition`."""
+    try:
+        return TRANSITIONS[state][event]
+    except KeyError:
+        raise IllegalTransition(f"{event.value} in state {state.value}") from None
 
 
 class Frame:
@@ -91,6 +126,9 @@ def new_uuid() -> str:
 
 
 class ThreadRegistry:
+    """The live frames by UUID. A frame leaves when its call ends (`end`) or when it
+    is dropped unfinished (`forget`: a conversation whose admission failed)."""
+
     def __init__(self) -> None:
         self._frames: dict[str, Frame] = {}
 
@@ -103,43 +141,31 @@ class ThreadRegistry:
     def get(self, uuid: str) -> Frame | None:
         return self._frames.get(uuid)
 
-    def start(self, owner: str, profile: Profile, uuid: str | None = None) -> Frame:
-        """A new conversation owned by the client `owner`."""
-        frame = Frame(uuid or new_uuid(), (owner,), None, owner, profile)
-        if frame.uuid in self._frames:
-            raise ValueError("thread exists")
+    def add(self, frame: Frame) -> None:
+        """Register a frame built elsewhere: a conversation once its first envelope
+        passed every check, or a frame rebuilt from durable state (crash recovery)."""
         self._frames[frame.uuid] = frame
-        return frame
 
-    def extend(self, parent: Frame, callee: str, profile: Profile | None = None) -> Frame:
-        """A child frame for a call from `parent`'s holder to `callee`."""
-        if profile is None:
-            profile = parent.profile
-        elif profile is not parent.profile and not profile.table.is_within(parent.profile.table):
-            raise ProfileEscalation(f"{profile.name} is wider than {parent.profile.name}")
-        frame = Frame(new_uuid(), (*parent.path, callee), parent, parent.owner, profile)
+    def extend(self, parent: Frame, callee: str) -> Frame:
+        """A child frame for a call from `parent`'s holder to `callee`; it inherits
+        `parent`'s profile, so a chain can never widen its reach."""
+        frame = Frame(new_uuid(), (*parent.path, callee), parent, parent.owner, parent.profile)
         self._frames[frame.uuid] = frame
         parent.children += 1
         return frame
 
-    def complete(self, frame: Frame, state: ThreadState = ThreadState.COMPLETED) -> None:
-        """The call `frame` stands for has ended; forget it unless calls are open under it."""
-        if frame.state is ThreadState.ACTIVE:
-            frame.state = state
-        if frame.parent is not None and self._frames.pop(frame.uuid, None) is not None:
+    def end(self, frame: Frame, event: ThreadEvent) -> ThreadState:
+        """The call `frame` stands for has ended by `event`: it takes its final state
+        and leaves the registry. Raises `IllegalTransition` if it had already ended."""
+        try:  # transition() inlined: this runs once per call on the hot path
+            state = TRANSITIONS[frame.state][event]
+        except KeyError:
+            transition(frame.state, event)  # raises IllegalTransition
+            raise
+        frame.state = state
+        if self._frames.pop(frame.uuid, None) is not None and frame.parent is not None:
             frame.parent.children -= 1
-
-    def restore(self, frame: Frame) -> None:
-        """Re-insert a frame rebuilt from durable state (crash recovery)."""
-        self._frames[frame.uuid] = frame
+        return state
 
     def forget(self, frame: Frame) -> None:
         self._frames.pop(frame.uuid, None)
-
-    def collect_idle(self, idle_s: float, now: float | None = None) -> int:
-        """Drop frames untouched for `idle_s` seconds (abandoned conversations)."""
-        now = time.monotonic() if now is None else now
-        stale = [f for f in self._frames.values() if now - f.touched > idle_s]
-        for f in stale:
-            self._frames.pop(f.uuid, None)
-        return len(stale)

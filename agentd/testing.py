@@ -19,13 +19,13 @@ from typing import Any
 
 from agentd._core import Huh
 from agentd._envelope import NIL_THREAD, build_envelope
-from agentd._pump import CORE, Pump
 from agentd._routing import Routing
 from agentd._threads import new_uuid
 from agentd._wiring import kernel_options
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.config import OrganismConfig, load_config
 from agentd.kernel import Kernel, KernelUnavailable
+from agentd.pump import CORE, Pump
 
 
 class Harness:

@@ -30,12 +30,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agentd._envelope import build_envelope, parse_envelope  # noqa: E402
-from agentd._pump import Pump  # noqa: E402
 from agentd._routing import Routing  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.config import load_config  # noqa: E402
 from agentd.platform import Platform, make_agent_handlers  # noqa: E402
 from agentd.platform.demo import MathQuestion  # noqa: E402
+from agentd.pump import Pump  # noqa: E402
 from agentd.testing import Harness  # noqa: E402
 from agentd.tools.calculator import Add  # noqa: E402
 from tests.llm_servers import (  # noqa: E402

@@ -103,10 +103,10 @@ async def serve_echo(home: Path) -> None:
 async def serve_agentd(home: Path, kernel: bool) -> None:
     from dataclasses import replace
 
-    from agentd._pump import Pump
     from agentd._routing import Routing
     from agentd.bus import BusServer, ClientAuth
     from agentd.config import AuthConfig, BusConfig, TlsConfig, load_config
+    from agentd.pump import Pump
 
     config = load_config(ROOT / "agentd" / "demo" / "organism.yaml",
                          state_dir_override=home / "state")
@@ -291,9 +291,9 @@ async def idle(rig: Rig, port: int, n: int) -> list[Any]:
 
 async def inprocess(n: int) -> float:
     """The same workload through the pump in this process (no network, no journal)."""
-    from agentd._pump import Pump
     from agentd._routing import Routing
     from agentd.config import load_config
+    from agentd.pump import Pump
 
     config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
     got = 0

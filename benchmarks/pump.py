@@ -30,15 +30,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from agentd._envelope import build_envelope  # noqa: E402
-from agentd._pump import Pump  # noqa: E402
 from agentd._routing import Routing  # noqa: E402
 from agentd._runtime import tune_gc  # noqa: E402
 from agentd._schemas import NS_ENV, schema  # noqa: E402
-from agentd._threads import ThreadRegistry  # noqa: E402
+from agentd._threads import Frame, ThreadRegistry, new_uuid  # noqa: E402
 from agentd._xml import parse_untrusted  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.config import load_config  # noqa: E402
 from agentd.kernel import Kernel  # noqa: E402
+from agentd.pump import Pump  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
 
 CLIENTS = 256  # concurrent submitters
@@ -196,7 +196,7 @@ def registry_rss(n: int) -> float:
     before = rss_mb()
     registry = ThreadRegistry()
     for _ in range(n):
-        registry.start("alice", profile)
+        registry.add(Frame(new_uuid(), ("alice",), None, "alice", profile))
     gc.collect()
     used = rss_mb() - before
     assert len(registry) == n

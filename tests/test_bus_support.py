@@ -18,12 +18,12 @@ import yaml
 
 from agentd import HandlerMetadata, HandlerResponse, xmlify
 from agentd._daemon import KernelOutbox
-from agentd._pump import Pump
 from agentd._routing import Routing
 from agentd.bus import BusServer, ClientAuth, make_self_signed, totp_code
 from agentd.client import BusClient
 from agentd.config import AuthConfig, BusConfig, TlsConfig, load_config_text
 from agentd.kernel import Kernel
+from agentd.pump import Pump
 
 GATE_NS = "https://xml-pipeline.org/ns/test/gate/v1"
 

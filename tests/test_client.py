@@ -18,11 +18,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agentd._cli_bus import init_cmd, totp_cmd
-from agentd._pump import Pump
 from agentd._routing import Routing
 from agentd.bus import BusServer, ClientAuth, server_context
 from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind
 from agentd.config import load_config
+from agentd.pump import Pump
 from agentd.tools.calculator import Add
 from tests.test_bus_support import Rig, start_rig, stop_rig
 

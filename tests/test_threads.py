@@ -4,15 +4,31 @@ from __future__ import annotations
 
 import uuid
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentd._routing import Profile, build_table
-from agentd._threads import ThreadRegistry, ThreadState, new_uuid
+from agentd._threads import (
+    TRANSITIONS,
+    Frame,
+    IllegalTransition,
+    ThreadEvent,
+    ThreadRegistry,
+    ThreadState,
+    new_uuid,
+    transition,
+)
 
 
 def profile(name: str = "p") -> Profile:
     return Profile(name, build_table(1, []))
+
+
+def start(reg: ThreadRegistry, owner: str, p: Profile) -> Frame:
+    frame = Frame(new_uuid(), (owner,), None, owner, p)
+    reg.add(frame)
+    return frame
 
 
 def test_new_uuids_are_canonical_version_4() -> None:
@@ -28,7 +44,7 @@ def test_new_uuids_are_canonical_version_4() -> None:
 def test_many_conversations_on_one_path_keep_their_own_uuids() -> None:
     reg = ThreadRegistry()
     p = profile()
-    roots = [reg.start("alice", p) for _ in range(100)]
+    roots = [start(reg, "alice", p) for _ in range(100)]
     children = [reg.extend(r, "relay") for r in roots]
     grandchildren = [reg.extend(c, "calculator.add") for c in children]
     assert len({g.uuid for g in grandchildren}) == 100
@@ -39,7 +55,7 @@ def test_many_conversations_on_one_path_keep_their_own_uuids() -> None:
 
 def test_repr_never_shows_the_path() -> None:
     reg = ThreadRegistry()
-    child = reg.extend(reg.start("alice", profile()), "secret-listener")
+    child = reg.extend(start(reg, "alice", profile()), "secret-listener")
     assert "secret-listener" not in repr(child) and "alice" not in repr(child)
 
 
@@ -56,7 +72,7 @@ def test_registry_invariants_hold_under_any_sequence(ops: list[tuple[str, int]])
     live = []
     for op, n in ops:
         if op == "start" or not live:
-            live.append(reg.start(f"client{n % 3}", p))
+            live.append(start(reg, f"client{n % 3}", p))
         elif op == "extend":
             parent = live[n % len(live)]
             child = reg.extend(parent, f"l{n}")
@@ -65,10 +81,11 @@ def test_registry_invariants_hold_under_any_sequence(ops: list[tuple[str, int]])
             live.append(child)
         else:
             frame = live.pop(n % len(live))
-            reg.complete(frame)
+            children_before = frame.parent.children if frame.parent is not None else 0
+            assert reg.end(frame, ThreadEvent.ANSWERED) is ThreadState.COMPLETED
+            assert reg.get(frame.uuid) is None and frame.state is ThreadState.COMPLETED
             if frame.parent is not None:
-                assert reg.get(frame.uuid) is None
-                assert frame.state is ThreadState.COMPLETED
+                assert frame.parent.children == children_before - 1
     uuids = [f.uuid for f in live]
     assert len(set(uuids)) == len(uuids)
     for f in live:
@@ -76,12 +93,45 @@ def test_registry_invariants_hold_under_any_sequence(ops: list[tuple[str, int]])
         assert f.path[0] == f.owner
 
 
-def test_idle_frames_are_collected() -> None:
+EXPECTED_TRANSITIONS = {
+    (ThreadState.ACTIVE, ThreadEvent.ANSWERED): ThreadState.COMPLETED,
+    (ThreadState.ACTIVE, ThreadEvent.FAILED): ThreadState.FAILED,
+    (ThreadState.ACTIVE, ThreadEvent.ABANDONED): ThreadState.COMPLETED,
+}
+
+
+@pytest.mark.parametrize("state", list(ThreadState))
+@pytest.mark.parametrize("event", list(ThreadEvent))
+def test_every_state_and_event_is_legal_or_raises(state: ThreadState, event: ThreadEvent) -> None:
+    expected = EXPECTED_TRANSITIONS.get((state, event))
+    if expected is None:
+        with pytest.raises(IllegalTransition):
+            transition(state, event)
+    else:
+        assert transition(state, event) is expected
+
+
+def test_the_table_covers_every_state() -> None:
+    assert set(TRANSITIONS) == set(ThreadState)
+    assert all(not TRANSITIONS[s] for s in (ThreadState.COMPLETED, ThreadState.FAILED))
+
+
+def test_an_ended_frame_cannot_end_again() -> None:
     reg = ThreadRegistry()
-    f = reg.start("alice", profile())
-    assert reg.collect_idle(60, now=f.touched + 30) == 0
-    assert reg.collect_idle(60, now=f.touched + 61) == 1
-    assert reg.get(f.uuid) is None
+    root = start(reg, "alice", profile())
+    child = reg.extend(root, "calculator.add")
+    assert reg.end(child, ThreadEvent.FAILED) is ThreadState.FAILED
+    assert root.children == 0
+    with pytest.raises(IllegalTransition):
+        reg.end(child, ThreadEvent.ANSWERED)
+    assert child.state is ThreadState.FAILED and root.children == 0
+
+
+def test_an_abandoned_conversation_leaves_the_registry() -> None:
+    reg = ThreadRegistry()
+    root = start(reg, "alice", profile())
+    assert reg.end(root, ThreadEvent.ABANDONED) is ThreadState.COMPLETED
+    assert reg.get(root.uuid) is None and len(reg) == 0
 
 
 async def test_idle_conversations_are_ended_in_pump_and_kernel(tmp_path) -> None:  # type: ignore[no-untyped-def]

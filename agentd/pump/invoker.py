@@ -1,0 +1,118 @@
+"""The invoker: runs one handler call, bounded by its listener's slots and timeout.
+
+This is the seam between the pump and handler code: the pump decides what to call
+and what the outcome turns into; the invoker only runs the call and reports its
+outcome (the handler's return value, or a `CallFailed`). Running handlers elsewhere
+(worker processes) means another `Invoker` with the same `call`.
+
+Timeouts: one watchdog task scans the running calls' deadlines a few times per
+timeout period and cancels the expired ones (again on each tick while a handler
+swallows the cancel). `asyncio.timeout()` per call costs ~5 us a hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agentd._errors import HuhCode
+from agentd._handler import HandlerMetadata
+from agentd._routing import Listener
+
+log = logging.getLogger("agentd.pump")
+
+
+class CallFailed:
+    """A call's outcome when the handler did not return: raised, or timed out."""
+
+    __slots__ = ("code",)
+
+    def __init__(self, code: HuhCode) -> None:
+        self.code = code
+
+    def __repr__(self) -> str:
+        return f"<CallFailed {self.code.value}>"
+
+
+RAISED = CallFailed(HuhCode.INTERNAL)
+TIMED_OUT = CallFailed(HuhCode.TIMEOUT)
+
+
+class Invoker:
+    """Runs handler calls on the calling task. `tick_s()` gives the watchdog's
+    period, read again each tick (listeners and their timeouts change on reload)."""
+
+    def __init__(self, tick_s: Callable[[], float]) -> None:
+        self._tick_s = tick_s
+        self.calls = 0  # handler invocations, for benchmarks and status
+        self._deadlines: dict[asyncio.Task[Any], float] = {}
+        self._expired: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        # Kept: asyncio.get_running_loop() costs a getpid() system call on every call.
+        self._loop = loop
+        self._watchdog = loop.create_task(self._watch(), name="pump-watchdog")
+
+    async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
+
+    async def call(self, listener: Listener, payload: Any, meta: HandlerMetadata) -> object:
+        """Run `listener`'s handler on `payload`: its return value, or `RAISED` /
+        `TIMED_OUT`. Counts the outcome and the handler's time for the listener."""
+        handler = listener.handler
+        assert handler is not None
+        self.calls += 1
+        loop = self._loop
+        assert loop is not None  # handlers run on the pump's workers, after start()
+        task = asyncio.current_task(loop)
+        assert task is not None
+        if listener.active >= listener.max_concurrency:
+            await listener.wait_for_slot()
+        listener.active += 1
+        started = time.perf_counter()
+        self._deadlines[task] = loop.time() + listener.timeout_s
+        result: object = RAISED
+        try:
+            result = await handler(payload, meta)
+        except asyncio.CancelledError:
+            if task not in self._expired:
+                raise  # the pump is stopping
+        except Exception:
+            log.exception("handler raised listener=%s thread=%s", listener.name, meta.thread_id)
+        finally:
+            listener.release_slot()
+            del self._deadlines[task]
+            if task in self._expired:  # also when the handler swallowed the cancel
+                self._expired.discard(task)
+                task.uncancel()
+                log.warning("handler timed out listener=%s thread=%s",
+                            listener.name, meta.thread_id)
+                result = TIMED_OUT
+        if result is RAISED:
+            listener.count("error")
+        elif result is TIMED_OUT:
+            listener.count("timeout")
+        else:
+            listener.observe(time.perf_counter() - started)
+            listener.count("ok")
+        return result
+
+    async def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._tick_s())
+            now = loop.time()
+            for task, deadline in list(self._deadlines.items()):
+                if now >= deadline:
+                    self._expired.add(task)
+                    task.cancel()

@@ -1,0 +1,82 @@
+"""What travels through the pump: an admitted `Message` and what a client is told.
+
+A `Message` is built only by admission (or recovery, through the same checks); every
+field but `payload` is the pump's own, trusted, never taken from the envelope as is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from lxml import etree
+
+from agentd._errors import HuhCode
+from agentd._routing import Listener
+from agentd._threads import Frame
+from agentd._xmlify import XmlSpec
+
+# The sender name of the pump's own messages (ack, huh, accepted, meta answers).
+CORE = "core"
+
+
+class MsgKind(Enum):
+    REQUEST = "request"  # routed by payload key; runs the callee in a child frame
+    TO_HOLDER = "to-holder"  # a response, ack or huh for the holder of the frame
+
+
+class Message:
+    """A message admitted into the pump. Everything but `payload` is trusted."""
+
+    __slots__ = (
+        "envelope",
+        "frame",
+        "hops",
+        "kind",
+        "payload",
+        "redelivered",
+        "sender",
+        "seq",
+        "spec",
+        "targets",
+    )
+
+    def __init__(
+        self,
+        kind: MsgKind,
+        sender: str,
+        frame: Frame,
+        payload: etree._Element,
+        targets: tuple[Listener, ...],
+        spec: XmlSpec | None,
+        envelope: bytes,
+        seq: int = 0,
+        redelivered: bool = False,
+    ) -> None:
+        self.kind = kind
+        self.sender = sender
+        self.frame = frame
+        self.payload = payload
+        self.targets = targets  # REQUEST: the callees; TO_HOLDER: () for a client holder
+        self.spec = spec  # None for core payloads
+        self.envelope = envelope
+        self.seq = seq  # its journal entry, 0 if not journaled (or no kernel)
+        self.redelivered = redelivered
+        self.hops = 0  # handler invocations on the causal chain before this message
+
+    @property
+    def is_core(self) -> bool:
+        return self.spec is None
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    """What became of a client envelope: `seq` if accepted, else `code`."""
+
+    thread: str
+    seq: int | None = None
+    code: HuhCode | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.code is None

@@ -1,0 +1,475 @@
+"""The message pump: the one path every message takes, wired from small owners.
+
+    bytes -> hardened parse -> admission (route, schema) -> (journal) -> scheduler
+          -> invoker (handler) -> response plan -> envelope bytes -> hardened parse
+          -> admission -> ...   (zero-trust re-entry)
+
+`Pump` owns no decision itself: admission (`admission.py`) decides whether and
+where a message goes, `response.py` what a handler's outcome turns into, the
+`Scheduler` when it runs, the `Invoker` how the handler is called, `recovery.py`
+what survives a restart. The pump applies their results: it registers frames, ends
+them, queues messages and commits one `Batch` per step.
+
+Invariants:
+- A client's envelope and a handler's output take the same path; nothing a handler
+  returns is trusted for identity, thread or route. The pump sets `from` (the
+  listener's registered name) and `thread` (from the registry) itself.
+- Handling one message is one batch, passed explicitly to everything that writes
+  to it and committed before the next await, so its writes commit together.
+- Queues are bounded: client ingress waits for room (backpressure); handler output
+  beyond a hard cap is refused with `huh rate-limited` to its producer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
+
+from agentd import _metrics as metrics
+from agentd._core import Accepted, Huh, core_from_element
+from agentd._envelope import NIL_THREAD, PrivilegedOnBus, build_envelope, parse_envelope
+from agentd._errors import HuhCode, Rejection
+from agentd._handler import HandlerMetadata
+from agentd._routing import Listener, Routing
+from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
+from agentd.config import MetaConfig, PumpConfig
+from agentd.kernel import Kernel, KernelUnavailable, Transaction
+from agentd.pump import admission, recovery
+from agentd.pump.admission import Violation
+from agentd.pump.batch import (
+    Batch,
+    DeliverFn,
+    journal_message,
+    journal_outgoing,
+    state_value,
+    thread_row,
+)
+from agentd.pump.invoker import CallFailed, Invoker
+from agentd.pump.message import CORE, Message, MsgKind, SubmitResult
+from agentd.pump.response import plan_failure, plan_response
+from agentd.pump.scheduler import Scheduler
+
+log = logging.getLogger("agentd.pump")
+
+_ACTIVE = ThreadState.ACTIVE
+_REQUEST = MsgKind.REQUEST
+
+
+class Pump:
+    def __init__(
+        self,
+        routing: Routing,
+        clients: Mapping[str, str],
+        deliver: DeliverFn,
+        settings: PumpConfig | None = None,
+        kernel: Kernel | None = None,
+        *,
+        max_envelope_bytes: int = 256 * 1024,
+    ) -> None:
+        self.routing = routing
+        self.clients = dict(clients)  # client id -> profile name
+        self.deliver = deliver
+        self.settings = settings or PumpConfig()
+        self.max_envelope_bytes = max_envelope_bytes
+        self.registry = ThreadRegistry()
+        # With a kernel, every admitted message is journaled (pending until handled),
+        # frames are persisted, and client-bound frames go through the outbox.
+        self.kernel = kernel
+        # Security events (forged from, priv payloads, peer violations) go here too;
+        # the daemon journals them as entries of kind `security`.
+        self.on_security: Callable[[str, Mapping[str, str]], None] | None = None
+        self.meta_flags = MetaConfig()  # meta introspection on the bus: all off by default
+        self._scheduler = Scheduler(
+            self._handle, self.settings.max_concurrency, self.settings.max_queue
+        )
+        self._invoker = Invoker(self._tick)
+        self._seq = 0
+        self._hard_cap = self.settings.max_queue * 2
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+
+    # ---- lifecycle -------------------------------------------------------
+
+    async def start(self) -> None:
+        # Kept: asyncio.get_running_loop() costs a getpid() system call on every call
+        # (its fork check), several times a message on the hot path.
+        self._loop = asyncio.get_running_loop()
+        self._scheduler.start()
+        self._invoker.start(self._loop)
+
+    def _tick(self) -> float:
+        shortest = min(
+            (lst.timeout_s for lst in self.routing.listeners.values()),
+            default=self.settings.handler_timeout_s,
+        )
+        return min(1.0, max(0.005, shortest / 10))
+
+    async def stop(self) -> None:
+        await self._scheduler.stop()
+        await self._invoker.stop()
+
+    def join(self) -> Coroutine[Any, Any, None]:
+        """Run until idle: await it to return once nothing is queued or running.
+        (The scheduler's own coroutine, not one wrapping it: no extra frame.)"""
+        return self._scheduler.join()
+
+    @property
+    def queue_depth(self) -> int:
+        return self._scheduler.queued
+
+    @property
+    def running(self) -> int:
+        return self._scheduler.running
+
+    @property
+    def handled(self) -> int:
+        """Handler invocations, for benchmarks and status."""
+        return self._invoker.calls
+
+    # ---- client ingress --------------------------------------------------
+
+    async def submit(self, client: str, data: bytes) -> SubmitResult:
+        """Admit one envelope from an authenticated client. The client is sent one
+        `accepted` or one `huh` (through `deliver`), then whatever comes back. Waits
+        for room in the pump, and with a kernel for the envelope's journal commit."""
+        scheduler = self._scheduler
+        if scheduler.queued >= scheduler.max_queue:
+            await scheduler.wait_for_room(self._loop or asyncio.get_running_loop())
+        result = self._submit_now(client, data, True)
+        if isinstance(result, SubmitResult):
+            return result
+        return await result
+
+    def submit_nowait(self, client: str, data: bytes) -> SubmitResult | None:
+        """`submit` for a caller that cannot wait (the bus reads the next frame at
+        once): None if the pump has no room now (call `submit` instead). Otherwise the
+        envelope is admitted now and the client is told the outcome through `deliver`
+        exactly as with `submit`. The result is final for a refusal; for an envelope
+        being journaled it is provisional (`seq` set): if that commit fails, the
+        client gets `huh internal` and nothing is acknowledged."""
+        scheduler = self._scheduler
+        if scheduler.queued >= scheduler.max_queue or scheduler.room_waiters:
+            return None
+        result = self._submit_now(client, data, False)
+        assert isinstance(result, SubmitResult)
+        return result
+
+    def _submit_now(
+        self, client: str, data: bytes, wait: bool
+    ) -> SubmitResult | asyncio.Future[SubmitResult]:
+        """Parse, check, route and admit `data` without awaiting anything. With a
+        kernel and `wait`, returns a future for the outcome of the journal commit."""
+        metrics.HOT.received += 1
+        thread = NIL_THREAD
+        try:
+            env = parse_envelope(data, max_bytes=self.max_envelope_bytes)
+            thread = env.thread
+            known = self.registry.get(thread)
+            msg = admission.admit_client(
+                client, env, data, known, self.routing.profiles, self.clients,
+                self.meta_flags, self.max_envelope_bytes,
+            )  # fmt: skip
+        except PrivilegedOnBus:
+            self._security_event("priv-on-bus", {"client": client})
+            return self._refuse_client(client, thread, HuhCode.UNROUTABLE)
+        except Rejection as rej:
+            if isinstance(rej, Violation):
+                self._security_event(rej.event, rej.fields)
+            log.info("rejected client=%s code=%s detail=%s", client, rej.code.value, rej.detail)
+            return self._refuse_client(client, thread, rej.code)
+        frame = msg.frame
+        if known is None:
+            self.registry.add(frame)  # registered only once every check has passed
+        else:
+            frame.touched = time.monotonic()
+        meta_answer = msg.sender == CORE  # answered by the pump itself (agentd/_meta.py)
+        if self.kernel is None:
+            self._seq += 1
+            msg.seq = 0 if meta_answer else self._seq
+            self._emit_core(client, frame.uuid, Accepted(frame.uuid, self._seq).to_bytes())
+            self._enqueue(msg, None)
+            return SubmitResult(frame.uuid, seq=self._seq)
+        # The transaction that makes the envelope durable: its thread (if new) and
+        # its journal entry.
+        tx = self.kernel.transaction()
+        if known is None:
+            tx.thread_put(thread_row(frame))
+            frame.persisted = True
+        if meta_answer:
+            seq = tx.journal(
+                thread=frame.uuid, direction="in", kind="meta", sender=client,
+                tag=env.key, payload=data, profile=frame.profile.name,
+            )  # fmt: skip
+        else:
+            seq = msg.seq = journal_message(tx, msg)
+        return self._admit(client, msg, tx, seq, wait, not meta_answer)
+
+    def _admit(
+        self, client: str, msg: Message, tx: Transaction, seq: int, wait: bool,
+        optimistic: bool,
+    ) -> SubmitResult | asyncio.Future[SubmitResult]:
+        """Commit the admission `tx`; `accepted` (or `huh internal`) is sent from the
+        commit callback, in commit order. `optimistic`: hand the message to its
+        handler at once, while the commit is being written. Its own transaction is
+        queued after this one, so it commits with it or after it, never before, and
+        `accepted` always precedes the answer; if the commit fails the client gets
+        `huh internal` and nothing was acknowledged, but the handler may have run
+        (see docs/architecture.md). Otherwise (a meta answer) the message is queued
+        only once its envelope is durable. With `wait`, returns a future for the
+        outcome; without, the outcome as known now (provisional if accepted)."""
+        kernel = self.kernel
+        assert kernel is not None
+        frame = msg.frame
+        outcome: asyncio.Future[SubmitResult] | None = None
+        if wait:
+            outcome = (self._loop or asyncio.get_running_loop()).create_future()
+        refused: SubmitResult | None = None
+
+        def admitted(exc: BaseException | None) -> None:
+            nonlocal refused
+            if exc is None:
+                self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
+                if not optimistic:
+                    batch = self._open()
+                    self._enqueue(msg, batch)
+                    self._close(batch, None)
+                if outcome is not None:
+                    outcome.set_result(SubmitResult(frame.uuid, seq=seq))
+                return
+            log.error("journal unavailable, refusing client=%s: %s", client, exc)
+            if (not optimistic and frame.is_root and not self._scheduler.has_inbox(frame.uuid)
+                    and not frame.children):
+                self.registry.forget(frame)
+            refused = self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
+            if outcome is not None and not outcome.done():
+                outcome.set_result(refused)
+
+        try:
+            kernel.commit_then(tx, admitted)
+        except KernelUnavailable as exc:
+            admitted(exc)
+        else:
+            if optimistic:
+                self._enqueue(msg, None)
+        if outcome is not None:
+            return outcome
+        return refused or SubmitResult(frame.uuid, seq=seq)
+
+    def _refuse_client(self, client: str, thread: str, code: HuhCode) -> SubmitResult:
+        metrics.envelopes_rejected.labels(code.value).inc()
+        self._emit_core(client, thread, Huh.of(code).to_bytes())
+        return SubmitResult(thread, code=code)
+
+    def _emit_core(self, client: str, thread: str, payload: bytes) -> None:
+        self.deliver(client, thread, build_envelope(CORE, thread, payload, to=client), None)
+
+    def collect_idle(self, idle_s: float, now: float | None = None) -> int:
+        """End conversations (and stray frames, e.g. a call whose peer never answered)
+        untouched for `idle_s` seconds: the registry forgets them and the kernel marks
+        them completed, so its thread GC can delete them. Deepest frames go first, so
+        a conversation whose abandoned calls are collected is collected with them.
+        O(frames); run periodically, never on the hot path."""
+        now = time.monotonic() if now is None else now
+        busy = self._scheduler.has_inbox
+        stale = sorted(
+            (f for f in self.registry if now - f.touched > idle_s and not busy(f.uuid)),
+            key=lambda f: len(f.path),
+            reverse=True,
+        )
+        ended = 0
+        batch = self._open()
+        for frame in stale:
+            if frame.children:
+                continue  # a call under it is still live
+            self._end(frame, ThreadEvent.ABANDONED, batch)
+            ended += 1
+        self._close(batch, None)
+        return ended
+
+    async def recover(self) -> int:
+        """Rebuild frames and re-queue undelivered messages from the kernel after a
+        restart (at least once: handlers see `redelivered=True`). Returns the count."""
+        if self.kernel is None:
+            return 0
+        resumed = await recovery.recover(
+            self.kernel, self.routing.listeners, self.routing.profiles, self.registry
+        )
+        for msg in resumed:
+            self._enqueue(msg, None)
+        return len(resumed)
+
+    # ---- batches ---------------------------------------------------------------
+
+    def _open(self) -> Batch | None:
+        kernel = self.kernel
+        return None if kernel is None else Batch(kernel.transaction(), self.deliver)
+
+    def _close(self, batch: Batch | None, handled: Message | None) -> None:
+        """Commit what one step produced (and mark `handled` as processed); client
+        frames are handed to `deliver` only once their outbox rows are durable."""
+        if batch is None or self.kernel is None:
+            return
+        if handled is not None and handled.seq:
+            batch.tx.delivered(handled.seq)
+        self.kernel.commit_then(batch.tx, batch.committed)
+
+    def _enqueue(self, msg: Message, batch: Batch | None) -> None:
+        if msg.kind is MsgKind.TO_HOLDER and not msg.targets:
+            # The holder is the external client: deliver in order (after the commit
+            # of its outbox row when durable).
+            if batch is None:
+                self.deliver(msg.frame.owner, msg.frame.uuid, msg.envelope, None)
+            else:
+                journal_outgoing(batch, msg)
+            return
+        if batch is not None and not msg.seq:
+            msg.seq = journal_message(batch.tx, msg)
+        self._scheduler.put(msg)
+
+    def _end(self, frame: Frame, event: ThreadEvent, batch: Batch | None) -> None:
+        state = self.registry.end(frame, event)
+        if batch is not None and frame.persisted:
+            batch.tx.thread_state(frame.uuid, state_value(state))
+
+    # ---- handling --------------------------------------------------------------
+
+    async def _handle(self, msg: Message) -> None:
+        root = msg.frame.root
+        if root.state is not _ACTIVE or msg.hops >= self.settings.max_hops:
+            batch = self._open()
+            if root.state is not _ACTIVE:
+                log.info("dropped message on ended conversation thread=%s", root.uuid)
+            else:
+                # Two listeners ping-ponging, or a runaway chain: stop it, tell the client.
+                self._stop_chain(root, HuhCode.BUDGET_EXCEEDED, "hop limit reached", batch)
+            self._close(batch, msg)
+            return
+        if msg.kind is _REQUEST and len(msg.targets) > 1:
+            # Broadcast: the listeners on one key run concurrently; the message counts
+            # as handled once all of them have returned.
+            await asyncio.gather(*(self._call(msg, t, False) for t in msg.targets))
+            batch = self._open()
+            self._close(batch, msg)
+        else:
+            await self._call(msg, msg.targets[0], True)
+
+    async def _call(self, msg: Message, listener: Listener, last: bool) -> None:
+        """Run one handler on one message. `last`: this call completes the message."""
+        hops = msg.hops + 1
+        if listener.retired:
+            batch = self._open()
+            self._huh_to(msg.frame, HuhCode.UNROUTABLE, hops, batch)
+            self._close(batch, msg if last else None)
+            return
+        created = msg.kind is _REQUEST
+        frame = self.registry.extend(msg.frame, listener.name) if created else msg.frame
+        frame.touched = time.monotonic()
+        spec = msg.spec
+        payload: Any = (
+            core_from_element(msg.payload) if spec is None else spec.from_element(msg.payload)
+        )
+        meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered)
+        result = await self._invoker.call(listener, payload, meta)
+        batch = self._open()
+        if result.__class__ is CallFailed:
+            plan = plan_failure(msg, frame, result.code)
+        else:
+            plan = plan_response(msg, listener, frame, result, self.settings.max_fanout)
+        # Carry out the plan: the notice, the envelopes, then the end of the frame
+        # (only once every envelope was taken: a refused answer leaves it open).
+        if plan.notice_to is not None:
+            if plan.rejected is not None:
+                metrics.envelopes_rejected.labels(plan.rejected.value).inc()
+            self._reenter_core(plan.notice_to, plan.notice, hops, batch)
+        taken = True
+        thread = plan.thread
+        for data in plan.envelopes:
+            assert thread is not None
+            if not self._reenter(data, listener, thread, frame, plan.respond, hops, batch):
+                taken = False
+        if plan.end is not None and taken:
+            self._end(frame, plan.end, batch)
+        if created and batch is not None and frame.state is _ACTIVE:
+            # Only a frame that outlives this transaction (a call still open: the
+            # listener sent requests and awaits answers) needs a durable row; a call
+            # answered at once ends inside the transaction that would create it.
+            batch.tx.thread_put(thread_row(frame))
+            frame.persisted = True
+        self._close(batch, msg if last else None)
+
+    def _reenter(
+        self, data: bytes, listener: Listener, frame: Frame, own: Frame, respond: bool,
+        hops: int, batch: Batch | None,
+    ) -> bool:
+        """Handler output re-enters through the same parse and checks as client input.
+        `frame` is the envelope's thread; `own` is the listener's frame, where a `huh`
+        for its bad output goes (so an LLM agent can correct itself)."""
+        if self._scheduler.queued >= self._hard_cap:
+            self._huh_to(own, HuhCode.RATE_LIMITED, hops, batch)
+            return False
+        try:
+            env = parse_envelope(data, max_bytes=self.max_envelope_bytes)
+            if env.thread != frame.uuid or env.sender != listener.name:  # pragma: no cover
+                raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
+            if respond:
+                spec = admission.response_spec(listener, env)
+                msg = admission.to_holder(env, data, listener.name, frame, spec)
+            else:
+                msg = admission.route_request(env, env.key, data, listener.name, listener, frame)
+        except PrivilegedOnBus:
+            self._security_event("priv-from-handler", {"listener": listener.name})
+            self._huh_to(own, HuhCode.UNROUTABLE, hops, batch)
+            return False
+        except Rejection as rej:
+            if isinstance(rej, Violation):
+                log.warning("peer violation blocked listener=%s to=%s key=%s",
+                            listener.name, env.to, env.key)
+                self._security_event(rej.event, rej.fields)
+            log.info(
+                "handler output rejected listener=%s code=%s detail=%s",
+                listener.name,
+                rej.code.value,
+                rej.detail,
+            )
+            self._huh_to(own, rej.code, hops, batch)
+            return False
+        msg.hops = hops
+        self._enqueue(msg, batch)
+        return True
+
+    def _huh_to(self, frame: Frame, code: HuhCode, hops: int, batch: Batch | None) -> None:
+        metrics.envelopes_rejected.labels(code.value).inc()
+        self._reenter_core(frame, Huh.of(code).to_bytes(), hops, batch)
+
+    def _reenter_core(self, frame: Frame, payload: bytes, hops: int, batch: Batch | None) -> None:
+        """A core payload (ack/huh) for the holder of `frame`, re-entering like any output."""
+        data = build_envelope(CORE, frame.uuid, payload, to=frame.holder)
+        try:
+            env = parse_envelope(data)
+            msg = admission.to_holder(env, data, CORE, frame, None)
+        except Rejection as rej:
+            log.info("core message dropped thread=%s detail=%s", frame.uuid, rej.detail)
+            return
+        msg.hops = hops
+        self._enqueue(msg, batch)
+
+    def _stop_chain(self, root: Frame, code: HuhCode, why: str, batch: Batch | None) -> None:
+        log.warning("chain stopped thread=%s owner=%s why=%s", root.uuid, root.owner, why)
+        metrics.envelopes_rejected.labels(code.value).inc()
+        if batch is None:
+            self._emit_core(root.owner, root.uuid, Huh.of(code).to_bytes())
+            return
+        # After this batch's commit, like every client frame the handling produces:
+        # never before the conversation's `accepted`, committed first.
+        frame = build_envelope(CORE, root.uuid, Huh.of(code).to_bytes(), to=root.owner)
+        batch.post.append((root.owner, root.uuid, frame, None))
+
+    def _security_event(self, kind: str, fields: Mapping[str, str]) -> None:
+        metrics.security_events.labels(kind).inc()
+        if self.on_security is not None:
+            self.on_security(kind, fields)
+        else:
+            detail = " ".join(f"{k}={v}" for k, v in fields.items())
+            log.warning("security event kind=%s %s", kind, detail)

@@ -1,0 +1,124 @@
+"""The scheduler and its waiter queue, without a pump: per-frame order, round-robin
+fairness between frames, backpressure, run until idle."""
+
+from __future__ import annotations
+
+import asyncio
+
+from agentd._routing import Profile, build_table
+from agentd._threads import Frame, new_uuid
+from agentd._waiters import WaiterQueue
+from agentd.pump.message import Message, MsgKind
+from agentd.pump.scheduler import Scheduler
+
+PROFILE = Profile("p", build_table(1, []))
+
+
+def frame() -> Frame:
+    return Frame(new_uuid(), ("alice",), None, "alice", PROFILE)
+
+
+def message(f: Frame, n: int) -> Message:
+    return Message(MsgKind.REQUEST, "alice", f, None, (), None, str(n).encode())  # type: ignore[arg-type]
+
+
+async def test_waiters_are_woken_oldest_first_and_once() -> None:
+    loop = asyncio.get_running_loop()
+    q = WaiterQueue()
+    first, second = q.park(loop), q.park(loop)
+    assert q.wake_one() and first.done() and not second.done()
+    assert q.wake_one() and second.done()
+    assert not q.wake_one() and not q
+
+
+async def test_a_cancelled_waiter_does_not_swallow_a_wake_up() -> None:
+    loop = asyncio.get_running_loop()
+    q = WaiterQueue()
+    gone, waiting = q.park(loop), q.park(loop)
+    gone.cancel()
+    assert q.wake_one() and waiting.done() and waiting.result() is None
+
+
+async def test_wake_all_releases_everyone() -> None:
+    loop = asyncio.get_running_loop()
+    q = WaiterQueue()
+    parked = [q.park(loop) for _ in range(3)]
+    q.wake_all()
+    assert all(f.done() for f in parked) and not q
+
+
+async def test_one_frame_is_handled_in_order_one_at_a_time() -> None:
+    handled: list[bytes] = []
+    running = 0
+    gate = asyncio.Event()
+
+    async def handle(msg: Message) -> None:
+        nonlocal running
+        running += 1
+        assert running == 1  # never two messages of one frame at once
+        await gate.wait()
+        handled.append(msg.envelope)
+        running -= 1
+
+    s = Scheduler(handle, workers=4, max_queue=100)
+    f = frame()
+    for n in range(5):
+        s.put(message(f, n))
+    s.start()
+    gate.set()
+    await s.join()
+    await s.stop()
+    assert handled == [b"0", b"1", b"2", b"3", b"4"]
+    assert s.queued == 0 and s.running == 0 and not s.has_inbox(f.uuid)
+
+
+async def test_frames_take_turns_so_a_busy_one_cannot_starve_the_others() -> None:
+    order: list[str] = []
+
+    async def handle(msg: Message) -> None:
+        order.append(msg.envelope.decode())
+
+    s = Scheduler(handle, workers=1, max_queue=100)
+    busy, quiet = frame(), frame()
+    for n in range(3):
+        s.put(message(busy, n))
+    s.put(message(quiet, 9))
+    s.start()
+    await s.join()
+    await s.stop()
+    assert order == ["0", "9", "1", "2"]
+
+
+async def test_ingress_waits_for_room_and_is_woken_when_a_message_is_taken() -> None:
+    async def handle(msg: Message) -> None:
+        return None
+
+    s = Scheduler(handle, workers=1, max_queue=2)
+    f = frame()
+    s.put(message(f, 0))
+    s.put(message(f, 1))
+    waiting = asyncio.ensure_future(s.wait_for_room(asyncio.get_running_loop()))
+    await asyncio.sleep(0)  # one loop turn: it parks (nothing is running to free room)
+    assert not waiting.done() and s.room_waiters
+    s.start()
+    await waiting
+    assert s.queued < s.max_queue
+    await s.join()
+    await s.stop()
+
+
+async def test_a_failing_handle_does_not_kill_the_worker() -> None:
+    seen: list[bytes] = []
+
+    async def handle(msg: Message) -> None:
+        seen.append(msg.envelope)
+        if msg.envelope == b"0":
+            raise RuntimeError("pump bug")
+
+    s = Scheduler(handle, workers=1, max_queue=10)
+    s.put(message(frame(), 0))
+    s.put(message(frame(), 1))
+    s.start()
+    await s.join()
+    await s.stop()
+    assert seen == [b"0", b"1"]
