@@ -326,6 +326,33 @@ async def test_tls_1_3_is_negotiated(rig: Rig) -> None:
         assert ssl_obj.version() == "TLSv1.3"
 
 
+def _tls12_client(cipher: str) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers(cipher)
+    return ctx
+
+
+@pytest.mark.parametrize(
+    "cipher", ["ECDHE-ECDSA-AES128-SHA", "ECDHE-ECDSA-AES256-SHA384", "AES128-GCM-SHA256"]
+)
+async def test_tls_1_2_refuses_cbc_and_non_ecdhe_suites(rig: Rig, cipher: str) -> None:
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        async with connect(rig.url, ssl=_tls12_client(cipher), open_timeout=3):
+            pass
+
+
+@pytest.mark.parametrize(
+    "cipher", ["ECDHE-ECDSA-AES128-GCM-SHA256", "ECDHE-ECDSA-CHACHA20-POLY1305"]
+)
+async def test_tls_1_2_accepts_ecdhe_with_aead(rig: Rig, cipher: str) -> None:
+    async with connect(rig.url, ssl=_tls12_client(cipher), open_timeout=3) as ws:
+        ssl_obj = ws.transport.get_extra_info("ssl_object")
+        assert (ssl_obj.version(), ssl_obj.cipher()[0]) == ("TLSv1.2", cipher)
+
+
 async def test_other_paths_are_404(rig: Rig) -> None:
     for path in ("/", "/bus/x", "/metrics"):
         with pytest.raises(InvalidStatus) as info:
