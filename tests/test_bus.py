@@ -19,7 +19,7 @@ from agentd import _metrics
 from agentd._envelope import build_envelope, parse_envelope
 from agentd._xmlify import spec_of
 from agentd.bus import ClientAuth, auth_frame, totp_code
-from agentd.bus._auth import AuthFileError, parse_auth_ok
+from agentd.bus._auth import DUMMY_TOTP_SECRET, AuthFileError, parse_auth_ok
 from agentd.client import AuthenticationFailed, BusError, frame_kind
 from agentd.tools.calculator import Add
 from agentd.tools.echo import Echo
@@ -250,6 +250,55 @@ def test_clients_file_shape_is_checked(tmp_path: Path, body: str, message: str) 
     path.chmod(0o600)
     with pytest.raises(AuthFileError, match=message):
         ClientAuth.load(path, tmp_path, rig_auth_cfg(path))
+
+
+def _counting_auth(tmp_path: Path) -> tuple[ClientAuth, list[str]]:
+    """A `ClientAuth` whose TOTP computations are recorded (secret per call)."""
+    from agentd.config import ClientEntry
+
+    secrets_used: list[str] = []
+
+    def code_at(secret: str, step: int) -> str:
+        secrets_used.append(secret)
+        return totp_code(secret, step)
+
+    entries = {"alice": ClientEntry("alice", "MF5NSPACLFKJPRIA27QQ6J6ZKN6CTV7M", "public")}
+    auth = ClientAuth(
+        entries, tmp_path / "state.json", rig_auth_cfg(tmp_path / "c.yaml"),
+        clock=lambda: 1_000_000.0, code_at=code_at,
+    )
+    return auth, secrets_used
+
+
+def test_an_unknown_client_id_costs_the_same_totp_work_as_a_wrong_code(
+    tmp_path: Path,
+) -> None:
+    auth, used = _counting_auth(tmp_path)
+    assert auth.authenticate(auth_frame("alice", totp="000000")) is None
+    known = list(used)
+    used.clear()
+    assert auth.authenticate(auth_frame("mallory", totp="000000")) is None
+    unknown = list(used)
+    # Three steps each (previous, current, next), against a real-length secret.
+    assert len(known) == len(unknown) == 3
+    assert set(unknown) == {DUMMY_TOTP_SECRET} and set(known) == {"MF5NSPACLFKJPRIA27QQ6J6ZKN6CTV7M"}
+
+
+def test_a_locked_out_client_still_costs_the_totp_work(tmp_path: Path) -> None:
+    auth, used = _counting_auth(tmp_path)
+    for _ in range(5):
+        auth.authenticate(auth_frame("alice", totp="000000"))
+    assert auth.locked("alice")
+    used.clear()
+    right = totp_code("MF5NSPACLFKJPRIA27QQ6J6ZKN6CTV7M", 1_000_000 // 30)
+    assert auth.authenticate(auth_frame("alice", totp=right)) is None
+    assert len(used) == 3
+
+
+def test_the_dummy_code_of_an_unknown_client_never_authenticates(tmp_path: Path) -> None:
+    auth, _ = _counting_auth(tmp_path)
+    dummy = totp_code(DUMMY_TOTP_SECRET, 1_000_000 // 30)
+    assert auth.authenticate(auth_frame("mallory", totp=dummy)) is None
 
 
 def test_a_new_clients_file_withdraws_removed_and_rekeyed_clients(rig: Rig) -> None:
