@@ -252,6 +252,9 @@ def test_clients_file_shape_is_checked(tmp_path: Path, body: str, message: str) 
         ClientAuth.load(path, tmp_path, rig_auth_cfg(path))
 
 
+ALICE_SECRET = "MF5NSPACLFKJPRIA27QQ6J6ZKN6CTV7M"
+
+
 def _counting_auth(tmp_path: Path) -> tuple[ClientAuth, list[str]]:
     """A `ClientAuth` whose TOTP computations are recorded (secret per call)."""
     from agentd.config import ClientEntry
@@ -262,7 +265,7 @@ def _counting_auth(tmp_path: Path) -> tuple[ClientAuth, list[str]]:
         secrets_used.append(secret)
         return totp_code(secret, step)
 
-    entries = {"alice": ClientEntry("alice", "MF5NSPACLFKJPRIA27QQ6J6ZKN6CTV7M", "public")}
+    entries = {"alice": ClientEntry("alice", ALICE_SECRET, "public")}
     auth = ClientAuth(
         entries, tmp_path / "state.json", rig_auth_cfg(tmp_path / "c.yaml"),
         clock=lambda: 1_000_000.0, code_at=code_at,
@@ -281,7 +284,7 @@ def test_an_unknown_client_id_costs_the_same_totp_work_as_a_wrong_code(
     unknown = list(used)
     # Three steps each (previous, current, next), against a real-length secret.
     assert len(known) == len(unknown) == 3
-    assert set(unknown) == {DUMMY_TOTP_SECRET} and set(known) == {"MF5NSPACLFKJPRIA27QQ6J6ZKN6CTV7M"}
+    assert set(unknown) == {DUMMY_TOTP_SECRET} and set(known) == {ALICE_SECRET}
 
 
 def test_a_locked_out_client_still_costs_the_totp_work(tmp_path: Path) -> None:
@@ -290,7 +293,7 @@ def test_a_locked_out_client_still_costs_the_totp_work(tmp_path: Path) -> None:
         auth.authenticate(auth_frame("alice", totp="000000"))
     assert auth.locked("alice")
     used.clear()
-    right = totp_code("MF5NSPACLFKJPRIA27QQ6J6ZKN6CTV7M", 1_000_000 // 30)
+    right = totp_code(ALICE_SECRET, 1_000_000 // 30)
     assert auth.authenticate(auth_frame("alice", totp=right)) is None
     assert len(used) == 3
 
