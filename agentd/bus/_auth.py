@@ -274,7 +274,7 @@ class ClientAuth:
             self._write_state()
             log.info("auth ok client=%s method=totp", req.client)
             return req.client, token
-        if session_expires is None or session_expires <= now:
+        if req.session is None or session_expires is None or session_expires <= now:
             self._fail(req.client, st, now, "bad-session")
             return None
         log.info("auth ok client=%s method=session", req.client)
