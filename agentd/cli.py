@@ -25,10 +25,12 @@ def main() -> None:
 @main.command("check-config")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 def check_config(file: Path) -> None:
-    """Validate a configuration: exit 0, or 1 with every error and its location."""
+    """Validate a configuration and the files it names (clients file, keys, TLS pair,
+    prompts, cassettes), as `run` does: exit 0, or 1 with every error and its location."""
+    from agentd._preflight import preflight
     from agentd.config import check_config_main
 
-    sys.exit(check_config_main(file))
+    sys.exit(check_config_main(file, preflight=preflight))
 
 
 @main.command("config-schema")

@@ -4,7 +4,13 @@
 the pump; `OutboxSource` is what the server needs of the kernel's durable outbox.
 """
 
-from agentd.bus._auth import AuthFileError, ClientAuth, auth_frame, totp_code
+from agentd.bus._auth import (
+    AuthFileError,
+    ClientAuth,
+    auth_frame,
+    read_clients_file,
+    totp_code,
+)
 from agentd.bus._server import (
     AUTH_FAILED_REASON,
     BUS_PATH,
@@ -30,6 +36,7 @@ __all__ = [
     "auth_frame",
     "client_context",
     "make_self_signed",
+    "read_clients_file",
     "server_context",
     "totp_code",
 ]
