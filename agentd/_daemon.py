@@ -222,7 +222,7 @@ class Daemon:
             metrics.queue_depth.set(self.pump.queue_depth)
             metrics.threads_active.set(len(self.pump.registry))
             metrics.db_size_bytes.set(self.kernel.db_size_bytes())
-            await self.platforms.close_unused(live_table_versions(self))
+            await self.platforms.close_unused(lambda: live_table_versions(self))
             if self.bus is not None:
                 metrics.bus_connections.set(self.bus.connections)
 

@@ -33,6 +33,7 @@ from agentd.config import ClientEntry, load_config
 
 if TYPE_CHECKING:
     from agentd._daemon import Daemon
+    from agentd.bus import ClientsDiff
     from agentd.kernel import Kernel
     from agentd.platform import AgentHandlers
 
@@ -44,13 +45,6 @@ _READ_AT_START = ("bus", "auth", "oob", "metrics", "pump", "journal")
 
 
 @dataclass(frozen=True)
-class ClientsChange:
-    added: tuple[str, ...] = ()
-    removed: tuple[str, ...] = ()
-    changed: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
 class ReloadPlan:
     """What a reload changes. Listener names are sorted; `changed` includes agents
     whose prompt text or LLM backends changed with an identical declaration."""
@@ -58,7 +52,7 @@ class ReloadPlan:
     added: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     changed: tuple[str, ...] = ()
-    clients: ClientsChange | None = None  # None: the daemon has no clients file
+    clients: ClientsDiff | None = None  # None: the daemon has no clients file
     tls_cert: str | None = None  # the certificate new bus connections will get
     restart_needed: tuple[str, ...] = ()  # changed settings read only at start
     new_platform: bool = False  # an agent is added or changed: build a new platform
@@ -135,14 +129,12 @@ def _names(config: Any) -> set[str]:
 
 def _clients_change(
     old: Mapping[str, ClientEntry] | None, new: Mapping[str, ClientEntry] | None
-) -> ClientsChange | None:
+) -> ClientsDiff | None:
     if old is None or new is None:
         return None
-    return ClientsChange(
-        added=tuple(sorted(new.keys() - old.keys())),
-        removed=tuple(sorted(old.keys() - new.keys())),
-        changed=tuple(sorted(c for c in new.keys() & old.keys() if new[c] != old[c])),
-    )
+    from agentd.bus import diff_clients
+
+    return diff_clients(old, new)
 
 
 def _restart_needed(current: CheckedConfig, new: CheckedConfig) -> tuple[str, ...]:
@@ -197,8 +189,12 @@ class AgentPlatforms:
             and not any(s.first_version <= v <= s.last_version for v in live_versions)
         ]
 
-    async def close_unused(self, live_versions: Collection[int]) -> int:
-        gone = self.unused(live_versions)
+    async def close_unused(self, live_versions: Callable[[], Collection[int]]) -> int:
+        """Close the unused retired platforms; `live_versions` is asked only when one
+        is retired (it walks every live thread)."""
+        if all(s.last_version is None for s in self.served):
+            return 0
+        gone = self.unused(live_versions())
         for s in gone:
             self.served.remove(s)
             await s.handlers.platform.aclose()
@@ -259,7 +255,7 @@ async def reload_daemon(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
     daemon.audit(
         "reload", {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in result.items()}
     )
-    await daemon.platforms.close_unused(live_table_versions(daemon))
+    await daemon.platforms.close_unused(lambda: live_table_versions(daemon))
     return result
 
 

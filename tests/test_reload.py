@@ -148,8 +148,8 @@ async def test_a_retired_platform_closes_once_no_live_table_reaches_it() -> None
     platforms.adopt(second, 3)  # type: ignore[arg-type]
     assert platforms.current is second
     # A thread on table version 2 still runs on the first platform.
-    assert await platforms.close_unused({2, 3}) == 0 and not first.platform.closed
-    assert await platforms.close_unused({3}) == 1 and first.platform.closed
+    assert await platforms.close_unused(lambda: {2, 3}) == 0 and not first.platform.closed
+    assert await platforms.close_unused(lambda: {3}) == 1 and first.platform.closed
     assert not second.platform.closed and platforms.current is second
     await platforms.aclose()
     assert second.platform.closed

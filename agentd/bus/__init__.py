@@ -7,7 +7,9 @@ the pump; `OutboxSource` is what the server needs of the kernel's durable outbox
 from agentd.bus._auth import (
     AuthFileError,
     ClientAuth,
+    ClientsDiff,
     auth_frame,
+    diff_clients,
     read_clients_file,
     totp_code,
 )
@@ -30,11 +32,13 @@ __all__ = [
     "AuthFileError",
     "BusServer",
     "ClientAuth",
+    "ClientsDiff",
     "ConnState",
     "OutboxSource",
     "TlsSetupError",
     "auth_frame",
     "client_context",
+    "diff_clients",
     "make_self_signed",
     "read_clients_file",
     "server_context",

@@ -37,7 +37,7 @@ import secrets
 import stat
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -181,6 +181,17 @@ def read_clients_file(path: Path) -> dict[str, ClientEntry]:
 # ---- authentication ---------------------------------------------------------------
 
 
+def diff_clients(old: Mapping[str, ClientEntry], new: Mapping[str, ClientEntry]) -> ClientsDiff:
+    """What replacing the clients `old` with `new` changes."""
+    changed = sorted(c for c in new.keys() & old.keys() if new[c] != old[c])
+    return ClientsDiff(
+        added=tuple(sorted(new.keys() - old.keys())),
+        removed=tuple(sorted(old.keys() - new.keys())),
+        changed=tuple(changed),
+        rekeyed=tuple(c for c in changed if new[c].totp_secret != old[c].totp_secret),
+    )
+
+
 def _hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -281,14 +292,7 @@ class ClientAuth:
         return req.client, req.session
 
     def diff(self, entries: dict[str, ClientEntry]) -> ClientsDiff:
-        old = self._entries
-        changed = sorted(c for c in entries.keys() & old.keys() if entries[c] != old[c])
-        return ClientsDiff(
-            added=tuple(sorted(entries.keys() - old.keys())),
-            removed=tuple(sorted(old.keys() - entries.keys())),
-            changed=tuple(changed),
-            rekeyed=tuple(c for c in changed if entries[c].totp_secret != old[c].totp_secret),
-        )
+        return diff_clients(self._entries, entries)
 
     def replace(self, entries: dict[str, ClientEntry]) -> ClientsDiff:
         """Take a re-read clients file (`agentctl reload`). Added clients can log in at
