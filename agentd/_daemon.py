@@ -2,15 +2,16 @@
 out-of-band channel and the metrics listener together, and runs the privileged
 commands.
 
-Start order: kernel (lock, recover) -> routing -> pump (recover, workers) -> bus ->
-OOB -> metrics -> READY=1. Stop order is the reverse, with a bounded drain of the
+Start order: preflight (every check on the configuration and the files it names,
+the same as `check-config`) -> kernel (lock, recover) -> routing -> pump (recover,
+workers) -> bind the bus, OOB and metrics sockets, last -> READY=1. Stop order is the reverse, with a bounded drain of the
 pump while connections are still open so answers in flight can reach clients.
 
 Invariants kept here:
 - Only the kernel writes the database; audit and security events are journal
   entries of their own kinds (`audit`, `security`).
-- A reload validates the whole new configuration before changing anything, and
-  threads that exist keep the dispatch table they were created with.
+- A reload (`agentd._reload`) validates the whole new configuration before changing
+  anything, and threads that exist keep the dispatch table they were created with.
 - `introspect thread UUID` is the only place a private call-chain path is revealed.
 """
 

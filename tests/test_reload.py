@@ -75,25 +75,26 @@ def test_a_backend_change_alone_changes_the_agents(home: Path) -> None:
     assert plan.changed == ("tutor",) and plan.new_platform
 
 
-def test_a_change_to_a_listener_no_agent_calls_needs_no_new_platform(home: Path) -> None:
-    def describe(doc: dict[str, Any]) -> None:
+def describe(name: str) -> Callable[[dict[str, Any]], None]:
+    def edit(doc: dict[str, Any]) -> None:
         for lst in doc["listeners"]:
-            if lst["name"] == "echo":
-                lst["description"] = "Echoes, carefully."
+            if lst["name"] == name:
+                lst["description"] = "Described anew."
 
-    plan = plan_after(home, describe)
-    assert plan.changed == ("echo",) and not plan.new_platform
+    return edit
 
 
-def test_a_tool_description_change_changes_the_agents_that_call_it(home: Path) -> None:
-    """An agent's prompt lists its peers' descriptions: a new one is a new prompt."""
-    def describe(doc: dict[str, Any]) -> None:
-        for lst in doc["listeners"]:
-            if lst["name"] == "calculator.add":
-                lst["description"] = "Adds two integers, carefully."
-
-    plan = plan_after(home, describe)
-    assert plan.changed == ("calculator.add", "tutor") and plan.new_platform
+@pytest.mark.parametrize("listener, changed, new_platform", [
+    # No agent calls echo: its new description needs no new platform.
+    ("echo", ("echo",), False),
+    # An agent's prompt lists its peers' descriptions: a new one is a new prompt.
+    ("calculator.add", ("calculator.add", "tutor"), True),
+])
+def test_a_description_change_changes_the_agents_whose_prompt_shows_it(
+    home: Path, listener: str, changed: tuple[str, ...], new_platform: bool
+) -> None:
+    plan = plan_after(home, describe(listener))
+    assert (plan.changed, plan.new_platform) == (changed, new_platform)
 
 
 def test_settings_read_at_start_are_reported_as_needing_a_restart(home: Path) -> None:
