@@ -4,8 +4,9 @@ commands.
 
 Start order: preflight (every check on the configuration and the files it names,
 the same as `check-config`) -> kernel (lock, recover) -> routing -> pump (recover,
-workers) -> bind the bus, OOB and metrics sockets, last -> READY=1. Stop order is the reverse, with a bounded drain of the
-pump while connections are still open so answers in flight can reach clients.
+workers) -> bind the bus, OOB and metrics sockets, last -> READY=1. Stop order is
+the reverse, with a bounded drain of the pump while connections are still open so
+answers in flight can reach clients.
 
 Invariants kept here:
 - Only the kernel writes the database; audit and security events are journal
