@@ -296,6 +296,12 @@ async def prompt_hash(d: DaemonProcess) -> str:
     return str(doc["result"]).split("sha256 ", 1)[1].split()[0]
 
 
+async def routing_version(d: DaemonProcess) -> str:
+    code, doc = await asyncio.to_thread(d.agentctl, "status")
+    assert code == 0, doc
+    return str(doc["result"]["status"]["routing_version"])
+
+
 def replays_around_the_reload(log: list[str]) -> tuple[int, int]:
     """How many LLM calls were replayed by conversation (a system prompt other than the
     recorded one) before and after the applied reload's audit line."""
@@ -308,12 +314,14 @@ async def test_a_dry_run_changes_nothing_and_a_prompt_change_is_served(home: Pat
     d = await DaemonProcess(home).start()
     try:
         before = await prompt_hash(d)
+        version = await routing_version(d)
         edit_config(home, append_to_prompt)
         code, doc = await asyncio.to_thread(d.agentctl, "reload", "--dry-run")
         assert code == 0, doc
         result = doc["result"]["reload"]
         assert "tutor" in str(result["changed"]) and str(result["dry_run"]) in ("true", "True")
-        assert await prompt_hash(d) == before  # nothing was swapped
+        # Nothing was swapped: the same tables, the same prompt in service.
+        assert (await prompt_hash(d), await routing_version(d)) == (before, version)
         async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
             frames = await bus.exchange(MathQuestion(text="What is (2 + 3) * 7?"))
             assert frame_kind(frames[-1])[:2] == ("tutor", "answer")
@@ -351,3 +359,5 @@ async def test_a_backend_change_alone_is_reported_and_applied(home: Path) -> Non
             assert frame_kind(frames[-1])[:2] == ("tutor", "answer")
     finally:
         await d.stop()
+    # No thread ran on the first platform: the reload that retired it closed it.
+    assert sum("llm platforms closed count=1" in line for line in d.log) == 1
