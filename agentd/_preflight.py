@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ class CheckedConfig:
     authorized_keys: Mapping[str, Any] | None = None  # key id -> public key
     tls: ssl.SSLContext | None = None  # the bus's server context; None: no bus TLS
     prompt_digests: Mapping[str, str] = field(default_factory=dict)  # agent -> sha256
+    cassette_digests: Mapping[str, str] = field(default_factory=dict)  # backend -> sha256
 
 
 @dataclass(frozen=True)
@@ -98,15 +100,19 @@ def _cassettes(config: OrganismConfig) -> Mapping[str, Any]:
     from agentd.llm import Cassette
 
     issues: list[str] = []
+    digests: dict[str, str] = {}
     for i, backend in enumerate(config.llm.backends):
         if backend.provider == "replay" and backend.cassette is not None:
             try:
                 Cassette.load(backend.cassette, f"llm.backends[{i}].cassette")
+                digests[backend.name] = hashlib.sha256(backend.cassette.read_bytes()).hexdigest()
             except ConfigError as exc:
                 issues.extend(exc.issues)
+            except OSError as exc:  # replaced or removed since it was loaded
+                issues.append(f"llm.backends[{i}].cassette: {backend.cassette}: {exc}")
     if issues:
         raise ConfigError(issues)
-    return {}
+    return {"cassette_digests": MappingProxyType(digests)}
 
 
 def _listeners(config: OrganismConfig) -> Mapping[str, Any]:

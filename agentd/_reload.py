@@ -20,7 +20,6 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from agentd._errors import ConfigError
 from agentd._preflight import CheckedConfig, preflight
 from agentd._routing import Routing, listener_signature
-from agentd.config import ClientEntry, load_config
+from agentd.config import ClientEntry, OrganismConfig, load_config
 
 if TYPE_CHECKING:
     from agentd._daemon import Daemon
@@ -77,12 +76,12 @@ class ReloadPlan:
         return out
 
 
-def agent_runtime(checked: CheckedConfig, agent: str) -> str:
-    """What an agent runs on besides its declaration: its assembled prompt, and the
-    whole LLM section (failover may reach any backend)."""
-    llm = repr(checked.config.llm).encode()
-    prompt = checked.prompt_digests.get(agent, "").encode()
-    return hashlib.sha256(prompt + b"\0" + llm).hexdigest()
+def llm_changed(current: CheckedConfig, new: CheckedConfig) -> bool:
+    """Whether the agents' LLM side changed: the `llm` section, or the contents of a
+    replay cassette (failover may reach any backend, so this concerns every agent)."""
+    return (current.config.llm, current.cassette_digests) != (
+        new.config.llm, new.cassette_digests
+    )
 
 
 def plan_reload(current: CheckedConfig, new: CheckedConfig) -> ReloadPlan:
@@ -99,6 +98,7 @@ def plan_reload(current: CheckedConfig, new: CheckedConfig) -> ReloadPlan:
     if issues:
         raise ConfigError(issues)
     old = {cfg.name: cfg for cfg in old_cfg.listeners}
+    llm = llm_changed(current, new)
     added = tuple(sorted(n for n in _names(new_cfg) if n not in old))
     removed = tuple(sorted(n for n in old if n not in _names(new_cfg)))
     changed = tuple(sorted(
@@ -107,8 +107,9 @@ def plan_reload(current: CheckedConfig, new: CheckedConfig) -> ReloadPlan:
         if cfg.name in old
         and (
             listener_signature(old[cfg.name]) != listener_signature(cfg)
-            or (cfg.agent is not None
-                and agent_runtime(current, cfg.name) != agent_runtime(new, cfg.name))
+            or (cfg.agent is not None and (
+                llm or current.prompt_digests.get(cfg.name) != new.prompt_digests[cfg.name]
+            ))
         )
     ))
     agents = {cfg.name for cfg in new_cfg.listeners if cfg.agent is not None}
@@ -123,7 +124,7 @@ def plan_reload(current: CheckedConfig, new: CheckedConfig) -> ReloadPlan:
     )
 
 
-def _names(config: Any) -> set[str]:
+def _names(config: OrganismConfig) -> set[str]:
     return {cfg.name for cfg in config.listeners}
 
 

@@ -75,6 +75,18 @@ def test_a_backend_change_alone_changes_the_agents(home: Path) -> None:
     assert plan.changed == ("tutor",) and plan.new_platform
 
 
+def test_a_new_cassette_in_the_same_file_changes_the_agents(home: Path) -> None:
+    copy = home / "copy.jsonl"
+    edit_config(home, lambda doc: (
+        shutil.copy(doc["llm"]["backends"][0]["cassette"], copy),
+        doc["llm"]["backends"][0].update(cassette=str(copy)),
+    ))
+    before = checked(home)
+    copy.write_text(copy.read_text().splitlines()[0] + "\n")  # one exchange fewer
+    plan = plan_reload(before, checked(home))
+    assert plan.changed == ("tutor",) and plan.new_platform
+
+
 def describe(name: str) -> Callable[[dict[str, Any]], None]:
     def edit(doc: dict[str, Any]) -> None:
         for lst in doc["listeners"]:
