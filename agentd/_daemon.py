@@ -2,15 +2,17 @@
 out-of-band channel and the metrics listener together, and runs the privileged
 commands.
 
-Start order: kernel (lock, recover) -> routing -> pump (recover, workers) -> bus ->
-OOB -> metrics -> READY=1. Stop order is the reverse, with a bounded drain of the
-pump while connections are still open so answers in flight can reach clients.
+Start order: preflight (every check on the configuration and the files it names,
+the same as `check-config`) -> kernel (lock, recover) -> routing -> pump (recover,
+workers) -> bind the bus, OOB and metrics sockets, last -> READY=1. Stop order is
+the reverse, with a bounded drain of the pump while connections are still open so
+answers in flight can reach clients.
 
 Invariants kept here:
 - Only the kernel writes the database; audit and security events are journal
   entries of their own kinds (`audit`, `security`).
-- A reload validates the whole new configuration before changing anything, and
-  threads that exist keep the dispatch table they were created with.
+- A reload (`agentd._reload`) validates the whole new configuration before changing
+  anything, and threads that exist keep the dispatch table they were created with.
 - `introspect thread UUID` is the only place a private call-chain path is revealed.
 """
 
@@ -18,20 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lxml import etree
 
 from agentd import _metrics as metrics
-from agentd._errors import AgentdError, ConfigError
-from agentd._routing import Routing, plan_reload, retire
+from agentd._errors import ConfigError
+from agentd._preflight import CheckedConfig, preflight
+from agentd._reload import AgentPlatforms, build_agent_handlers, live_table_versions, reload_daemon
+from agentd._routing import Routing
 from agentd._runtime import tune_gc
 from agentd._threads import ThreadState
 from agentd._wiring import kernel_options
@@ -42,7 +47,7 @@ from agentd.oob import format_time, result_element
 from agentd.pump import Pump
 
 if TYPE_CHECKING:
-    from agentd.config import ClientEntry
+    from agentd.platform import AgentHandlers
 
 log = logging.getLogger("agentd.daemon")
 
@@ -87,6 +92,7 @@ def _log_failure(fut: asyncio.Future[Any]) -> None:
 class Daemon:
     def __init__(self, config: OrganismConfig, config_path: Path | None = None) -> None:
         self.config = config
+        self.checked = CheckedConfig(config)  # replaced by preflight at start
         self.config_path = config_path or config.source
         self.started = time.time()
         self.kernel: Kernel | None = None
@@ -96,12 +102,11 @@ class Daemon:
         self.oob: Any = None
         self.metrics_server: Any = None
         self.auth: Any = None
-        self.agents: Any = None
+        self.platforms = AgentPlatforms()
         self._stop = asyncio.Event()
         self._stop_mode = "graceful"
         self._watchdog: asyncio.Task[None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
-        self._platforms: list[Any] = []
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -113,8 +118,16 @@ class Daemon:
             and (self.bus is None or bool(self.bus.listening))
         )
 
+    @property
+    def agents(self) -> AgentHandlers | None:
+        """The handlers of the live routing's agents (None: no agents)."""
+        return self.platforms.current
+
     async def start(self) -> None:
+        """Check everything, open the kernel, build and recover, and bind the
+        listening sockets last: a configuration that cannot run never listens."""
         config = self.config
+        self.checked = preflight(config)
         self.kernel = await Kernel.open(
             config.state_dir,
             kernel_options(config),
@@ -136,10 +149,9 @@ class Daemon:
             self.auth = ClientAuth.load(config.auth.clients_file, config.state_dir, config.auth)
             self.auth.on_lockout = lambda client: self.audit("lockout", {"client": client})
             clients = self.auth.profiles()
-            unknown = sorted(set(clients.values()) - set(config.profiles))
-            if unknown:
-                raise AgentdError(f"clients file names unknown profiles: {', '.join(unknown)}")
-        self.routing = Routing.build(config, agent_handlers=self._agent_handlers(config))
+        handlers = build_agent_handlers(config, self.kernel, self.audit)
+        self.platforms.adopt(handlers, 1)  # adopted first, so a failed start closes it
+        self.routing = Routing.build(config, agent_handlers=handlers)
         self.pump = Pump(
             self.routing,
             clients,
@@ -156,12 +168,29 @@ class Daemon:
         if resumed:
             log.info("recovered messages=%d", resumed)
         await self.pump.start()
+        await self._listen()
+        for warning in unserved(config):
+            log.warning("%s", warning)
+        kernel = self.kernel
+        metrics.kernel_healthy.set_function(lambda: 1 if kernel.healthy else 0)
+        metrics.kernel_writer_restarts.set_function(lambda: kernel.writer_restarts)
+        tune_gc()
+        self._notify("READY=1")
+        self._watchdog = _start_watchdog()
+        self._maintenance = asyncio.create_task(self._maintain(), name="daemon-maintenance")
+
+    async def _listen(self) -> None:
+        """Bind the bus, the OOB socket and the metrics port: the last step of start,
+        after every check passed. A port in use is one line naming the setting."""
+        config = self.config
+        assert self.kernel is not None and self.pump is not None
         if config.bus.tls is not None and self.auth is not None:
             from agentd.bus import BusServer
 
             self.bus = BusServer(config.bus, self.auth, self.pump.submit, KernelOutbox(self.kernel),
+                                 ssl_context=self.checked.tls,
                                  submit_nowait=self.pump.submit_nowait)
-            await self.bus.start()  # it logs "bus listening url=..." itself
+            await _bind("bus.port", f"{config.bus.host}:{config.bus.port}", self.bus.start())
         if config.oob.authorized_keys is not None:
             from agentd.oob import OobServer
 
@@ -181,16 +210,7 @@ class Daemon:
             from agentd._observability import MetricsServer
 
             self.metrics_server = MetricsServer(config.metrics.listen, ready=lambda: self.ready)
-            await self.metrics_server.start()
-        kernel = self.kernel
-        metrics.kernel_healthy.set_function(lambda: 1 if kernel.healthy else 0)
-        metrics.kernel_writer_restarts.set_function(lambda: kernel.writer_restarts)
-        for warning in unserved(config):
-            log.warning("%s", warning)
-        tune_gc()
-        self._notify("READY=1")
-        self._watchdog = _start_watchdog()
-        self._maintenance = asyncio.create_task(self._maintain(), name="daemon-maintenance")
+            await _bind("metrics.listen", config.metrics.listen, self.metrics_server.start())
 
     async def _maintain(self) -> None:
         """Gauges, and the end of idle conversations, every few seconds."""
@@ -204,6 +224,7 @@ class Daemon:
             metrics.queue_depth.set(self.pump.queue_depth)
             metrics.threads_active.set(len(self.pump.registry))
             metrics.db_size_bytes.set(self.kernel.db_size_bytes())
+            await self.platforms.close_unused(lambda: live_table_versions(self))
             if self.bus is not None:
                 metrics.bus_connections.set(self.bus.connections)
 
@@ -222,20 +243,6 @@ class Daemon:
         kept = self.oob.remember_nonces(seen)
         if kept:
             log.info("oob nonces restored from the journal count=%d", kept)
-
-    def _agent_handlers(self, config: OrganismConfig) -> Mapping[str, Any] | None:
-        """The LLM platform's handlers for the agents of `config` (none: None). Each
-        configuration (start, reload) gets its own platform; all are closed at stop."""
-        if not any(lst.agent is not None for lst in config.listeners):
-            return None
-        from agentd.platform import make_agent_handlers
-
-        handlers = make_agent_handlers(config, kernel=self.kernel, audit=self.audit)
-        if self.pump is not None:
-            handlers.platform.bind_threads(self.pump.registry)
-        self._platforms.append(handlers.platform)
-        self.agents = handlers
-        return handlers
 
     def _deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> None:
         if self.bus is not None:
@@ -280,9 +287,7 @@ class Daemon:
             await self.pump.stop()
         if self.metrics_server is not None:
             await self.metrics_server.close()
-        for platform in self._platforms:
-            await platform.aclose()
-        self._platforms.clear()
+        await self.platforms.aclose()
         if self.kernel is not None:
             await self.kernel.close()
             self.kernel = None
@@ -343,94 +348,9 @@ class Daemon:
         }
 
     async def reload(self, dry_run: bool) -> dict[str, Any]:
-        """Validate the configuration file fully, then apply the listener diff."""
-        assert self.pump is not None and self.routing is not None
-        if self.config_path is None:
-            raise ConfigError(["the daemon was not started from a configuration file"])
-        new_config = load_config(self.config_path, state_dir_override=self.config.state_dir)
-        keys = None
-        if self.oob is not None and new_config.oob.authorized_keys is not None:
-            from agentd.oob import load_authorized_keys
-
-            keys = load_authorized_keys(new_config.oob.authorized_keys)  # ConfigError if bad
-        clients = self._read_clients(new_config)
-        tls = new_config.bus.tls if self.bus is not None else None
-        if self.bus is not None:
-            from agentd.bus import TlsSetupError, server_context
-
-            if tls is None:
-                raise ConfigError(["bus.tls: the bus is running; removing it needs a restart"])
-            try:
-                server_context(tls)  # the new pair must load before anything changes
-            except TlsSetupError as exc:
-                raise ConfigError([f"bus.tls: {exc}"]) from None
-        plan = plan_reload(self.routing, new_config)
-        # Build everything before touching anything: an error here changes nothing.
-        new_routing = Routing.build(
-            new_config,
-            version=self.routing.version + 1,
-            agent_handlers=self._agent_handlers(new_config),
-            previous=self.routing,
-        )
-        result = {
-            "added": list(plan.added),
-            "removed": list(plan.removed),
-            "changed": list(plan.changed),
-            "version": new_routing.version,
-            "dry_run": dry_run,
-        }
-        if clients is not None:
-            assert self.auth is not None
-            diff = self.auth.diff(clients)
-            result.update(clients_added=list(diff.added), clients_removed=list(diff.removed),
-                          clients_changed=list(diff.changed))
-        if tls is not None:
-            result["tls_cert"] = str(tls.cert)
-        if dry_run:
-            return result
-        old = self.routing
-        self.routing = self.pump.routing = new_routing
-        self.pump.meta_flags = new_config.meta
-        retire(old, plan)
-        self.config = new_config
-        if keys is not None:
-            self.oob.reload_keys(keys)
-        if self.bus is not None and tls is not None:
-            try:
-                self.bus.reload_tls(tls)
-            except Exception as exc:  # changed on disk since it was checked above
-                log.error("bus certificate not reloaded: %s", exc)
-        if clients is not None:
-            assert self.auth is not None
-            withdrawn = self.auth.replace(clients).withdrawn
-            self.pump.clients = self.auth.profiles()
-            if self.bus is not None:
-                for client in withdrawn:
-                    self.bus.disconnect(client)
-        self.audit(
-            "reload", {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in result.items()}
-        )
-        return result
-
-    def _read_clients(self, new_config: OrganismConfig) -> dict[str, ClientEntry] | None:
-        """The re-read clients file for a reload, checked against the new profiles;
-        None when the daemon has none. ConfigError (nothing changes) if unusable."""
-        path = new_config.auth.clients_file
-        if self.auth is None or path is None:
-            if (self.auth is None) != (path is None):
-                raise ConfigError(["auth.clients_file: adding or removing the clients file "
-                                   "needs a restart"])
-            return None
-        from agentd.bus import AuthFileError, read_clients_file
-
-        try:
-            entries = read_clients_file(path)
-        except AuthFileError as exc:
-            raise ConfigError([str(exc)]) from None
-        unknown = sorted({e.profile for e in entries.values()} - set(new_config.profiles))
-        if unknown:
-            raise ConfigError([f"clients file {path}: unknown profiles: {', '.join(unknown)}"])
-        return dict(entries)
+        """Check the configuration file fully, then apply the difference (see
+        `agentd._reload`); a dry run only reports it."""
+        return await reload_daemon(self, dry_run)
 
 
 class DaemonCommands:
@@ -585,6 +505,18 @@ def unserved(config: OrganismConfig) -> list[str]:
             "reach this daemon"
         )
     return warnings
+
+
+async def _bind(setting: str, address: str, start: Coroutine[Any, Any, None]) -> None:
+    """Await a server's `start`; an address that cannot be bound is a `ConfigError`
+    of one line naming the setting, not a traceback."""
+    try:
+        await start
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ConfigError([f"{setting}: {address} is already in use"]) from None
+        raise ConfigError([f"{setting}: cannot listen on {address}: "
+                           f"{exc.strerror or exc}"]) from None
 
 
 def _start_watchdog() -> asyncio.Task[None] | None:

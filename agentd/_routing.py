@@ -10,7 +10,7 @@ the table they were created with (no runtime downgrade or upgrade).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -151,16 +151,22 @@ class Routing:
         version: int = 1,
         agent_handlers: Mapping[str, Callable[..., Any]] | None = None,
         previous: Routing | None = None,
+        rebuild: Collection[str] = (),
     ) -> Routing:
         """Build from `config`. With `previous` (a reload), listeners whose declaration
         did not change keep their runtime objects, so threads pinned to older tables
-        and the new tables share them."""
+        and the new tables share them; those named in `rebuild` get new ones anyway
+        (an agent moving to a new LLM platform)."""
         issues: list[str] = []
         listeners: dict[str, Listener] = {}
         specs: dict[Key, XmlSpec] = {}
         for cfg in config.listeners:
             old = previous.listeners.get(cfg.name) if previous is not None else None
-            if old is not None and _signature(old.config) == _signature(cfg):
+            if (
+                old is not None
+                and cfg.name not in rebuild
+                and listener_signature(old.config) == listener_signature(cfg)
+            ):
                 listeners[old.name] = old
                 for spec in old.payload_specs:
                     specs.setdefault(spec.clark, spec)
@@ -202,7 +208,7 @@ class Routing:
         )
 
 
-def _signature(cfg: ListenerConfig | None) -> tuple[Any, ...]:
+def listener_signature(cfg: ListenerConfig | None) -> tuple[Any, ...]:
     """What makes two declarations of a listener the same (its location does not)."""
     if cfg is None:
         return ()
@@ -216,33 +222,3 @@ def _signature(cfg: ListenerConfig | None) -> tuple[Any, ...]:
         cfg.max_concurrency,
         cfg.timeout_s,
     )
-
-
-@dataclass(frozen=True)
-class ReloadPlan:
-    added: tuple[str, ...]
-    removed: tuple[str, ...]
-    changed: tuple[str, ...]
-
-
-def plan_reload(old: Routing, new_config: OrganismConfig) -> ReloadPlan:
-    new = {cfg.name: cfg for cfg in new_config.listeners}
-    return ReloadPlan(
-        added=tuple(sorted(n for n in new if n not in old.listeners)),
-        removed=tuple(sorted(n for n in old.listeners if n not in new)),
-        changed=tuple(
-            sorted(
-                n
-                for n, cfg in new.items()
-                if n in old.listeners and _signature(old.listeners[n].config) != _signature(cfg)
-            )
-        ),
-    )
-
-
-def retire(old: Routing, plan: ReloadPlan) -> None:
-    """Removed listeners stop receiving: what is queued for them gets `unroutable`.
-    (A changed listener's old object keeps serving the threads pinned to the tables
-    it belongs to; new threads reach the new one.)"""
-    for name in plan.removed:
-        old.listeners[name].retired = True

@@ -24,21 +24,12 @@ def main() -> None:
 @main.command("check-config")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 def check_config(file: Path) -> None:
-    """Validate a configuration: exit 0, or 1 with every error and its location."""
-    from agentd.config import load_config
+    """Validate a configuration and the files it names (clients file, keys, TLS pair,
+    prompts, cassettes), as `run` does: exit 0, or 1 with every error and its location."""
+    from agentd._preflight import preflight
+    from agentd.config import check_config_main
 
-    try:
-        config = load_config(file)
-    except ConfigError as exc:
-        for issue in exc.issues:
-            click.echo(issue, err=True)
-        sys.exit(1)
-    click.echo(f"ok: {config.name}, {_counted(len(config.listeners), 'listener')}, "
-               f"{_counted(len(config.profiles), 'profile')}")
-
-
-def _counted(n: int, noun: str) -> str:
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+    sys.exit(check_config_main(file, preflight=preflight))
 
 
 @main.command("config-schema")

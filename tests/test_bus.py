@@ -19,7 +19,15 @@ from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatu
 from agentd import _metrics
 from agentd._envelope import build_envelope, parse_envelope
 from agentd._xmlify import spec_of
-from agentd.bus import AuthFileError, BusSession, ClientAuth, auth_frame, parse_auth_ok, totp_code
+from agentd.bus import (
+    AuthFileError,
+    BusSession,
+    ClientAuth,
+    auth_frame,
+    parse_auth_ok,
+    totp_code,
+)
+from agentd.bus._auth import DUMMY_TOTP_SECRET
 from agentd.client import AuthenticationFailed, BusError, frame_kind
 from agentd.tools.calculator import Add
 from agentd.tools.echo import Echo
@@ -252,6 +260,58 @@ def test_clients_file_shape_is_checked(tmp_path: Path, body: str, message: str) 
         ClientAuth.load(path, tmp_path, rig_auth_cfg(path))
 
 
+ALICE_SECRET = "MF5NSPACLFKJPRIA27QQ6J6ZKN6CTV7M"
+
+
+def _counting_auth(tmp_path: Path) -> tuple[ClientAuth, list[str]]:
+    """A `ClientAuth` whose TOTP computations are recorded (secret per call)."""
+    from agentd.config import ClientEntry
+
+    secrets_used: list[str] = []
+
+    def code_at(secret: str, step: int) -> str:
+        secrets_used.append(secret)
+        return totp_code(secret, step)
+
+    entries = {"alice": ClientEntry("alice", ALICE_SECRET, "public")}
+    auth = ClientAuth(
+        entries, tmp_path / "state.json", rig_auth_cfg(tmp_path / "c.yaml"),
+        clock=lambda: 1_000_000.0, code_at=code_at,
+    )
+    return auth, secrets_used
+
+
+def test_an_unknown_client_id_costs_the_same_totp_work_as_a_wrong_code(
+    tmp_path: Path,
+) -> None:
+    auth, used = _counting_auth(tmp_path)
+    assert auth.authenticate(auth_frame("alice", totp="000000")) is None
+    known = list(used)
+    used.clear()
+    assert auth.authenticate(auth_frame("mallory", totp="000000")) is None
+    unknown = list(used)
+    # Three steps each (previous, current, next), against a real-length secret.
+    assert len(known) == len(unknown) == 3
+    assert set(unknown) == {DUMMY_TOTP_SECRET} and set(known) == {ALICE_SECRET}
+
+
+def test_a_locked_out_client_still_costs_the_totp_work(tmp_path: Path) -> None:
+    auth, used = _counting_auth(tmp_path)
+    for _ in range(5):
+        auth.authenticate(auth_frame("alice", totp="000000"))
+    assert auth.locked("alice")
+    used.clear()
+    right = totp_code(ALICE_SECRET, 1_000_000 // 30)
+    assert auth.authenticate(auth_frame("alice", totp=right)) is None
+    assert len(used) == 3
+
+
+def test_the_dummy_code_of_an_unknown_client_never_authenticates(tmp_path: Path) -> None:
+    auth, _ = _counting_auth(tmp_path)
+    dummy = totp_code(DUMMY_TOTP_SECRET, 1_000_000 // 30)
+    assert auth.authenticate(auth_frame("mallory", totp=dummy)) is None
+
+
 def test_a_new_clients_file_withdraws_removed_and_rekeyed_clients(rig: Rig) -> None:
     """`ClientAuth.replace` (what `agentctl reload` applies): added clients log in,
     removed ones and ones with a new secret lose their sessions; a new secret's code
@@ -324,6 +384,33 @@ async def test_tls_1_3_is_negotiated(rig: Rig) -> None:
     async with rig.client("alice") as c:
         ssl_obj = c.connection.transport.get_extra_info("ssl_object")
         assert ssl_obj.version() == "TLSv1.3"
+
+
+def _tls12_client(cipher: str) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers(cipher)
+    return ctx
+
+
+@pytest.mark.parametrize(
+    "cipher", ["ECDHE-ECDSA-AES128-SHA", "ECDHE-ECDSA-AES256-SHA384", "AES128-GCM-SHA256"]
+)
+async def test_tls_1_2_refuses_cbc_and_non_ecdhe_suites(rig: Rig, cipher: str) -> None:
+    with pytest.raises((ssl.SSLError, ConnectionError, OSError)):
+        async with connect(rig.url, ssl=_tls12_client(cipher), open_timeout=3):
+            pass
+
+
+@pytest.mark.parametrize(
+    "cipher", ["ECDHE-ECDSA-AES128-GCM-SHA256", "ECDHE-ECDSA-CHACHA20-POLY1305"]
+)
+async def test_tls_1_2_accepts_ecdhe_with_aead(rig: Rig, cipher: str) -> None:
+    async with connect(rig.url, ssl=_tls12_client(cipher), open_timeout=3) as ws:
+        ssl_obj = ws.transport.get_extra_info("ssl_object")
+        assert (ssl_obj.version(), ssl_obj.cipher()[0]) == ("TLSv1.2", cipher)
 
 
 async def test_other_paths_are_404(rig: Rig) -> None:

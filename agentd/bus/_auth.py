@@ -8,6 +8,9 @@ Invariants:
 - Every failure looks the same from outside: `authenticate` returns None, whatever
   the cause (unknown client, wrong or reused code, lockout, bad session, garbage).
   The cause goes to the log only.
+- Every TOTP or session request costs the same work whether or not the client id
+  exists or is locked out: an unknown id is checked against a fixed dummy secret,
+  so response time does not tell which ids exist.
 - A TOTP step, once accepted for a client, is never accepted again: the last
   accepted step is persisted before `auth-ok` goes out, so a restart does not
   reopen the window.
@@ -34,7 +37,7 @@ import secrets
 import stat
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +61,8 @@ TOTP_DIGITS = 6
 MAX_AUTH_FRAME_BYTES = 4096
 MAX_SESSIONS_PER_CLIENT = 64  # oldest tokens are dropped beyond this
 _X = "{" + NS_AUTH + "}"
+# Checked in place of a real secret for an unknown client id (its result is ignored).
+DUMMY_TOTP_SECRET = "AGENTDDUMMYSECRETAGENTDDUMMYSECR"
 
 
 class AuthFileError(AgentdError):
@@ -176,6 +181,17 @@ def read_clients_file(path: Path) -> dict[str, ClientEntry]:
 # ---- authentication ---------------------------------------------------------------
 
 
+def diff_clients(old: Mapping[str, ClientEntry], new: Mapping[str, ClientEntry]) -> ClientsDiff:
+    """What replacing the clients `old` with `new` changes."""
+    changed = sorted(c for c in new.keys() & old.keys() if new[c] != old[c])
+    return ClientsDiff(
+        added=tuple(sorted(new.keys() - old.keys())),
+        removed=tuple(sorted(old.keys() - new.keys())),
+        changed=tuple(changed),
+        rekeyed=tuple(c for c in changed if new[c].totp_secret != old[c].totp_secret),
+    )
+
+
 def _hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -195,11 +211,13 @@ class ClientAuth:
         cfg: AuthConfig,
         *,
         clock: Callable[[], float] = time.time,
+        code_at: Callable[[str, int], str] = totp_code,
     ) -> None:
         self._entries = entries
         self._state_path = state_path
         self._cfg = cfg
         self._clock = clock
+        self._code_at = code_at  # (secret, step) -> code; injectable to count the work
         self._state: dict[str, _ClientState] = {c: _ClientState() for c in entries}
         self.on_lockout: Callable[[str], None] | None = None
 
@@ -239,17 +257,25 @@ class ClientAuth:
         if req is None:
             log.info("auth failed reason=malformed-frame")
             return None
+        now = self._clock()
         entry = self._entries.get(req.client)
+        # The verification runs before any decision, whatever the client id: an
+        # unknown id costs the same as a wrong code for a known one.
+        secret = entry.totp_secret if entry is not None else DUMMY_TOTP_SECRET
+        st = self._state[req.client] if entry is not None else _ClientState()
+        step: int | None = None
+        session_expires: float | None = None
+        if req.totp is not None:
+            step = self._match_totp(secret, st, req.totp, now)
+        elif req.session is not None:
+            session_expires = st.sessions.get(_hash_token(req.session))
         if entry is None:
             log.info("auth failed client=%s reason=unknown-client", req.client)
             return None
-        st = self._state[req.client]
-        now = self._clock()
         if now < st.locked_until:
             log.info("auth failed client=%s reason=locked-out", req.client)
             return None
         if req.totp is not None:
-            step = self._match_totp(entry, st, req.totp, now)
             if step is None:
                 self._fail(req.client, st, now, "wrong-or-reused-code")
                 return None
@@ -259,23 +285,14 @@ class ClientAuth:
             self._write_state()
             log.info("auth ok client=%s method=totp", req.client)
             return req.client, token
-        assert req.session is not None
-        expires = st.sessions.get(_hash_token(req.session))
-        if expires is None or expires <= now:
+        if req.session is None or session_expires is None or session_expires <= now:
             self._fail(req.client, st, now, "bad-session")
             return None
         log.info("auth ok client=%s method=session", req.client)
         return req.client, req.session
 
     def diff(self, entries: dict[str, ClientEntry]) -> ClientsDiff:
-        old = self._entries
-        changed = sorted(c for c in entries.keys() & old.keys() if entries[c] != old[c])
-        return ClientsDiff(
-            added=tuple(sorted(entries.keys() - old.keys())),
-            removed=tuple(sorted(old.keys() - entries.keys())),
-            changed=tuple(changed),
-            rekeyed=tuple(c for c in changed if entries[c].totp_secret != old[c].totp_secret),
-        )
+        return diff_clients(self._entries, entries)
 
     def replace(self, entries: dict[str, ClientEntry]) -> ClientsDiff:
         """Take a re-read clients file (`agentctl reload`). Added clients can log in at
@@ -305,14 +322,12 @@ class ClientAuth:
 
     # -- decisions
 
-    def _match_totp(
-        self, entry: ClientEntry, st: _ClientState, code: str, now: float
-    ) -> int | None:
+    def _match_totp(self, secret: str, st: _ClientState, code: str, now: float) -> int | None:
         current = int(now // TOTP_STEP_S)
         found: int | None = None
         for step in (current - 1, current, current + 1):
             # Compare all three so the time taken does not depend on which matched.
-            same = hmac.compare_digest(totp_code(entry.totp_secret, step), code)
+            same = hmac.compare_digest(self._code_at(secret, step), code)
             if same and step > st.last_step and found is None:
                 found = step
         return found

@@ -2,7 +2,10 @@
 certificate for first runs (`agentd init`) and tests.
 
 The server refuses anything below TLS 1.2 and prefers TLS 1.3 (OpenSSL negotiates
-the highest both sides have). TLS compression stays off (OpenSSL's default).
+the highest both sides have). TLS compression stays off (OpenSSL's default). In
+TLS 1.2 only ECDHE key exchange with AEAD ciphers is offered: CBC suites (LUCKY13
+and kin) and static-RSA key exchange (no forward secrecy) are never negotiated.
+TLS 1.3 suites are all AEAD and stay as OpenSSL ships them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from agentd.config import TlsConfig
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
 
+# OpenSSL cipher string for TLS 1.2 (it does not affect TLS 1.3's suites).
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
+
 
 class TlsSetupError(AgentdError):
     """The certificate or key cannot be loaded."""
@@ -37,6 +43,7 @@ def server_context(tls: TlsConfig | None) -> ssl.SSLContext:
         )
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers(TLS12_CIPHERS)
     ctx.options |= ssl.OP_NO_COMPRESSION | ssl.OP_CIPHER_SERVER_PREFERENCE
     ctx.options |= ssl.OP_NO_RENEGOTIATION
     # No TLS 1.3 session tickets: bus clients reconnect with a session token, not TLS

@@ -142,16 +142,27 @@ def load_config_text(
     return _load(text, base, source_name, None, digest, state_dir_override)
 
 
-def check_config_main(path: str | Path) -> int:
-    """`agentd check-config`: 0 and a summary on stdout, or 1 and every issue on stderr."""
+def check_config_main(
+    path: str | Path, preflight: Callable[[OrganismConfig], object] | None = None
+) -> int:
+    """`agentd check-config`: 0 and a summary on stdout, or 1 and every issue on stderr.
+    `preflight` (the daemon's, from the command line) also checks the files the
+    configuration names, exactly as `run` and `reload` do."""
     try:
         config = load_config(path)
+        if preflight is not None:
+            preflight(config)
     except ConfigError as exc:
         for issue in exc.issues:
             print(issue, file=sys.stderr)
         return 1
-    print(f"ok: {config.name}, {len(config.listeners)} listeners, {len(config.profiles)} profiles")
+    print(f"ok: {config.name}, {_counted(len(config.listeners), 'listener')}, "
+          f"{_counted(len(config.profiles), 'profile')}")
     return 0
+
+
+def _counted(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def validate_document(

@@ -1,0 +1,162 @@
+"""Preflight: every check that `agentd run` and `agentctl reload` make on a loaded
+configuration and on the files it names, before anything listens or changes.
+
+`agentd check-config` runs the same list (`PREFLIGHT_CHECKS`) through the same
+function (`preflight`), so the three cannot disagree about what is valid.
+
+Invariants:
+- A check reads files and builds values; it never binds a socket, opens the state
+  directory or changes anything live.
+- Every check runs even when an earlier one failed: the operator sees every problem
+  at once, each prefixed with the configuration file and the setting it concerns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ssl
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from agentd._errors import AgentdError, ConfigError
+from agentd.config import ClientEntry, OrganismConfig
+
+
+@dataclass(frozen=True)
+class CheckedConfig:
+    """A configuration that passed preflight, with what the checks loaded."""
+
+    config: OrganismConfig
+    clients: Mapping[str, ClientEntry] | None = None  # None: no clients file
+    authorized_keys: Mapping[str, Any] | None = None  # key id -> public key
+    tls: ssl.SSLContext | None = None  # the bus's server context; None: no bus TLS
+    prompt_digests: Mapping[str, str] = field(default_factory=dict)  # agent -> sha256
+    cassette_digests: Mapping[str, str] = field(default_factory=dict)  # backend -> sha256
+
+
+@dataclass(frozen=True)
+class PreflightCheck:
+    """One check: the setting it concerns, and a function that returns what it loaded
+    (a keyword of `CheckedConfig`, or nothing) or raises with every problem."""
+
+    setting: str
+    run: Callable[[OrganismConfig], Mapping[str, Any]]
+
+
+def _clients(config: OrganismConfig) -> Mapping[str, Any]:
+    path = config.auth.clients_file
+    if path is None:
+        return {}
+    from agentd.bus import AuthFileError, read_clients_file
+
+    try:
+        entries = read_clients_file(path)
+    except AuthFileError as exc:
+        raise ConfigError([str(exc)]) from None
+    unknown = sorted({e.profile for e in entries.values()} - set(config.profiles))
+    if unknown:
+        raise ConfigError([f"clients file {path}: unknown profiles: {', '.join(unknown)}"])
+    return {"clients": MappingProxyType(dict(entries))}
+
+
+def _authorized_keys(config: OrganismConfig) -> Mapping[str, Any]:
+    if config.oob.authorized_keys is not None:
+        from agentd.oob import load_authorized_keys
+
+        # AuthorizedKeysError is a ConfigError naming every bad line.
+        return {"authorized_keys": load_authorized_keys(config.oob.authorized_keys)}
+    return {}
+
+
+def _bus_tls(config: OrganismConfig) -> Mapping[str, Any]:
+    if config.bus.tls is None:
+        return {}
+    from agentd.bus import TlsSetupError, server_context
+
+    try:
+        return {"tls": server_context(config.bus.tls)}
+    except TlsSetupError as exc:
+        raise ConfigError([str(exc)]) from None
+
+
+def _prompts(config: OrganismConfig) -> Mapping[str, Any]:
+    if not any(lst.agent is not None for lst in config.listeners):
+        return {}
+    if config.llm is None:
+        raise ConfigError(["agents need an llm section"])
+    from agentd.platform import PromptRegistry
+
+    registry = PromptRegistry.build(config)
+    return {"prompt_digests": MappingProxyType(
+        {name: registry.get(name).sha256 for name in registry.names()}
+    )}
+
+
+def _cassettes(config: OrganismConfig) -> Mapping[str, Any]:
+    if config.llm is None:
+        return {}
+    from agentd.llm import Cassette
+
+    issues: list[str] = []
+    digests: dict[str, str] = {}
+    for i, backend in enumerate(config.llm.backends):
+        if backend.provider == "replay" and backend.cassette is not None:
+            try:
+                Cassette.load(backend.cassette, f"llm.backends[{i}].cassette")
+                digests[backend.name] = hashlib.sha256(backend.cassette.read_bytes()).hexdigest()
+            except ConfigError as exc:
+                issues.extend(exc.issues)
+            except OSError as exc:  # replaced or removed since it was loaded
+                issues.append(f"llm.backends[{i}].cassette: {backend.cassette}: {exc}")
+    if issues:
+        raise ConfigError(issues)
+    return {"cassette_digests": MappingProxyType(digests)}
+
+
+def _listeners(config: OrganismConfig) -> Mapping[str, Any]:
+    """The dispatch tables build (no payload key claimed by two classes); agents get a
+    stand-in handler, since their platform is only built when the daemon runs."""
+    from agentd._routing import Routing
+
+    def stand_in(*_args: Any) -> None:
+        return None
+
+    Routing.build(config, agent_handlers={
+        lst.name: stand_in for lst in config.listeners if lst.agent is not None
+    })
+    return {}
+
+
+PREFLIGHT_CHECKS: tuple[PreflightCheck, ...] = (
+    PreflightCheck("auth.clients_file", _clients),
+    PreflightCheck("oob.authorized_keys", _authorized_keys),
+    PreflightCheck("bus.tls", _bus_tls),
+    PreflightCheck("prompts", _prompts),
+    PreflightCheck("llm.backends", _cassettes),
+    PreflightCheck("listeners", _listeners),
+)
+
+
+def preflight(config: OrganismConfig) -> CheckedConfig:
+    """Run every check; `ConfigError` listing every problem, or what they loaded."""
+    issues: list[str] = []
+    loaded: dict[str, Any] = {}
+    source = str(config.source or "<config>")
+    for check in PREFLIGHT_CHECKS:
+        try:
+            loaded.update(check.run(config))
+        except ConfigError as exc:
+            issues.extend(_located(source, check.setting, issue) for issue in exc.issues)
+        except AgentdError as exc:
+            issues.append(_located(source, check.setting, str(exc)))
+    if issues:
+        raise ConfigError(issues)
+    return CheckedConfig(config, **loaded)
+
+
+def _located(source: str, setting: str, issue: str) -> str:
+    """`issue` prefixed with the file and setting, unless it already names the file."""
+    return issue if issue.startswith(source) else f"{source}: {setting}: {issue}"
+

@@ -1,0 +1,302 @@
+"""Reload: a plan built from the new configuration alone, then an apply.
+
+`plan_reload(current, new)` is pure: two checked configurations in, a `ReloadPlan`
+out (or `ConfigError` for a change that only a restart can make). It compares
+listener declarations, each agent's assembled prompt (by hash) and the LLM section,
+the clients, the bus certificate and the settings that are read only at start. A dry
+run stops there: nothing is built and nothing live changes.
+
+`reload_daemon` runs preflight on the re-read file, plans, and (unless dry) applies:
+it builds the new routing (and a new LLM platform when an agent is added or
+changed) before touching anything, then swaps it in.
+
+Invariants:
+- Threads that exist keep the dispatch table they were created with, and so the
+  listener objects and the LLM platform behind it; new threads get the new ones.
+- A platform no longer behind the live routing is closed once no live thread's table
+  can reach it (`AgentPlatforms.close_unused`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from agentd._errors import ConfigError
+from agentd._preflight import CheckedConfig, preflight
+from agentd._routing import Routing, listener_signature
+from agentd.config import ClientEntry, OrganismConfig, load_config
+
+if TYPE_CHECKING:
+    from agentd._daemon import Daemon
+    from agentd.bus import ClientsDiff
+    from agentd.kernel import Kernel
+    from agentd.platform import AgentHandlers
+
+log = logging.getLogger("agentd.reload")
+
+# Settings a reload applies; every other change to these sections waits for a restart.
+_RELOADED = frozenset({"bus.tls", "auth.clients_file", "oob.authorized_keys"})
+_READ_AT_START = ("bus", "auth", "oob", "metrics", "pump", "journal")
+
+
+@dataclass(frozen=True)
+class ReloadPlan:
+    """What a reload changes. Listener names are sorted; `changed` includes agents
+    whose prompt text or LLM backends changed with an identical declaration."""
+
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    clients: ClientsDiff | None = None  # None: the daemon has no clients file
+    tls_cert: str | None = None  # the certificate new bus connections will get
+    restart_needed: tuple[str, ...] = ()  # changed settings read only at start
+    new_platform: bool = False  # an agent is added or changed: build a new platform
+
+    def result(self, version: int, dry_run: bool) -> dict[str, Any]:
+        """The operator's view (`agentctl reload`)."""
+        out: dict[str, Any] = {
+            "added": list(self.added),
+            "removed": list(self.removed),
+            "changed": list(self.changed),
+            "version": version,
+            "dry_run": dry_run,
+        }
+        if self.clients is not None:
+            out.update(clients_added=list(self.clients.added),
+                       clients_removed=list(self.clients.removed),
+                       clients_changed=list(self.clients.changed))
+        if self.tls_cert is not None:
+            out["tls_cert"] = self.tls_cert
+        if self.restart_needed:
+            out["restart_needed"] = list(self.restart_needed)
+        return out
+
+
+def llm_changed(current: CheckedConfig, new: CheckedConfig) -> bool:
+    """Whether the agents' LLM side changed: the `llm` section, or the contents of a
+    replay cassette (failover may reach any backend, so this concerns every agent)."""
+    return (current.config.llm, current.cassette_digests) != (
+        new.config.llm, new.cassette_digests
+    )
+
+
+def plan_reload(current: CheckedConfig, new: CheckedConfig) -> ReloadPlan:
+    """The difference between the running configuration and the new one; raises
+    `ConfigError` for what a reload cannot do (add or remove the bus or the clients
+    file)."""
+    old_cfg, new_cfg = current.config, new.config
+    bus_running = old_cfg.bus.tls is not None and old_cfg.auth.clients_file is not None
+    issues = []
+    if bus_running and new_cfg.bus.tls is None:
+        issues.append("bus.tls: the bus is running; removing it needs a restart")
+    if (old_cfg.auth.clients_file is None) != (new_cfg.auth.clients_file is None):
+        issues.append("auth.clients_file: adding or removing the clients file needs a restart")
+    if issues:
+        raise ConfigError(issues)
+    old = {cfg.name: cfg for cfg in old_cfg.listeners}
+    llm = llm_changed(current, new)
+    added = tuple(sorted(n for n in _names(new_cfg) if n not in old))
+    removed = tuple(sorted(n for n in old if n not in _names(new_cfg)))
+    changed = tuple(sorted(
+        cfg.name
+        for cfg in new_cfg.listeners
+        if cfg.name in old
+        and (
+            listener_signature(old[cfg.name]) != listener_signature(cfg)
+            or (cfg.agent is not None and (
+                llm or current.prompt_digests.get(cfg.name) != new.prompt_digests[cfg.name]
+            ))
+        )
+    ))
+    agents = {cfg.name for cfg in new_cfg.listeners if cfg.agent is not None}
+    return ReloadPlan(
+        added=added,
+        removed=removed,
+        changed=changed,
+        clients=_clients_change(current.clients, new.clients),
+        tls_cert=str(new_cfg.bus.tls.cert) if bus_running and new_cfg.bus.tls else None,
+        restart_needed=_restart_needed(current, new),
+        new_platform=bool(agents & {*added, *changed}),
+    )
+
+
+def _names(config: OrganismConfig) -> set[str]:
+    return {cfg.name for cfg in config.listeners}
+
+
+def _clients_change(
+    old: Mapping[str, ClientEntry] | None, new: Mapping[str, ClientEntry] | None
+) -> ClientsDiff | None:
+    if old is None or new is None:
+        return None
+    from agentd.bus import diff_clients
+
+    return diff_clients(old, new)
+
+
+def _restart_needed(current: CheckedConfig, new: CheckedConfig) -> tuple[str, ...]:
+    found = []
+    for section in _READ_AT_START:
+        old_sec, new_sec = getattr(current.config, section), getattr(new.config, section)
+        for f in dataclasses.fields(old_sec):
+            key = f"{section}.{f.name}"
+            if key not in _RELOADED and getattr(old_sec, f.name) != getattr(new_sec, f.name):
+                found.append(key)
+    return tuple(found)
+
+
+# ---- the platforms behind the agents ----------------------------------------------------
+
+
+@dataclass
+class ServedPlatform:
+    """A platform and the routing versions whose agents run on it."""
+
+    handlers: AgentHandlers
+    first_version: int
+    last_version: int | None = None  # None: it serves the live routing
+
+
+@dataclass
+class AgentPlatforms:
+    """The LLM platforms the daemon's agents run on: the live one, and older ones
+    that threads pinned to older dispatch tables may still call."""
+
+    served: list[ServedPlatform] = field(default_factory=list)
+
+    @property
+    def current(self) -> AgentHandlers | None:
+        live = [s for s in self.served if s.last_version is None]
+        return live[-1].handlers if live else None
+
+    def adopt(self, handlers: AgentHandlers | None, version: int) -> None:
+        """`handlers` serve routing `version` on; with None, the live one goes on."""
+        if handlers is None:
+            return
+        for s in self.served:
+            if s.last_version is None:
+                s.last_version = version - 1
+        self.served.append(ServedPlatform(handlers, version))
+
+    def unused(self, live_versions: Collection[int]) -> list[ServedPlatform]:
+        """Retired platforms that no table of `live_versions` reaches."""
+        return [
+            s for s in self.served
+            if s.last_version is not None
+            and not any(s.first_version <= v <= s.last_version for v in live_versions)
+        ]
+
+    async def close_unused(self, live_versions: Callable[[], Collection[int]]) -> int:
+        """Close the unused retired platforms; `live_versions` is asked only when one
+        is retired (it walks every live thread)."""
+        if all(s.last_version is None for s in self.served):
+            return 0
+        gone = self.unused(live_versions())
+        for s in gone:
+            self.served.remove(s)
+            await s.handlers.platform.aclose()
+        if gone:
+            log.info("llm platforms closed count=%d", len(gone))
+        return len(gone)
+
+    async def aclose(self) -> None:
+        for s in self.served:
+            await s.handlers.platform.aclose()
+        self.served.clear()
+
+
+def build_agent_handlers(
+    config: Any,
+    kernel: Kernel | None,
+    audit: Callable[[str, Mapping[str, str]], None],
+) -> AgentHandlers | None:
+    """A new platform and its handlers for the agents of `config` (none: None)."""
+    if not any(lst.agent is not None for lst in config.listeners):
+        return None
+    from agentd.platform import make_agent_handlers
+
+    return make_agent_handlers(config, kernel=kernel, audit=audit)
+
+
+# ---- the daemon's reload --------------------------------------------------------------
+
+
+async def reload_daemon(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
+    """Re-read the daemon's file, check it fully, plan, and (unless `dry_run`) apply.
+    Any error before the swap changes nothing."""
+    assert daemon.pump is not None and daemon.routing is not None
+    if daemon.config_path is None:
+        raise ConfigError(["the daemon was not started from a configuration file"])
+    new = preflight(load_config(daemon.config_path, state_dir_override=daemon.config.state_dir))
+    plan = plan_reload(daemon.checked, new)
+    version = daemon.routing.version + 1
+    if dry_run:
+        return plan.result(version, dry_run=True)
+    handlers = build_agent_handlers(new.config, daemon.kernel, daemon.audit) if (
+        plan.new_platform) else None
+    try:
+        new_routing = Routing.build(
+            new.config,
+            version=version,
+            agent_handlers=handlers,
+            previous=daemon.routing,
+            # Every agent moves to the new platform; threads on older tables keep theirs.
+            rebuild=[cfg.name for cfg in new.config.listeners if cfg.agent] if handlers else (),
+        )
+    except BaseException:
+        if handlers is not None:
+            await handlers.platform.aclose()
+        raise
+    _swap(daemon, plan, new, new_routing, handlers)
+    result = plan.result(version, dry_run=False)
+    daemon.audit(
+        "reload", {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in result.items()}
+    )
+    await daemon.platforms.close_unused(lambda: live_table_versions(daemon))
+    return result
+
+
+def _swap(
+    daemon: Daemon,
+    plan: ReloadPlan,
+    new: CheckedConfig,
+    routing: Routing,
+    handlers: AgentHandlers | None,
+) -> None:
+    """Put the built configuration in service. Nothing here can fail on the new
+    configuration: it passed preflight and every object is already built."""
+    assert daemon.pump is not None and daemon.routing is not None
+    if handlers is not None:
+        handlers.platform.bind_threads(daemon.pump.registry)
+    daemon.platforms.adopt(handlers, routing.version)
+    old = daemon.routing
+    daemon.routing = daemon.pump.routing = routing
+    daemon.pump.meta_flags = new.config.meta
+    for name in plan.removed:  # what is queued for them gets `unroutable`
+        old.listeners[name].retired = True
+    daemon.config, daemon.checked = new.config, new
+    if daemon.oob is not None and new.authorized_keys is not None:
+        daemon.oob.reload_keys(new.authorized_keys)
+    if daemon.bus is not None and new.config.bus.tls is not None:
+        try:
+            daemon.bus.reload_tls(new.config.bus.tls)
+        except Exception as exc:  # changed on disk since preflight loaded it
+            log.error("bus certificate not reloaded: %s", exc)
+    if new.clients is not None and daemon.auth is not None:
+        withdrawn = daemon.auth.replace(dict(new.clients)).withdrawn
+        daemon.pump.clients = daemon.auth.profiles()
+        if daemon.bus is not None:
+            for client in withdrawn:
+                daemon.bus.disconnect(client)
+
+
+def live_table_versions(daemon: Daemon) -> set[int]:
+    """The dispatch-table versions that live threads (and new ones) route with."""
+    assert daemon.pump is not None and daemon.routing is not None
+    versions = {frame.profile.table.version for frame in daemon.pump.registry}
+    versions.add(daemon.routing.version)
+    return versions
