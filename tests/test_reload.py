@@ -78,7 +78,7 @@ def test_a_backend_change_alone_changes_the_agents(home: Path) -> None:
 def test_a_new_cassette_in_the_same_file_changes_the_agents(home: Path) -> None:
     copy = home / "copy.jsonl"
     edit_config(home, lambda doc: (
-        shutil.copy(doc["llm"]["backends"][0]["cassette"], copy),
+        shutil.copy(home / doc["llm"]["backends"][0]["cassette"], copy),
         doc["llm"]["backends"][0].update(cassette=str(copy)),
     ))
     before = checked(home)
@@ -357,7 +357,7 @@ async def test_a_backend_change_alone_is_reported_and_applied(home: Path) -> Non
     d = await DaemonProcess(home).start()
     try:
         doc_now = yaml.safe_load((home / "organism.yaml").read_text())
-        original = Path(doc_now["llm"]["backends"][0]["cassette"])
+        original = home / doc_now["llm"]["backends"][0]["cassette"]  # relative to the home
         copy = home / "copy.jsonl"
         shutil.copy(original, copy)
         edit_config(home, lambda doc: doc["llm"]["backends"][0].update(cassette=str(copy)))
