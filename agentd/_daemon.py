@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ from lxml import etree
 from agentd import _metrics as metrics
 from agentd._config import OrganismConfig, load_config
 from agentd._errors import AgentdError, ConfigError
+from agentd._observability import sd_notify, watchdog_interval, watchdog_pinger
 from agentd._pump import Pump
 from agentd._routing import Routing, plan_reload, retire
 from agentd._runtime import tune_gc
@@ -189,7 +189,8 @@ class Daemon:
         metrics.kernel_writer_restarts.set_function(lambda: kernel.writer_restarts)
         tune_gc()
         self._notify("READY=1")
-        self._watchdog = _start_watchdog()
+        if watchdog_interval() is not None:
+            self._watchdog = asyncio.create_task(watchdog_pinger(), name="sd-watchdog")
         self._maintenance = asyncio.create_task(self._maintain(), name="daemon-maintenance")
 
     async def _maintain(self) -> None:
@@ -289,10 +290,7 @@ class Daemon:
 
     @staticmethod
     def _notify(state: str) -> None:
-        if os.environ.get("NOTIFY_SOCKET"):
-            from agentd._observability import sd_notify
-
-            sd_notify(state)
+        sd_notify(state)
 
     # ---- audit -------------------------------------------------------------------
 
@@ -563,22 +561,6 @@ class DaemonCommands:
                 for e in entries
             ],
         )
-
-
-def _start_watchdog() -> asyncio.Task[None] | None:
-    usec = os.environ.get("WATCHDOG_USEC")
-    if not usec or not os.environ.get("NOTIFY_SOCKET"):
-        return None
-    from agentd._observability import sd_notify
-
-    interval = int(usec) / 1e6 / 2
-
-    async def ping() -> None:
-        while True:
-            sd_notify("WATCHDOG=1")
-            await asyncio.sleep(interval)
-
-    return asyncio.create_task(ping(), name="sd-watchdog")
 
 
 async def run_daemon(config_path: Path, state_dir: Path | None = None) -> int:
