@@ -92,6 +92,7 @@ class Kernel:
                  context_ttl_s: float, checkpoint_idle_s: float, sweep_chunk: int,
                  on_commit: OnCommit | None, max_outbox_per_client: int = 10_000) -> None:
         self._max_outbox = max_outbox_per_client
+        self._clock = ctx.clock  # wall clock: stamps, retention and TTL cutoffs
         self.state_dir = state_dir
         self.db_path = state_dir / DB_NAME
         self._lock = lock
@@ -154,6 +155,7 @@ class Kernel:
         checkpoint_idle_s: float = 1.0,
         sweep_chunk: int = 5000,
         max_outbox_per_client: int = 10_000,
+        clock: Callable[[], float] = time.time,
     ) -> Kernel:
         """Lock `state_dir`, open (create, migrate) its database, start the writer.
 
@@ -164,7 +166,10 @@ class Kernel:
         holding an entry of these profiles commit with synchronous=FULL;
         `max_db_bytes`: a size cap (writes beyond it fail like a full disk);
         `checkpoint_idle_s`: idle time before `wal_checkpoint(TRUNCATE)`;
-        `sweep_chunk`: journal rows deleted per retention transaction."""
+        `sweep_chunk`: journal rows deleted per retention transaction; `clock`: the
+        wall clock (seconds) for journal stamps, retention expiry and the context and
+        thread TTLs (tests pass a fake one); timers of the writer loop (batching,
+        backoff, idle checkpoints) use the event loop's clock."""
         state_dir = Path(state_dir)
         # In a thread: it may wait (up to 10 s) for the writer of a dead holder to exit.
         lock = await asyncio.to_thread(StateDirLock.acquire, state_dir)
@@ -189,7 +194,8 @@ class Kernel:
         ctx = TxContext(next_seq=seq + 1, next_outbox_id=outbox_id + 1,
                         retention=retention, audit_retention=audit_retention,
                         max_slots_per_thread=max_slots_per_thread, max_threads=max_threads,
-                        context_counts=counts, full_sync_profiles=full_sync_profiles)
+                        context_counts=counts, full_sync_profiles=full_sync_profiles,
+                        clock=clock)
         return cls(state_dir=state_dir, lock=lock, writer=writer,
                    store_options=store_options, reader=reader, ctx=ctx,
                    commit_interval_s=commit_interval_s,
@@ -259,17 +265,17 @@ class Kernel:
     def _enqueue(self, tx: Transaction, fut: Any) -> None:
         if self._closing:
             raise KernelUnavailable("kernel is closed")
-        if tx._committed:
+        if tx.committed:
             raise RuntimeError("transaction already committed")
-        if tx._has_ctx:
-            self._ctx.reserve(tx.ops, time.time())
-        tx._committed = True
+        if tx.touches_context:
+            self._ctx.reserve(tx.ops, self._clock())
+        tx.seal()
         queue = self._queue
         if not queue:
             self._head_time = self._loop.time()
             self._wake.set()
         queue.append((tx, fut))
-        self._queued_ops += len(tx.rows) + len(tx._ops)
+        self._queued_ops += len(tx.rows) + len(tx.ops)
         if self._queued_ops >= self._saturated_ops:  # see _writer_ready
             self._wake.set()
 
@@ -499,11 +505,11 @@ class Kernel:
             # transactions while the other half is written.
             limit = min(limit, (self._queued_ops + 1) // 2)
         item = queue.popleft()
-        n = len(item[0].rows) + len(item[0]._ops)
+        n = len(item[0].rows) + len(item[0].ops)
         batch = [item]
         while queue:
             tx = queue[0][0]
-            m = len(tx.rows) + len(tx._ops)
+            m = len(tx.rows) + len(tx.ops)
             if n + m > limit:
                 break
             batch.append(queue.popleft())
@@ -669,7 +675,7 @@ class Kernel:
         """Thread GC, idle context GC, then retention in chunks of `sweep_chunk` rows
         (when not forced, stops between chunks if transactions are waiting)."""
         forced, self._sweep_waiters = self._sweep_waiters, []
-        now = time.time()
+        now = self._clock()
         journal_deleted = threads_deleted = buffers_deleted = outbox_deleted = 0
         try:
             if not self._retention_backlog or forced:
