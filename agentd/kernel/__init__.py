@@ -8,6 +8,7 @@ from agentd.kernel._errors import (
     StateLocked,
     TransactionRejected,
 )
+from agentd.kernel._health import Health
 from agentd.kernel._kernel import DB_NAME, Kernel, SweepReport, verify_journal_main
 from agentd.kernel._records import (
     PRUNE_ON_DELIVERY,
@@ -25,6 +26,7 @@ __all__ = [
     "PRUNE_ON_DELIVERY",
     "RETAIN_FOREVER",
     "ContextLimitExceeded",
+    "Health",
     "JournalEntry",
     "Kernel",
     "KernelUnavailable",

@@ -14,8 +14,9 @@ Invariants:
   that transaction is in the database.
 - The journal is append-only: rows are never updated; retention deletes whole rows
   and leaves a verifiable gap record (see _chain).
-- While writes fail, `healthy` is False; the writer retries with backoff (probing
-  the disk when nothing is queued) and reports recovery.
+- While writes fail, `healthy` is False (the state machine of _health); the writer
+  retries with backoff (probing the disk when nothing is queued) and reports
+  recovery.
 
 Why the writer is a child process (`_writer.WriterProcess`) running the stdlib sqlite3
 module, not aiosqlite on a thread: aiosqlite hops to its thread and back once per call
@@ -45,6 +46,7 @@ from typing import Any
 import aiosqlite
 
 from agentd.kernel._errors import KernelUnavailable, SchemaTooNew, TransactionRejected
+from agentd.kernel._health import BACKOFF_START_S, Health, HealthEvent, WriteHealth
 from agentd.kernel._lock import StateDirLock
 from agentd.kernel._records import (
     RETAIN_FOREVER,
@@ -70,8 +72,7 @@ DB_NAME = "agentd.db"
 
 log = logging.getLogger("agentd.kernel")
 
-_BACKOFF_START_S = 0.05
-_BACKOFF_MAX_S = 2.0
+_HEALTHY = Health.HEALTHY  # a module constant: read after every committed batch
 _PIPELINE = 2  # batches sent to the writer and not yet answered
 
 
@@ -119,10 +120,9 @@ class Kernel:
         self._wake = asyncio.Event()
         self._closing = False
         self._closed = False
-        self._healthy = True
-        self._unhealthy_since = 0.0
-        self._last_error = ""
-        self._backoff = _BACKOFF_START_S
+        self._health = WriteHealth()
+        self._recovered = asyncio.Event()  # set while healthy: see wait_healthy
+        self._recovered.set()
         self._last_write = self._loop.time()
         self._dirty = False
         self._next_sweep = self._loop.time() + sweep_interval_s
@@ -285,8 +285,8 @@ class Kernel:
         if self._closing:
             return
         await self.commit(Transaction(self._ctx))
-        if not self._healthy:
-            raise KernelUnavailable(f"kernel writes are failing: {self._last_error}")
+        if not self._health.healthy:
+            raise KernelUnavailable(f"kernel writes are failing: {self._health.last_error}")
 
     async def sweep(self) -> SweepReport:
         """Run retention, thread GC and idle context GC now (normally periodic)."""
@@ -313,11 +313,20 @@ class Kernel:
 
     @property
     def healthy(self) -> bool:
-        return self._healthy
+        return self._health.healthy
+
+    @property
+    def health(self) -> Health:
+        return self._health.state
 
     @property
     def last_error(self) -> str:
-        return self._last_error
+        return self._health.last_error
+
+    async def wait_healthy(self) -> None:
+        """Return once writes succeed (at once if they do now). The writer recovers by
+        itself: this only waits for it."""
+        await self._recovered.wait()
 
     @property
     def queue_depth(self) -> int:
@@ -414,8 +423,8 @@ class Kernel:
                         return
                     await self._idle()
                     continue
-                if not self._healthy and not self._closing:
-                    await self._pause(self._backoff)
+                if not self._health.healthy and not self._closing:
+                    await self._pause(self._health.backoff)
                 if not self._writer_proc.alive and not self._closing:
                     try:
                         await self._restart_writer()
@@ -431,7 +440,7 @@ class Kernel:
             except Exception:  # a bug: never leave callers hanging
                 log.exception("kernel writer: unexpected error")
                 self._fail_all(KernelUnavailable("kernel writer error"))
-                await asyncio.sleep(_BACKOFF_START_S)
+                await asyncio.sleep(BACKOFF_START_S)
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but return early on close."""
@@ -450,8 +459,8 @@ class Kernel:
         now = self._loop.time()
         if self._sweep_waiters:
             due = now
-        elif not self._healthy:
-            due = now + self._backoff
+        elif not self._health.healthy:
+            due = now + self._health.backoff
         else:
             due = self._next_sweep
             if self._dirty:
@@ -465,7 +474,7 @@ class Kernel:
                 pass
         if self._queue or self._closing:
             return
-        if not self._healthy:
+        if not self._health.healthy:
             await self._probe()
         elif self._sweep_waiters or self._loop.time() >= self._next_sweep:
             await self._sweep()
@@ -586,12 +595,10 @@ class Kernel:
         self.commits += 1
         self._last_write = self._loop.time()
         self._dirty = True
-        if not self._healthy:
+        if self._health.state is not _HEALTHY:  # healthy: nothing to record
+            self._record(HealthEvent.WRITE_SUCCEEDED)
             log.warning("kernel: writes succeed again after %.1f s; accepting",
-                        self._loop.time() - self._unhealthy_since)
-            self._healthy = True
-            self._last_error = ""
-        self._backoff = _BACKOFF_START_S
+                        self._loop.time() - self._health.since)
         if self._on_commit is not None:
             try:
                 self._on_commit(seconds, ops)
@@ -601,14 +608,9 @@ class Kernel:
     def _storage_failed(self, exc: BaseException,
                         batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
         message = f"kernel writes are failing: {exc}"
-        if self._healthy:
+        if self._record(HealthEvent.WRITE_FAILED, str(exc)):
             log.error("%s (%s); nothing is acknowledged until writes succeed again",
                       message, self.db_path)
-            self._healthy = False
-            self._unhealthy_since = self._loop.time()
-        else:
-            self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
-        self._last_error = str(exc)
         for tx, fut in batch:
             self._ctx.release(tx.ops)
             _fail(fut, KernelUnavailable(message))
@@ -626,25 +628,29 @@ class Kernel:
                 await self._restart_writer()
             await self._call("probe")
         except Exception as exc:
-            self._last_error = str(exc)
-            self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+            self._record(HealthEvent.PROBE_FAILED, str(exc))
             return
+        self._record(HealthEvent.PROBE_SUCCEEDED)
         log.warning("kernel: write probe succeeded after %.1f s; accepting",
-                    self._loop.time() - self._unhealthy_since)
-        self._healthy = True
-        self._last_error = ""
-        self._backoff = _BACKOFF_START_S
+                    self._loop.time() - self._health.since)
 
     def _writer_died(self, message: str) -> None:
         """The writer process exited on its own: unhealthy now (not at the next
         failed commit), and the writer loop's health probe starts a new one."""
         if self._closing:
             return
-        if self._healthy:
-            self._healthy = False
-            self._unhealthy_since = self._loop.time()
-        self._last_error = message
+        self._record(HealthEvent.WRITER_EXITED, message)
         self._wake.set()
+
+    def _record(self, event: HealthEvent, error: str = "") -> bool:
+        """Apply a health event; True if the state changed."""
+        changed = self._health.record(event, self._loop.time(), error)
+        if changed:
+            if self._health.healthy:
+                self._recovered.set()
+            else:
+                self._recovered.clear()
+        return changed
 
     async def _restart_writer(self) -> None:
         """The writer process died (killed, out of memory): start another. What it

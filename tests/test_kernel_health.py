@@ -1,0 +1,78 @@
+"""The kernel's write health as a state machine, without a database."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentd.kernel._health import (
+    BACKOFF_MAX_S,
+    BACKOFF_START_S,
+    TRANSITIONS,
+    Health,
+    HealthEvent,
+    IllegalHealthEvent,
+    WriteHealth,
+    next_health,
+)
+
+
+def test_every_state_and_event_is_either_a_transition_or_refused() -> None:
+    for state in Health:
+        for event in HealthEvent:
+            if event in TRANSITIONS[state]:
+                assert next_health(state, event) is TRANSITIONS[state][event]
+            else:
+                with pytest.raises(IllegalHealthEvent, match=event.value):
+                    next_health(state, event)
+
+
+def test_a_probe_while_healthy_is_a_bug() -> None:
+    for event in (HealthEvent.PROBE_SUCCEEDED, HealthEvent.PROBE_FAILED):
+        with pytest.raises(IllegalHealthEvent):
+            next_health(Health.HEALTHY, event)
+
+
+def test_any_failure_makes_a_healthy_kernel_failing_and_a_success_heals_it() -> None:
+    for failure in (HealthEvent.WRITE_FAILED, HealthEvent.WRITER_EXITED):
+        assert next_health(Health.HEALTHY, failure) is Health.FAILING
+        assert next_health(Health.FAILING, failure) is Health.FAILING
+    for success in (HealthEvent.WRITE_SUCCEEDED, HealthEvent.PROBE_SUCCEEDED):
+        assert next_health(Health.FAILING, success) is Health.HEALTHY
+    assert next_health(Health.HEALTHY, HealthEvent.WRITE_SUCCEEDED) is Health.HEALTHY
+
+
+def test_a_walk_through_a_full_disk_and_back() -> None:
+    h = WriteHealth()
+    assert h.healthy and h.backoff == BACKOFF_START_S and h.last_error == ""
+    assert h.record(HealthEvent.WRITE_FAILED, 100.0, "database or disk is full")
+    assert (h.state, h.since, h.last_error) == (Health.FAILING, 100.0, "database or disk is full")
+    assert h.backoff == BACKOFF_START_S  # the first retry comes quickly
+    assert not h.record(HealthEvent.WRITE_FAILED, 101.0, "still full")
+    assert h.backoff == 2 * BACKOFF_START_S and h.since == 100.0
+    assert not h.record(HealthEvent.PROBE_FAILED, 102.0, "probe: full")
+    assert h.backoff == 4 * BACKOFF_START_S and h.last_error == "probe: full"
+    for second in range(20):
+        h.record(HealthEvent.PROBE_FAILED, 103.0 + second, "full")
+    assert h.backoff == BACKOFF_MAX_S  # bounded
+    assert h.record(HealthEvent.PROBE_SUCCEEDED, 130.0)
+    assert h.healthy and h.last_error == "" and h.backoff == BACKOFF_START_S
+    assert h.since == 100.0  # kept, so the recovery can say how long it took
+
+
+def test_a_writer_exit_fails_without_changing_the_retry_timing() -> None:
+    h = WriteHealth()
+    assert h.record(HealthEvent.WRITER_EXITED, 5.0, "writer process 42 exited")
+    assert (h.state, h.since, h.backoff) == (Health.FAILING, 5.0, BACKOFF_START_S)
+    h.record(HealthEvent.WRITE_FAILED, 6.0, "disk I/O error")
+    assert h.backoff == 2 * BACKOFF_START_S
+    assert not h.record(HealthEvent.WRITER_EXITED, 7.0, "writer process 43 exited")
+    assert h.backoff == 2 * BACKOFF_START_S and h.last_error == "writer process 43 exited"
+    assert h.record(HealthEvent.WRITE_SUCCEEDED, 8.0)
+    assert h.healthy
+
+
+def test_an_illegal_event_leaves_the_state_unchanged() -> None:
+    h = WriteHealth()
+    with pytest.raises(IllegalHealthEvent):
+        h.record(HealthEvent.PROBE_SUCCEEDED, 1.0)
+    assert h.healthy and h.since == 0.0
