@@ -499,7 +499,7 @@ class DaemonCommands:
                 return spec.example.decode()
             if named.is_agent and d.agents is not None:
                 # Operators only: the assembled system prompt and its hash.
-                prompt = d.agents.platform._registry.get(name)
+                prompt = d.agents.platform.prompt(name)
                 return f"sha256 {prompt.sha256}\n\n{prompt.system_prompt}"
             return "\n\n".join(spec_of(s.cls).prompt for s in named.payload_specs)
         if what == "threads":

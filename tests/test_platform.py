@@ -194,6 +194,12 @@ async def test_the_prompt_hash_is_recorded_with_each_call() -> None:
     assert fields["prompt_sha256"] == platform.prompt_digest("tutor")
     assert fields["backend"] == "primary" and fields["outcome"] == "ok"
     assert fields["input_tokens"] > 0
+    prompt = platform.prompt("tutor")  # what an operator's introspection shows
+    assert prompt.sha256 == fields["prompt_sha256"]
+    assert hashlib.sha256(prompt.system_prompt.encode()).hexdigest() == prompt.sha256
+    assert platform.session("tutor").catalogue is prompt.catalogue
+    with pytest.raises(KeyError):
+        platform.prompt("not-an-agent")
 
 
 async def test_the_prompt_hash_lands_in_the_kernel_journal(tmp_path: Path) -> None:
