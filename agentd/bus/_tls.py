@@ -2,7 +2,9 @@
 certificate for first runs (`agentd init`) and tests.
 
 The server refuses anything below TLS 1.2 and prefers TLS 1.3 (OpenSSL negotiates
-the highest both sides have). TLS compression stays off (OpenSSL's default).
+the highest both sides have). TLS compression stays off (OpenSSL's default). The
+private key is read like every secret file (agentd._secrets: no symbolic link,
+owner root or ours, mode 0600 or stricter) before OpenSSL sees it.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agentd._config import TlsConfig
 from agentd._errors import AgentdError
+from agentd._secrets import SecretFileError, read_secret_file
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
+_MAX_KEY_FILE = 1024 * 1024
 
 
 class TlsSetupError(AgentdError):
@@ -43,12 +47,30 @@ def server_context(tls: TlsConfig | None) -> ssl.SSLContext:
     # resumption, and each ticket costs a little memory and CPU per connection.
     ctx.num_tickets = 0
     try:
-        ctx.load_cert_chain(str(tls.cert), str(tls.key))
+        key = read_secret_file(tls.key, "TLS key", max_bytes=_MAX_KEY_FILE)
+    except SecretFileError as exc:
+        raise TlsSetupError(str(exc)) from None
+    try:
+        _load_cert_chain(ctx, tls.cert, key)
     except (OSError, ssl.SSLError) as exc:
         raise TlsSetupError(
             f"cannot load TLS certificate {tls.cert} with key {tls.key}: {exc}"
         ) from None
     return ctx
+
+
+def _load_cert_chain(ctx: ssl.SSLContext, cert: Path, key: bytes) -> None:
+    """`load_cert_chain` with the key's bytes as read (and checked) by
+    `read_secret_file`: OpenSSL only loads keys from a path, so it gets an anonymous
+    in-memory file that no one else can name or swap."""
+    fd = os.memfd_create("agentd-tls-key", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(key)
+        while view:
+            view = view[os.write(fd, view):]
+        ctx.load_cert_chain(str(cert), f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
 
 
 def client_context(cafile: str | Path | None = None, verify: bool = True) -> ssl.SSLContext:
