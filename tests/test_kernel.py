@@ -803,10 +803,8 @@ async def test_wal_is_truncated_when_the_writer_is_idle(state_dir: Path) -> None
             await journal_one(k, payload=os.urandom(2000))
         wal = Path(f"{state_dir / DB_NAME}-wal")
         assert wal.stat().st_size > 0
-        for _ in range(60):
-            await asyncio.sleep(0.05)
-            if wal.stat().st_size == 0:
-                break
+        async with asyncio.timeout(10):
+            await k.wait_settled()
         assert wal.stat().st_size == 0
 
 

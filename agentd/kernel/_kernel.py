@@ -125,6 +125,7 @@ class Kernel:
         self._recovered.set()
         self._last_write = self._loop.time()
         self._dirty = False
+        self._settled = asyncio.Event()  # idle with nothing left to write: wait_settled
         self._next_sweep = self._loop.time() + sweep_interval_s
         self._sweep_waiters: list[asyncio.Future[SweepReport]] = []
         self._retention_backlog = False
@@ -274,6 +275,7 @@ class Kernel:
         if not queue:
             self._head_time = self._loop.time()
             self._wake.set()
+            self._settled.clear()
         queue.append((tx, fut))
         self._queued_ops += len(tx.rows) + len(tx.ops)
         if self._queued_ops >= self._saturated_ops:  # see _writer_ready
@@ -322,6 +324,12 @@ class Kernel:
     @property
     def last_error(self) -> str:
         return self._health.last_error
+
+    async def wait_settled(self) -> None:
+        """Return once the writer is idle with nothing left to do: everything
+        submitted is committed, writes succeed and the WAL has been checkpointed
+        (which happens `checkpoint_idle_s` after the last write)."""
+        await self._settled.wait()
 
     async def wait_healthy(self) -> None:
         """Return once writes succeed (at once if they do now). The writer recovers by
@@ -456,6 +464,8 @@ class Kernel:
             await self._wake.wait()
 
     async def _idle(self) -> None:
+        if not self._dirty and not self._sweep_waiters and self._health.state is _HEALTHY:
+            self._settled.set()
         now = self._loop.time()
         if self._sweep_waiters:
             due = now
