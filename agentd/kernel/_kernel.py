@@ -129,8 +129,6 @@ class Kernel:
         self._next_sweep = self._loop.time() + sweep_interval_s
         self._sweep_waiters: list[asyncio.Future[SweepReport]] = []
         self._retention_backlog = False
-        self.last_commit_seconds = 0.0
-        self.commits = 0
         self.writer_restarts = 0
         self._writer = asyncio.create_task(self._run(), name="agentd-kernel-writer")
 
@@ -335,10 +333,6 @@ class Kernel:
         """Return once writes succeed (at once if they do now). The writer recovers by
         itself: this only waits for it."""
         await self._recovered.wait()
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._queue)
 
     @property
     def writer_pid(self) -> int:
@@ -601,8 +595,6 @@ class Kernel:
                 fut.set_result(None)
         if not ops:  # nothing was written: no evidence about the storage either way
             return
-        self.last_commit_seconds = seconds
-        self.commits += 1
         self._last_write = self._loop.time()
         self._dirty = True
         if self._health.state is not _HEALTHY:  # healthy: nothing to record

@@ -291,18 +291,7 @@ class Transaction:
         self.touches_context = True
         self.ops.append((OP_CONTEXT_DROP, thread))
 
-    # -- inspection -----------------------------------------------------------------
-
-    def empty(self) -> bool:
-        return not self.rows and not self.ops
-
-    def __len__(self) -> int:
-        """Number of operations (journal entries included)."""
-        return len(self.rows) + len(self.ops)
-
-    @property
-    def seqs(self) -> list[int]:
-        return [row[0] for row in self.rows]
+    # -- what the kernel reads -----------------------------------------------------
 
     def wire(self) -> tuple:
         """What the writer process needs of this transaction, as plain data:

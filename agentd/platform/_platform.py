@@ -209,9 +209,6 @@ class Platform:
         their own, through their requests."""
         return self._registry.get(agent)
 
-    def prompt_digest(self, agent: str) -> str:
-        return self.prompt(agent).sha256
-
     async def aclose(self) -> None:
         await self._router.aclose()
 
