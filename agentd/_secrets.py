@@ -101,21 +101,32 @@ def _reason(exc: OSError) -> str:
     return (exc.strerror or str(exc)).lower()
 
 
-def write_private_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` (mode 0600): tmp + fsync + rename + fsync(folder)."""
+def write_private_atomic(path: Path, data: bytes, *, replace: bool = True) -> None:
+    """Write `data` to `path` with mode 0600 from the start: a temporary file in the
+    same folder (created 0700 if missing), fsynced, then renamed over `path` (or,
+    with `replace=False`, linked to it: FileExistsError if anything, a symbolic link
+    included, is already there), then the folder fsynced."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
     try:
+        os.fchmod(fd, 0o600)  # the umask may have narrowed it; it never widens
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    if replace:
+        os.replace(tmp, path)
+    else:
+        try:
+            os.link(tmp, path, follow_symlinks=False)
+        finally:
+            tmp.unlink()
     dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(dir_fd)

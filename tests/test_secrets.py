@@ -142,6 +142,20 @@ def test_the_writer_makes_files_the_reader_accepts(tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["state.json"]  # no tmp left
 
 
+def test_the_writer_can_refuse_to_replace_anything(tmp_path: Path) -> None:
+    path = tmp_path / "operator.key"
+    write_private_atomic(path, b"first", replace=False)
+    with pytest.raises(FileExistsError):
+        write_private_atomic(path, b"second", replace=False)
+    link = tmp_path / "link.key"
+    link.symlink_to(tmp_path / "nowhere")  # a dangling link is not followed either
+    with pytest.raises(FileExistsError):
+        write_private_atomic(link, b"second", replace=False)
+    assert not (tmp_path / "nowhere").exists()
+    assert read_secret_file(path, "key") == b"first"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.key", "operator.key"]
+
+
 # ---- every secret file goes through it -------------------------------------------------
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import os
 import re
 import secrets
 import struct
@@ -32,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from agentd._errors import AgentdError, ConfigError
-from agentd._secrets import SecretFileError, read_secret_file
+from agentd._secrets import SecretFileError, read_secret_file, write_private_atomic
 
 KEY_TYPE = "ssh-ed25519"
 KEY_ID_PATTERN = r"[A-Za-z0-9_.@\-]{1,128}"  # as privileged.xsd's key-id
@@ -181,16 +180,8 @@ def private_key_to_openssh(key: Ed25519PrivateKey, comment: str) -> bytes:
 
 
 def write_private_key(path: Path, key: Ed25519PrivateKey, key_id: str) -> None:
-    """Create `path` with mode 0600 from the start (O_EXCL: never overwrites)."""
-    data = private_key_to_openssh(key, key_id)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # the mode given to open() is filtered by the umask
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Create `path` with mode 0600 from the start; never overwrites (FileExistsError)."""
+    write_private_atomic(path, private_key_to_openssh(key, key_id), replace=False)
 
 
 def load_private_key(path: Path | str) -> tuple[Ed25519PrivateKey, str | None]:
