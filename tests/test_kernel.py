@@ -794,6 +794,17 @@ async def test_commit_after_close_is_refused(state_dir: Path) -> None:
     await k.close()  # idempotent
 
 
+async def test_two_concurrent_closes_both_wait_for_the_drain(state_dir: Path) -> None:
+    k = await Kernel.open(state_dir)
+    tx = k.transaction()
+    seq = tx.journal(thread="t", direction="in", pending=True)
+    committed = k.commit(tx)
+    await asyncio.gather(k.close(), k.close())
+    assert committed.done() and committed.exception() is None
+    async with await Kernel.open(state_dir) as again:  # lock released once, cleanly
+        assert [e.seq for e in await again.pending_messages()] == [seq]
+
+
 # -- bounded growth --------------------------------------------------------------------
 
 

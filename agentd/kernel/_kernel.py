@@ -17,6 +17,8 @@ Invariants:
 - While writes fail, `healthy` is False (the state machine of _health); the writer
   retries with backoff (probing the disk when nothing is queued) and reports
   recovery.
+- Open, closing, closed: the state machine of _lifecycle. Once closing, nothing new
+  is accepted and everything already submitted is still committed.
 
 Why the writer is a child process (`_writer.WriterProcess`) running the stdlib sqlite3
 module, not aiosqlite on a thread: aiosqlite hops to its thread and back once per call
@@ -47,6 +49,7 @@ import aiosqlite
 
 from agentd.kernel._errors import KernelUnavailable, SchemaTooNew, TransactionRejected
 from agentd.kernel._health import BACKOFF_START_S, Health, HealthEvent, WriteHealth
+from agentd.kernel._lifecycle import Phase, PhaseEvent, next_phase
 from agentd.kernel._lock import StateDirLock
 from agentd.kernel._records import (
     RETAIN_FOREVER,
@@ -72,7 +75,9 @@ DB_NAME = "agentd.db"
 
 log = logging.getLogger("agentd.kernel")
 
-_HEALTHY = Health.HEALTHY  # a module constant: read after every committed batch
+# Module constants: read for every transaction and batch.
+_HEALTHY = Health.HEALTHY
+_OPEN = Phase.OPEN
 _PIPELINE = 2  # batches sent to the writer and not yet answered
 
 
@@ -118,8 +123,8 @@ class Kernel:
         self._saturated_ops = max(2, self._max_entries // 8)
         self._head_time = 0.0
         self._wake = asyncio.Event()
-        self._closing = False
-        self._closed = False
+        self._phase = Phase.OPEN
+        self._closed = asyncio.Event()  # set when CLOSED: a second close() waits for it
         self._health = WriteHealth()
         self._recovered = asyncio.Event()  # set while healthy: see wait_healthy
         self._recovered.set()
@@ -206,14 +211,14 @@ class Kernel:
 
     async def close(self) -> None:
         """Commit everything submitted, checkpoint, release the lock. Idempotent."""
-        if self._closed:
+        if self._phase is not _OPEN:
+            await self._closed.wait()  # another close() does the work; wait for its end
             return
-        self._closing = True
+        self._phase = next_phase(self._phase, PhaseEvent.CLOSE_REQUESTED)
         self._wake.set()
         try:
             await asyncio.shield(self._writer)
         finally:
-            self._closed = True
             if not self._writer.done():  # close() itself was cancelled: stop the writer
                 self._writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -234,6 +239,8 @@ class Kernel:
                 await self._writer_proc.stop()
             finally:
                 self._lock.release()
+                self._phase = next_phase(self._phase, PhaseEvent.DRAINED)
+                self._closed.set()
 
     async def __aenter__(self) -> Kernel:
         return self
@@ -262,7 +269,7 @@ class Kernel:
         self._enqueue(tx, _Then(done))
 
     def _enqueue(self, tx: Transaction, fut: Any) -> None:
-        if self._closing:
+        if self._phase is not _OPEN:
             raise KernelUnavailable("kernel is closed")
         if tx.committed:
             raise RuntimeError("transaction already committed")
@@ -282,7 +289,7 @@ class Kernel:
     async def flush(self) -> None:
         """Wait until everything submitted so far has been committed (or has failed).
         Raises `KernelUnavailable` if the storage is failing."""
-        if self._closing:
+        if self._phase is not _OPEN:
             return
         await self.commit(Transaction(self._ctx))
         if not self._health.healthy:
@@ -290,7 +297,7 @@ class Kernel:
 
     async def sweep(self) -> SweepReport:
         """Run retention, thread GC and idle context GC now (normally periodic)."""
-        if self._closing:
+        if self._phase is not _OPEN:
             raise KernelUnavailable("kernel is closed")
         waiter: asyncio.Future[SweepReport] = self._loop.create_future()
         self._sweep_waiters.append(waiter)
@@ -421,13 +428,13 @@ class Kernel:
                     if self._inflight:
                         await self._inflight.popleft()
                         continue
-                    if self._closing:
+                    if self._phase is not _OPEN:
                         return
                     await self._idle()
                     continue
-                if not self._health.healthy and not self._closing:
+                if not self._health.healthy and self._phase is _OPEN:
                     await self._pause(self._health.backoff)
-                if not self._writer_proc.alive and not self._closing:
+                if not self._writer_proc.alive and self._phase is _OPEN:
                     try:
                         await self._restart_writer()
                     except Exception as exc:  # cannot start one: fail, do not hang
@@ -447,13 +454,13 @@ class Kernel:
     async def _pause(self, seconds: float) -> None:
         """Sleep, but return early on close."""
         self._wake.clear()
-        if self._closing:
+        if self._phase is not _OPEN:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._closing_or_wake(), seconds)
+            await asyncio.wait_for(self._closing_or_woken(), seconds)
 
-    async def _closing_or_wake(self) -> None:
-        while not self._closing:
+    async def _closing_or_woken(self) -> None:
+        while self._phase is _OPEN:
             self._wake.clear()
             await self._wake.wait()
 
@@ -476,7 +483,7 @@ class Kernel:
                 return  # woken: new work or close
             except TimeoutError:
                 pass
-        if self._queue or self._closing:
+        if self._queue or self._phase is not _OPEN:
             return
         if not self._health.healthy:
             await self._probe()
@@ -492,7 +499,7 @@ class Kernel:
         writes, batching is natural, and waiting would only leave both the event loop
         and the writer idle (the GIL lets them overlap little)."""
         if self._interval <= 0 or self._last_batch_ops >= self._saturated_ops:
-            if not self._inflight and not self._closing:
+            if not self._inflight and self._phase is _OPEN:
                 # Yield once: what this loop turn already scheduled joins the batch.
                 # A client's envelope is queued, then its handler runs in the next
                 # turn and queues the answer; without this the two would commit one
@@ -501,7 +508,7 @@ class Kernel:
             return
         loop = self._loop
         delay = self._head_time + self._interval - loop.time()
-        while delay > 0 and self._queued_ops < self._max_entries and not self._closing:
+        while delay > 0 and self._queued_ops < self._max_entries and self._phase is _OPEN:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
@@ -541,7 +548,7 @@ class Kernel:
         while True:
             while inflight and inflight[0].done():
                 inflight.popleft()
-            if not inflight or self._closing or (
+            if not inflight or self._phase is not _OPEN or (
                     len(inflight) < _PIPELINE and self._queued_ops >= self._saturated_ops):
                 return
             self._wake.clear()
@@ -639,7 +646,7 @@ class Kernel:
     def _writer_died(self, message: str) -> None:
         """The writer process exited on its own: unhealthy now (not at the next
         failed commit), and the writer loop's health probe starts a new one."""
-        if self._closing:
+        if self._phase is not _OPEN:
             return
         self._record(HealthEvent.WRITER_EXITED, message)
         self._wake.set()

@@ -1,4 +1,5 @@
-"""The kernel's write health as a state machine, without a database."""
+"""The kernel's state machines (write health, open/closing/closed), without a
+database."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ from agentd.kernel._health import (
     IllegalHealthEvent,
     WriteHealth,
     next_health,
+)
+from agentd.kernel._lifecycle import (
+    TRANSITIONS as PHASES,
+)
+from agentd.kernel._lifecycle import (
+    IllegalPhaseEvent,
+    Phase,
+    PhaseEvent,
+    next_phase,
 )
 
 
@@ -76,3 +86,33 @@ def test_an_illegal_event_leaves_the_state_unchanged() -> None:
     with pytest.raises(IllegalHealthEvent):
         h.record(HealthEvent.PROBE_SUCCEEDED, 1.0)
     assert h.healthy and h.since == 0.0
+
+
+# ---- open, closing, closed --------------------------------------------------------------
+
+
+def test_every_phase_and_event_is_either_a_transition_or_refused() -> None:
+    for phase in Phase:
+        for event in PhaseEvent:
+            if event in PHASES[phase]:
+                assert next_phase(phase, event) is PHASES[phase][event]
+            else:
+                with pytest.raises(IllegalPhaseEvent, match=event.value):
+                    next_phase(phase, event)
+
+
+def test_a_close_walks_open_closing_closed_and_nothing_follows() -> None:
+    phase = next_phase(Phase.OPEN, PhaseEvent.CLOSE_REQUESTED)
+    assert phase is Phase.CLOSING
+    with pytest.raises(IllegalPhaseEvent):  # the first close() drives it, alone
+        next_phase(phase, PhaseEvent.CLOSE_REQUESTED)
+    phase = next_phase(phase, PhaseEvent.DRAINED)
+    assert phase is Phase.CLOSED
+    for event in PhaseEvent:
+        with pytest.raises(IllegalPhaseEvent):
+            next_phase(phase, event)
+
+
+def test_a_kernel_cannot_drain_before_closing() -> None:
+    with pytest.raises(IllegalPhaseEvent):
+        next_phase(Phase.OPEN, PhaseEvent.DRAINED)
