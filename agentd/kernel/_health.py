@@ -4,8 +4,8 @@ Two states. HEALTHY: commits are acknowledged. FAILING: the last write failed (f
 disk, I/O error, a size cap) or the writer process exited; nothing is acknowledged
 until a write or a probe of the disk succeeds, and the writer retries with a backoff
 that doubles on every further failure. `TRANSITIONS` is the whole machine;
-`next_health` raises on an event that makes no sense in a state (a bug, not a
-storage problem). `WriteHealth` carries the state with the facts that go with it
+`next_health` raises `IllegalTransition` on an event that makes no sense in a state
+(a bug, not a storage problem). `WriteHealth` carries the state with the facts that go with it
 (since when, the last error, the current backoff) and takes no I/O and no clock of
 its own: the kernel passes the time in and logs what changed.
 """
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from agentd.kernel._transitions import step
 
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 2.0
@@ -48,17 +50,10 @@ TRANSITIONS: dict[Health, dict[HealthEvent, Health]] = {
 }
 
 
-class IllegalHealthEvent(RuntimeError):
-    """An event that cannot happen in the current state (the probe runs only while
-    failing)."""
-
-
 def next_health(state: Health, event: HealthEvent) -> Health:
-    try:
-        return TRANSITIONS[state][event]
-    except KeyError:
-        raise IllegalHealthEvent(
-            f"kernel health: {event.value} is not possible while {state.value}") from None
+    """The state after `event`; `IllegalTransition` if the table has no such entry
+    (the probe runs only while failing)."""
+    return step("kernel health", TRANSITIONS, state, event)
 
 
 @dataclass

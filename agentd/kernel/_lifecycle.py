@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 
+from agentd.kernel._transitions import step
+
 
 class Phase(enum.Enum):
     OPEN = "open"
@@ -29,13 +31,6 @@ TRANSITIONS: dict[Phase, dict[PhaseEvent, Phase]] = {
 }
 
 
-class IllegalPhaseEvent(RuntimeError):
-    """An event that cannot happen in the current phase (a bug)."""
-
-
 def next_phase(phase: Phase, event: PhaseEvent) -> Phase:
-    try:
-        return TRANSITIONS[phase][event]
-    except KeyError:
-        raise IllegalPhaseEvent(
-            f"kernel: {event.value} is not possible while {phase.value}") from None
+    """The phase after `event`; `IllegalTransition` if the table has no such entry."""
+    return step("kernel", TRANSITIONS, phase, event)
