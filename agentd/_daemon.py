@@ -23,7 +23,6 @@ import contextlib
 import errno
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Coroutine, Mapping
@@ -34,6 +33,7 @@ from lxml import etree
 
 from agentd import _metrics as metrics
 from agentd._errors import ConfigError
+from agentd._observability import sd_notify, watchdog_interval, watchdog_pinger
 from agentd._preflight import CheckedConfig, preflight
 from agentd._reload import AgentPlatforms, build_agent_handlers, live_table_versions, reload_daemon
 from agentd._routing import Routing
@@ -176,7 +176,8 @@ class Daemon:
         metrics.kernel_writer_restarts.set_function(lambda: kernel.writer_restarts)
         tune_gc()
         self._notify("READY=1")
-        self._watchdog = _start_watchdog()
+        if watchdog_interval() is not None:
+            self._watchdog = asyncio.create_task(watchdog_pinger(), name="sd-watchdog")
         self._maintenance = asyncio.create_task(self._maintain(), name="daemon-maintenance")
 
     async def _listen(self) -> None:
@@ -294,10 +295,7 @@ class Daemon:
 
     @staticmethod
     def _notify(state: str) -> None:
-        if os.environ.get("NOTIFY_SOCKET"):
-            from agentd._observability import sd_notify
-
-            sd_notify(state)
+        sd_notify(state)
 
     # ---- audit -------------------------------------------------------------------
 
@@ -421,7 +419,7 @@ class DaemonCommands:
                 return spec.example.decode()
             if named.is_agent and d.agents is not None:
                 # Operators only: the assembled system prompt and its hash.
-                prompt = d.agents.platform._registry.get(name)
+                prompt = d.agents.platform.prompt(name)
                 return f"sha256 {prompt.sha256}\n\n{prompt.system_prompt}"
             return "\n\n".join(spec_of(s.cls).prompt for s in named.payload_specs)
         if what == "threads":
@@ -517,22 +515,6 @@ async def _bind(setting: str, address: str, start: Coroutine[Any, Any, None]) ->
             raise ConfigError([f"{setting}: {address} is already in use"]) from None
         raise ConfigError([f"{setting}: cannot listen on {address}: "
                            f"{exc.strerror or exc}"]) from None
-
-
-def _start_watchdog() -> asyncio.Task[None] | None:
-    usec = os.environ.get("WATCHDOG_USEC")
-    if not usec or not os.environ.get("NOTIFY_SOCKET"):
-        return None
-    from agentd._observability import sd_notify
-
-    interval = int(usec) / 1e6 / 2
-
-    async def ping() -> None:
-        while True:
-            sd_notify("WATCHDOG=1")
-            await asyncio.sleep(interval)
-
-    return asyncio.create_task(ping(), name="sd-watchdog")
 
 
 async def run_daemon(config_path: Path, state_dir: Path | None = None) -> int:

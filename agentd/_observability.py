@@ -9,7 +9,8 @@ one-line logs, and systemd's notify protocol.
   the defaults); nothing is ever sent off the host.
 - `setup_logging`: one line a record on stderr, `key=value` or JSON.
 - `sd_notify`: a datagram to `$NOTIFY_SOCKET` (`@name` is an abstract socket);
-  `watchdog_pinger` sends `WATCHDOG=1` every half `$WATCHDOG_USEC` while alive.
+  `watchdog_pinger` sends `WATCHDOG=1` every half `$WATCHDOG_USEC` (the daemon's
+  only watchdog).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -189,7 +190,7 @@ def setup_logging(fmt: str = "kv", level: str | int = "INFO") -> logging.Handler
 # ---------------------------------------------------------------------------- systemd
 
 
-def sd_notify(state: str, environ: dict[str, str] | None = None) -> bool:
+def sd_notify(state: str, environ: Mapping[str, str] | None = None) -> bool:
     """Send `state` (e.g. "READY=1") to systemd. False when not under systemd or the
     send failed; never raises (notification is best effort)."""
     env = os.environ if environ is None else environ
@@ -210,11 +211,13 @@ def sd_notify(state: str, environ: dict[str, str] | None = None) -> bool:
         return False
 
 
-def watchdog_interval(environ: dict[str, str] | None = None) -> float | None:
-    """Half of `$WATCHDOG_USEC` in seconds, if the watchdog is on for this process."""
+def watchdog_interval(environ: Mapping[str, str] | None = None) -> float | None:
+    """Half of `$WATCHDOG_USEC` in seconds, if systemd watches this process: the
+    variable is set, `$NOTIFY_SOCKET` too, and `$WATCHDOG_PID` is unset or our pid
+    (a child that inherited the environment must not ping for its parent)."""
     env = os.environ if environ is None else environ
     usec, pid = env.get("WATCHDOG_USEC"), env.get("WATCHDOG_PID")
-    if not usec or not usec.isdigit() or int(usec) <= 0:
+    if not usec or not usec.isdigit() or int(usec) <= 0 or not env.get("NOTIFY_SOCKET"):
         return None
     if pid and pid.isdigit() and int(pid) != os.getpid():
         return None
@@ -222,17 +225,18 @@ def watchdog_interval(environ: dict[str, str] | None = None) -> float | None:
 
 
 async def watchdog_pinger(
-    alive: Callable[[], bool] = lambda: True, environ: dict[str, str] | None = None
+    environ: Mapping[str, str] | None = None,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
 ) -> None:
-    """Send WATCHDOG=1 every half period while `alive()`; a wedged event loop or a
-    False from `alive` stops the pings and lets systemd restart the service."""
+    """Send WATCHDOG=1 now and then every half period, from the event loop: a wedged
+    loop stops the pings and lets systemd restart the service. Returns at once when
+    the watchdog is off for this process. `sleep` is a seam for tests."""
     interval = watchdog_interval(environ)
     if interval is None:
         return
     while True:
-        if alive():
-            sd_notify("WATCHDOG=1", environ)
-        await asyncio.sleep(interval)
+        sd_notify("WATCHDOG=1", environ)
+        await sleep(interval)
 
 
 __all__ = [

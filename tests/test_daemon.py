@@ -377,6 +377,7 @@ async def test_systemd_notifications_reach_a_real_notify_socket(home: Path, tmp_
 
 
 async def test_oob_attacks_against_a_real_daemon_are_refused_and_journaled(home: Path) -> None:
+    import socket
     import struct
     import time as _time
 
@@ -422,14 +423,23 @@ async def test_oob_attacks_against_a_real_daemon_are_refused_and_journaled(home:
         assert await asyncio.to_thread(code_of, b"<not-privileged/>") == "invalid"
 
         def huge() -> bytes:
-            with OobClient(d.socket, timeout=10) as c:
-                c._raw_send(struct.pack(">I", 64 * 1024 * 1024))
-                try:
-                    return c.recv_frame()
-                except Exception:
-                    return b""
+            """A 64 MiB length prefix, and everything the daemon sends back until it
+            closes the connection."""
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as raw:
+                raw.settimeout(10)
+                raw.connect(str(d.socket))
+                raw.sendall(struct.pack(">I", 64 * 1024 * 1024))
+                received = b""
+                while chunk := raw.recv(65536):
+                    received += chunk
+                return received
 
-        await asyncio.to_thread(huge)
+        reply = await asyncio.to_thread(huge)
+        (size,) = struct.unpack(">I", reply[:4])
+        assert len(reply) == 4 + size  # one frame, then the daemon closed
+        refused = parse_response(reply[4:])
+        assert (refused.ok, refused.error_code) == (False, "invalid")
+        assert f"frame of {64 * 1024 * 1024} bytes exceeds" in refused.error_message
         assert await asyncio.to_thread(ask, sign_request(key, key_id, "status")) == (True, "")
 
         code, doc = await asyncio.to_thread(d.agentctl, "journal", "--limit", "100")

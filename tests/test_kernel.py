@@ -44,6 +44,25 @@ def state_dir(tmp_path: Path) -> Path:
     return tmp_path / "state"
 
 
+class FakeClock:
+    """A wall clock that moves only when told: the kernel's `clock`, so retention
+    and TTLs expire without waiting them out."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
 def db_conn(state_dir: Path) -> sqlite3.Connection:
     return sqlite3.connect(state_dir / DB_NAME, isolation_level=None)
 
@@ -384,24 +403,27 @@ async def test_prune_on_delivery_deletes_delivered_entries_and_keeps_the_chain(
                             ).fetchall() == [(1, 4), (6, 7)]
 
 
-async def test_retention_never_deletes_an_undelivered_pending_entry(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir, retention=retain_days(1e-9)) as k:
+async def test_retention_never_deletes_an_undelivered_pending_entry(
+        state_dir: Path, clock: FakeClock) -> None:
+    async with await Kernel.open(state_dir, retention=retain_days(1e-9), clock=clock) as k:
         seq = await journal_one(k, pending=True)
         other = await journal_one(k)
-        await asyncio.sleep(0.01)
+        clock.advance(0.01)
         await k.sweep()
         assert [e.seq for e in await k.journal()] == [seq]
         assert [e.seq for e in await k.pending_messages()] == [seq]
         assert other != seq and (await k.verify())[0]
 
 
-async def test_retain_days_deletes_only_expired_entries(state_dir: Path) -> None:
+async def test_retain_days_deletes_only_expired_entries(
+        state_dir: Path, clock: FakeClock) -> None:
     policy = {"short": retain_days(0.5 / 86400), "*": retain_days(30)}
-    async with await Kernel.open(state_dir, retention=policy) as k:
+    async with await Kernel.open(state_dir, retention=policy, clock=clock) as k:
         short = [await journal_one(k, profile="short") for _ in range(3)]
         long = [await journal_one(k, profile="other") for _ in range(2)]
+        clock.advance(0.4)
         assert (await k.sweep()).journal_deleted == 0
-        await asyncio.sleep(0.6)
+        clock.advance(0.2)
         late = await journal_one(k, profile="short")
         assert (await k.sweep()).journal_deleted == 3
         assert [e.seq for e in await k.journal()] == [*long, late]
@@ -427,16 +449,17 @@ async def test_policies_per_profile_interleave_with_retain_forever(state_dir: Pa
         assert "13" not in message or "gaps" in message
 
 
-async def test_audit_entries_follow_the_audit_retention(state_dir: Path) -> None:
+async def test_audit_entries_follow_the_audit_retention(
+        state_dir: Path, clock: FakeClock) -> None:
     async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY,
-                                 audit_retention=retain_days(1e-9)) as k:
+                                 audit_retention=retain_days(1e-9), clock=clock) as k:
         tx = k.transaction()
         tx.journal(thread="", direction="security", kind="forged-from", sender="mallory")
         tx.journal(thread="", direction="audit", kind="reload")
         await k.commit(tx)
         assert {e.kind for e in await k.journal(kinds=["forged-from", "reload"])} == {
             "forged-from", "reload"}
-        await asyncio.sleep(0.01)
+        clock.advance(0.01)
         assert (await k.sweep()).journal_deleted == 2
     async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY) as k:
         tx = k.transaction()
@@ -500,16 +523,18 @@ async def test_thread_rows_survive_reopen_and_states_update(state_dir: Path) -> 
         assert await k.thread("ghost") is None
 
 
-async def test_finished_threads_are_collected_after_the_ttl(state_dir: Path) -> None:
+async def test_finished_threads_are_collected_after_the_ttl(
+        state_dir: Path, clock: FakeClock) -> None:
     ttl_hours = 0.5 / 3600
-    async with await Kernel.open(state_dir, context_ttl_hours=ttl_hours) as k:
+    async with await Kernel.open(state_dir, context_ttl_hours=ttl_hours, clock=clock) as k:
         tx = k.transaction()
-        tx.thread_put(thread_row("done", "completed"))
-        tx.thread_put(thread_row("broken", "failed"))
-        tx.thread_put(thread_row("alive", "active", updated=time.time() - 3600))
+        tx.thread_put(thread_row("done", "completed", updated=clock.now))
+        tx.thread_put(thread_row("broken", "failed", updated=clock.now))
+        tx.thread_put(thread_row("alive", "active", updated=clock.now - 3600))
         await k.commit(tx)
+        clock.advance(0.4)
         assert (await k.sweep()).threads_deleted == 0
-        await asyncio.sleep(0.6)
+        clock.advance(0.2)
         assert (await k.sweep()).threads_deleted == 2
         assert [t.uuid for t in await k.threads(None)] == ["alive"]
 
@@ -591,12 +616,14 @@ async def test_context_limits_are_enforced_when_building(state_dir: Path) -> Non
             tx.context_append("t", "user", b"after reopen")
 
 
-async def test_idle_context_buffers_are_collected(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir, context_ttl_hours=0.3 / 3600) as k:
+async def test_idle_context_buffers_are_collected(state_dir: Path, clock: FakeClock) -> None:
+    async with await Kernel.open(state_dir, context_ttl_hours=0.3 / 3600, clock=clock) as k:
         tx = k.transaction()
         tx.context_append("idle", "user", b"old")
         await k.commit(tx)
-        await asyncio.sleep(0.35)
+        clock.advance(0.2)
+        assert (await k.sweep()).buffers_deleted == 0
+        clock.advance(0.15)
         tx = k.transaction()
         tx.context_append("busy", "user", b"new")
         await k.commit(tx)
@@ -702,12 +729,10 @@ async def test_disk_full_makes_the_kernel_unavailable_then_it_recovers(
 
 
 async def recovers_with_nothing_lost(k: Kernel, acknowledged: list[int]) -> None:
-    """The kernel becomes healthy again by itself (its probe runs with backoff, so this
-    polls, bounded), commits again, and every acknowledged entry is still pending."""
-    for _ in range(100):
-        if k.healthy:
-            break
-        await asyncio.sleep(0.05)
+    """The kernel becomes healthy again by itself (its probe runs with backoff),
+    commits again, and every acknowledged entry is still pending."""
+    async with asyncio.timeout(10):
+        await k.wait_healthy()
     assert k.healthy
     acknowledged.append(await journal_one(k, pending=True))
     assert [e.seq for e in await k.pending_messages()] == acknowledged
@@ -766,6 +791,17 @@ async def test_commit_after_close_is_refused(state_dir: Path) -> None:
     await k.close()  # idempotent
 
 
+async def test_two_concurrent_closes_both_wait_for_the_drain(state_dir: Path) -> None:
+    k = await Kernel.open(state_dir)
+    tx = k.transaction()
+    seq = tx.journal(thread="t", direction="in", pending=True)
+    committed = k.commit(tx)
+    await asyncio.gather(k.close(), k.close())
+    assert committed.done() and committed.exception() is None
+    async with await Kernel.open(state_dir) as again:  # lock released once, cleanly
+        assert [e.seq for e in await again.pending_messages()] == [seq]
+
+
 # -- bounded growth --------------------------------------------------------------------
 
 
@@ -775,17 +811,16 @@ async def test_wal_is_truncated_when_the_writer_is_idle(state_dir: Path) -> None
             await journal_one(k, payload=os.urandom(2000))
         wal = Path(f"{state_dir / DB_NAME}-wal")
         assert wal.stat().st_size > 0
-        for _ in range(60):
-            await asyncio.sleep(0.05)
-            if wal.stat().st_size == 0:
-                break
+        async with asyncio.timeout(10):
+            await k.wait_settled()
         assert wal.stat().st_size == 0
 
 
-async def test_database_size_stays_bounded_under_steady_load(state_dir: Path) -> None:
+async def test_database_size_stays_bounded_under_steady_load(
+        state_dir: Path, clock: FakeClock) -> None:
     sizes = []
     async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY,
-                                 context_ttl_hours=0.01 / 3600) as k:
+                                 context_ttl_hours=0.01 / 3600, clock=clock) as k:
         for _round in range(8):
             for i in range(150):
                 thread = f"r{_round}-{i}"
@@ -806,7 +841,7 @@ async def test_database_size_stays_bounded_under_steady_load(state_dir: Path) ->
                 tx.outbox_delivered("alice", oid)
                 k.commit(tx)
             await k.flush()
-            await asyncio.sleep(0.02)
+            clock.advance(0.02)
             await k.sweep()
             assert (await k.checkpoint())[0] == 0
             sizes.append(k.db_size_bytes())

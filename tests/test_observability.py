@@ -135,23 +135,68 @@ def test_sd_notify_without_systemd_is_a_no_op(tmp_path: Path) -> None:
     assert sd_notify("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "missing")}) is False
 
 
+class _StopPinging(Exception):
+    pass
+
+
+def _sleeps_then_stop(count: int, requested: list[float]):
+    """A stand-in for asyncio.sleep that returns at once `count` times, recording
+    what it was asked to wait, then stops the pinger."""
+
+    async def sleep(seconds: float) -> None:
+        requested.append(seconds)
+        if len(requested) > count:
+            raise _StopPinging
+
+    return sleep
+
+
 async def test_watchdog_pings_at_half_the_period(tmp_path: Path) -> None:
     path = str(tmp_path / "wd.sock")
     env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": str(os.getpid())}
-    assert watchdog_interval(env) == pytest.approx(0.1)
-    assert watchdog_interval({**env, "WATCHDOG_PID": "1"}) is None  # not for us
+    requested: list[float] = []
     with _dgram(path) as sock:
+        with pytest.raises(_StopPinging):
+            await watchdog_pinger(env, sleep=_sleeps_then_stop(2, requested))
+        got = [sock.recv(64) for _ in range(3)]
         sock.setblocking(False)
-        task = asyncio.create_task(watchdog_pinger(environ=env))
-        await asyncio.sleep(0.35)
-        task.cancel()
-        got = []
-        while True:
-            try:
-                got.append(sock.recv(64))
-            except BlockingIOError:
-                break
-    assert got and set(got) == {b"WATCHDOG=1"} and 2 <= len(got) <= 5
+        with pytest.raises(BlockingIOError):  # exactly one ping per period
+            sock.recv(64)
+    assert got == [b"WATCHDOG=1"] * 3
+    assert requested == [pytest.approx(0.1)] * 3
+
+
+async def test_watchdog_pings_without_a_pid_restriction(tmp_path: Path) -> None:
+    path = str(tmp_path / "wd.sock")
+    env = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "30000000"}
+    requested: list[float] = []
+    with _dgram(path) as sock:
+        with pytest.raises(_StopPinging):
+            await watchdog_pinger(env, sleep=_sleeps_then_stop(0, requested))
+        assert sock.recv(64) == b"WATCHDOG=1"
+    assert requested == [pytest.approx(15.0)]
+
+
+@pytest.mark.parametrize("env", [
+    {"WATCHDOG_PID": "1"},  # systemd watches another process (we are its child)
+    {"WATCHDOG_USEC": ""},
+    {"WATCHDOG_USEC": "0"},
+    {"WATCHDOG_USEC": "soon"},
+    {"NOTIFY_SOCKET": ""},
+])
+async def test_watchdog_is_off_unless_systemd_watches_this_process(
+        tmp_path: Path, env: dict[str, str]) -> None:
+    path = str(tmp_path / "wd.sock")
+    base = {"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000", "WATCHDOG_PID": str(os.getpid())}
+    env = {**base, **env}
+    assert watchdog_interval(env) is None
+    requested: list[float] = []
+    with _dgram(path) as sock:
+        await watchdog_pinger(env, sleep=_sleeps_then_stop(5, requested))  # returns at once
+        sock.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            sock.recv(64)
+    assert requested == []
 
 
 async def test_daemon_style_readiness_through_a_real_notify_socket(tmp_path: Path) -> None:

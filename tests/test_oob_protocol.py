@@ -118,8 +118,8 @@ def test_unknown_key_id_is_refused() -> None:
 
 def test_replayed_nonce_is_refused() -> None:
     v = verifier()
-    frame = signed()
-    v.verify(frame, NOW)
+    frame = signed(nonce="c" * 32)
+    assert v.verify(frame, NOW).nonce == "c" * 32  # accepted the first time
     assert refusal(v, frame, NOW + 1).code is ErrorCode.REPLAY
 
 
@@ -132,13 +132,15 @@ def test_stale_and_future_issued_at_are_refused(offset: float) -> None:
 
 @pytest.mark.parametrize("offset", [-59.5, 0, 59.5])
 def test_issued_at_within_the_window_is_accepted(offset: float) -> None:
-    verifier().verify(signed(at=NOW + offset), NOW)
+    cmd = verifier().verify(signed(at=NOW + offset, nonce="d" * 32), NOW)
+    assert (cmd.key_id, cmd.name, cmd.nonce) == ("ops-1", "status", "d" * 32)
+    assert abs(cmd.issued_at.timestamp() - (NOW + offset)) < 1
 
 
 def test_stale_request_does_not_consume_its_nonce() -> None:
     v = verifier()
-    v.verify(signed(at=NOW, nonce="a" * 32), NOW)
-    refusal(v, signed(at=NOW - 100, nonce="b" * 32))
+    assert v.verify(signed(at=NOW, nonce="a" * 32), NOW).nonce == "a" * 32
+    assert refusal(v, signed(at=NOW - 100, nonce="b" * 32)).code is ErrorCode.STALE
     assert "b" * 32 not in v.nonces
 
 

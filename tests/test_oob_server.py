@@ -460,10 +460,11 @@ def test_a_failing_audit_sink_does_not_break_commands(setup: Setup) -> None:
 
 async def test_close_cancels_idle_connections_and_lets_running_ones_answer(
         setup: Setup) -> None:
-    release = asyncio.Event()
+    release, running = asyncio.Event(), asyncio.Event()
 
     class Slow(FakeCommands):
         async def run(self, name: str, args: object) -> str:
+            running.set()
             await release.wait()
             return "done"
 
@@ -472,10 +473,10 @@ async def test_close_cancels_idle_connections_and_lets_running_ones_answer(
     idle_r, idle_w = await asyncio.open_unix_connection(str(setup.socket))
     busy_r, busy_w = await asyncio.open_unix_connection(str(setup.socket))
     busy_w.write(encode_frame(setup.sign()))
-    await asyncio.sleep(0.1)
+    await running.wait()
     closing = asyncio.create_task(srv.close(grace_s=5))
-    await asyncio.sleep(0.1)
-    assert await idle_r.read() == b""  # the idle one is gone at once
+    # The idle one is gone at once (not after its 60 s idle timeout).
+    assert await asyncio.wait_for(idle_r.read(), 5) == b""
     assert not closing.done()
     release.set()
     size = struct.unpack(">I", await busy_r.readexactly(4))[0]
@@ -488,15 +489,16 @@ async def test_close_cancels_idle_connections_and_lets_running_ones_answer(
 
 async def test_shutdown_command_may_close_the_server_from_its_own_connection(
         setup: Setup) -> None:
-    commands = FakeCommands()
-    srv = OobServer(setup.socket, setup.authorized, commands)
-
     class ClosingCommands(FakeCommands):
+        server: OobServer | None = None
+
         async def run(self, name: str, args: object) -> str:
-            await srv.close()  # the anti-pattern: it must not deadlock
+            assert self.server is not None
+            await self.server.close()  # the anti-pattern: it must not deadlock
             return "bye"
 
-    srv._commands = ClosingCommands()
+    commands = ClosingCommands()
+    srv = commands.server = OobServer(setup.socket, setup.authorized, commands)
     await srv.start()
     reader, writer = await asyncio.open_unix_connection(str(setup.socket))
     writer.write(encode_frame(setup.sign("shutdown", {"mode": "now"})))

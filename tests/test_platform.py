@@ -191,9 +191,15 @@ async def test_the_prompt_hash_is_recorded_with_each_call() -> None:
     assert len(calls) == 1
     thread, fields = calls[0]
     assert thread == THREAD
-    assert fields["prompt_sha256"] == platform.prompt_digest("tutor")
+    assert fields["prompt_sha256"] == platform.prompt("tutor").sha256
     assert fields["backend"] == "primary" and fields["outcome"] == "ok"
     assert fields["input_tokens"] > 0
+    prompt = platform.prompt("tutor")  # what an operator's introspection shows
+    assert prompt.sha256 == fields["prompt_sha256"]
+    assert hashlib.sha256(prompt.system_prompt.encode()).hexdigest() == prompt.sha256
+    assert platform.session("tutor").catalogue is prompt.catalogue
+    with pytest.raises(KeyError):
+        platform.prompt("not-an-agent")
 
 
 async def test_the_prompt_hash_lands_in_the_kernel_journal(tmp_path: Path) -> None:
@@ -216,7 +222,7 @@ async def test_the_prompt_hash_lands_in_the_kernel_journal(tmp_path: Path) -> No
             await kernel.close()
     assert len(calls) == 1 and calls[0].thread == THREAD and calls[0].direction == "audit"
     assert calls[0].payload is not None
-    assert json.loads(calls[0].payload)["prompt_sha256"] == platform.prompt_digest("tutor")
+    assert json.loads(calls[0].payload)["prompt_sha256"] == platform.prompt("tutor").sha256
     assert [e.tag for e in security] == ["injection-suspected"]
 
 

@@ -170,10 +170,8 @@ async def test_disk_full_refuses_with_internal_and_acknowledges_nothing_unwritte
         assert not any(b"<accepted" in f for f in frames)
         assert all(c == b"" for c in codes[:-1])
         await kernel.set_max_db_bytes(None)
-        for _ in range(200):  # the kernel probes the disk by itself, with backoff
-            if kernel.healthy:
-                break
-            await asyncio.sleep(0.05)
+        async with asyncio.timeout(10):  # the kernel probes the disk by itself, with backoff
+            await kernel.wait_healthy()
         frames = await h.send("alice", Echo(text="back"))
         assert b"<accepted" in frames[0] and b"<text>back</text>" in frames[-1]
 

@@ -27,17 +27,14 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
-import stat
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +42,7 @@ import pyotp
 
 from agentd._errors import AgentdError, ConfigError, Rejection
 from agentd._schemas import NS_AUTH, schema
+from agentd._secrets import SecretFileError, read_secret_file, write_private_atomic
 from agentd._xml import escape_text, parse_untrusted
 from agentd.config import (
     AuthConfig,
@@ -152,27 +150,16 @@ def parse_auth_ok(frame: bytes) -> tuple[str, str] | None:
 # ---- the clients file -------------------------------------------------------------
 
 
-def check_private_file(path: Path, what: str) -> None:
-    """Refuse a secrets file that someone other than its owner can read or write."""
-    try:
-        st = path.stat()
-    except OSError as exc:
-        raise AuthFileError(f"{what} {path}: cannot read: {exc.strerror or exc}") from None
-    if not stat.S_ISREG(st.st_mode):
-        raise AuthFileError(f"{what} {path}: not a regular file")
-    if st.st_mode & 0o077:
-        raise AuthFileError(
-            f"{what} {path} is readable or writable by group or others "
-            f"(mode {stat.S_IMODE(st.st_mode):04o}); it holds secrets: chmod 600 {path}"
-        )
 
 
 def read_clients_file(path: Path) -> dict[str, ClientEntry]:
     """Read and check `{clients: {id: {totp_secret, profile}}}`; every problem is listed."""
-    check_private_file(path, "clients file")
     try:
-        return read_clients_text(path.read_text(encoding="utf-8"), str(path))
-    except (OSError, UnicodeDecodeError) as exc:
+        text = read_secret_file(path, "clients file").decode("utf-8")
+        return read_clients_text(text, str(path))
+    except SecretFileError as exc:
+        raise AuthFileError(str(exc)) from None
+    except UnicodeDecodeError as exc:
         raise AuthFileError(f"clients file {path}: cannot read: {exc}") from None
     except ConfigError as exc:
         raise AuthFileError(f"clients file {path}:\n  " + "\n  ".join(exc.issues)) from None
@@ -242,15 +229,6 @@ class ClientAuth:
     def profiles(self) -> dict[str, str]:
         return {c: e.profile for c, e in self._entries.items()}
 
-    def unknown_profiles(self, known: Iterable[str]) -> list[str]:
-        """Clients whose profile is not in `known` (the daemon refuses to start then)."""
-        names = set(known)
-        return sorted(c for c, e in self._entries.items() if e.profile not in names)
-
-    def locked(self, client: str) -> bool:
-        st = self._state.get(client)
-        return st is not None and self._clock() < st.locked_until
-
     def authenticate(self, frame: bytes) -> tuple[str, str] | None:
         """The first frame -> (client, session token), or None for any failure."""
         req = parse_auth_frame(frame)
@@ -314,12 +292,6 @@ class ClientAuth:
             self._write_state()
         return diff
 
-    def revoke_sessions(self, client: str) -> None:
-        st = self._state.get(client)
-        if st is not None and st.sessions:
-            st.sessions.clear()
-            self._write_state()
-
     # -- decisions
 
     def _match_totp(self, secret: str, st: _ClientState, code: str, now: float) -> int | None:
@@ -368,9 +340,12 @@ class ClientAuth:
         path = self._state_path
         if not path.exists():
             return
-        check_private_file(path, "auth state file")
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            raw = read_secret_file(path, "auth state file")
+        except SecretFileError as exc:
+            raise AuthFileError(str(exc)) from None
+        try:
+            data = json.loads(raw)
             clients = data["clients"]
             if data.get("version") != 1 or not isinstance(clients, dict):
                 raise ValueError("unknown layout")
@@ -404,28 +379,6 @@ class ClientAuth:
         write_private_atomic(self._state_path, body)
 
 
-def write_private_atomic(path: Path, data: bytes) -> None:
-    """Replace `path` with `data` (mode 0600): tmp + fsync + rename + fsync(folder)."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 __all__ = [
     "AuthFileError",
     "AuthRequest",
@@ -434,7 +387,6 @@ __all__ = [
     "ClientsDiff",
     "auth_frame",
     "auth_ok_frame",
-    "check_private_file",
     "normalise_secret",
     "parse_auth_frame",
     "parse_auth_ok",

@@ -5,7 +5,9 @@ The server refuses anything below TLS 1.2 and prefers TLS 1.3 (OpenSSL negotiate
 the highest both sides have). TLS compression stays off (OpenSSL's default). In
 TLS 1.2 only ECDHE key exchange with AEAD ciphers is offered: CBC suites (LUCKY13
 and kin) and static-RSA key exchange (no forward secrecy) are never negotiated.
-TLS 1.3 suites are all AEAD and stay as OpenSSL ships them.
+TLS 1.3 suites are all AEAD and stay as OpenSSL ships them. The private key is read
+like every secret file (agentd._secrets: no symbolic link, owner root or ours, mode
+0600 or stricter) before OpenSSL sees it.
 """
 
 from __future__ import annotations
@@ -23,9 +25,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agentd._errors import AgentdError
+from agentd._secrets import SecretFileError, read_secret_file
 from agentd.config import TlsConfig
 
 DEFAULT_HOSTS = ("localhost", "127.0.0.1", "::1")
+_MAX_KEY_FILE = 1024 * 1024
 
 # OpenSSL cipher string for TLS 1.2 (it does not affect TLS 1.3's suites).
 TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
@@ -50,12 +54,30 @@ def server_context(tls: TlsConfig | None) -> ssl.SSLContext:
     # resumption, and each ticket costs a little memory and CPU per connection.
     ctx.num_tickets = 0
     try:
-        ctx.load_cert_chain(str(tls.cert), str(tls.key))
+        key = read_secret_file(tls.key, "TLS key", max_bytes=_MAX_KEY_FILE)
+    except SecretFileError as exc:
+        raise TlsSetupError(str(exc)) from None
+    try:
+        _load_cert_chain(ctx, tls.cert, key)
     except (OSError, ssl.SSLError) as exc:
         raise TlsSetupError(
             f"cannot load TLS certificate {tls.cert} with key {tls.key}: {exc}"
         ) from None
     return ctx
+
+
+def _load_cert_chain(ctx: ssl.SSLContext, cert: Path, key: bytes) -> None:
+    """`load_cert_chain` with the key's bytes as read (and checked) by
+    `read_secret_file`: OpenSSL only loads keys from a path, so it gets an anonymous
+    in-memory file that no one else can name or swap."""
+    fd = os.memfd_create("agentd-tls-key", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(key)
+        while view:
+            view = view[os.write(fd, view):]
+        ctx.load_cert_chain(str(cert), f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
 
 
 def client_context(cafile: str | Path | None = None, verify: bool = True) -> ssl.SSLContext:

@@ -8,6 +8,7 @@ from agentd.kernel._errors import (
     StateLocked,
     TransactionRejected,
 )
+from agentd.kernel._health import Health
 from agentd.kernel._kernel import DB_NAME, Kernel, SweepReport, verify_journal_main
 from agentd.kernel._options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from agentd.kernel._records import (
@@ -33,6 +34,7 @@ __all__ = [
     "RETAIN_FOREVER",
     "RETAIN_FOREVER_MODE",
     "ContextLimitExceeded",
+    "Health",
     "JournalEntry",
     "Kernel",
     "KernelOptions",

@@ -14,8 +14,11 @@ Invariants:
   that transaction is in the database.
 - The journal is append-only: rows are never updated; retention deletes whole rows
   and leaves a verifiable gap record (see _chain).
-- While writes fail, `healthy` is False; the writer retries with backoff (probing
-  the disk when nothing is queued) and reports recovery.
+- While writes fail, `healthy` is False (the state machine of _health); the writer
+  retries with backoff (probing the disk when nothing is queued) and reports
+  recovery.
+- Open, closing, closed: the state machine of _lifecycle. Once closing, nothing new
+  is accepted and everything already submitted is still committed.
 
 Why the writer is a child process (`_writer.WriterProcess`) running the stdlib sqlite3
 module, not aiosqlite on a thread: aiosqlite hops to its thread and back once per call
@@ -45,6 +48,8 @@ from typing import Any
 import aiosqlite
 
 from agentd.kernel._errors import KernelUnavailable, SchemaTooNew, TransactionRejected
+from agentd.kernel._health import BACKOFF_START_S, Health, HealthEvent, WriteHealth
+from agentd.kernel._lifecycle import Phase, PhaseEvent, next_phase
 from agentd.kernel._lock import StateDirLock
 from agentd.kernel._options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from agentd.kernel._records import (
@@ -68,8 +73,9 @@ DB_NAME = "agentd.db"
 
 log = logging.getLogger("agentd.kernel")
 
-_BACKOFF_START_S = 0.05
-_BACKOFF_MAX_S = 2.0
+# Module constants: read for every transaction and batch.
+_HEALTHY = Health.HEALTHY
+_OPEN = Phase.OPEN
 _PIPELINE = 2  # batches sent to the writer and not yet answered
 
 
@@ -90,6 +96,7 @@ class Kernel:
                  context_ttl_s: float, checkpoint_idle_s: float, sweep_chunk: int,
                  on_commit: OnCommit | None, max_outbox_per_client: int = 10_000) -> None:
         self._max_outbox = max_outbox_per_client
+        self._clock = ctx.clock  # wall clock: stamps, retention and TTL cutoffs
         self.state_dir = state_dir
         self.db_path = state_dir / DB_NAME
         self._lock = lock
@@ -114,19 +121,17 @@ class Kernel:
         self._saturated_ops = max(2, self._max_entries // 8)
         self._head_time = 0.0
         self._wake = asyncio.Event()
-        self._closing = False
-        self._closed = False
-        self._healthy = True
-        self._unhealthy_since = 0.0
-        self._last_error = ""
-        self._backoff = _BACKOFF_START_S
+        self._phase = Phase.OPEN
+        self._closed = asyncio.Event()  # set when CLOSED: a second close() waits for it
+        self._health = WriteHealth()
+        self._recovered = asyncio.Event()  # set while healthy: see wait_healthy
+        self._recovered.set()
         self._last_write = self._loop.time()
         self._dirty = False
+        self._settled = asyncio.Event()  # idle with nothing left to write: wait_settled
         self._next_sweep = self._loop.time() + sweep_interval_s
         self._sweep_waiters: list[asyncio.Future[SweepReport]] = []
         self._retention_backlog = False
-        self.last_commit_seconds = 0.0
-        self.commits = 0
         self.writer_restarts = 0
         self._writer = asyncio.create_task(self._run(), name="agentd-kernel-writer")
 
@@ -139,6 +144,7 @@ class Kernel:
         options: KernelOptions = DEFAULT_KERNEL_OPTIONS,
         *,
         on_commit: OnCommit | None = None,
+        clock: Callable[[], float] = time.time,
         **changes: Any,
     ) -> Kernel:
         """Lock `state_dir`, open (create, migrate) its database, start the writer.
@@ -146,7 +152,10 @@ class Kernel:
         `options` with `changes` applied (`Kernel.open(d, commit_max_entries=16)`);
         `on_commit(seconds, operations)` is called after every committed batch.
         Raises `StateLocked` if another kernel holds the directory, `SchemaTooNew` if
-        the database is newer than this code."""
+        the database is newer than this code. `clock` is the wall clock (seconds) for
+        journal stamps, retention expiry and the context and thread TTLs (tests pass a
+        fake one); the writer loop's timers (batching, backoff, idle checkpoints) use
+        the event loop's clock."""
         o = replace(options, **changes) if changes else options
         state_dir = Path(state_dir)
         # In a thread: it may wait (up to 10 s) for the writer of a dead holder to exit.
@@ -172,7 +181,8 @@ class Kernel:
         ctx = TxContext(next_seq=seq + 1, next_outbox_id=outbox_id + 1,
                         retention=o.retention, audit_retention=o.audit_retention,
                         max_slots_per_thread=o.max_slots_per_thread, max_threads=o.max_threads,
-                        context_counts=counts, full_sync_profiles=o.full_sync_profiles)
+                        context_counts=counts, full_sync_profiles=o.full_sync_profiles,
+                        clock=clock)
         return cls(state_dir=state_dir, lock=lock, writer=writer,
                    store_options=store_options, reader=reader, ctx=ctx,
                    commit_interval_s=o.commit_interval_s,
@@ -185,14 +195,14 @@ class Kernel:
 
     async def close(self) -> None:
         """Commit everything submitted, checkpoint, release the lock. Idempotent."""
-        if self._closed:
+        if self._phase is not _OPEN:
+            await self._closed.wait()  # another close() does the work; wait for its end
             return
-        self._closing = True
+        self._phase = next_phase(self._phase, PhaseEvent.CLOSE_REQUESTED)
         self._wake.set()
         try:
             await asyncio.shield(self._writer)
         finally:
-            self._closed = True
             if not self._writer.done():  # close() itself was cancelled: stop the writer
                 self._writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -213,6 +223,8 @@ class Kernel:
                 await self._writer_proc.stop()
             finally:
                 self._lock.release()
+                self._phase = next_phase(self._phase, PhaseEvent.DRAINED)
+                self._closed.set()
 
     async def __aenter__(self) -> Kernel:
         return self
@@ -241,34 +253,35 @@ class Kernel:
         self._enqueue(tx, _Then(done))
 
     def _enqueue(self, tx: Transaction, fut: Any) -> None:
-        if self._closing:
+        if self._phase is not _OPEN:
             raise KernelUnavailable("kernel is closed")
-        if tx._committed:
+        if tx.committed:
             raise RuntimeError("transaction already committed")
-        if tx._has_ctx:
-            self._ctx.reserve(tx.ops, time.time())
-        tx._committed = True
+        if tx.touches_context:
+            self._ctx.reserve(tx.ops, self._clock())
+        tx.seal()
         queue = self._queue
         if not queue:
             self._head_time = self._loop.time()
             self._wake.set()
+            self._settled.clear()
         queue.append((tx, fut))
-        self._queued_ops += len(tx.rows) + len(tx._ops)
+        self._queued_ops += len(tx.rows) + len(tx.ops)
         if self._queued_ops >= self._saturated_ops:  # see _writer_ready
             self._wake.set()
 
     async def flush(self) -> None:
         """Wait until everything submitted so far has been committed (or has failed).
         Raises `KernelUnavailable` if the storage is failing."""
-        if self._closing:
+        if self._phase is not _OPEN:
             return
         await self.commit(Transaction(self._ctx))
-        if not self._healthy:
-            raise KernelUnavailable(f"kernel writes are failing: {self._last_error}")
+        if not self._health.healthy:
+            raise KernelUnavailable(f"kernel writes are failing: {self._health.last_error}")
 
     async def sweep(self) -> SweepReport:
         """Run retention, thread GC and idle context GC now (normally periodic)."""
-        if self._closing:
+        if self._phase is not _OPEN:
             raise KernelUnavailable("kernel is closed")
         waiter: asyncio.Future[SweepReport] = self._loop.create_future()
         self._sweep_waiters.append(waiter)
@@ -287,15 +300,26 @@ class Kernel:
 
     @property
     def healthy(self) -> bool:
-        return self._healthy
+        return self._health.healthy
+
+    @property
+    def health(self) -> Health:
+        return self._health.state
 
     @property
     def last_error(self) -> str:
-        return self._last_error
+        return self._health.last_error
 
-    @property
-    def queue_depth(self) -> int:
-        return len(self._queue)
+    async def wait_settled(self) -> None:
+        """Return once the writer is idle with nothing left to do: everything
+        submitted is committed, writes succeed and the WAL has been checkpointed
+        (which happens `checkpoint_idle_s` after the last write)."""
+        await self._settled.wait()
+
+    async def wait_healthy(self) -> None:
+        """Return once writes succeed (at once if they do now). The writer recovers by
+        itself: this only waits for it."""
+        await self._recovered.wait()
 
     @property
     def writer_pid(self) -> int:
@@ -384,13 +408,13 @@ class Kernel:
                     if self._inflight:
                         await self._inflight.popleft()
                         continue
-                    if self._closing:
+                    if self._phase is not _OPEN:
                         return
                     await self._idle()
                     continue
-                if not self._healthy and not self._closing:
-                    await self._pause(self._backoff)
-                if not self._writer_proc.alive and not self._closing:
+                if not self._health.healthy and self._phase is _OPEN:
+                    await self._pause(self._health.backoff)
+                if not self._writer_proc.alive and self._phase is _OPEN:
                     try:
                         await self._restart_writer()
                     except Exception as exc:  # cannot start one: fail, do not hang
@@ -405,27 +429,29 @@ class Kernel:
             except Exception:  # a bug: never leave callers hanging
                 log.exception("kernel writer: unexpected error")
                 self._fail_all(KernelUnavailable("kernel writer error"))
-                await asyncio.sleep(_BACKOFF_START_S)
+                await asyncio.sleep(BACKOFF_START_S)
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but return early on close."""
         self._wake.clear()
-        if self._closing:
+        if self._phase is not _OPEN:
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._closing_or_wake(), seconds)
+            await asyncio.wait_for(self._closing_or_woken(), seconds)
 
-    async def _closing_or_wake(self) -> None:
-        while not self._closing:
+    async def _closing_or_woken(self) -> None:
+        while self._phase is _OPEN:
             self._wake.clear()
             await self._wake.wait()
 
     async def _idle(self) -> None:
+        if not self._dirty and not self._sweep_waiters and self._health.state is _HEALTHY:
+            self._settled.set()
         now = self._loop.time()
         if self._sweep_waiters:
             due = now
-        elif not self._healthy:
-            due = now + self._backoff
+        elif not self._health.healthy:
+            due = now + self._health.backoff
         else:
             due = self._next_sweep
             if self._dirty:
@@ -437,9 +463,9 @@ class Kernel:
                 return  # woken: new work or close
             except TimeoutError:
                 pass
-        if self._queue or self._closing:
+        if self._queue or self._phase is not _OPEN:
             return
-        if not self._healthy:
+        if not self._health.healthy:
             await self._probe()
         elif self._sweep_waiters or self._loop.time() >= self._next_sweep:
             await self._sweep()
@@ -453,7 +479,7 @@ class Kernel:
         writes, batching is natural, and waiting would only leave both the event loop
         and the writer idle (the GIL lets them overlap little)."""
         if self._interval <= 0 or self._last_batch_ops >= self._saturated_ops:
-            if not self._inflight and not self._closing:
+            if not self._inflight and self._phase is _OPEN:
                 # Yield once: what this loop turn already scheduled joins the batch.
                 # A client's envelope is queued, then its handler runs in the next
                 # turn and queues the answer; without this the two would commit one
@@ -462,7 +488,7 @@ class Kernel:
             return
         loop = self._loop
         delay = self._head_time + self._interval - loop.time()
-        while delay > 0 and self._queued_ops < self._max_entries and not self._closing:
+        while delay > 0 and self._queued_ops < self._max_entries and self._phase is _OPEN:
             self._wake.clear()
             try:
                 await asyncio.wait_for(self._wake.wait(), delay)
@@ -479,11 +505,11 @@ class Kernel:
             # transactions while the other half is written.
             limit = min(limit, (self._queued_ops + 1) // 2)
         item = queue.popleft()
-        n = len(item[0].rows) + len(item[0]._ops)
+        n = len(item[0].rows) + len(item[0].ops)
         batch = [item]
         while queue:
             tx = queue[0][0]
-            m = len(tx.rows) + len(tx._ops)
+            m = len(tx.rows) + len(tx.ops)
             if n + m > limit:
                 break
             batch.append(queue.popleft())
@@ -502,7 +528,7 @@ class Kernel:
         while True:
             while inflight and inflight[0].done():
                 inflight.popleft()
-            if not inflight or self._closing or (
+            if not inflight or self._phase is not _OPEN or (
                     len(inflight) < _PIPELINE and self._queued_ops >= self._saturated_ops):
                 return
             self._wake.clear()
@@ -556,16 +582,12 @@ class Kernel:
                 fut.set_result(None)
         if not ops:  # nothing was written: no evidence about the storage either way
             return
-        self.last_commit_seconds = seconds
-        self.commits += 1
         self._last_write = self._loop.time()
         self._dirty = True
-        if not self._healthy:
+        if self._health.state is not _HEALTHY:  # healthy: nothing to record
+            self._record(HealthEvent.WRITE_SUCCEEDED)
             log.warning("kernel: writes succeed again after %.1f s; accepting",
-                        self._loop.time() - self._unhealthy_since)
-            self._healthy = True
-            self._last_error = ""
-        self._backoff = _BACKOFF_START_S
+                        self._loop.time() - self._health.since)
         if self._on_commit is not None:
             try:
                 self._on_commit(seconds, ops)
@@ -575,14 +597,9 @@ class Kernel:
     def _storage_failed(self, exc: BaseException,
                         batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
         message = f"kernel writes are failing: {exc}"
-        if self._healthy:
+        if self._record(HealthEvent.WRITE_FAILED, str(exc)):
             log.error("%s (%s); nothing is acknowledged until writes succeed again",
                       message, self.db_path)
-            self._healthy = False
-            self._unhealthy_since = self._loop.time()
-        else:
-            self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
-        self._last_error = str(exc)
         for tx, fut in batch:
             self._ctx.release(tx.ops)
             _fail(fut, KernelUnavailable(message))
@@ -600,25 +617,29 @@ class Kernel:
                 await self._restart_writer()
             await self._call("probe")
         except Exception as exc:
-            self._last_error = str(exc)
-            self._backoff = min(self._backoff * 2, _BACKOFF_MAX_S)
+            self._record(HealthEvent.PROBE_FAILED, str(exc))
             return
+        self._record(HealthEvent.PROBE_SUCCEEDED)
         log.warning("kernel: write probe succeeded after %.1f s; accepting",
-                    self._loop.time() - self._unhealthy_since)
-        self._healthy = True
-        self._last_error = ""
-        self._backoff = _BACKOFF_START_S
+                    self._loop.time() - self._health.since)
 
     def _writer_died(self, message: str) -> None:
         """The writer process exited on its own: unhealthy now (not at the next
         failed commit), and the writer loop's health probe starts a new one."""
-        if self._closing:
+        if self._phase is not _OPEN:
             return
-        if self._healthy:
-            self._healthy = False
-            self._unhealthy_since = self._loop.time()
-        self._last_error = message
+        self._record(HealthEvent.WRITER_EXITED, message)
         self._wake.set()
+
+    def _record(self, event: HealthEvent, error: str = "") -> bool:
+        """Apply a health event; True if the state changed."""
+        changed = self._health.record(event, self._loop.time(), error)
+        if changed:
+            if self._health.healthy:
+                self._recovered.set()
+            else:
+                self._recovered.clear()
+        return changed
 
     async def _restart_writer(self) -> None:
         """The writer process died (killed, out of memory): start another. What it
@@ -649,7 +670,7 @@ class Kernel:
         """Thread GC, idle context GC, then retention in chunks of `sweep_chunk` rows
         (when not forced, stops between chunks if transactions are waiting)."""
         forced, self._sweep_waiters = self._sweep_waiters, []
-        now = time.time()
+        now = self._clock()
         journal_deleted = threads_deleted = buffers_deleted = outbox_deleted = 0
         try:
             if not self._retention_backlog or forced:

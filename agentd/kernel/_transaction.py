@@ -51,9 +51,6 @@ JournalRow = tuple[int, float, str, str, str, str, str, str, bytes, str, "float 
 _PATH_JSON: dict[tuple[str, ...], str] = {}
 _PATH_JSON_MAX = 4096
 
-_time = time.time
-_time_ns = time.time_ns
-
 
 class TxContext:
     """The kernel's in-memory allocators and context-buffer counters (event-loop only)."""
@@ -69,7 +66,11 @@ class TxContext:
         max_threads: int = 100000,
         context_counts: Mapping[str, tuple[int, float]] | None = None,
         full_sync_profiles: Iterable[str] = (),
+        clock: Callable[[], float] = time.time,
     ) -> None:
+        # Wall-clock seconds for journal stamps, thread updates and context appends
+        # (the kernel's clock: tests pass a fake one to expire entries without waiting).
+        self.clock = clock
         self.next_seq = next_seq
         self.next_outbox_id = next_outbox_id
         self.max_slots = max_slots_per_thread
@@ -162,17 +163,21 @@ class Transaction:
     """A builder for ONE atomic unit. Nothing touches SQLite until Kernel.commit()
     batches it; either all of it is committed or none of it."""
 
-    __slots__ = ("_committed", "_ctx", "_ctx_overlay", "_has_ctx", "_ops", "_pending",
-                 "full_sync", "rows")
+    # Plain attributes, not properties: the kernel reads them for every transaction.
+    # `rows` and `ops` are read-only outside this module; `committed` changes only
+    # through `seal`; `touches_context` says whether the kernel must reserve context
+    # counters for it at commit.
+    __slots__ = ("_ctx", "_ctx_overlay", "_pending", "committed", "full_sync", "ops",
+                 "rows", "touches_context")
 
     def __init__(self, ctx: TxContext) -> None:
         self._ctx = ctx
         self.rows: list[JournalRow] = []
-        self._ops: list[tuple] = []
+        self.ops: list[tuple] = []
         self._pending: list[int] | None = None  # offsets in rows of pending entries
         self.full_sync = False  # commit this one with synchronous=FULL (profile setting)
-        self._committed = False
-        self._has_ctx = False
+        self.committed = False
+        self.touches_context = False
         self._ctx_overlay: dict[str, int] | None = None
 
     # -- building -------------------------------------------------------------------
@@ -194,14 +199,14 @@ class Transaction:
 
         `pending=True` marks a message to be redelivered after a crash until a
         transaction carrying `delivered(seq)` is committed."""
-        if self._committed:
+        if self.committed:
             raise RuntimeError("transaction already committed")
         if direction not in DIRECTIONS:
             raise ValueError(f"journal direction must be one of {sorted(DIRECTIONS)}")
         ctx = self._ctx
         seq = ctx.next_seq
         ctx.next_seq = seq + 1
-        ts = (_time_ns() // 1000) / 1_000_000  # entries are stamped on whole microseconds
+        ts = (ctx.clock() * 1_000_000) // 1 / 1_000_000  # stamped on whole microseconds
         expires = None if ctx.forever else ctx.expires(profile, direction, ts)
         # The payload hash and the chain encoding (_chain.encode) are computed by the
         # writer process, off the event loop; the separator check stays here, so a bad
@@ -232,7 +237,7 @@ class Transaction:
             path = json.dumps(list(key))
             if len(_PATH_JSON) < _PATH_JSON_MAX:
                 _PATH_JSON[key] = path
-        self._ops.append((OP_THREAD_PUT, row[0], (row[0], path, *row[2:])))
+        self.ops.append((OP_THREAD_PUT, row[0], (row[0], path, *row[2:])))
 
     def thread_state(self, uuid: str, state: str, hops: int | None = None) -> None:
         """Set a thread's state (and hop count); `updated` becomes now. No effect on a
@@ -240,12 +245,12 @@ class Transaction:
         self._check_open()
         if state not in THREAD_STATES:
             raise ValueError(f"thread state must be one of {sorted(THREAD_STATES)}")
-        self._ops.append((OP_THREAD_STATE, uuid, state, hops, _time()))
+        self.ops.append((OP_THREAD_STATE, uuid, state, hops, self._ctx.clock()))
 
     def delivered(self, seq: int) -> None:
         """Mark a pending journal entry as processed (the entry itself is unchanged)."""
         self._check_open()
-        self._ops.append((OP_DELIVERED, seq))
+        self.ops.append((OP_DELIVERED, seq))
 
     def outbox_put(self, client: str, thread: str, data: bytes) -> int:
         """Queue an envelope for an external client; returns its outbox id (ids grow
@@ -254,13 +259,13 @@ class Transaction:
         ctx = self._ctx
         oid = ctx.next_outbox_id
         ctx.next_outbox_id = oid + 1
-        self._ops.append((OP_OUTBOX_PUT, oid, client, thread, data))
+        self.ops.append((OP_OUTBOX_PUT, oid, client, thread, data))
         return oid
 
     def outbox_delivered(self, client: str, up_to_id: int) -> None:
         """Delete `client`'s outbox entries with id <= up_to_id."""
         self._check_open()
-        self._ops.append((OP_OUTBOX_DELIVERED, client, up_to_id))
+        self.ops.append((OP_OUTBOX_DELIVERED, client, up_to_id))
 
     def context_append(self, thread: str, role: str, content: bytes) -> None:
         """Append an immutable slot to `thread`'s context buffer. Raises
@@ -269,8 +274,8 @@ class Transaction:
         if self._ctx_overlay is None:
             self._ctx_overlay = {}
         self._ctx_overlay[thread] = self._ctx.context_check(self._ctx_overlay, thread)
-        self._has_ctx = True
-        self._ops.append((OP_CONTEXT_APPEND, thread, role, content, _time()))
+        self.touches_context = True
+        self.ops.append((OP_CONTEXT_APPEND, thread, role, content, self._ctx.clock()))
 
     def context_drop(self, thread: str) -> None:
         """Delete `thread`'s context buffer."""
@@ -278,42 +283,25 @@ class Transaction:
         if self._ctx_overlay is None:
             self._ctx_overlay = {}
         self._ctx_overlay[thread] = 0
-        self._has_ctx = True
-        self._ops.append((OP_CONTEXT_DROP, thread))
+        self.touches_context = True
+        self.ops.append((OP_CONTEXT_DROP, thread))
 
-    # -- inspection -----------------------------------------------------------------
-
-    def empty(self) -> bool:
-        return not self.rows and not self._ops
-
-    def __len__(self) -> int:
-        """Number of operations (journal entries included)."""
-        return len(self.rows) + len(self._ops)
-
-    @property
-    def seqs(self) -> list[int]:
-        return [row[0] for row in self.rows]
-
-    @property
-    def ops(self) -> list[tuple]:
-        return self._ops
-
-    @property
-    def committed(self) -> bool:
-        return self._committed
+    # -- what the kernel reads -----------------------------------------------------
 
     def wire(self) -> tuple:
         """What the writer process needs of this transaction, as plain data:
         (rows, ops, pending offsets, full_sync). See `plan_batch`."""
-        return (self.rows, self._ops, self._pending, self.full_sync)
+        return (self.rows, self.ops, self._pending, self.full_sync)
 
     def _check_open(self) -> None:
-        if self._committed:
+        if self.committed:
             raise RuntimeError("transaction already committed")
 
-    def _seal(self) -> None:
-        self._check_open()
-        self._committed = True
+    def seal(self) -> None:
+        """No more changes: called by `Kernel.commit`; raises if already sealed."""
+        if self.committed:
+            raise RuntimeError("transaction already committed")
+        self.committed = True
 
 
 @dataclass

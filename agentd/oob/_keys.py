@@ -7,20 +7,20 @@ Two file formats, both OpenSSH's so that operators can use the tools they know:
   key type, a missing or malformed key-id and duplicate key-ids are errors, each
   reported with its line. Like sshd's StrictModes, a file that group or others may
   write, or that belongs to someone other than root or the daemon's user, is
-  refused: whoever can write it can run privileged commands.
+  refused (agentd._secrets reads it): whoever can write it can run privileged
+  commands.
 - the operator's private key: `openssh-key-v1` (what `ssh-keygen -t ed25519`
   writes), unencrypted, with the key-id as its comment so that `agentctl` can find
-  the key-id without being told. PEM PKCS#8 Ed25519 keys are read too.
+  the key-id without being told. PEM PKCS#8 Ed25519 keys are read too. Like ssh,
+  a key file that group or others can read is refused.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import os
 import re
 import secrets
-import stat
 import struct
 from pathlib import Path
 
@@ -31,12 +31,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (
 )
 
 from agentd._errors import AgentdError, ConfigError
+from agentd._secrets import SecretFileError, read_secret_file, write_private_atomic
 
 KEY_TYPE = "ssh-ed25519"
 KEY_ID_PATTERN = r"[A-Za-z0-9_.@\-]{1,128}"  # as privileged.xsd's key-id
 _KEY_ID = re.compile(KEY_ID_PATTERN + r"\Z")
 _OTHER_TYPES = re.compile(r"(ssh-|ecdsa-|sk-|rsa-|dsa-)[A-Za-z0-9@._\-]*\Z")
 _OPENSSH_MAGIC = b"openssh-key-v1\x00"
+_MAX_AUTHORIZED_KEYS = 4 * 1024 * 1024
+_MAX_KEY_FILE = 64 * 1024
 
 
 class AuthorizedKeysError(ConfigError):
@@ -56,31 +59,11 @@ def valid_key_id(key_id: str) -> bool:
 
 def load_authorized_keys(path: Path | str) -> dict[str, Ed25519PublicKey]:
     """Read `authorized_keys`: key-id -> public key. Raises `AuthorizedKeysError`."""
-    path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except OSError as exc:
-        raise AuthorizedKeysError([f"{path}: cannot read: {_reason(exc)}"]) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise AuthorizedKeysError([f"{path}: not a regular file"])
-        if st.st_mode & 0o022:
-            raise AuthorizedKeysError([
-                f"{path}: writable by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
-                f"whoever can write it can run privileged commands: chmod go-w {path}"
-            ])
-        if st.st_uid not in (0, os.geteuid()):
-            raise AuthorizedKeysError([
-                f"{path}: owned by uid {st.st_uid}, not by root or the daemon's user "
-                f"(uid {os.geteuid()})"
-            ])
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(4 * 1024 * 1024 + 1)
-    finally:
-        os.close(fd)
-    if len(data) > 4 * 1024 * 1024:
-        raise AuthorizedKeysError([f"{path}: larger than 4 MiB"])
+        data = read_secret_file(path, "authorized keys file", max_bytes=_MAX_AUTHORIZED_KEYS,
+                                readable_by_others=True)
+    except SecretFileError as exc:
+        raise AuthorizedKeysError([str(exc)]) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -197,16 +180,8 @@ def private_key_to_openssh(key: Ed25519PrivateKey, comment: str) -> bytes:
 
 
 def write_private_key(path: Path, key: Ed25519PrivateKey, key_id: str) -> None:
-    """Create `path` with mode 0600 from the start (O_EXCL: never overwrites)."""
-    data = private_key_to_openssh(key, key_id)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
-                 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # the mode given to open() is filtered by the umask
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Create `path` with mode 0600 from the start; never overwrites (FileExistsError)."""
+    write_private_atomic(path, private_key_to_openssh(key, key_id), replace=False)
 
 
 def load_private_key(path: Path | str) -> tuple[Ed25519PrivateKey, str | None]:
@@ -216,15 +191,9 @@ def load_private_key(path: Path | str) -> tuple[Ed25519PrivateKey, str | None]:
     """
     path = Path(path)
     try:
-        st = path.stat()
-        data = path.read_bytes()
-    except OSError as exc:
-        raise KeyFileError(f"cannot read key {path}: {_reason(exc)}") from None
-    if st.st_mode & 0o077:
-        raise KeyFileError(
-            f"key {path} is accessible to group or others (mode "
-            f"{stat.S_IMODE(st.st_mode):04o}); it must be private: chmod 600 {path}"
-        )
+        data = read_secret_file(path, "key", max_bytes=_MAX_KEY_FILE)
+    except SecretFileError as exc:
+        raise KeyFileError(str(exc)) from None
     comment: str | None = None
     key: object
     try:
@@ -283,7 +252,3 @@ def _read_string(data: bytes, pos: int) -> tuple[bytes, int]:
 
 def _string(data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + data
-
-
-def _reason(exc: OSError) -> str:
-    return (exc.strerror or str(exc)).lower()

@@ -203,8 +203,11 @@ class Platform:
         """Store a long-term memory for `agent` (trusted API: operators, not agents)."""
         self.memory.remember(agent, Memory(text, key))
 
-    def prompt_digest(self, agent: str) -> str:
-        return self._registry.get(agent).sha256
+    def prompt(self, agent: str) -> AgentPrompt:
+        """`agent`'s assembled system prompt, its hash, facts and tool catalogue
+        (KeyError if it is not an agent here). Operators may see it; agents see only
+        their own, through their requests."""
+        return self._registry.get(agent)
 
     async def aclose(self) -> None:
         await self._router.aclose()
@@ -417,7 +420,7 @@ class AgentSession:
     @property
     def catalogue(self) -> ToolCatalogue:
         """The payloads this agent may emit (public: they are its peers' schemas)."""
-        return self._platform._registry.get(self.agent).catalogue
+        return self._platform.prompt(self.agent).catalogue
 
     def begin(self, thread: str, task_xml: str, *, again: bool = False) -> None:
         self._platform.begin(self.agent, thread, task_xml, again=again)
