@@ -9,8 +9,10 @@ on the descriptor it reads from, never on a path looked up a second time:
   directories above it are the operator's to trust), O_NONBLOCK (a FIFO must not
   hang the daemon) and O_CLOEXEC;
 - `fstat` of that open descriptor: a regular file, owned by root or by this
-  process's user, with no permission bits for group or others (`authorized_keys`
-  holds public keys and may be readable, never writable, by others);
+  process's user (or by the daemon's user, when an operator checks the files as
+  root on the daemon's behalf: `checking_as`), with no permission bits for group or
+  others (`authorized_keys` holds public keys and may be readable, never writable,
+  by others);
 - read with a size cap: a larger file is refused, not truncated.
 
 Errors say which file and what is wrong with it; they never carry its content.
@@ -21,15 +23,34 @@ rename, so a reader sees the old file or the new one, never half of one.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import errno
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 from agentd._errors import AgentdError
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
+# The daemon's uid when another user (root running `agentd check-config --user`)
+# checks the files for it; None: this process is the one that will use them.
+_daemon_uid: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "agentd_daemon_uid", default=None)
+
+
+@contextlib.contextmanager
+def checking_as(uid: int) -> Iterator[None]:
+    """Within the block, also accept files owned by `uid` (the daemon's user), as the
+    daemon running as that user would."""
+    token = _daemon_uid.set(uid)
+    try:
+        yield
+    finally:
+        _daemon_uid.reset(token)
 
 
 class SecretFileError(AgentdError):
@@ -70,8 +91,10 @@ def _refusal(st: os.stat_result, readable_by_others: bool, max_bytes: int) -> st
     if not stat.S_ISREG(st.st_mode):
         return "is not a regular file"
     uid = os.geteuid()
-    if st.st_uid not in (0, uid):
-        return f"is owned by uid {st.st_uid}, not by root or this process's user (uid {uid})"
+    daemon = _daemon_uid.get()
+    if st.st_uid not in (0, uid, daemon):
+        whose = f"this process's user (uid {uid})" if daemon is None else f"uid {daemon}"
+        return f"is owned by uid {st.st_uid}, not by root or {whose}"
     mode = stat.S_IMODE(st.st_mode)
     if readable_by_others:
         if mode & 0o022:

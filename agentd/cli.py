@@ -23,13 +23,31 @@ def main() -> None:
 
 @main.command("check-config")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
-def check_config(file: Path) -> None:
+@click.option("--user", "user", metavar="NAME|UID",
+              help="Check the secret files as the daemon running as this user would "
+                   "(for root checking an install whose daemon runs as `agentd`).")
+def check_config(file: Path, user: str | None) -> None:
     """Validate a configuration and the files it names (clients file, keys, TLS pair,
     prompts, cassettes), as `run` does: exit 0, or 1 with every error and its location."""
     from agentd._preflight import preflight
+    from agentd._secrets import checking_as
     from agentd.config import check_config_main
 
-    sys.exit(check_config_main(file, preflight=preflight))
+    if user is None:
+        sys.exit(check_config_main(file, preflight=preflight))
+    with checking_as(_uid_of(user)):
+        sys.exit(check_config_main(file, preflight=preflight))
+
+
+def _uid_of(user: str) -> int:
+    import pwd
+
+    if user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise click.BadParameter(f"no such user: {user}", param_hint="--user") from None
 
 
 @main.command("config-schema")

@@ -297,9 +297,11 @@ def test_an_unknown_client_id_costs_the_same_totp_work_as_a_wrong_code(
 
 def test_a_locked_out_client_still_costs_the_totp_work(tmp_path: Path) -> None:
     auth, used = _counting_auth(tmp_path)
+    locked: list[str] = []
+    auth.on_lockout = locked.append
     for _ in range(5):
         auth.authenticate(auth_frame("alice", totp="000000"))
-    assert auth.locked("alice")
+    assert locked == ["alice"]
     used.clear()
     right = totp_code(ALICE_SECRET, 1_000_000 // 30)
     assert auth.authenticate(auth_frame("alice", totp=right)) is None

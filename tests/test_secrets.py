@@ -9,7 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from agentd._secrets import SecretFileError, read_secret_file, write_private_atomic
+from agentd._secrets import (
+    SecretFileError,
+    checking_as,
+    read_secret_file,
+    write_private_atomic,
+)
 
 SECRET = b"clients:\n  alice: {totp_secret: JBSWY3DPEHPK3PXP, profile: public}\n"
 
@@ -88,6 +93,15 @@ def test_a_file_owned_by_another_user_is_refused(secret: Path) -> None:
     refused(secret, "uid 12345", f"uid {os.geteuid()}")
 
 
+def test_checking_as_the_daemons_user_accepts_its_files_and_no_one_elses(secret: Path) -> None:
+    os.chown(secret, 12345, -1)
+    with checking_as(12345):
+        assert read_secret_file(secret, "clients file") == secret.read_bytes()
+    with checking_as(23456):
+        refused(secret, "uid 12345", "uid 23456")
+    refused(secret, "uid 12345")  # the block's end restores the rule
+
+
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
     fifo = tmp_path / "clients.yaml"
     os.mkfifo(fifo, 0o600)
@@ -161,9 +175,8 @@ def test_the_writer_can_refuse_to_replace_anything(tmp_path: Path) -> None:
 
 def test_the_clients_and_auth_state_files_go_through_the_reader(
         secret: Path, tmp_path: Path) -> None:
-    from agentd._config import AuthConfig
-
     from agentd.bus import AuthFileError, ClientAuth
+    from agentd.config import AuthConfig
 
     state_dir = tmp_path / "state"
     assert ClientAuth.load(secret, state_dir, AuthConfig()).profiles() == {"alice": "public"}
@@ -214,9 +227,8 @@ def test_the_operator_key_and_authorized_keys_go_through_the_reader(tmp_path: Pa
 
 
 def test_the_tls_key_goes_through_the_reader(tmp_path: Path) -> None:
-    from agentd._config import TlsConfig
-
     from agentd.bus import TlsSetupError, make_self_signed, server_context
+    from agentd.config import TlsConfig
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     make_self_signed(cert, key)
