@@ -1,4 +1,4 @@
-"""Parsing and building the universal envelope (CONTRACT section 1).
+"""Parsing and building the universal envelope.
 
 `parse_envelope` is the single entry for envelope bytes from anywhere: a client's
 frame and a handler's re-entering output go through it alike. `build_envelope`

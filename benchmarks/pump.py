@@ -155,7 +155,7 @@ async def latency(data: list[bytes]) -> list[float]:
 
 
 def hostile_rejection_us() -> dict[str, float]:
-    """Median time to refuse each hostile input (CONTRACT: well under a millisecond)."""
+    """Median time to refuse each hostile input (the target: well under a millisecond)."""
     from agentd._errors import Rejection
 
     big = 20 * 1024 * 1024

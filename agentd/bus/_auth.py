@@ -1,4 +1,4 @@
-"""Client authentication for the main bus (CONTRACT section 3).
+"""Client authentication for the main bus.
 
 A client proves itself with its first frame: a TOTP code (RFC 6238: SHA-1, 6
 digits, 30 s step, one step of tolerance either side) or a session token that an
