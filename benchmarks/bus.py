@@ -129,7 +129,9 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
         pump.kernel = kern
         outbox = KernelOutbox(kern)
     await pump.start()
+    # All clients connect from one address, 100 at a time: no unauthenticated caps.
     cfg = replace(BusConfig(), host="127.0.0.1", port=0, max_connections=20000,
+                  max_unauthenticated=20000, max_unauthenticated_per_ip=20000,
                   rate_per_s=1e9, rate_burst=1_000_000,
                   tls=TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
     bus = holder["bus"] = BusServer(cfg, auth, pump.submit, outbox,

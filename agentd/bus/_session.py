@@ -61,6 +61,14 @@ _THREAD_RE = re.compile(
     rb"<thread>\s*([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\s*</thread>"
 )
 _RATE_LIMITED = Huh.of(HuhCode.RATE_LIMITED).to_bytes()
+# A frame refused for what it is costs its sender one more token per KiB: the work
+# of refusing it (parsing it to the error) grows with its size, and it is the
+# sender's rate, not the others' latency, that pays for it.
+REFUSAL_BYTES_PER_TOKEN = 1024
+_BAD_INPUT = frozenset({
+    HuhCode.MALFORMED, HuhCode.INVALID_ENVELOPE, HuhCode.INVALID_PAYLOAD,
+    HuhCode.TOO_LARGE, HuhCode.UNROUTABLE,
+})
 
 
 def is_accepted_frame(data: bytes) -> bool:
@@ -338,9 +346,15 @@ class BusSession:
             return (submit, *self._update_reading())
         return (submit,)
 
-    def submitted(self, thread: str, result: object, now: float) -> Sequence[Action]:
-        """The pump took the envelope counted under `thread`; `result` may name the
-        thread it really went to (a broken envelope's hint is wrong)."""
+    def submitted(
+        self, thread: str, result: object, now: float, size: int = 0
+    ) -> Sequence[Action]:
+        """The pump took the envelope (of `size` bytes) counted under `thread`;
+        `result` may name the thread it really went to (a broken envelope's hint is
+        wrong), or the code it was refused with."""
+        bucket = self.bucket
+        if bucket is not None and getattr(result, "code", None) in _BAD_INPUT:
+            bucket.charge(size / REFUSAL_BYTES_PER_TOKEN, now)
         real = getattr(result, "thread", thread)
         if real == thread:
             return _NOTHING
