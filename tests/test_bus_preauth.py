@@ -42,9 +42,15 @@ def test_a_costly_refusal_is_charged_to_the_senders_rate() -> None:
     session.auth_result(("alice", "token"), bucket)
     session.outbox_loaded(())
     refused = SubmitResult("t", code=HuhCode.INVALID_PAYLOAD)
-    session.submitted("t", refused, 0.0, size=200 * 1024)
+    actions = session.submitted("t", refused, 0.0, size=200 * 1024)
     assert bucket.tokens == -20.0  # 200 tokens owed, at most a burst in debt
-    assert not bucket.take(1.0)  # two seconds of its rate before the next envelope
+    # Its socket is not read until the debt is paid (2.1 s of its rate).
+    assert not session.reading
+    assert [type(a).__name__ for a in actions] == ["PauseReading", "SetTimer"]
+    assert actions[1].at == pytest.approx(2.1)
+    assert session.next_deadline() == pytest.approx(2.1)
+    assert session.tick(1.0)[1] == () and not session.reading
+    assert [type(a).__name__ for a in session.tick(2.1)[1]] == ["ResumeReading"]
     assert bucket.take(2.2)
 
 
@@ -52,9 +58,11 @@ def test_an_accepted_envelope_costs_one_token_whatever_its_size() -> None:
     bucket = TokenBucket(rate=10.0, burst=20, now=0.0)
     session = BusSession(SessionLimits(100, 60.0, 1 << 22, 1 << 18))
     session.auth_result(("alice", "token"), bucket)
+    session.outbox_loaded(())
     session.submitted("t", SubmitResult("t", seq=1), 0.0, size=200 * 1024)
     session.submitted("t", SubmitResult("t", code=HuhCode.RATE_LIMITED), 0.0, size=1 << 17)
     assert bucket.tokens == 20.0
+    assert session.reading
 
 
 # ---- real sockets ------------------------------------------------------------------------

@@ -50,6 +50,11 @@ class TokenBucket:
         self.tokens = max(saved - tokens, -self.burst)
 
 
+    def ready_at(self) -> float:
+        """When the bucket holds a whole token again."""
+        return self.stamp + max(0.0, 1.0 - self.tokens) / self.rate
+
+
 class UnauthenticatedSlots:
     """Connections not yet authenticated: at most `total`, at most `per_address`
     from one source address. `take` answers whether one more may stay."""
