@@ -68,7 +68,12 @@ class ShapeLimits:
         attributes on one element or too many elements. `tags` is the count of `<`.
         Returns True when the element count must still be checked on the tree: the
         bytes hold comments or CDATA, whose text may contain `<`."""
-        if data.count(b"=") > self.max_attributes and self._crowded_tag.search(data):
+        # Each attribute takes at least 5 bytes (` a=""`): short input needs no count.
+        if (
+            len(data) > 5 * self.max_attributes
+            and data.count(b"=") > self.max_attributes
+            and self._crowded_tag.search(data)
+        ):
             raise Rejection(HuhCode.TOO_LARGE, f"more than {self.max_attributes} attributes")
         if tags <= self.max_elements:
             return False
@@ -116,7 +121,7 @@ def parse_untrusted(
         # encodings would hide a DOCTYPE from the byte scan above.
         raise Rejection(HuhCode.MALFORMED, "NUL byte (only UTF-8 is accepted)")
     tags = data.count(b"<")
-    count_on_tree = shape is not None and shape.check_bytes(data, tags)
+    count_on_tree = shape is not None and shape.check_bytes(data, tags)  # before the parse
     try:
         root = etree.fromstring(data, _RECOVER if repair else _STRICT)
     except etree.XMLSyntaxError as exc:
