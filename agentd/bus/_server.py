@@ -207,7 +207,9 @@ class BusServer:
     def connection_accepted(self, conn: BusConnection, address: str) -> bool:
         """A socket from `address` finished its TLS handshake: whether it may stay,
         holding an unauthenticated slot until it authenticates or goes."""
-        if self._closing or not self.unauthenticated.take(address):
+        if self._closing:
+            return False
+        if not self.unauthenticated.take(address):
             metrics.bus_refused_unauthenticated.inc()
             log.info("connection refused peer=%s unauthenticated=%d from_peer=%d", address,
                      self.unauthenticated.count, self.unauthenticated.held_by(address))
