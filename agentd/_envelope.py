@@ -13,7 +13,7 @@ Invariants of a parsed `Envelope`:
   attributes; a payload may, until it is validated: no payload schema declares
   an attribute either, and `payload_has_attributes` lets validation refuse them
   first, at the cost of one look;
-- its shape is within the `ShapeLimits` it was parsed with.
+- its shape is within the `ShapeLimits` it was parsed with, if any.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from lxml import etree
 
 from agentd._errors import HuhCode, Rejection
 from agentd._schemas import NS_ENV, NS_PRIV, schema
-from agentd._xml import DEFAULT_MAX_BYTES, DEFAULT_SHAPE, ShapeLimits, escape_text, parse_untrusted
+from agentd._xml import DEFAULT_MAX_BYTES, ShapeLimits, escape_text, parse_untrusted
 
 NIL_THREAD = "00000000-0000-0000-0000-000000000000"
 _MESSAGE = "{" + NS_ENV + "}message"
@@ -76,9 +76,13 @@ class PrivilegedOnBus(Rejection):
 
 
 def parse_envelope(
-    data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, shape: ShapeLimits = DEFAULT_SHAPE
+    data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, shape: ShapeLimits | None = None
 ) -> Envelope:
-    """Hardened parse + envelope validation. Raises `Rejection` with the huh code."""
+    """Hardened parse + envelope validation. Raises `Rejection` with the huh code.
+    `shape`: the bus's bound on the envelope's shape; the pump passes it for every
+    envelope that enters (a client's, a handler's output). Without it (an envelope
+    read back from the journal, a client reading the daemon's frames) no shape is
+    imposed, as no size is beyond `max_bytes`."""
     root = parse_untrusted(data, max_bytes=max_bytes, shape=shape)
     if (_PRIV_URI in data or b"&" in data) and _HAS_PRIV(root, ns=NS_PRIV):
         raise PrivilegedOnBus()

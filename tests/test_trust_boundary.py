@@ -13,7 +13,7 @@ import pytest
 
 from agentd._envelope import PrivilegedOnBus, build_envelope, parse_envelope
 from agentd._errors import HuhCode, Rejection
-from agentd._xml import ShapeLimits, parse_untrusted
+from agentd._xml import DEFAULT_SHAPE, ShapeLimits, parse_untrusted
 from agentd._xmlify import spec_of
 from agentd.client import frame_kind
 from agentd.config import load_config
@@ -36,12 +36,9 @@ def message(payload: str, extensions: str = "", meta_attrs: str = "") -> bytes:
     ).encode()
 
 
-def code_of(data: bytes, shape: ShapeLimits | None = None) -> HuhCode | None:
+def code_of(data: bytes, shape: ShapeLimits = DEFAULT_SHAPE) -> HuhCode | None:
     try:
-        if shape is None:
-            parse_envelope(data)
-        else:
-            parse_envelope(data, shape=shape)
+        parse_envelope(data, shape=shape)
     except Rejection as rej:
         return rej.code
     return None
@@ -151,9 +148,12 @@ def test_tags_inside_comments_and_cdata_are_not_elements() -> None:
 
 
 def test_a_document_without_a_shape_is_not_held_to_one() -> None:
-    # The operator's channel carries journals of any number of entries.
+    # The operator's channel carries journals of any number of entries; an envelope
+    # read back from the journal was admitted under the limits of its day.
     data = b"<r>" + b"<e/>" * 20_000 + b"</r>"
     assert len(parse_untrusted(data, max_bytes=1 << 20)) == 20_000
+    big = message(f'<add xmlns="{ADD_NS}">' + "<e/>" * 20_000 + "</add>")
+    assert len(parse_envelope(big, max_bytes=1 << 20).payload) == 20_000
 
 
 def test_attributes_on_envelope_elements_are_refused_before_validation() -> None:
