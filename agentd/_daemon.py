@@ -39,7 +39,7 @@ from agentd._reload import AgentPlatforms, build_agent_handlers, live_table_vers
 from agentd._routing import Routing
 from agentd._runtime import tune_gc
 from agentd._threads import ThreadState
-from agentd._wiring import kernel_options
+from agentd._wiring import envelope_shape, kernel_options
 from agentd._xmlify import spec_of
 from agentd.config import OrganismConfig, load_config
 from agentd.kernel import Kernel
@@ -159,6 +159,7 @@ class Daemon:
             config.pump,
             self.kernel,
             max_envelope_bytes=config.bus.max_envelope_bytes,
+            shape=envelope_shape(config.bus),
         )
         if self.agents is not None:
             self.agents.platform.bind_threads(self.pump.registry)

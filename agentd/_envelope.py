@@ -4,6 +4,16 @@
 frame and a handler's re-entering output go through it alike. `build_envelope`
 writes exclusive-C14N bytes directly from a template, so that what agentd emits is
 canonical without a second serialisation pass.
+
+Invariants of a parsed `Envelope`:
+- nothing in it is in the privileged namespace, at any depth, element or attribute
+  (`PrivilegedOnBus`, a security event for the caller to report);
+- no element of the envelope itself carries an attribute (its schema declares
+  none), so the schema validator never sees a tree whose errors grow with its
+  attributes; a payload may, until it is validated: no payload schema declares
+  an attribute either, and `payload_has_attributes` lets validation refuse them
+  first, at the cost of one look;
+- its shape is within the `ShapeLimits` it was parsed with, if any.
 """
 
 from __future__ import annotations
@@ -14,13 +24,30 @@ from lxml import etree
 
 from agentd._errors import HuhCode, Rejection
 from agentd._schemas import NS_ENV, NS_PRIV, schema
-from agentd._xml import DEFAULT_MAX_BYTES, escape_text, parse_untrusted
+from agentd._xml import DEFAULT_MAX_BYTES, ShapeLimits, escape_text, parse_untrusted
 
 NIL_THREAD = "00000000-0000-0000-0000-000000000000"
 _MESSAGE = "{" + NS_ENV + "}message"
 _TO = "{" + NS_ENV + "}to"
-_PRIV_PREFIX = "{" + NS_PRIV + "}"
 _ENV_SCHEMA = schema(NS_ENV)
+# A namespace URI in the bytes may be spelled with character references, so only
+# bytes holding neither the URI nor `&` are known to be free of it without a look
+# (one byte: memchr, the cheapest scan there is).
+_PRIV_URI = NS_PRIV.encode()
+_HAS_PRIV = etree.XPath(
+    "boolean(//*[namespace-uri()=$ns] | //@*[namespace-uri()=$ns])", smart_strings=False
+)
+# Attributes on the envelope's own elements: message, meta, from/to/thread.
+_ENVELOPE_ATTRIBUTES = etree.XPath(
+    "boolean(/*/@* | /*/*[1]/@* | /*/*[1]/*[namespace-uri()=$env]/@*)", smart_strings=False
+)
+_HAS_ATTRIBUTES = etree.XPath("boolean(descendant-or-self::*/@*)")
+# Namespace declarations are the only `=` of a typical envelope, and an envelope
+# needs two (its own namespace and its payload's): with no more `=` than that it
+# has no attribute. Above `_FEW_DECLARATIONS` declarations, a count of `=` no longer
+# tells declarations from attributes (text can say "xmlns"), so the tree is asked.
+_LEAST_DECLARATIONS = 2
+_FEW_DECLARATIONS = 8
 
 
 @dataclass(slots=True)
@@ -29,25 +56,47 @@ class Envelope:
     to: str | None
     thread: str
     payload: etree._Element
+    # The bytes may hold attributes besides namespace declarations (False: they do not).
+    attributed: bool = False
 
     @property
     def key(self) -> str:
         """The routing key: the payload's (namespace URI, local name), in Clark form."""
         return self.payload.tag
 
+    def payload_has_attributes(self) -> bool:
+        return self.attributed and bool(_HAS_ATTRIBUTES(self.payload))
+
 
 class PrivilegedOnBus(Rejection):
-    """A payload in the privileged namespace reached the main bus."""
+    """Something in the privileged namespace reached the main bus."""
 
     def __init__(self) -> None:
         super().__init__(HuhCode.UNROUTABLE, "privileged namespace on the main bus")
 
 
-def parse_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelope:
-    """Hardened parse + envelope validation. Raises `Rejection` with the huh code."""
-    root = parse_untrusted(data, max_bytes=max_bytes)
-    if root.tag != _MESSAGE or not _ENV_SCHEMA.validate(root):
-        raise Rejection(HuhCode.INVALID_ENVELOPE, _first_error(root))
+def parse_envelope(
+    data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, shape: ShapeLimits | None = None
+) -> Envelope:
+    """Hardened parse + envelope validation. Raises `Rejection` with the huh code.
+    `shape`: the bus's bound on the envelope's shape; the pump passes it for every
+    envelope that enters (a client's, a handler's output). Without it (an envelope
+    read back from the journal, a client reading the daemon's frames) no shape is
+    imposed, as no size is beyond `max_bytes`."""
+    root = parse_untrusted(data, max_bytes=max_bytes, shape=shape)
+    if (_PRIV_URI in data or b"&" in data) and _HAS_PRIV(root, ns=NS_PRIV):
+        raise PrivilegedOnBus()
+    if root.tag != _MESSAGE:
+        raise Rejection(HuhCode.INVALID_ENVELOPE, f"root element is {root.tag!r}")
+    attributed = False
+    equals = data.count(b"=")
+    if equals > _LEAST_DECLARATIONS:
+        declarations = data.count(b"xmlns")
+        attributed = equals > declarations or declarations > _FEW_DECLARATIONS
+    if attributed and _ENVELOPE_ATTRIBUTES(root, env=NS_ENV):
+        raise Rejection(HuhCode.INVALID_ENVELOPE, "attribute on an envelope element")
+    if not _ENV_SCHEMA.validate(root):
+        raise Rejection(HuhCode.INVALID_ENVELOPE, _first_error())
     meta = root[0]
     sender = meta[0].text.strip()
     if meta[1].tag == _TO:
@@ -56,16 +105,11 @@ def parse_envelope(data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Envelo
     else:
         to = None
         thread = meta[1].text
-    payload = root[1]
-    if isinstance(payload.tag, str) and payload.tag.startswith(_PRIV_PREFIX):
-        raise PrivilegedOnBus()
-    return Envelope(sender, to, thread, payload)
+    return Envelope(sender, to, thread, root[1], attributed)
 
 
-def _first_error(root: etree._Element) -> str:
+def _first_error() -> str:
     log = _ENV_SCHEMA.error_log
-    if root.tag != _MESSAGE:
-        return f"root element is {root.tag!r}"
     return str(log.last_error) if log.last_error else "invalid envelope"
 
 

@@ -57,6 +57,11 @@ security_events = Counter(
 )
 bus_connections = Gauge("agentd_bus_connections", "Open bus connections", registry=REGISTRY)
 auth_failures = Counter("agentd_auth_failures", "Failed bus authentications", registry=REGISTRY)
+bus_refused_unauthenticated = Counter(
+    "agentd_bus_refused_unauthenticated",
+    "Bus connections cut at once: too many unauthenticated ones (in all or from one address)",
+    registry=REGISTRY,
+)
 oob_commands = Counter(
     "agentd_oob_commands", "Privileged commands", ["command", "outcome"], registry=REGISTRY
 )

@@ -3,8 +3,14 @@ place for the daemon and the test harness alike."""
 
 from __future__ import annotations
 
-from agentd.config import OrganismConfig
+from agentd._xml import ShapeLimits
+from agentd.config import BusConfig, OrganismConfig
 from agentd.kernel import KernelOptions, Retention
+
+
+def envelope_shape(bus: BusConfig) -> ShapeLimits:
+    """The shape every envelope is held to (`bus.max_attributes`, `bus.max_elements`)."""
+    return ShapeLimits(bus.max_attributes, bus.max_elements)
 
 
 def kernel_retention(config: OrganismConfig) -> dict[str, Retention]:

@@ -21,7 +21,7 @@ from agentd._core import Huh
 from agentd._envelope import NIL_THREAD, build_envelope
 from agentd._routing import Routing
 from agentd._threads import new_uuid
-from agentd._wiring import kernel_options
+from agentd._wiring import envelope_shape, kernel_options
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.config import OrganismConfig, load_config
 from agentd.kernel import Kernel, KernelUnavailable
@@ -65,6 +65,7 @@ class Harness:
             self._deliver,
             config.pump,
             max_envelope_bytes=config.bus.max_envelope_bytes,
+            shape=envelope_shape(config.bus),
         )
         self.pump.meta_flags = config.meta
         if self._own_platform is not None:

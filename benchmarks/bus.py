@@ -100,7 +100,17 @@ async def serve_echo(home: Path) -> None:
     await _serve_control(server.sockets[0].getsockname()[1], server)
 
 
-async def serve_agentd(home: Path, kernel: bool) -> None:
+# What the throughput rounds run with: no rate limit, no connection caps (every
+# client connects from 127.0.0.1, 100 at a time).
+UNLIMITED: dict[str, Any] = {
+    "max_connections": 20000, "max_unauthenticated": 20000,
+    "max_unauthenticated_per_ip": 20000, "rate_per_s": 1e9, "rate_burst": 1_000_000,
+}
+
+
+async def serve_agentd(home: Path, kernel: bool, limits: dict[str, Any] | None = None) -> None:
+    """BusServer + Pump (+ kernel) on `home`; `limits` overrides BusConfig's defaults
+    (None: UNLIMITED)."""
     from dataclasses import replace
 
     from agentd._routing import Routing
@@ -129,9 +139,9 @@ async def serve_agentd(home: Path, kernel: bool) -> None:
         pump.kernel = kern
         outbox = KernelOutbox(kern)
     await pump.start()
-    cfg = replace(BusConfig(), host="127.0.0.1", port=0, max_connections=20000,
-                  rate_per_s=1e9, rate_burst=1_000_000,
-                  tls=TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
+    cfg = replace(BusConfig(), host="127.0.0.1", port=0,
+                  tls=TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"),
+                  **(UNLIMITED if limits is None else limits))
     bus = holder["bus"] = BusServer(cfg, auth, pump.submit, outbox,
                                          submit_nowait=pump.submit_nowait)
     await bus.start()
@@ -162,8 +172,8 @@ async def _serve_control(port: int, server: Any) -> None:
 
 
 class ServerProcess:
-    def __init__(self, mode: str, home: Path, kernel: bool = True) -> None:
-        args = [sys.executable, __file__, "--serve", mode, "--home", str(home)]
+    def __init__(self, mode: str, home: Path, kernel: bool = True, script: str = __file__) -> None:
+        args = [sys.executable, script, "--serve", mode, "--home", str(home)]
         if not kernel:
             args.append("--no-kernel")
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -415,6 +425,16 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def agentd_home(home: Path) -> Path:
+    """A server's own folder under the benchmark's home, sharing its TLS pair and
+    clients file."""
+    home.mkdir(parents=True, exist_ok=True)
+    for name in ("tls", "clients.yaml"):
+        if not (home / name).exists():
+            os.symlink(home.parent / name, home / name)
+    return home
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes for CI")
@@ -428,12 +448,7 @@ def main() -> None:
         if args.serve == "echo":
             _loop_run(serve_echo(home))
         else:
-            home.mkdir(parents=True, exist_ok=True)
-            base = home.parent
-            for name in ("tls", "clients.yaml"):
-                if not (home / name).exists():
-                    os.symlink(base / name, home / name)
-            _loop_run(serve_agentd(home, kernel=not args.no_kernel))
+            _loop_run(serve_agentd(agentd_home(home), kernel=not args.no_kernel))
         return
     result = _loop_run(bench(args))
     print(json.dumps(result))

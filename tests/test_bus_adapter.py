@@ -160,6 +160,37 @@ async def test_a_full_server_answers_503(tmp_path: Path) -> None:
         await stop(r)
 
 
+async def test_unauthenticated_sockets_past_the_address_cap_are_cut_until_one_authenticates(
+    tmp_path: Path,
+) -> None:
+    r = await start_rig(tmp_path, bus={"max_unauthenticated_per_ip": 2})
+    sockets: list[RecordingTransport] = []
+
+    def socket_accepted() -> RecordingTransport:
+        """A socket whose TLS handshake is done, before its first byte."""
+        transport = RecordingTransport()
+        transport.protocol = conn = r.bus.new_connection()
+        conn.connection_made(transport)
+        sockets.append(transport)
+        return transport
+
+    try:
+        first, _second = Wire(r), Wire(r)
+        assert socket_accepted().closed  # a third from 127.0.0.1: cut before a byte
+        first.pull()
+        first.send(auth_frame("alice", totp=r.code("alice")))
+        await next_turn()  # the outbox is read in a task
+        await next_turn()
+        [ok] = first.pull()
+        assert parse_auth_ok(ok.data) is not None
+        assert not socket_accepted().closed  # first's slot went with its authentication
+        assert socket_accepted().closed
+    finally:
+        for transport in sockets:
+            transport.abort()
+        await stop(r)
+
+
 async def test_the_first_frame_is_authentication_and_a_bad_one_closes_4401(rig: Rig) -> None:
     wire = Wire(rig)
     wire.pull()

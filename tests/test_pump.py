@@ -266,6 +266,17 @@ async def test_privileged_payload_from_a_handler_is_refused(h: Harness) -> None:
     assert isinstance(huh, Huh) and huh.code is HuhCode.UNROUTABLE
 
 
+async def test_privileged_element_deep_in_handler_output_is_a_security_event(
+    h: Harness,
+) -> None:
+    events: list[tuple[str, dict[str, str]]] = []
+    h.pump.on_security = lambda kind, fields: events.append((kind, dict(fields)))
+    await order(h, "priv-deep")
+    (huh,) = hostile_inbox()
+    assert isinstance(huh, Huh) and huh.code is HuhCode.UNROUTABLE
+    assert events == [("priv-from-handler", {"listener": "hostile"})]
+
+
 async def test_handler_error_goes_to_the_caller_as_huh(h: Harness) -> None:
     frames = await order(h, "error")
     assert field(frames[-1], "code") == "budget-exceeded"

@@ -104,6 +104,9 @@ class BusConnection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TLS transport is not an asyncio.Transport subclass, but is one.
         self.transport = transport = cast(asyncio.Transport, transport)
+        if not self.server.connection_accepted(self, self.peer_address):
+            transport.abort()
+            return
         transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         loop = self.server.loop
         # The opening handshake and the first frame each get `auth_timeout_s`.
@@ -322,7 +325,7 @@ class BusConnection(asyncio.Protocol):
                 self._run(session.submit_failed(thread))
                 return
             if result is not None:
-                self._run(session.submitted(thread, result, server.loop.time()))
+                self._run(session.submitted(thread, result, server.loop.time(), len(data)))
                 return
         if submits is None:
             submits = self._submits = {}
@@ -350,7 +353,7 @@ class BusConnection(asyncio.Protocol):
             submits = self._submits
             if submits is not None and submits.get(thread) is asyncio.current_task():
                 del submits[thread]
-        self._run(session.submitted(thread, result, server.loop.time()))
+        self._run(session.submitted(thread, result, server.loop.time(), len(data)))
 
     def _set_ttl_timer(self, at: float) -> None:
         if self._close_armed:
@@ -485,6 +488,15 @@ class BusConnection(asyncio.Protocol):
     def sending(self) -> bool:
         """Frames are queued for this connection and not yet in the transport."""
         return self._flush_at is not None or bool(self.session and self.session.sendq)
+
+    @property
+    def peer_address(self) -> str:
+        """The source address (no port): what the unauthenticated caps count by."""
+        try:
+            assert self.transport is not None
+            return str(self.transport.get_extra_info("peername")[0])
+        except Exception:
+            return "?"
 
     @property
     def peer(self) -> str:

@@ -43,7 +43,7 @@ import pyotp
 from agentd._errors import AgentdError, ConfigError, Rejection
 from agentd._schemas import NS_AUTH, schema
 from agentd._secrets import SecretFileError, read_secret_file, write_private_atomic
-from agentd._xml import escape_text, parse_untrusted
+from agentd._xml import ShapeLimits, escape_text, parse_untrusted
 from agentd.config import (
     AuthConfig,
     ClientEntry,
@@ -57,6 +57,9 @@ STATE_FILE = "auth-state.json"
 TOTP_STEP_S = 30
 TOTP_DIGITS = 6
 MAX_AUTH_FRAME_BYTES = 4096
+# auth, client, totp or session, none with an attribute: anything beyond is refused
+# before the schema validator, which reports one error per attribute.
+_AUTH_SHAPE = ShapeLimits(max_attributes=4, max_elements=8)
 MAX_SESSIONS_PER_CLIENT = 64  # oldest tokens are dropped beyond this
 _X = "{" + NS_AUTH + "}"
 # Checked in place of a real secret for an unknown client id (its result is ignored).
@@ -104,7 +107,7 @@ class AuthRequest:
 def parse_auth_frame(frame: bytes) -> AuthRequest | None:
     """The first frame, checked against `schemas/auth.xsd`; None if it is not one."""
     try:
-        root = parse_untrusted(frame, max_bytes=MAX_AUTH_FRAME_BYTES)
+        root = parse_untrusted(frame, max_bytes=MAX_AUTH_FRAME_BYTES, shape=_AUTH_SHAPE)
     except Rejection:
         return None
     if root.tag != _X + "auth" or not schema(NS_AUTH).validate(root):

@@ -1,5 +1,6 @@
-"""The bus's flow limits as plain objects (no sockets): a token bucket per client and
-the in-flight window per connection. The session asks them questions; they never do
+"""The bus's flow limits as plain objects (no sockets): a token bucket per client,
+the in-flight window per connection, and the slots of connections that have not
+authenticated yet. The session asks them questions; they never do
 I/O, so the policies are tested without a network.
 
 "In flight" (`bus.max_inflight`) means: an envelope the pump
@@ -10,6 +11,10 @@ Each further envelope on the same thread adds one; each answer frame removes one
 A thread that never gets an answer (a handler that stays silent toward the client
 without the pump's `ack`) is released after `ttl_s`, so a connection cannot stall
 forever on a lost answer.
+
+A connection holds an unauthenticated slot from the moment its socket is accepted
+(before TLS) until it authenticates or goes; slots are capped in all and per source
+address, so idle sockets from a few addresses cannot hold the room clients need.
 """
 
 from __future__ import annotations
@@ -36,6 +41,52 @@ class TokenBucket:
             return True
         self.tokens = tokens
         return False
+
+    def charge(self, tokens: float, now: float) -> None:
+        """Take `tokens` more for work already done (a costly refusal), down to at
+        most a burst in debt: the client waits that long before its next envelope."""
+        saved = min(self.tokens + (now - self.stamp) * self.rate, self.burst)
+        self.stamp = now
+        self.tokens = max(saved - tokens, -self.burst)
+
+
+    def ready_at(self) -> float:
+        """When the bucket holds a whole token again."""
+        return self.stamp + max(0.0, 1.0 - self.tokens) / self.rate
+
+
+class UnauthenticatedSlots:
+    """Connections not yet authenticated: at most `total`, at most `per_address`
+    from one source address. `take` answers whether one more may stay."""
+
+    __slots__ = ("_by_address", "count", "per_address", "total")
+
+    def __init__(self, total: int, per_address: int) -> None:
+        self.total = total
+        self.per_address = per_address
+        self.count = 0
+        self._by_address: dict[str, int] = {}
+
+    def take(self, address: str) -> bool:
+        held = self._by_address.get(address, 0)
+        if self.count >= self.total or held >= self.per_address:
+            return False
+        self._by_address[address] = held + 1
+        self.count += 1
+        return True
+
+    def release(self, address: str) -> None:
+        held = self._by_address.get(address, 0)
+        if held <= 0:
+            return
+        if held == 1:
+            del self._by_address[address]
+        else:
+            self._by_address[address] = held - 1
+        self.count -= 1
+
+    def held_by(self, address: str) -> int:
+        return self._by_address.get(address, 0)
 
 
 class InflightWindow:

@@ -15,6 +15,12 @@ Invariants:
   is dropped and one with it stays in the kernel's outbox.
 - `connections` counts sessions from the opening handshake until their close
   (the metric `bus_connections` moves with it); `max_connections` caps it.
+- A connection holds one of the `max_unauthenticated` slots (at most
+  `max_unauthenticated_per_ip` from one source address) from the end of its TLS
+  handshake until it authenticates or goes; past a cap it is cut at once, before
+  a byte of it is read. The TLS handshake itself is bounded by `auth_timeout_s`.
+  So idle sockets hold at most that many of the `max_connections` sessions, and an
+  authenticated connection is never closed to make room for one.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from agentd import _metrics as metrics
 from agentd._envelope import NIL_THREAD
 from agentd.bus._adapter import BUS_PATH, BusConnection
 from agentd.bus._auth import ClientAuth
-from agentd.bus._limits import TokenBucket
+from agentd.bus._limits import TokenBucket, UnauthenticatedSlots
 from agentd.bus._session import BusSession, SessionLimits, choose_session
 from agentd.bus._tls import server_context
 from agentd.config import BusConfig, TlsConfig
@@ -95,6 +101,10 @@ class BusServer:
         self._live: set[BusConnection] = set()  # sockets not yet gone
         self._all_gone: asyncio.Event | None = None
         self._buckets: dict[str, TokenBucket] = {}
+        self.unauthenticated = UnauthenticatedSlots(
+            cfg.max_unauthenticated, cfg.max_unauthenticated_per_ip
+        )
+        self._awaiting_auth: dict[BusConnection, str] = {}  # connection -> its address
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -104,7 +114,8 @@ class BusServer:
         cfg = self.cfg
         self.loop = asyncio.get_running_loop()  # get_running_loop() costs a getpid()
         self._server = await self.loop.create_server(
-            self.new_connection, cfg.host, cfg.port, ssl=self.ssl_context
+            self.new_connection, cfg.host, cfg.port, ssl=self.ssl_context,
+            ssl_handshake_timeout=cfg.auth_timeout_s,
         )
         log.info("bus listening url=wss://%s:%d%s", cfg.host, self.port, BUS_PATH)
 
@@ -193,6 +204,24 @@ class BusServer:
 
     # ---- the connections' side ------------------------------------------------------
 
+    def connection_accepted(self, conn: BusConnection, address: str) -> bool:
+        """A socket from `address` finished its TLS handshake: whether it may stay,
+        holding an unauthenticated slot until it authenticates or goes."""
+        if self._closing:
+            return False
+        if not self.unauthenticated.take(address):
+            metrics.bus_refused_unauthenticated.inc()
+            log.info("connection refused peer=%s unauthenticated=%d from_peer=%d", address,
+                     self.unauthenticated.count, self.unauthenticated.held_by(address))
+            return False
+        self._awaiting_auth[conn] = address
+        return True
+
+    def _release_slot(self, conn: BusConnection) -> None:
+        address = self._awaiting_auth.pop(conn, None)
+        if address is not None:
+            self.unauthenticated.release(address)
+
     def session_opened(self, conn: BusConnection) -> BusSession:
         """The opening handshake succeeded: a session, AUTHENTICATING."""
         self._open.add(conn)
@@ -211,6 +240,7 @@ class BusServer:
 
     def authenticated(self, conn: BusConnection) -> None:
         assert conn.session is not None
+        self._release_slot(conn)
         self._by_client.setdefault(conn.session.client, []).append(conn)
 
     def session_closed(
@@ -238,6 +268,7 @@ class BusServer:
             self.on_session_closed(session)
 
     def connection_lost(self, conn: BusConnection) -> None:
+        self._release_slot(conn)
         self._live.discard(conn)
         if not self._live and self._all_gone is not None:
             self._all_gone.set()

@@ -24,6 +24,10 @@ Invariants:
   `send_queue_limit` (a client that does not read) close the connection with 1008.
   Frames that carry an `outbox_id` are durable in the kernel's outbox, so dropping
   the queue loses none of them.
+- A frame refused for what it is (malformed, invalid, too large, unroutable) is
+  charged to the client's bucket by its size; while that leaves the bucket in debt,
+  reading pauses until it is paid (the socket's backpressure holds the sender), so
+  a client's flood of hostile frames costs its own rate, not the others' latency.
 - Once CLOSED, a session emits nothing and queues nothing.
 """
 
@@ -61,6 +65,14 @@ _THREAD_RE = re.compile(
     rb"<thread>\s*([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\s*</thread>"
 )
 _RATE_LIMITED = Huh.of(HuhCode.RATE_LIMITED).to_bytes()
+# A frame refused for what it is costs its sender one more token per KiB: the work
+# of refusing it (parsing it to the error) grows with its size, and it is the
+# sender's rate, not the others' latency, that pays for it.
+REFUSAL_BYTES_PER_TOKEN = 1024
+_BAD_INPUT = frozenset({
+    HuhCode.MALFORMED, HuhCode.INVALID_ENVELOPE, HuhCode.INVALID_PAYLOAD,
+    HuhCode.TOO_LARGE, HuhCode.UNROUTABLE,
+})
 
 
 def is_accepted_frame(data: bytes) -> bool:
@@ -220,6 +232,7 @@ class BusSession:
     __slots__ = (
         "_held",
         "_limits",
+        "_owed_until",
         "_paused",
         "_shutdown",
         "bucket",
@@ -245,6 +258,7 @@ class BusSession:
         self.queued_bytes = 0
         self.peak_queued_bytes = 0
         self._paused = False  # reading paused (AUTHENTICATING reads the first frame)
+        self._owed_until = 0.0  # reading paused until then: a costly refusal's debt
         self._shutdown = False  # asked to shut down while REPLAYING
         # The containers below exist only while in use: an idle connection costs what
         # websockets and TLS cost, plus this object.
@@ -338,12 +352,21 @@ class BusSession:
             return (submit, *self._update_reading())
         return (submit,)
 
-    def submitted(self, thread: str, result: object, now: float) -> Sequence[Action]:
-        """The pump took the envelope counted under `thread`; `result` may name the
-        thread it really went to (a broken envelope's hint is wrong)."""
+    def submitted(
+        self, thread: str, result: object, now: float, size: int = 0
+    ) -> Sequence[Action]:
+        """The pump took the envelope (of `size` bytes) counted under `thread`;
+        `result` may name the thread it really went to (a broken envelope's hint is
+        wrong), or the code it was refused with."""
+        bucket = self.bucket
+        if bucket is not None and getattr(result, "code", None) in _BAD_INPUT:
+            bucket.charge(size / REFUSAL_BYTES_PER_TOKEN, now)
+            ready = bucket.ready_at()
+            if ready > now:
+                self._owed_until = ready
         real = getattr(result, "thread", thread)
         if real == thread:
-            return _NOTHING
+            return self._update_reading() if self._owed_until else _NOTHING
         # The answer came on another thread, so release the slot counted under the
         # hint, and count the envelope under its real thread if the pump took it.
         self.inflight.answered(thread)
@@ -359,11 +382,17 @@ class BusSession:
         """Release in-flight threads unanswered for longer than their TTL; (how many
         were released, actions)."""
         released = self.inflight.expire(now)
+        if self._owed_until and now >= self._owed_until:
+            self._owed_until = 0.0
         return released, self._update_reading()
 
     def next_deadline(self) -> float | None:
-        """When `tick` may release a slot that keeps reading paused."""
-        return self.inflight.oldest_deadline() if self.inflight.full else None
+        """When `tick` may release a slot or a debt that keeps reading paused."""
+        deadline = self.inflight.oldest_deadline() if self.inflight.full else None
+        owed = self._owed_until
+        if owed and (deadline is None or owed < deadline):
+            return owed
+        return deadline
 
     # ---- frames out -------------------------------------------------------------------
 
@@ -446,6 +475,7 @@ class BusSession:
             self.state is not ConnState.OPEN
             or self.inflight.full
             or self.queued_bytes >= limits.read_pause_bytes
+            or self._owed_until > 0.0
         )
         if pause == self._paused:
             return _NOTHING

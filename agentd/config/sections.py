@@ -131,8 +131,12 @@ class BusConfig:
     port: Port = 8765
     tls: TlsConfig | None = None
     max_envelope_bytes: Annotated[int, Strict(), Field(ge=256)] = 262144
+    max_attributes: Positive = 64  # on one element of an envelope
+    max_elements: Positive = 10000  # in one envelope
     max_inflight: Positive = 1000
     max_connections: Positive = 1024
+    max_unauthenticated: Positive = 256  # connections not yet authenticated, in all
+    max_unauthenticated_per_ip: Positive = 16  # the same, from one source address
     rate_per_s: Seconds = 200.0  # per-client message rate (token bucket refill)
     rate_burst: Positive = 400
     auth_timeout_s: Seconds = 10.0

@@ -35,6 +35,7 @@ from agentd._errors import HuhCode, Rejection
 from agentd._handler import HandlerMetadata
 from agentd._routing import Listener, Routing
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
+from agentd._xml import DEFAULT_SHAPE, ShapeLimits
 from agentd.config import MetaConfig, PumpConfig
 from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.pump import admission, recovery
@@ -68,12 +69,14 @@ class Pump:
         kernel: Kernel | None = None,
         *,
         max_envelope_bytes: int = 256 * 1024,
+        shape: ShapeLimits = DEFAULT_SHAPE,
     ) -> None:
         self.routing = routing
         self.clients = dict(clients)  # client id -> profile name
         self.deliver = deliver
         self.settings = settings or PumpConfig()
         self.max_envelope_bytes = max_envelope_bytes
+        self.shape = shape
         self.registry = ThreadRegistry()
         # With a kernel, every admitted message is journaled (pending until handled),
         # frames are persisted, and client-bound frames go through the outbox.
@@ -164,7 +167,7 @@ class Pump:
         metrics.HOT.received += 1
         thread = NIL_THREAD
         try:
-            env = parse_envelope(data, max_bytes=self.max_envelope_bytes)
+            env = parse_envelope(data, max_bytes=self.max_envelope_bytes, shape=self.shape)
             thread = env.thread
             known = self.registry.get(thread)
             msg = admission.admit_client(
@@ -410,7 +413,7 @@ class Pump:
             self._huh_to(own, HuhCode.RATE_LIMITED, hops, batch)
             return False
         try:
-            env = parse_envelope(data, max_bytes=self.max_envelope_bytes)
+            env = parse_envelope(data, max_bytes=self.max_envelope_bytes, shape=self.shape)
             if env.thread != frame.uuid or env.sender != listener.name:  # pragma: no cover
                 raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
             if respond:

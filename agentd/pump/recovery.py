@@ -72,7 +72,7 @@ def resume(
             if not targets:
                 raise Rejection(HuhCode.UNROUTABLE, "route gone after restart")
             spec = frame.profile.table.specs[env.key]
-            validate(spec, env.payload)
+            validate(spec, env)
             msg = Message(MsgKind.REQUEST, env.sender, frame, env.payload, targets, spec, data)
         else:
             if env.sender == CORE:

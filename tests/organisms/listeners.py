@@ -154,6 +154,12 @@ async def hostile(
         return HandlerResponse(
             b'<privileged xmlns="https://xml-pipeline.org/ns/privileged/v1"/>', to="calculator.add"
         )
+    if kind == "priv-deep":
+        return HandlerResponse(
+            b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>1</a><b>2'
+            b'<p:command xmlns:p="https://xml-pipeline.org/ns/privileged/v1"/></b></add>',
+            to="calculator.add",
+        )
     if kind == "error":
         return HandlerResponse.error("budget-exceeded", "no more")
     if kind == "not-a-response":
