@@ -27,6 +27,7 @@ import gc
 import json
 import os
 import resource
+import shutil
 import ssl
 import statistics
 import subprocess
@@ -426,12 +427,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def agentd_home(home: Path) -> Path:
-    """A server's own folder under the benchmark's home, sharing its TLS pair and
-    clients file."""
+    """A server's own folder under the benchmark's home, sharing its TLS pair (a
+    linked folder) and holding a copy of its clients file (a secret file is never
+    read through a symbolic link)."""
     home.mkdir(parents=True, exist_ok=True)
-    for name in ("tls", "clients.yaml"):
-        if not (home / name).exists():
-            os.symlink(home.parent / name, home / name)
+    if not (home / "tls").exists():
+        os.symlink(home.parent / "tls", home / "tls")
+    if not (home / "clients.yaml").exists():
+        shutil.copy2(home.parent / "clients.yaml", home / "clients.yaml")  # keeps 0600
     return home
 
 
