@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from enum import Enum
 
 from agentd._routing import Profile
+from agentd._states import step
 
 
 class ThreadState(Enum):
@@ -45,10 +46,6 @@ class ThreadEvent(Enum):
     __hash__ = object.__hash__
 
 
-class IllegalTransition(Exception):
-    """An event a frame in its current state cannot take."""
-
-
 # state -> event -> next state; a missing entry is an illegal event.
 TRANSITIONS: dict[ThreadState, dict[ThreadEvent, ThreadState]] = {
     ThreadState.ACTIVE: {
@@ -63,10 +60,7 @@ TRANSITIONS: dict[ThreadState, dict[ThreadEvent, ThreadState]] = {
 
 def transition(state: ThreadState, event: ThreadEvent) -> ThreadState:
     """The state a frame in `state` moves to on `event`; raises `IllegalTransition`."""
-    try:
-        return TRANSITIONS[state][event]
-    except KeyError:
-        raise IllegalTransition(f"{event.value} in state {state.value}") from None
+    return step("frame", TRANSITIONS, state, event)
 
 
 class Frame:

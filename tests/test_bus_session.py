@@ -11,12 +11,12 @@ from dataclasses import dataclass
 import pytest
 
 from agentd._envelope import build_envelope
+from agentd._states import IllegalTransition
 from agentd._xmlify import spec_of
 from agentd.bus import (
     BusSession,
     ConnEvent,
     ConnState,
-    IllegalTransition,
     SessionLimits,
     parse_auth_ok,
 )

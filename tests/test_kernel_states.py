@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from agentd._states import IllegalTransition
 from agentd.kernel import _health, _lifecycle
 from agentd.kernel._health import (
     BACKOFF_MAX_S,
@@ -18,7 +19,6 @@ from agentd.kernel._health import (
     next_health,
 )
 from agentd.kernel._lifecycle import Phase, PhaseEvent, next_phase
-from agentd.kernel._transitions import IllegalTransition
 
 MACHINES = [
     (_health.TRANSITIONS, Health, HealthEvent, next_health),

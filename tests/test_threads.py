@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentd._routing import Profile, build_table
+from agentd._states import IllegalTransition
 from agentd._threads import (
     TRANSITIONS,
     Frame,
-    IllegalTransition,
     ThreadEvent,
     ThreadRegistry,
     ThreadState,

@@ -28,7 +28,6 @@ from agentd.bus._session import (
     BusSession,
     ConnEvent,
     ConnState,
-    IllegalTransition,
     SessionLimits,
 )
 from agentd.bus._tls import (
@@ -53,7 +52,6 @@ __all__ = [
     "ClientsDiff",
     "ConnEvent",
     "ConnState",
-    "IllegalTransition",
     "OutboxSource",
     "SessionLimits",
     "TlsSetupError",

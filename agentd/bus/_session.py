@@ -44,6 +44,7 @@ from agentd._core import Huh
 from agentd._envelope import NIL_THREAD, build_envelope
 from agentd._errors import HuhCode
 from agentd._schemas import NS_ENV
+from agentd._states import step
 from agentd.bus._auth import auth_ok_frame
 from agentd.bus._limits import InflightWindow, TokenBucket
 
@@ -147,15 +148,8 @@ TRANSITIONS: dict[ConnState, dict[ConnEvent, ConnState]] = {
 }
 
 
-class IllegalTransition(RuntimeError):
-    """An event the connection's current state does not allow (a bug in the caller)."""
-
-
 def transition(state: ConnState, event: ConnEvent) -> ConnState:
-    try:
-        return TRANSITIONS[state][event]
-    except KeyError:
-        raise IllegalTransition(f"{event.value} is not allowed in {state.value}") from None
+    return step("connection", TRANSITIONS, state, event)
 
 
 # ---- actions ---------------------------------------------------------------------------

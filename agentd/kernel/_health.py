@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from agentd.kernel._transitions import step
+from agentd._states import step
 
 BACKOFF_START_S = 0.05
 BACKOFF_MAX_S = 2.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 
-from agentd.kernel._transitions import step
+from agentd._states import step
 
 
 class Phase(enum.Enum):
