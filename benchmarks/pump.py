@@ -206,16 +206,18 @@ def registry_rss(n: int) -> float:
     return used * 100_000 / n
 
 
-def registry_rss_fresh(n: int) -> float:
-    """RSS growth per 100k frames, measured in a fresh interpreter so that memory
-    freed by the earlier phases cannot hide the registry's own growth."""
+def fresh_interpreter(flag: str, n: int) -> list[str]:
+    """The last line this script prints when run with `flag n` in a fresh
+    interpreter (so memory freed by the earlier phases cannot hide growth), split."""
     out = subprocess.run(
-        [sys.executable, __file__, "--registry-only", str(n)],
-        check=True,
-        capture_output=True,
-        text=True,
+        [sys.executable, __file__, flag, str(n)], check=True, capture_output=True, text=True
     ).stdout
-    return float(out.strip().splitlines()[-1])
+    return out.strip().splitlines()[-1].split()
+
+
+def registry_rss_fresh(n: int) -> float:
+    """RSS growth per 100k frames, measured in a fresh interpreter."""
+    return float(fresh_interpreter("--registry-only", n)[0])
 
 
 async def sustained_rss(warm: int, n: int) -> tuple[float, float]:
@@ -279,13 +281,7 @@ def sustained_rss_fresh(n: int) -> tuple[float, float, float]:
     """(RSS after warm-up, RSS after `n` more conversations, growth in MB per million)
     measured in a fresh interpreter. The warm-up is long enough to fill the rest
     set, whose bounded size is not growth."""
-    out = subprocess.run(
-        [sys.executable, __file__, "--sustained-only", str(n)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    warm_mb, after_mb = (float(x) for x in out.strip().splitlines()[-1].split())
+    warm_mb, after_mb = (float(x) for x in fresh_interpreter("--sustained-only", n))
     return warm_mb, after_mb, (after_mb - warm_mb) * 1_000_000 / n
 
 
