@@ -15,13 +15,20 @@ Invariants:
 - A frame's state changes only through `transition` (the table `TRANSITIONS`): a
   frame is active until its call ends once, as answered, failed or abandoned; an
   ended frame takes no further event, and asking it to is a bug that raises.
+- Memory is bounded by the work in progress: a call's frame leaves the registry
+  when the call ends, and a client's conversation with nothing in progress (no open
+  call, nothing queued) is held "at rest", at most `max_resting` of them, least
+  recently used first out. A conversation pushed out of the rest set is ended as
+  abandoned (what outlives it is the kernel's thread row), exactly as the idle
+  collector would end it later.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from enum import Enum
 
 from agentd._routing import Profile
@@ -119,21 +126,71 @@ def new_uuid() -> str:
     return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{_VARIANT[int(h[16], 16)]}{h[17:20]}-{h[20:32]}"
 
 
-class ThreadRegistry:
-    """The live frames by UUID. A frame leaves when its call ends (`end`) or when it
-    is dropped unfinished (`forget`: a conversation whose admission failed)."""
+# Conversations held at rest by default: each costs a few hundred bytes, so the
+# set stays within a few MB however many conversations the daemon has served.
+MAX_RESTING = 10_000
 
-    def __init__(self) -> None:
+EndHook = Callable[[str], None]
+
+
+class ThreadRegistry:
+    """The frames by UUID: those in progress, and client conversations at rest (a
+    root frame with no open call and nothing queued, which its client may still
+    continue). A frame leaves when its call ends (`end`), when it is dropped
+    unfinished (`forget`: a conversation whose admission failed), or when it is
+    pushed out of the rest set (`rest` returns it; the pump ends it)."""
+
+    def __init__(self, max_resting: int = MAX_RESTING) -> None:
         self._frames: dict[str, Frame] = {}
+        self._resting: OrderedDict[str, Frame] = OrderedDict()
+        self.max_resting = max_resting
+        self._end_hooks: list[EndHook] = []
 
     def __len__(self) -> int:
+        """Frames held: calls and conversations in progress, and those at rest."""
+        return len(self._frames) + len(self._resting)
+
+    @property
+    def resting(self) -> int:
+        """Conversations held at rest (never more than `max_resting`)."""
+        return len(self._resting)
+
+    @property
+    def in_progress(self) -> int:
+        """Frames with work in progress: open calls and busy conversations."""
         return len(self._frames)
 
     def __iter__(self) -> Iterator[Frame]:
-        return iter(list(self._frames.values()))
+        return iter([*self._frames.values(), *self._resting.values()])
 
     def get(self, uuid: str) -> Frame | None:
-        return self._frames.get(uuid)
+        frame = self._frames.get(uuid)
+        return frame if frame is not None else self._resting.get(uuid)
+
+    def on_end(self, hook: EndHook) -> None:
+        """Call `hook(uuid)` whenever a frame ends (whatever the event), so what
+        others keep per frame (an agent's task) can leave with it."""
+        self._end_hooks.append(hook)
+
+    def rest(self, root: Frame) -> list[Frame]:
+        """`root`, a conversation with nothing in progress, is put at rest. Returns
+        the conversations pushed out of the rest set (oldest first), for the caller
+        to end."""
+        uuid = root.uuid
+        if self._frames.pop(uuid, None) is None and uuid not in self._resting:
+            return []  # not held (already ended or forgotten)
+        resting = self._resting
+        resting[uuid] = root
+        resting.move_to_end(uuid)
+        pushed: list[Frame] = []
+        while len(resting) > self.max_resting:
+            pushed.append(resting.popitem(last=False)[1])
+        return pushed
+
+    def wake(self, root: Frame) -> None:
+        """`root`'s client sent on it again: it is in progress, no longer at rest."""
+        if self._resting.pop(root.uuid, None) is not None:
+            self._frames[root.uuid] = root
 
     def add(self, frame: Frame) -> None:
         """Register a frame built elsewhere: a conversation once its first envelope
@@ -157,9 +214,16 @@ class ThreadRegistry:
             transition(frame.state, event)  # raises IllegalTransition
             raise
         frame.state = state
-        if self._frames.pop(frame.uuid, None) is not None and frame.parent is not None:
-            frame.parent.children -= 1
+        uuid = frame.uuid
+        if self._frames.pop(uuid, None) is not None:
+            if frame.parent is not None:
+                frame.parent.children -= 1
+        else:
+            self._resting.pop(uuid, None)
+        for hook in self._end_hooks:
+            hook(uuid)
         return state
 
     def forget(self, frame: Frame) -> None:
-        self._frames.pop(frame.uuid, None)
+        if self._frames.pop(frame.uuid, None) is None:
+            self._resting.pop(frame.uuid, None)

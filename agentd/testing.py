@@ -4,6 +4,12 @@ It is how listener authors test their organisms, the way Starlette's TestClient
 tests an app: `send` puts an envelope (or a payload object, wrapped) through the
 same ingress checks as the bus, runs the organism until idle, and returns what was
 delivered to that client on that envelope's thread, in order.
+
+Every delivered frame gets a number in delivery order and is filed under its
+(client, thread); a `send` notes the count before it submits and takes, from its
+own thread's file, the frames numbered from there on. So a `send` costs the same
+however many frames and threads came before it, and concurrent `send` calls each
+get their own thread's frames.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,6 +33,20 @@ from agentd._xmlify import is_xmlified, spec_of
 from agentd.config import OrganismConfig, load_config
 from agentd.kernel import Kernel, KernelUnavailable
 from agentd.pump import CORE, Pump
+
+
+class _ThreadFrames:
+    """The frames delivered on one (client, thread), with their delivery numbers."""
+
+    __slots__ = ("data", "numbers")
+
+    def __init__(self) -> None:
+        self.numbers: list[int] = []
+        self.data: list[bytes] = []
+
+    def since(self, number: int) -> list[bytes]:
+        """The frames delivered as number `number` or later."""
+        return self.data[bisect_left(self.numbers, number):]
 
 
 class Harness:
@@ -45,7 +66,8 @@ class Harness:
         self.config = config
         self.clients = dict(clients)
         self.durable = durable
-        self._frames: dict[tuple[str, str], list[bytes]] = defaultdict(list)
+        self._frames: dict[tuple[str, str], _ThreadFrames] = defaultdict(_ThreadFrames)
+        self._delivered = 0  # frames delivered so far: the next one's number
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if state_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="agentd-harness-")
@@ -103,7 +125,10 @@ class Harness:
             self._tmp.cleanup()
 
     def _deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> None:
-        self._frames[(client, thread)].append(data)
+        filed = self._frames[(client, thread)]
+        filed.numbers.append(self._delivered)
+        filed.data.append(data)
+        self._delivered += 1
         if outbox_id is not None and self.kernel is not None:
             # The harness "connection" received it: the outbox row can go.
             tx = self.kernel.transaction()
@@ -121,14 +146,13 @@ class Harness:
             data = self.wrap(client, data, thread)
         # The answer may be delivered before submit returns (the handler runs while
         # the envelope's commit is written): count from before the submit.
-        before = {key: len(frames) for key, frames in self._frames.items() if key[0] == client}
+        start = self._delivered
         result = await self.pump.submit(client, bytes(data))
         if result.thread == NIL_THREAD and result.code is not None:
             return [build_envelope(CORE, NIL_THREAD, Huh.of(result.code).to_bytes(), to=client)]
-        key = (client, result.thread)
-        start = before.get(key, 0)
         await self.run_until_idle()
-        return list(self._frames[key][start:])
+        filed = self._frames.get((client, result.thread))
+        return filed.since(start) if filed is not None else []
 
     async def run_until_idle(self) -> None:
         """Until nothing is queued or running and every write is committed (so every
@@ -143,7 +167,9 @@ class Harness:
                 return
 
     def frames(self, client: str, thread: str) -> list[bytes]:
-        return list(self._frames.get((client, thread), ()))
+        """Every frame delivered to `client` on `thread` so far, in order."""
+        filed = self._frames.get((client, thread))
+        return list(filed.data) if filed is not None else []
 
     async def gather(self, *sends: Any) -> list[list[bytes]]:
         """`asyncio.gather` over several `send` calls; each returns its own thread's frames."""

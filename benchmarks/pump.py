@@ -6,7 +6,10 @@
     (handler output is untrusted, so a zero-trust pipeline cannot skip this). The
     figure without the reply re-parse is printed too;
 (b) the real pump on the same workload: a request to a tool that replies, each on
-    its own thread (handler invocations counted).
+    its own thread (handler invocations counted);
+(c) memory under sustained load, in a fresh interpreter: the pump over a real
+    kernel, RSS after a warm-up (which fills the registry's rest set) and after N
+    more completed conversations (1,000,000; 50,000 with --quick).
 
 Usage: python benchmarks/pump.py [--quick]. The last line is one JSON object.
 """
@@ -33,7 +36,7 @@ from agentd._envelope import build_envelope  # noqa: E402
 from agentd._routing import Routing  # noqa: E402
 from agentd._runtime import tune_gc  # noqa: E402
 from agentd._schemas import NS_ENV, schema  # noqa: E402
-from agentd._threads import Frame, ThreadRegistry, new_uuid  # noqa: E402
+from agentd._threads import MAX_RESTING, Frame, ThreadRegistry, new_uuid  # noqa: E402
 from agentd._xml import parse_untrusted  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.config import load_config  # noqa: E402
@@ -203,26 +206,98 @@ def registry_rss(n: int) -> float:
     return used * 100_000 / n
 
 
-def registry_rss_fresh(n: int) -> float:
-    """RSS growth per 100k frames, measured in a fresh interpreter so that memory
-    freed by the earlier phases cannot hide the registry's own growth."""
+def fresh_interpreter(flag: str, n: int) -> list[str]:
+    """The last line this script prints when run with `flag n` in a fresh
+    interpreter (so memory freed by the earlier phases cannot hide growth), split."""
     out = subprocess.run(
-        [sys.executable, __file__, "--registry-only", str(n)],
-        check=True,
-        capture_output=True,
-        text=True,
+        [sys.executable, __file__, flag, str(n)], check=True, capture_output=True, text=True
     ).stdout
-    return float(out.strip().splitlines()[-1])
+    return out.strip().splitlines()[-1].split()
+
+
+def registry_rss_fresh(n: int) -> float:
+    """RSS growth per 100k frames, measured in a fresh interpreter."""
+    return float(fresh_interpreter("--registry-only", n)[0])
+
+
+async def sustained_rss(warm: int, n: int) -> tuple[float, float]:
+    """RSS (MB) after `warm` completed conversations and after `n` more, through the
+    pump over a kernel in a temporary directory. Envelopes are built as they are
+    sent, so the workload itself holds no memory."""
+    import tempfile
+
+    config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
+    spec = spec_of(Add)
+    answered = 0
+    last_outbox_id = 0
+
+    def deliver(client: str, thread: str, frame: bytes, oid: int | None) -> None:
+        nonlocal answered, last_outbox_id
+        if b"<from>core</from>" not in frame:
+            answered += 1
+        if oid is not None:
+            last_outbox_id = max(last_outbox_id, oid)
+
+    async def conversations(count: int) -> None:
+        left = count
+
+        async def client() -> None:
+            nonlocal left
+            while left > 0:
+                left -= 1
+                data = build_envelope("alice", new_uuid(), spec.to_bytes(Add(a=left, b=2)))
+                result = await pump.submit("alice", data)
+                assert result.accepted, result
+                if left % 1000 == 0:
+                    # The client acknowledges what it received, as the bus does for a
+                    # connected client: the outbox stays short.
+                    tx = kernel.transaction()
+                    tx.outbox_delivered("alice", last_outbox_id)
+                    kernel.commit(tx)
+
+        await asyncio.gather(*(client() for _ in range(CLIENTS)))
+        await pump.join()
+        await kernel.flush()
+        await pump.join()
+
+    with tempfile.TemporaryDirectory(prefix="agentd-bench-") as tmp:
+        pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump)
+        kernel = await Kernel.open(Path(tmp), commit_interval_s=COMMIT_INTERVAL_S)
+        pump.kernel = kernel
+        await pump.start()
+        await conversations(warm)
+        gc.collect()
+        warm_mb = rss_mb()
+        await conversations(n)
+        gc.collect()
+        after_mb = rss_mb()
+        await pump.stop()
+        await kernel.close()
+    assert answered == warm + n, (answered, warm + n)
+    return warm_mb, after_mb
+
+
+def sustained_rss_fresh(n: int) -> tuple[float, float, float]:
+    """(RSS after warm-up, RSS after `n` more conversations, growth in MB per million)
+    measured in a fresh interpreter. The warm-up is long enough to fill the rest
+    set, whose bounded size is not growth."""
+    warm_mb, after_mb = (float(x) for x in fresh_interpreter("--sustained-only", n))
+    return warm_mb, after_mb, (after_mb - warm_mb) * 1_000_000 / n
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--registry-only", type=int, default=0)
+    ap.add_argument("--sustained-only", type=int, default=0)
     args = ap.parse_args()
     tune_gc()  # the daemon's process tuning (agentd/_runtime.py), for both arms
     if args.registry_only:
         print(registry_rss(args.registry_only))
+        return
+    if args.sustained_only:
+        warm_mb, after_mb = asyncio.run(sustained_rss(8 * MAX_RESTING, args.sustained_only))
+        print(warm_mb, after_mb)
         return
     n = 5_000 if args.quick else 50_000
     try:
@@ -264,6 +339,12 @@ def main() -> None:
     print(
         "hostile input refused in (median us): " + ", ".join(f"{k} {v}" for k, v in hostile.items())
     )
+    sustained = 50_000 if args.quick else 1_000_000
+    warm_mb, after_mb, growth = sustained_rss_fresh(sustained)
+    print(
+        f"sustained load: RSS {warm_mb:.1f} MB after warm-up, {after_mb:.1f} MB after "
+        f"{sustained:,} more conversations: {growth:.1f} MB per million (target < 20)"
+    )
     print(
         json.dumps(
             {
@@ -275,6 +356,9 @@ def main() -> None:
                 "peak_rss_mb": round(peak, 1),
                 "rss_mb_per_100k_threads": round(per_100k, 1),
                 "hostile_reject_us_max": max(hostile.values()),
+                "rss_mb_warm": round(warm_mb, 1),
+                "rss_mb_after": round(after_mb, 1),
+                "rss_growth_mb_per_1m": round(growth, 1),
             }
         )
     )

@@ -433,3 +433,42 @@ def test_a_call_is_validated_before_dispatch(catalogue: Any) -> None:
     assert not reply.calls
     (notice,) = reply.notices
     assert notice.startswith("huh invalid-payload: your <add> call for calculator.add")
+
+
+# ---- tasks leave memory with their frames ---------------------------------------------
+
+
+async def test_tasks_of_frames_ended_under_the_agent_leave_the_platform_and_the_agent() -> None:
+    """An agent waiting on a tool whose frame is ended from outside (collected as
+    idle, failed): its task leaves the agent's and the platform's memory, and a late
+    result on that frame starts no LLM call."""
+    from agentd._routing import Routing
+    from agentd._threads import Frame, ThreadEvent, ThreadRegistry, new_uuid
+    from agentd.tools.calculator import Sum
+
+    async with FakeLLM("openai", lambda seen: f"Adding. {add_call(1, 2)}") as server:
+        config = load(organism_yaml(openai_backend(server)))
+        platform = Platform.from_config(config)
+        handlers = make_agent_handlers(config, platform)
+        routing = Routing.build(config, agent_handlers=handlers)
+        registry = ThreadRegistry()
+        platform.bind_threads(registry)
+        tutor = handlers["tutor"]
+        frames = []
+        for i in range(20):
+            root = Frame(new_uuid(), ("alice",), None, "alice", routing.profiles["public"])
+            registry.add(root)
+            frame = registry.extend(root, "tutor")
+            meta = HandlerMetadata(frame.uuid, "alice", "tutor", False)
+            response = await tutor(MathQuestion(text=f"Add 1 and {i}."), meta)
+            assert response is not None and response.kind is ResponseKind.SEND  # waiting
+            frames.append(frame)
+        assert len(tutor.tasks) == platform.open_tasks == 20
+        for i, frame in enumerate(frames):
+            registry.end(frame, ThreadEvent.ABANDONED if i % 2 else ThreadEvent.FAILED)
+        assert tutor.tasks == {} and platform.open_tasks == 0
+        calls = len(server.requests)
+        late = HandlerMetadata(frames[0].uuid, "calculator.add", "tutor", False)
+        assert await tutor(Sum(value=3), late) is None
+        assert len(server.requests) == calls
+        await platform.aclose()

@@ -330,6 +330,29 @@ async def test_thousand_conversations_through_one_chain_each_come_back_on_their_
         assert field(frames[1], "value") == str(i + 1000)
 
 
+async def test_concurrent_callers_continuing_their_threads_each_get_only_their_answer(
+    h: Harness,
+) -> None:
+    """64 callers, two clients, five turns each on one thread: every `send` returns
+    its own `accepted` and its own sum, never an earlier turn's or another caller's."""
+
+    async def caller(n: int) -> list[list[bytes]]:
+        client = ("alice", "bob")[n % 2]
+        thread = str(uuid.uuid4())
+        turns = []
+        for turn in range(5):
+            data = build_envelope(client, thread, spec_of(Add).to_bytes(Add(a=n, b=turn)))
+            turns.append(await h.send(client, data))
+        return turns
+
+    results = await asyncio.gather(*(caller(n) for n in range(64)))
+    for n, turns in enumerate(results):
+        for turn, frames in enumerate(turns):
+            assert kinds(frames) == [("core", "accepted"), ("calculator.add", "sum")]
+            assert field(frames[1], "value") == str(n + turn)
+            assert len({parse_envelope(f).thread for f in frames}) == 1
+
+
 async def test_messages_on_one_thread_are_handled_in_order(h: Harness) -> None:
     threads = [str(uuid.uuid4()) for _ in range(20)]
     work = spec_of(L.Work)

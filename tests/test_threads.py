@@ -171,3 +171,111 @@ async def test_abandoned_calls_do_not_keep_their_conversation_alive(tmp_path) ->
         later = max(f.touched for f in frames) + 3600
         assert h.pump.collect_idle(60, now=later) == len(frames)
         assert len(h.pump.registry) == 0
+
+
+# ---- conversations at rest: memory bounded by the work in progress ---------------------
+
+
+def test_a_conversation_at_rest_is_still_found_and_wakes_when_continued() -> None:
+    reg = ThreadRegistry(max_resting=4)
+    root = start(reg, "alice", profile())
+    assert reg.rest(root) == []
+    assert (reg.in_progress, reg.resting, len(reg)) == (0, 1, 1)
+    assert reg.get(root.uuid) is root and root.state is ThreadState.ACTIVE
+    reg.wake(root)
+    assert (reg.in_progress, reg.resting) == (1, 0)
+    assert reg.get(root.uuid) is root
+
+
+def test_the_rest_set_is_bounded_and_pushes_out_the_least_recently_rested() -> None:
+    reg = ThreadRegistry(max_resting=3)
+    p = profile()
+    roots = [start(reg, "alice", p) for _ in range(5)]
+    pushed = [f for r in roots[:3] for f in reg.rest(r)]
+    assert pushed == []
+    reg.rest(roots[0])  # rested again: now the most recent
+    assert reg.rest(roots[3]) == [roots[1]]
+    assert reg.rest(roots[4]) == [roots[2]]
+    assert reg.resting == 3 and {f.uuid for f in reg} == {roots[i].uuid for i in (0, 3, 4)}
+    # The caller ends what was pushed out; it is no longer held anywhere.
+    assert reg.end(roots[1], ThreadEvent.ABANDONED) is ThreadState.COMPLETED
+    assert reg.get(roots[1].uuid) is None and len(reg) == 3
+
+
+def test_a_resting_conversation_can_be_ended_or_forgotten() -> None:
+    reg = ThreadRegistry()
+    a, b = start(reg, "alice", profile()), start(reg, "bob", profile())
+    reg.rest(a)
+    reg.rest(b)
+    assert reg.end(a, ThreadEvent.ABANDONED) is ThreadState.COMPLETED
+    reg.forget(b)
+    assert len(reg) == 0 and reg.get(a.uuid) is None and reg.get(b.uuid) is None
+    assert reg.rest(a) == []  # an ended conversation is never put back
+
+
+def test_end_hooks_hear_of_every_frame_that_ends() -> None:
+    reg = ThreadRegistry()
+    ended: list[str] = []
+    reg.on_end(ended.append)
+    root = start(reg, "alice", profile())
+    child = reg.extend(root, "relay")
+    reg.end(child, ThreadEvent.FAILED)
+    reg.rest(root)
+    reg.end(root, ThreadEvent.ABANDONED)
+    assert ended == [child.uuid, root.uuid]
+
+
+async def test_completed_conversations_hold_no_memory_beyond_the_rest_set(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from agentd.testing import Harness
+    from agentd.tools.calculator import Add
+    from agentd.tools.relay import Relay
+
+    organism = Path(__file__).parent / "organisms" / "basic.yaml"
+    async with Harness.from_config(organism, {"alice": "public"}, state_dir=tmp_path) as h:
+        h.pump.registry.max_resting = 10
+        threads = []
+        for i in range(60):
+            payload = Relay(a=i, b=1) if i % 2 else Add(a=i, b=1)
+            frames = await h.send("alice", payload)
+            threads.append(frames[0].split(b"<thread>")[1].split(b"</thread>")[0].decode())
+            assert frames[-1].count(b"<value>") == 1
+        reg = h.pump.registry
+        assert reg.in_progress == 0  # no call, no conversation left in progress
+        assert len(reg) == reg.resting == 10
+        assert {f.uuid for f in reg} == set(threads[-10:])
+        await h.run_until_idle()
+        assert h.kernel is not None
+        # What outlives a conversation pushed out of memory is its thread row, ended
+        # as idle collection would end it; one at rest is still active.
+        old = await h.kernel.thread(threads[0])
+        recent = await h.kernel.thread(threads[-1])
+        assert old is not None and old.state == "completed"
+        assert recent is not None and recent.state == "active"
+
+
+async def test_a_conversation_continues_after_rest_and_after_being_pushed_out(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from agentd.testing import Harness
+    from agentd.tools.calculator import Add
+
+    organism = Path(__file__).parent / "organisms" / "basic.yaml"
+    clients = {"alice": "public", "bob": "public"}
+    async with Harness.from_config(organism, clients, state_dir=tmp_path) as h:
+        h.pump.registry.max_resting = 2
+        first = await h.send("alice", Add(a=1, b=2))
+        thread = first[0].split(b"<thread>")[1].split(b"</thread>")[0].decode()
+        # At rest: continued by its owner, refused to anyone else, as before.
+        again = await h.send("alice", Add(a=3, b=4), thread=thread)
+        assert [b"<accepted" in again[0], b"<value>7</value>" in again[-1]] == [True, True]
+        refused = await h.send("bob", Add(a=1, b=1), thread=thread)
+        assert len(refused) == 1 and b"unroutable" in refused[0]
+        for _ in range(3):
+            await h.send("alice", Add(a=0, b=0))
+        assert h.pump.registry.get(thread) is None  # pushed out and ended
+        # Pushed out: the client's next envelope on it starts it again, as after
+        # idle collection.
+        later = await h.send("alice", Add(a=5, b=5), thread=thread)
+        assert b"<accepted" in later[0] and b"<value>10</value>" in later[-1]

@@ -117,6 +117,7 @@ class AgentLoop:
         self.max_fanout = max_fanout
         self.own_classes = tuple(listener.payload_classes)
         self.tasks: dict[str, TaskState] = {}
+        session.on_task_end(self._forget)
 
     async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse | None:
         thread = meta.thread_id
@@ -199,10 +200,13 @@ class AgentLoop:
         self.tasks[thread] = state
         return state
 
-    def _end(self, thread: str) -> None:
+    def _forget(self, thread: str) -> None:
         state = self.tasks.pop(thread, None)
         if state is not None:
             state.finish()
+
+    def _end(self, thread: str) -> None:
+        self._forget(thread)
         with contextlib.suppress(IsolationError):  # already ended
             self.session.end(thread)
 

@@ -15,7 +15,10 @@ Invariants:
 - a call goes out only after `validate_no_override` found nothing; a finding is an
   internal error and a security event, never a degraded call;
 - every security event (neutralised markers or role tags, dropped fact
-  redefinitions, suspected injections) goes to `audit` once per thread.
+  redefinitions, suspected injections) goes to `audit` once per thread;
+- a task lives no longer than its frame: bound to the pump's registry, the
+  platform drops a task (and its history) when the frame ends, however it ends,
+  and tells the agent's handler (`AgentSession.on_task_end`).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class ThreadScope:
 
 
 ThreadResolver = Callable[[str], ThreadScope | None]
+TaskEndHook = Callable[[str], None]  # called with the thread of a task that ended
 
 
 def registry_resolver(registry: ThreadRegistry) -> ThreadResolver:
@@ -148,6 +152,7 @@ class Platform:
         )
         self._tasks: dict[str, _Task] = {}
         self._owners: dict[str, str] = {}
+        self._task_end_hooks: dict[str, list[TaskEndHook]] = {}
         facts = dict(shared_facts) if shared_facts is not None else {"organism": config.name}
         # Layer 3 per agent: shared facts minus those that would redefine layers 1-2.
         self._shared: dict[str, tuple[tuple[Fragment, ...], dict[str, str]]] = {}
@@ -191,8 +196,29 @@ class Platform:
     # ---- wiring -----------------------------------------------------------------------
 
     def bind_threads(self, resolver: ThreadResolver | ThreadRegistry) -> None:
-        """Give the platform the conversation of each thread (for budgets)."""
-        self._resolve = resolver if callable(resolver) else registry_resolver(resolver)
+        """Give the platform the conversation of each thread (for budgets); bound to
+        the registry itself, tasks also end with their frames (`frame_ended`)."""
+        if callable(resolver):
+            self._resolve = resolver
+            return
+        self._resolve = registry_resolver(resolver)
+        resolver.on_end(self.frame_ended)
+
+    def frame_ended(self, thread: str) -> None:
+        """The frame `thread` ended (answered, failed, collected): a task still open
+        on it can never get another message, so it leaves with its history."""
+        agent = self._owners.pop(thread, None)
+        if agent is None:
+            return  # not a task, or the agent already ended it
+        del self._tasks[thread]
+        self.history.drop(thread)
+        for hook in self._task_end_hooks.get(agent, ()):
+            hook(thread)
+
+    @property
+    def open_tasks(self) -> int:
+        """Tasks begun and not yet ended, over all agents."""
+        return len(self._tasks)
 
     def session(self, agent: str) -> AgentSession:
         if agent not in self._agents:
@@ -441,3 +467,8 @@ class AgentSession:
 
     def end(self, thread: str) -> None:
         self._platform.end(self.agent, thread)
+
+    def on_task_end(self, hook: TaskEndHook) -> None:
+        """Call `hook(thread)` when one of this agent's tasks is ended by the
+        platform because its frame ended (not when the agent ends it itself)."""
+        self._platform._task_end_hooks.setdefault(self.agent, []).append(hook)

@@ -18,6 +18,9 @@ Invariants:
   to it and committed before the next await, so its writes commit together.
 - Queues are bounded: client ingress waits for room (backpressure); handler output
   beyond a hard cap is refused with `huh rate-limited` to its producer.
+- Memory is bounded by the work in progress: once a conversation has no open call
+  and nothing queued, it is put at rest in the registry (a bounded set); one pushed
+  out of it is ended as abandoned, in the same batch, as idle collection would.
 """
 
 from __future__ import annotations
@@ -187,6 +190,7 @@ class Pump:
             self.registry.add(frame)  # registered only once every check has passed
         else:
             frame.touched = time.monotonic()
+            self.registry.wake(frame)
         meta_answer = msg.sender == CORE  # answered by the pump itself (agentd/_meta.py)
         if self.kernel is None:
             self._seq += 1
@@ -312,6 +316,15 @@ class Pump:
     def _close(self, batch: Batch | None, handled: Message | None) -> None:
         """Commit what one step produced (and mark `handled` as processed); client
         frames are handed to `deliver` only once their outbox rows are durable."""
+        if handled is not None:
+            root = handled.frame.root
+            if not root.children and root.state is _ACTIVE and not self._scheduler.waiting(
+                root.uuid
+            ):
+                # Nothing in progress on the conversation: at rest, so memory holds
+                # only work in progress and a bounded set of resumable conversations.
+                for pushed in self.registry.rest(root):
+                    self._end(pushed, ThreadEvent.ABANDONED, batch)
         if batch is None or self.kernel is None:
             return
         if handled is not None and handled.seq:

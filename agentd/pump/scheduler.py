@@ -72,6 +72,11 @@ class Scheduler:
         """True while messages for the frame `uuid` are queued or being handled."""
         return uuid in self._inboxes
 
+    def waiting(self, uuid: str) -> bool:
+        """True while messages for the frame `uuid` are queued and not yet taken."""
+        inbox = self._inboxes.get(uuid)
+        return inbox is not None and bool(inbox.items)
+
     def put(self, msg: Message) -> None:
         uuid = msg.frame.uuid
         inbox = self._inboxes.get(uuid)
