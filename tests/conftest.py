@@ -1,6 +1,9 @@
 """Test-wide settings. Under CI (CI=true), hypothesis runs derandomized: the same
 examples on every run, so a submission cannot pass or fail by the luck of the draw.
-Locally the search stays random, which is how new counterexamples are found."""
+Locally the search stays random, which is how new counterexamples are found.
+No profile has a per-example deadline: speed is measured by benchmarks/, never
+asserted by a test (a loaded 2-core machine once failed a kernel property at 252 ms
+against hypothesis's default 200 ms)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import os
 
 from hypothesis import settings
 
-settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+settings.register_profile("local", deadline=None)
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True,
+                          deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "local")
