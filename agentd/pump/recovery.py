@@ -84,7 +84,7 @@ def resume(
                 spec = response_spec(responder, env)
             msg = to_holder(env, data, env.sender, frame, spec)
     except Rejection as rej:
-        log.warning("recovered message refused thread=%s: %s", thread, rej.detail)
+        log.warning("recovered message refused %s: %s", frame.log_ids, rej.detail)
         return None
     msg.hops = int(hops or 0)
     return msg
