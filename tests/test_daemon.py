@@ -190,8 +190,7 @@ async def test_a_replay_miss_is_final_and_its_log_names_the_thread_introspection
 ) -> None:
     d = await DaemonProcess(home).start()
     try:
-        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
-            frames = await bus.exchange(MathQuestion(text="What is the capital of France?"))
+        frames = await ask_once(d, MathQuestion(text="What is the capital of France?"))
         assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
         assert b"<code>internal</code>" in frames[-1]
         assert b"<retry-allowed>false</retry-allowed>" in frames[-1]
@@ -207,6 +206,12 @@ async def test_a_replay_miss_is_final_and_its_log_names_the_thread_introspection
     # agent's frame beside it), precisely.
     (line,) = [line for line in d.log if "no completion" in line]
     assert f"thread={thread} frame=" in line and "no recorded exchange" in line
+
+
+async def ask_once(d: DaemonProcess, payload: Any) -> list[bytes]:
+    """alice's one exchange with the daemon `d`, on a connection of its own."""
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        return await bus.exchange(payload)
 
 
 async def test_reload_adds_removes_and_changes_listeners_while_threads_keep_their_table(
