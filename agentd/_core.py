@@ -40,9 +40,14 @@ class Huh:
     tag: ClassVar[str] = "huh"
 
     @classmethod
-    def of(cls, code: HuhCode, message: str | None = None) -> Huh:
+    def of(
+        cls, code: HuhCode, message: str | None = None, retry_allowed: bool | None = None
+    ) -> Huh:
+        """The `huh` for `code`: its generic message and retry flag unless given."""
         return cls(
-            code, GENERIC_MESSAGES[code] if message is None else message, RETRY_ALLOWED[code]
+            code,
+            GENERIC_MESSAGES[code] if message is None else message,
+            RETRY_ALLOWED[code] if retry_allowed is None else retry_allowed,
         )
 
     def to_bytes(self) -> bytes:

@@ -43,6 +43,7 @@ class HandlerResponse:
     targets: tuple[str, ...] = field(default=())
     error_code: HuhCode | None = None
     error_message: str = ""
+    retry_allowed: bool | None = None  # None: what the code implies
 
     @classmethod
     def respond(cls, payload: Any) -> HandlerResponse:
@@ -55,6 +56,11 @@ class HandlerResponse:
         return cls(payload, kind=ResponseKind.BROADCAST, targets=tuple(to))
 
     @classmethod
-    def error(cls, code: HuhCode | str, message: str = "") -> HandlerResponse:
-        """Report failure to the caller as a `huh` with `code`."""
-        return cls(None, kind=ResponseKind.ERROR, error_code=HuhCode(code), error_message=message)
+    def error(
+        cls, code: HuhCode | str, message: str = "", *, retry_allowed: bool | None = None
+    ) -> HandlerResponse:
+        """Report failure to the caller as a `huh` with `code`. `retry_allowed=False`
+        tells the caller that sending the same request again cannot succeed (by
+        default the code decides)."""
+        return cls(None, kind=ResponseKind.ERROR, error_code=HuhCode(code),
+                   error_message=message, retry_allowed=retry_allowed)

@@ -107,8 +107,22 @@ class Frame:
         """Who receives messages delivered *to* this frame: its last path element."""
         return self.path[-1]
 
+    @property
+    def log_ids(self) -> str:
+        """How logs name this frame: by its conversation's UUID (the one the client
+        and `introspect thread` know), plus its own when it is a child."""
+        return log_ids(self.root.uuid, self.uuid)
+
     def __repr__(self) -> str:  # never include the path: reprs end up in logs
         return f"<Frame {self.uuid} {self.state.value}>"
+
+
+def log_ids(conversation: str, frame: str) -> str:
+    """`thread=<client's thread UUID>`, and `frame=<UUID>` when `frame` is a child's.
+    Every log line and audit record about a conversation names it this way."""
+    if frame == conversation:
+        return f"thread={conversation}"
+    return f"thread={conversation} frame={frame}"
 
 
 _pool = b""

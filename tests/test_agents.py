@@ -5,6 +5,7 @@ record then replay, the demo organism, and restoring a task after a restart."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -14,8 +15,9 @@ from typing import Any
 import pytest
 
 from agentd import _metrics as metrics
-from agentd._core import Answer
+from agentd._core import Answer, Huh, core_from_element
 from agentd._envelope import parse_envelope
+from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._handler import HandlerMetadata, ResponseKind
 from agentd.client import frame_kind
 from agentd.config import load_config
@@ -357,6 +359,34 @@ async def test_the_demo_organism_runs_offline_from_its_cassette() -> None:
         frames = [await h.send("alice", MathQuestion(text=q)) for q in DEMO_QUESTIONS]
     await handlers.platform.aclose()
     assert [answered(f) for f in frames] == ["(2 + 3) * 7 = 35.", "(40 + 2) * 10 = 420."]
+
+
+async def test_a_question_not_in_the_recording_is_a_final_huh_logged_under_the_clients_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="agentd")
+    config = load_config(CONFIG_DIR / "agent-demo.yaml")
+    async with Harness(config, {"alice": "public"}) as h:
+        frames = await h.send("alice", MathQuestion(text="What is the capital of France?"))
+        thread = parse_envelope(frames[0]).thread
+        failures = [r.getMessage() for r in caplog.records if "no completion" in r.getMessage()]
+        logged = {m.group(1) for line in failures for m in [_THREAD_ID.search(line)] if m}
+        # The UUID the log names is the client's, and the one introspection finds
+        # (`introspect thread` looks it up in this registry).
+        assert logged == {thread}
+        assert h.pump.registry.get(thread) is not None
+    assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
+    huh = core_from_element(parse_envelope(frames[-1]).payload)
+    assert isinstance(huh, Huh)
+    assert huh.code is HuhCode.INTERNAL and huh.retry_allowed is False
+    # Generic to the client, precise in the log.
+    assert huh.message == GENERIC_MESSAGES[HuhCode.INTERNAL]
+    assert "no recorded exchange" in failures[0] and "retry_allowed=false" in failures[0]
+    frame = re.search(r"frame=(\S+)", failures[0])
+    assert frame is not None and frame.group(1) != thread
+
+
+_THREAD_ID = re.compile(r"thread=(\S+)")
 
 
 # ---- restart -----------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from websockets.exceptions import ConnectionClosed
 from agentd._envelope import parse_envelope
 from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind
 from agentd.kernel import verify_journal_main
+from agentd.platform.demo import MathQuestion
 from agentd.tools.calculator import Add
 from agentd.tools.relay import Relay
 from tests.daemon_process import DaemonProcess, edit_config, make_home
@@ -182,6 +183,35 @@ async def test_every_privileged_command_against_a_real_daemon(home: Path) -> Non
     finally:
         if d.proc is not None and d.proc.returncode is None:
             await d.stop()
+
+
+async def test_a_replay_miss_is_final_and_its_log_names_the_thread_introspection_finds(
+    home: Path,
+) -> None:
+    d = await DaemonProcess(home).start()
+    try:
+        frames = await ask_once(d, MathQuestion(text="What is the capital of France?"))
+        assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
+        assert b"<code>internal</code>" in frames[-1]
+        assert b"<retry-allowed>false</retry-allowed>" in frames[-1]
+        assert b"recorded" not in frames[-1]  # generic to the client
+        thread = frame_kind(frames[0])[2]
+        code, doc = await asyncio.to_thread(d.agentctl, "introspect", "thread", thread)
+        assert code == 0 and "alice" in str(doc["result"])
+        code, doc = await asyncio.to_thread(d.agentctl, "journal", "--thread", thread)
+        assert code == 0 and "llm-call" in str(doc["result"])
+    finally:
+        assert await d.stop() == 0
+    # The daemon's own account of the failure names that same thread (and the
+    # agent's frame beside it), precisely.
+    (line,) = [line for line in d.log if "no completion" in line]
+    assert f"thread={thread} frame=" in line and "no recorded exchange" in line
+
+
+async def ask_once(d: DaemonProcess, payload: Any) -> list[bytes]:
+    """alice's one exchange with the daemon `d`, on a connection of its own."""
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        return await bus.exchange(payload)
 
 
 async def test_reload_adds_removes_and_changes_listeners_while_threads_keep_their_table(

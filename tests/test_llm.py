@@ -20,6 +20,7 @@ from agentd.llm import (
     LlmRequest,
     LlmRouter,
     NoBackendAvailable,
+    ReplayMiss,
     RequestTooLarge,
     TokenBucket,
     retry_after_s,
@@ -225,6 +226,7 @@ async def test_every_backend_failing_reports_each() -> None:
         await r.aclose()
     assert [e.backend for e in err.value.errors] == ["a", "b"]  # type: ignore[union-attr]
     assert "HTTP 503" in str(err.value) and "not JSON" in str(err.value)
+    assert err.value.retry_allowed  # a 503 can pass: the client may ask again
 
 
 async def test_round_robin_spreads_calls() -> None:
@@ -326,8 +328,10 @@ async def test_record_then_replay_the_same_answers_offline(tmp_path: Path) -> No
     replay = router(LlmBackendConfig(name="tape", provider="replay", cassette=cassette))
     again = [(await replay.complete(request(f"{t} ffff0000", nonce="ffff0000"))).text
              for t in ("1", "2")]
-    with pytest.raises(NoBackendAvailable, match="no recorded exchange"):
+    with pytest.raises(NoBackendAvailable, match="no recorded exchange") as miss:
         await replay.complete(request("never recorded"))
+    assert isinstance(miss.value.errors[0], ReplayMiss)
+    assert not miss.value.retry_allowed  # the recording will not grow: asking again is futile
     await replay.aclose()
     assert again == live == ["alpha", "beta"]
 

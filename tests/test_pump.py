@@ -271,10 +271,12 @@ async def test_privileged_element_deep_in_handler_output_is_a_security_event(
 ) -> None:
     events: list[tuple[str, dict[str, str]]] = []
     h.pump.on_security = lambda kind, fields: events.append((kind, dict(fields)))
-    await order(h, "priv-deep")
+    frames = await order(h, "priv-deep")
     (huh,) = hostile_inbox()
     assert isinstance(huh, Huh) and huh.code is HuhCode.UNROUTABLE
-    assert events == [("priv-from-handler", {"listener": "hostile"})]
+    # Named by the client's thread (the one on its `accepted`), not the handler's frame.
+    client_thread = parse_envelope(frames[0]).thread
+    assert events == [("priv-from-handler", {"listener": "hostile", "thread": client_thread})]
 
 
 async def test_handler_error_goes_to_the_caller_as_huh(h: Harness) -> None:

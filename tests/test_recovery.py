@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import random
 import signal
@@ -22,7 +23,8 @@ from agentd._envelope import build_envelope
 from agentd._threads import new_uuid
 from agentd._xmlify import spec_of
 from agentd.demo import ORGANISM as DEMO_ORGANISM
-from agentd.kernel import Kernel
+from agentd.kernel import Kernel, ThreadRow
+from agentd.pump.recovery import rebuild_frames
 from agentd.testing import Harness
 from agentd.tools.calculator import Add
 from agentd.tools.relay import Relay
@@ -193,3 +195,18 @@ async def test_submit_nowait_refuses_with_internal_when_the_disk_is_full(tmp_pat
         assert b"<code>internal</code>" in frames[0]
         assert not any(b"<accepted" in f for f in frames)
         await kernel.set_max_db_bytes(None)
+
+
+def test_a_frame_whose_profile_is_gone_is_logged_under_its_clients_thread(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    root, child = new_uuid(), new_uuid()
+    rows = [
+        ThreadRow(child, ("alice", "relay"), root, "alice", "removed", 1, "active", 0.0, 0.0),
+        ThreadRow(root, ("alice",), None, "alice", "removed", 1, "active", 0.0, 0.0),
+    ]
+    with caplog.at_level(logging.WARNING, logger="agentd.pump"):
+        assert rebuild_frames(rows, {}) == {}
+    named = [r.getMessage() for r in caplog.records if "no longer exists" in r.getMessage()]
+    assert named == [f"profile removed no longer exists thread={root} frame={child}",
+                     f"profile removed no longer exists thread={root}"]

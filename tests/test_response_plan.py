@@ -97,6 +97,18 @@ def test_error_tells_the_caller_its_code_and_fails_the_call(call: Call) -> None:
     assert plan.end is ThreadEvent.FAILED and plan.envelopes == ()
 
 
+def test_an_error_the_handler_calls_final_tells_the_caller_not_to_retry(call: Call) -> None:
+    final = HandlerResponse.error(HuhCode.INTERNAL, retry_allowed=False)
+    plan = plan_response(call.request, call.listener, call.add, final, FANOUT)
+    assert plan.notice_to is call.relay and plan.end is ThreadEvent.FAILED
+    assert b"<code>internal</code>" in plan.notice
+    assert b"<retry-allowed>false</retry-allowed>" in plan.notice
+    # Without a word from the handler, the code decides (internal: may retry).
+    plain = plan_response(call.request, call.listener, call.add,
+                          HandlerResponse.error(HuhCode.INTERNAL), FANOUT)
+    assert b"<retry-allowed>true</retry-allowed>" in plain.notice
+
+
 def test_core_payload_from_a_handler_is_refused_to_its_own_frame(call: Call) -> None:
     plan = plan_response(call.request, call.listener, call.add,
                          HandlerResponse.respond(Ack("forged")), FANOUT)

@@ -59,6 +59,16 @@ def test_repr_never_shows_the_path() -> None:
     assert "secret-listener" not in repr(child) and "alice" not in repr(child)
 
 
+def test_logs_name_a_frame_by_its_clients_thread_and_a_child_by_its_own_uuid_too() -> None:
+    reg = ThreadRegistry()
+    root = start(reg, "alice", profile())
+    child = reg.extend(root, "tutor")
+    grandchild = reg.extend(child, "calculator.add")
+    assert root.log_ids == f"thread={root.uuid}"
+    assert child.log_ids == f"thread={root.uuid} frame={child.uuid}"
+    assert grandchild.log_ids == f"thread={root.uuid} frame={grandchild.uuid}"
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     ops=st.lists(

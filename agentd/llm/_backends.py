@@ -26,7 +26,13 @@ import httpx
 from agentd.config import LlmBackendConfig
 from agentd.llm._cassette import Cassette, CassetteRecorder
 from agentd.llm._limits import Clock, TokenBucket
-from agentd.llm._types import BackendError, LlmRequest, LlmResponse, RequestTooLarge
+from agentd.llm._types import (
+    BackendError,
+    LlmRequest,
+    LlmResponse,
+    ReplayMiss,
+    RequestTooLarge,
+)
 from agentd.llm._wire import DEFAULT_BASE_URLS, PROTOCOLS, classify
 
 
@@ -165,7 +171,5 @@ class ReplayBackend(Backend):
     async def send(self, request: LlmRequest) -> LlmResponse:
         exchange = self.cassette.lookup(request)
         if exchange is None:
-            raise BackendError(
-                self.name, f"no recorded exchange for request {request.key[:16]}", failover=True
-            )
+            raise ReplayMiss(self.name, f"no recorded exchange for request {request.key[:16]}")
         return exchange.to_response(self.name)

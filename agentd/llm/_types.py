@@ -114,7 +114,11 @@ class LlmResponse:
 
 
 class LlmError(AgentdError):
-    """A completion could not be produced."""
+    """A completion could not be produced. `retry_allowed`: whether the same request
+    could succeed later (what the caller's `huh` says); False for a failure that
+    asking again cannot change."""
+
+    retry_allowed: bool = True
 
 
 @dataclass(eq=False)
@@ -143,8 +147,14 @@ class RequestTooLarge(LlmError):
     than waiting forever."""
 
 
-class ReplayMiss(LlmError):
-    """A replay backend has no recorded exchange for this request."""
+@dataclass(eq=False)
+class ReplayMiss(BackendError):
+    """A replay backend has no recorded exchange for this request. Another backend
+    may have one (failover), but this one never will: not retryable, on this backend
+    or by the client."""
+
+    failover: bool = True
+    retry_allowed = False
 
 
 @dataclass(eq=False)
@@ -155,6 +165,8 @@ class NoBackendAvailable(LlmError):
 
     def __post_init__(self) -> None:
         super().__init__(self.__str__())
+        # Worth asking again only if some backend failed for a reason that can pass.
+        self.retry_allowed = not self.errors or any(e.retry_allowed for e in self.errors)
 
     def __str__(self) -> str:
         return "no LLM backend could answer: " + "; ".join(str(e) for e in self.errors)

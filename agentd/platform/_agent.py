@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from agentd._core import Ack, Answer, Huh
 from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._threads import log_ids
 from agentd._xmlify import is_xmlified, to_xml
 from agentd.config import ListenerConfig, OrganismConfig
 from agentd.llm import LlmError
@@ -150,16 +151,19 @@ class AgentLoop:
             try:
                 completion = await session.complete(thread)
             except (BudgetExceeded, HistoryFull) as exc:
-                log.warning("agent %s stopped thread=%s: %s", self.name, thread, exc)
+                log.warning("agent %s stopped %s: %s", self.name, self._ids(thread), exc)
                 return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
             except LlmError as exc:
-                log.error("agent %s: no completion thread=%s: %s", self.name, thread, exc)
-                return self._fail(thread, HuhCode.INTERNAL)
+                # Precise here, generic to the caller; whether asking again can help
+                # (a replay miss cannot) is the error's to say.
+                log.error("agent %s: no completion %s retry_allowed=%s: %s", self.name,
+                          self._ids(thread), str(exc.retry_allowed).lower(), exc)
+                return self._fail(thread, HuhCode.INTERNAL, exc.retry_allowed)
             except asyncio.CancelledError:  # the pump's handler timeout, or a stop
                 self._end(thread)
                 raise
             except Exception:  # an override violation, a bug: the task ends, loudly
-                log.exception("agent %s: task failed thread=%s", self.name, thread)
+                log.exception("agent %s: task failed %s", self.name, self._ids(thread))
                 return self._fail(thread, HuhCode.INTERNAL)
             reply = parse_reply(completion.text, session.catalogue)
             calls, notices = list(reply.calls), list(reply.notices)
@@ -195,8 +199,8 @@ class AgentLoop:
             done = sum(1 for t in turns[last + 1:] if t.kind == RESULT)
             if calls > done:
                 state.phase, state.pending = Phase.WAITING, calls - done
-        log.info("agent %s: task restored thread=%s iterations=%d pending=%d",
-                 self.name, thread, state.iterations, state.pending)
+        log.info("agent %s: task restored %s iterations=%d pending=%d",
+                 self.name, self._ids(thread), state.iterations, state.pending)
         self.tasks[thread] = state
         return state
 
@@ -216,9 +220,13 @@ class AgentLoop:
             text = text[:MAX_ANSWER_CHARS] + " [truncated]"
         return HandlerResponse.respond(Answer(text=text))
 
-    def _fail(self, thread: str, code: HuhCode) -> HandlerResponse:
+    def _fail(self, thread: str, code: HuhCode, retry_allowed: bool | None = None
+              ) -> HandlerResponse:
         self._end(thread)
-        return HandlerResponse.error(code, GENERIC_MESSAGES[code])
+        return HandlerResponse.error(code, GENERIC_MESSAGES[code], retry_allowed=retry_allowed)
+
+    def _ids(self, thread: str) -> str:
+        return log_ids(self.session.conversation(thread), thread)
 
 
 class AgentHandlers(dict[str, Handler]):

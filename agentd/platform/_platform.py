@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from agentd import _metrics as metrics
+from agentd._threads import log_ids
 from agentd.config import AgentConfig, OrganismConfig
 from agentd.llm import LlmError, LlmRequest, LlmRouter
 from agentd.llm._types import Role
@@ -143,7 +144,7 @@ class Platform:
         self._router = router
         self.history: HistoryStore = history or InMemoryHistoryStore()
         self.memory: MemoryStore = memory or KeywordMemory()
-        self._audit: AuditFn = audit or _null_audit
+        self._audit_sink: AuditFn = audit or _null_audit
         self._resolve = resolve_thread
         self.recall_limit = recall_limit
         self.budgets = BudgetLedger()
@@ -315,6 +316,20 @@ class Platform:
         del self._owners[thread]
         self.history.drop(thread)
 
+    def conversation(self, thread: str) -> str:
+        """The client's thread UUID (the root frame's) that the task on `thread` serves:
+        the UUID logs and audit records name, the one the client and the operator
+        know. `thread` itself when no registry is bound or the frame is gone."""
+        scope = self._resolve(thread) if self._resolve is not None else None
+        return scope.conversation if scope is not None else thread
+
+    def _audit(self, kind: str, thread: str, fields: Mapping[str, Any]) -> None:
+        # Recorded under the client's thread; the task's own frame rides along.
+        conversation = self.conversation(thread)
+        if conversation != thread:
+            fields = {**fields, "frame": thread}
+        self._audit_sink(kind, conversation, fields)
+
     def _scopes(self, agent: str, thread: str) -> list[Scope]:
         scope = self._resolve(thread) if self._resolve is not None else None
         conversation = scope.conversation if scope is not None else thread
@@ -421,8 +436,9 @@ class Platform:
             return
         seen.add(mark)
         metrics.security_events.labels(f"llm-{event.kind}").inc()
-        log.warning("security event kind=%s agent=%s layer=%d source=%s detail=%s",
-                    event.kind, agent, event.layer, event.source, event.detail)
+        log.warning("security event kind=%s agent=%s %s layer=%d source=%s detail=%s",
+                    event.kind, agent, log_ids(self.conversation(thread), thread),
+                    event.layer, event.source, event.detail)
         self._audit(SECURITY, thread, {
             "event": event.kind, "agent": agent, "layer": int(event.layer),
             "source": event.source, "detail": event.detail,
@@ -472,3 +488,6 @@ class AgentSession:
         """Call `hook(thread)` when one of this agent's tasks is ended by the
         platform because its frame ended (not when the agent ends it itself)."""
         self._platform._task_end_hooks.setdefault(self.agent, []).append(hook)
+
+    def conversation(self, thread: str) -> str:
+        return self._platform.conversation(thread)

@@ -22,6 +22,7 @@ from typing import Any
 from agentd._errors import HuhCode
 from agentd._handler import HandlerMetadata
 from agentd._routing import Listener
+from agentd._threads import log_ids
 
 log = logging.getLogger("agentd.pump")
 
@@ -66,9 +67,12 @@ class Invoker:
                 await self._watchdog
             self._watchdog = None
 
-    async def call(self, listener: Listener, payload: Any, meta: HandlerMetadata) -> object:
+    async def call(
+        self, listener: Listener, payload: Any, meta: HandlerMetadata, conversation: str = ""
+    ) -> object:
         """Run `listener`'s handler on `payload`: its return value, or `RAISED` /
-        `TIMED_OUT`. Counts the outcome and the handler's time for the listener."""
+        `TIMED_OUT`. Counts the outcome and the handler's time for the listener.
+        `conversation`: the client's thread UUID the call serves, for the logs."""
         handler = listener.handler
         assert handler is not None
         self.calls += 1
@@ -88,15 +92,16 @@ class Invoker:
             if task not in self._expired:
                 raise  # the pump is stopping
         except Exception:
-            log.exception("handler raised listener=%s thread=%s", listener.name, meta.thread_id)
+            log.exception("handler raised listener=%s %s", listener.name,
+                          log_ids(conversation or meta.thread_id, meta.thread_id))
         finally:
             listener.release_slot()
             del self._deadlines[task]
             if task in self._expired:  # also when the handler swallowed the cancel
                 self._expired.discard(task)
                 task.uncancel()
-                log.warning("handler timed out listener=%s thread=%s",
-                            listener.name, meta.thread_id)
+                log.warning("handler timed out listener=%s %s", listener.name,
+                            log_ids(conversation or meta.thread_id, meta.thread_id))
                 result = TIMED_OUT
         if result is RAISED:
             listener.count("error")

@@ -183,7 +183,8 @@ class Pump:
         except Rejection as rej:
             if isinstance(rej, Violation):
                 self._security_event(rej.event, rej.fields)
-            log.info("rejected client=%s code=%s detail=%s", client, rej.code.value, rej.detail)
+            log.info("rejected client=%s code=%s thread=%s detail=%s",
+                     client, rej.code.value, thread, rej.detail)
             return self._refuse_client(client, thread, rej.code)
         frame = msg.frame
         if known is None:
@@ -387,7 +388,7 @@ class Pump:
             core_from_element(msg.payload) if spec is None else spec.from_element(msg.payload)
         )
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered)
-        result = await self._invoker.call(listener, payload, meta)
+        result = await self._invoker.call(listener, payload, meta, frame.root.uuid)
         batch = self._open()
         if result.__class__ is CallFailed:
             plan = plan_failure(msg, frame, result.code)
@@ -435,20 +436,17 @@ class Pump:
             else:
                 msg = admission.route_request(env, env.key, data, listener.name, listener, frame)
         except PrivilegedOnBus:
-            self._security_event("priv-from-handler", {"listener": listener.name})
+            self._security_event("priv-from-handler",
+                                 {"listener": listener.name, "thread": frame.root.uuid})
             self._huh_to(own, HuhCode.UNROUTABLE, hops, batch)
             return False
         except Rejection as rej:
             if isinstance(rej, Violation):
-                log.warning("peer violation blocked listener=%s to=%s key=%s",
-                            listener.name, env.to, env.key)
-                self._security_event(rej.event, rej.fields)
-            log.info(
-                "handler output rejected listener=%s code=%s detail=%s",
-                listener.name,
-                rej.code.value,
-                rej.detail,
-            )
+                log.warning("peer violation blocked listener=%s to=%s key=%s %s",
+                            listener.name, env.to, env.key, own.log_ids)
+                self._security_event(rej.event, {**rej.fields, "thread": frame.root.uuid})
+            log.info("handler output rejected listener=%s code=%s %s detail=%s",
+                     listener.name, rej.code.value, own.log_ids, rej.detail)
             self._huh_to(own, rej.code, hops, batch)
             return False
         msg.hops = hops
@@ -466,7 +464,7 @@ class Pump:
             env = parse_envelope(data)
             msg = admission.to_holder(env, data, CORE, frame, None)
         except Rejection as rej:
-            log.info("core message dropped thread=%s detail=%s", frame.uuid, rej.detail)
+            log.info("core message dropped %s detail=%s", frame.log_ids, rej.detail)
             return
         msg.hops = hops
         self._enqueue(msg, batch)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from agentd._envelope import parse_envelope
 from agentd._errors import HuhCode, Rejection
 from agentd._routing import Listener, Profile
-from agentd._threads import Frame, ThreadRegistry
+from agentd._threads import Frame, ThreadRegistry, log_ids
 from agentd.kernel import Kernel, ThreadRow
 from agentd.pump.admission import response_spec, to_holder, validate
 from agentd.pump.batch import REQUEST
@@ -29,6 +29,12 @@ def rebuild_frames(rows: Iterable[ThreadRow], profiles: Mapping[str, Profile]) -
     by_uuid = {r.uuid: r for r in rows}
     frames: dict[str, Frame] = {}
 
+    def conversation_of(uuid: str) -> str:
+        # The root's UUID, the one the client knows, for the log line.
+        while (row := by_uuid.get(uuid)) is not None and row.parent:
+            uuid = row.parent
+        return uuid
+
     def build(uuid: str) -> Frame | None:
         if uuid in frames:
             return frames[uuid]
@@ -37,7 +43,8 @@ def rebuild_frames(rows: Iterable[ThreadRow], profiles: Mapping[str, Profile]) -
             return None
         profile = profiles.get(row.profile)
         if profile is None:
-            log.warning("thread %s: profile %s no longer exists", uuid, row.profile)
+            log.warning("profile %s no longer exists %s", row.profile,
+                        log_ids(conversation_of(uuid), uuid))
             return None
         parent = build(row.parent) if row.parent else None
         if row.parent and parent is None:
@@ -84,7 +91,7 @@ def resume(
                 spec = response_spec(responder, env)
             msg = to_holder(env, data, env.sender, frame, spec)
     except Rejection as rej:
-        log.warning("recovered message refused thread=%s: %s", thread, rej.detail)
+        log.warning("recovered message refused %s: %s", frame.log_ids, rej.detail)
         return None
     msg.hops = int(hops or 0)
     return msg

@@ -90,7 +90,8 @@ def plan_response(
         code = result.error_code or HuhCode.INTERNAL
         text = (result.error_message or "")[:1024] or None
         parent = frame.parent
-        return _notice(parent, Huh.of(code, text).to_bytes() if parent is not None else b"",
+        huh = Huh.of(code, text, result.retry_allowed) if parent is not None else None
+        return _notice(parent, huh.to_bytes() if huh is not None else b"",
                        None, ThreadEvent.FAILED if active else None)
     try:
         bodies = serialise_all(result.payload, max_fanout,
