@@ -143,10 +143,11 @@ class Daemon:
         config = self.config
         assert self.kernel is not None
         clients: dict[str, str] = {}
-        if config.auth.clients_file is not None:
+        if self.checked.clients is not None:
             from agentd.bus import ClientAuth
 
-            self.auth = ClientAuth.load(config.auth.clients_file, config.state_dir, config.auth)
+            # The entries the preflight read and checked: the file is read once.
+            self.auth = ClientAuth.restore(self.checked.clients, config.state_dir, config.auth)
             self.auth.on_lockout = lambda client: self.audit("lockout", {"client": client})
             clients = self.auth.profiles()
         handlers = build_agent_handlers(config, self.kernel, self.audit)

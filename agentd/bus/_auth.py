@@ -222,8 +222,20 @@ class ClientAuth:
     ) -> ClientAuth:
         """Read the clients file (refused unless mode 0600 or stricter) and the
         persisted state (sessions, last accepted steps, lockouts)."""
-        entries = read_clients_file(Path(clients_file))
-        auth = cls(entries, Path(state_dir) / STATE_FILE, cfg, clock=clock)
+        return cls.restore(read_clients_file(Path(clients_file)), state_dir, cfg, clock=clock)
+
+    @classmethod
+    def restore(
+        cls,
+        entries: Mapping[str, ClientEntry],
+        state_dir: Path,
+        cfg: AuthConfig,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> ClientAuth:
+        """`entries` already read and checked (the daemon's preflight), with the
+        persisted state (sessions, last accepted steps, lockouts)."""
+        auth = cls(dict(entries), Path(state_dir) / STATE_FILE, cfg, clock=clock)
         auth._read_state()
         return auth
 
