@@ -38,7 +38,7 @@ from agentd.bus._adapter import BUS_PATH, BusConnection
 from agentd.bus._auth import ClientAuth
 from agentd.bus._limits import TokenBucket, UnauthenticatedSlots
 from agentd.bus._session import BusSession, SessionLimits, choose_session
-from agentd.bus._tls import server_context
+from agentd.bus._tls import reload_pair, server_context
 from agentd.config import BusConfig, TlsConfig
 
 log = logging.getLogger("agentd.bus")
@@ -188,8 +188,7 @@ class BusServer:
         """Serve `tls`'s certificate and key to connections made from now on (open
         ones keep theirs). The pair is loaded into a fresh context first, so a bad
         pair raises `TlsSetupError` and changes nothing."""
-        server_context(tls)  # raises on a missing file or a key that does not match
-        self.ssl_context.load_cert_chain(str(tls.cert), str(tls.key))
+        reload_pair(self.ssl_context, tls)
         log.info("bus certificate reloaded cert=%s", tls.cert)
 
     def disconnect(self, client: str) -> int:

@@ -39,7 +39,8 @@ class TlsSetupError(AgentdError):
     """The certificate or key cannot be loaded."""
 
 
-def server_context(tls: TlsConfig | None) -> ssl.SSLContext:
+def server_context(tls: TlsConfig | None, key: bytes | None = None) -> ssl.SSLContext:
+    """The bus's server context for `tls`; `key`: the key's bytes if already read."""
     if tls is None:
         raise TlsSetupError(
             "bus.tls is required: the main bus only speaks TLS (set bus.tls.cert and "
@@ -53,17 +54,33 @@ def server_context(tls: TlsConfig | None) -> ssl.SSLContext:
     # No TLS 1.3 session tickets: bus clients reconnect with a session token, not TLS
     # resumption, and each ticket costs a little memory and CPU per connection.
     ctx.num_tickets = 0
+    _load_pair(ctx, tls, _read_key(tls) if key is None else key)
+    return ctx
+
+
+def reload_pair(ctx: ssl.SSLContext, tls: TlsConfig) -> None:
+    """Load `tls`'s pair into the live `ctx` (connections made from now on get it).
+    The key is read once, through the secret-file checks, and the pair is loaded into
+    a fresh context first, so a bad pair raises `TlsSetupError` and changes nothing."""
+    key = _read_key(tls)
+    server_context(tls, key)  # raises on a missing certificate or a key that does not match
+    _load_pair(ctx, tls, key)
+
+
+def _read_key(tls: TlsConfig) -> bytes:
     try:
-        key = read_secret_file(tls.key, "TLS key", max_bytes=_MAX_KEY_FILE)
+        return read_secret_file(tls.key, "TLS key", max_bytes=_MAX_KEY_FILE)
     except SecretFileError as exc:
         raise TlsSetupError(str(exc)) from None
+
+
+def _load_pair(ctx: ssl.SSLContext, tls: TlsConfig, key: bytes) -> None:
     try:
         _load_cert_chain(ctx, tls.cert, key)
     except (OSError, ssl.SSLError) as exc:
         raise TlsSetupError(
             f"cannot load TLS certificate {tls.cert} with key {tls.key}: {exc}"
         ) from None
-    return ctx
 
 
 def _load_cert_chain(ctx: ssl.SSLContext, cert: Path, key: bytes) -> None:
