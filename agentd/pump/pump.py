@@ -270,8 +270,15 @@ class Pump:
         self._emit_core(client, thread, Huh.of(code).to_bytes())
         return SubmitResult(thread, code=code)
 
-    def _emit_core(self, client: str, thread: str, payload: bytes) -> None:
-        self.deliver(client, thread, build_envelope(CORE, thread, payload, to=client), None)
+    def _emit_core(
+        self, client: str, thread: str, payload: bytes, batch: Batch | None = None
+    ) -> None:
+        """A core frame for a client: now, or after `batch`'s commit if one is given."""
+        frame = build_envelope(CORE, thread, payload, to=client)
+        if batch is None:
+            self.deliver(client, thread, frame, None)
+        else:
+            batch.post.append((client, thread, frame, None))
 
     def collect_idle(self, idle_s: float, now: float | None = None) -> int:
         """End conversations (and stray frames, e.g. a call whose peer never answered)
@@ -472,13 +479,9 @@ class Pump:
     def _stop_chain(self, root: Frame, code: HuhCode, why: str, batch: Batch | None) -> None:
         log.warning("chain stopped thread=%s owner=%s why=%s", root.uuid, root.owner, why)
         metrics.envelopes_rejected.labels(code.value).inc()
-        if batch is None:
-            self._emit_core(root.owner, root.uuid, Huh.of(code).to_bytes())
-            return
-        # After this batch's commit, like every client frame the handling produces:
-        # never before the conversation's `accepted`, committed first.
-        frame = build_envelope(CORE, root.uuid, Huh.of(code).to_bytes(), to=root.owner)
-        batch.post.append((root.owner, root.uuid, frame, None))
+        # With a batch, after its commit, like every client frame the handling
+        # produces: never before the conversation's `accepted`, committed first.
+        self._emit_core(root.owner, root.uuid, Huh.of(code).to_bytes(), batch)
 
     def _security_event(self, kind: str, fields: Mapping[str, str]) -> None:
         metrics.security_events.labels(kind).inc()
