@@ -13,7 +13,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -104,12 +103,11 @@ def _cassettes(config: OrganismConfig) -> Mapping[str, Any]:
     for i, backend in enumerate(config.llm.backends):
         if backend.provider == "replay" and backend.cassette is not None:
             try:
-                Cassette.load(backend.cassette, f"llm.backends[{i}].cassette")
-                digests[backend.name] = hashlib.sha256(backend.cassette.read_bytes()).hexdigest()
+                cassette = Cassette.load(backend.cassette, f"llm.backends[{i}].cassette")
             except ConfigError as exc:
                 issues.extend(exc.issues)
-            except OSError as exc:  # replaced or removed since it was loaded
-                issues.append(f"llm.backends[{i}].cassette: {backend.cassette}: {exc}")
+            else:
+                digests[backend.name] = cassette.digest  # of the bytes just checked
     if issues:
         raise ConfigError(issues)
     return {"cassette_digests": MappingProxyType(digests)}

@@ -99,8 +99,9 @@ def plan_reload(current: CheckedConfig, new: CheckedConfig) -> ReloadPlan:
         raise ConfigError(issues)
     old = {cfg.name: cfg for cfg in old_cfg.listeners}
     llm = llm_changed(current, new)
-    added = tuple(sorted(n for n in _names(new_cfg) if n not in old))
-    removed = tuple(sorted(n for n in old if n not in _names(new_cfg)))
+    new_names = _names(new_cfg)
+    added = tuple(sorted(n for n in new_names if n not in old))
+    removed = tuple(sorted(n for n in old if n not in new_names))
     changed = tuple(sorted(
         cfg.name
         for cfg in new_cfg.listeners

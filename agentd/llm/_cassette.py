@@ -17,6 +17,7 @@ cassette survives an edit of a prompt; that fallback is logged.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -54,8 +55,9 @@ class Cassette:
     """The exchanges of one cassette file, indexed for lookup. When one request was
     recorded several times, its responses are played in order, the last repeating."""
 
-    def __init__(self, exchanges: list[Exchange], source: str = "") -> None:
+    def __init__(self, exchanges: list[Exchange], source: str = "", digest: str = "") -> None:
         self.source = source
+        self.digest = digest  # SHA-256 of the file as read, to tell a changed cassette
         self.exchanges = exchanges
         self._by_key: dict[str, list[Exchange]] = defaultdict(list)
         self._by_conversation: dict[str, list[Exchange]] = defaultdict(list)
@@ -68,14 +70,14 @@ class Cassette:
     def load(cls, path: Path, where: str = "cassette") -> Cassette:
         """Read `path`; any problem is a `ConfigError` naming `where` and the line."""
         try:
-            text = path.read_text(encoding="utf-8")
+            data = path.read_bytes()
         except OSError as exc:
             raise ConfigError(
                 [f"{where}: cannot read cassette {path}: {exc.strerror or exc}"]
             ) from None
         exchanges: list[Exchange] = []
         issues: list[str] = []
-        for n, line in enumerate(text.splitlines(), 1):
+        for n, line in enumerate(data.decode("utf-8").splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -92,7 +94,7 @@ class Cassette:
             exchanges.append(ex)
         if issues:
             raise ConfigError(issues)
-        return cls(exchanges, str(path))
+        return cls(exchanges, str(path), hashlib.sha256(data).hexdigest())
 
     def lookup(self, request: LlmRequest) -> Exchange | None:
         found = self._take("key", request.key, self._by_key)
