@@ -16,6 +16,7 @@ class HuhCode(StrEnum):
     RATE_LIMITED = "rate-limited"
     BUDGET_EXCEEDED = "budget-exceeded"
     TIMEOUT = "timeout"
+    DENIED = "denied"
     INTERNAL = "internal"
 
 
@@ -30,6 +31,7 @@ GENERIC_MESSAGES: dict[HuhCode, str] = {
     HuhCode.RATE_LIMITED: "Too many messages; slow down and try again.",
     HuhCode.BUDGET_EXCEEDED: "The conversation has exhausted its budget.",
     HuhCode.TIMEOUT: "The handler did not answer in time.",
+    HuhCode.DENIED: "The request is outside what this tool may do.",
     HuhCode.INTERNAL: "An internal error occurred.",
 }
 
@@ -42,6 +44,7 @@ RETRY_ALLOWED: dict[HuhCode, bool] = {
     HuhCode.RATE_LIMITED: True,
     HuhCode.BUDGET_EXCEEDED: False,
     HuhCode.TIMEOUT: True,
+    HuhCode.DENIED: False,
     HuhCode.INTERNAL: True,
 }
 
@@ -68,6 +71,18 @@ class ValidationError(Rejection):
 
     def __init__(self, detail: str = "", code: HuhCode = HuhCode.INVALID_PAYLOAD) -> None:
         super().__init__(code, detail)
+
+
+class Denied(AgentdError):
+    """Raised by a tool when its confinement refuses a request (a path outside its
+    root, a host or an argument not allowed). The caller gets `huh denied` with the
+    generic text; `cause` and `fields` go only to the log and to the journal, as a
+    security event."""
+
+    def __init__(self, cause: str, **fields: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+        self.fields = fields
 
 
 class ConfigError(AgentdError):

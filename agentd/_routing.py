@@ -221,4 +221,5 @@ def listener_signature(cfg: ListenerConfig | None) -> tuple[Any, ...]:
         cfg.description,
         cfg.max_concurrency,
         cfg.timeout_s,
+        cfg.tool,
     )

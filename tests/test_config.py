@@ -319,7 +319,7 @@ def test_unknown_nested_key_is_reported_with_its_key_path(tmp_path: Path) -> Non
     assert issues[0].startswith(at(text, "pasword", "bus.tls.pasword", "unknown key"))
     # in file order: having lost its handler, listener b has neither handler nor agent
     assert issues[1] == at(
-        text, "name: b", "listeners[1]", "a listener needs a `handler` or an `agent`"
+        text, "name: b", "listeners[1]", "a listener needs a `handler`, an `agent` or a `tool`"
     )
     assert issues[2].startswith(at(text, "handlr", "listeners[1].handlr", "unknown key"))
 
@@ -579,9 +579,9 @@ def test_listener_has_exactly_one_of_handler_or_agent(tmp_path: Path) -> None:
             text,
             "{prompt: p",
             "listeners[0].agent",
-            "a listener has a handler or an agent, not both",
+            "a listener has one of `handler`, `agent` or `tool`, not several",
         ),
-        at(text, "name: neither", "listeners[1]", "a listener needs a `handler` or an `agent`"),
+        at(text, "name: neither", "listeners[1]", "a listener needs a `handler`, an `agent` or a `tool`"),
     ]
 
 

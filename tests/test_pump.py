@@ -284,6 +284,23 @@ async def test_handler_error_goes_to_the_caller_as_huh(h: Harness) -> None:
     assert field(frames[-1], "code") == "budget-exceeded"
 
 
+async def test_confinement_refusal_is_a_generic_denied_huh_and_a_security_event(
+    h: Harness,
+) -> None:
+    events: list[tuple[str, dict[str, str]]] = []
+    h.pump.on_security = lambda kind, fields: events.append((kind, dict(fields)))
+    frames = await order(h, "denied")
+    assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
+    assert field(frames[-1], "code") == "denied"
+    assert field(frames[-1], "message") == GENERIC_MESSAGES[HuhCode.DENIED]
+    assert field(frames[-1], "retry-allowed") == "false"
+    assert b"shadow" not in frames[-1]  # the cause stays in the log and the journal
+    client_thread = parse_envelope(frames[0]).thread
+    assert events == [("tool-denied", {"path": "../../etc/shadow", "listener": "hostile",
+                                       "cause": "path escapes the root",
+                                       "thread": client_thread})]
+
+
 async def test_handler_returning_garbage_is_an_internal_error(h: Harness) -> None:
     frames = await order(h, "not-a-response")
     assert field(frames[-1], "code") == "internal"

@@ -24,6 +24,7 @@ from pydantic import TypeAdapter, ValidationError
 from agentd._errors import ConfigError
 from agentd.config import sections
 from agentd.config.reader import Document, Issues, nulls_as_empty, read_document
+from agentd.config.tools import ToolConfig
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -71,6 +72,7 @@ class ListenerConfig:
     handler_ref: str = ""  # the `module:attribute` strings as written, for reload diffs
     payload_refs: tuple[str, ...] = ()
     response_refs: tuple[str, ...] = ()
+    tool: ToolConfig | None = None  # the `tool:` block as written, for reload diffs
 
 
 @dataclass(frozen=True)
@@ -229,9 +231,11 @@ def _load(
     if oob.socket is None:
         oob = replace(oob, socket=state_dir / "oob.sock")
     listeners = tuple(
-        _listener(section, issues, doc.node(("listeners", i)))
+        one
         for i, section in enumerate(document.listeners)
+        for one in _listener(section, issues, doc, ("listeners", i))
     )
+    issues.raise_if_any()
     return OrganismConfig(
         name=document.organism.name,
         source=source,
@@ -254,14 +258,18 @@ def _load(
 
 
 def _listener(
-    section: sections.ListenerSection, issues: Issues, node: yaml.Node | None
-) -> ListenerConfig:
+    section: sections.ListenerSection, issues: Issues, doc: Document, loc: tuple[str | int, ...]
+) -> tuple[ListenerConfig, ...]:
+    """The listeners one entry declares: one, or one per tool of a `tool:` block
+    that yields several."""
+    node = doc.node(loc)
+    location = "" if node is None else issues.where(node)
+    if section.tool is not None:
+        return _tool_listeners(section, issues, doc.node((*loc, "tool")), location)
     description = section.description
     if description is None:  # an agent: the payload's docstring tells the LLM what it does
-        from agentd import _xmlify  # late: the schema layer imports our error type
-
-        description = _xmlify.spec_of(section.payload_class[0].value).description
-    return ListenerConfig(
+        description = _docstring(section.payload_class[0].value)
+    return (ListenerConfig(
         name=section.name,
         payload_classes=tuple(i.value for i in section.payload_class),
         response_classes=tuple(i.value for i in section.response_class),
@@ -271,8 +279,45 @@ def _listener(
         peers=section.peers,
         max_concurrency=section.max_concurrency,
         timeout_s=section.timeout_s,
-        location="" if node is None else issues.where(node),
+        location=location,
         handler_ref="" if section.handler is None else section.handler.ref,
         payload_refs=tuple(i.ref for i in section.payload_class),
         response_refs=tuple(i.ref for i in section.response_class),
+    ),)
+
+
+def _docstring(cls: type) -> str:
+    from agentd import _xmlify  # late: the schema layer imports our error type
+
+    return _xmlify.spec_of(cls).description
+
+
+def _tool_listeners(
+    section: sections.ListenerSection, issues: Issues, tool_node: yaml.Node | None,
+    location: str,
+) -> tuple[ListenerConfig, ...]:
+    from agentd.tools import ToolUnavailable, build_tool  # late: tools import the schema layer
+
+    tool = section.tool
+    assert tool is not None
+    try:
+        built = build_tool(tool, section.name)
+    except ToolUnavailable as exc:
+        issues.add(tool_node, f"listeners.{section.name}.tool", str(exc))
+        return ()
+    return tuple(
+        ListenerConfig(
+            name=f"{section.name}.{one.suffix}" if one.suffix else section.name,
+            payload_classes=one.payload_classes,
+            response_classes=one.response_classes,
+            handler=one.handler,
+            description=section.description or one.description,
+            peers=section.peers,
+            max_concurrency=section.max_concurrency,
+            timeout_s=section.timeout_s,
+            location=location,
+            handler_ref=f"tool:{tool.kind}",
+            tool=tool,
+        )
+        for one in built
     )

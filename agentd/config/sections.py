@@ -21,6 +21,7 @@ from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
 from agentd.config.references import cross_references
+from agentd.config.tools import ToolConfig
 from agentd.config.values import (
     AnyText,
     Bool,
@@ -102,19 +103,28 @@ def _name_is_the_key(data: dict[str, Any]) -> list[Problem]:
 
 
 def _kind_rules(data: dict[str, Any]) -> list[Problem]:
-    """A listener has a handler or an agent; a handler needs a description."""
+    """A listener has exactly one of a handler, an agent or a tool; a handler needs a
+    description and a payload class; a tool's classes are built in."""
     name, problems = data.get("name"), []
     if name in RESERVED_LISTENER_NAMES:
         problems.append(Problem(("name",), f"{name!r} is reserved for the platform", name))
-    if "handler" in data and "agent" in data:
-        message = "a listener has a handler or an agent, not both"
-        problems.append(Problem(("agent",), message, data["agent"]))
+    kinds = [key for key in ("handler", "agent", "tool") if key in data]
+    if len(kinds) > 1:
+        message = "a listener has one of `handler`, `agent` or `tool`, not several"
+        problems.append(Problem((kinds[1],), message, data[kinds[1]]))
+    elif not kinds:
+        problems.append(Problem((), "a listener needs a `handler`, an `agent` or a `tool`", data))
     elif "agent" in data and "response_class" in data:
         message = "an agent answers with core `answer`; response_class is for handlers"
         problems.append(Problem(("response_class",), message, data["response_class"]))
-    elif "handler" not in data and "agent" not in data:
-        problems.append(Problem((), "a listener needs a `handler` or an `agent`", data))
-    if "agent" not in data and data.get("description") is None:
+    if "tool" in data:
+        for key in ("payload_class", "response_class"):
+            if key in data:
+                message = "a tool's classes are built in (a wasm tool names them under `tool:`)"
+                problems.append(Problem((key,), message, data[key]))
+    elif "payload_class" not in data:
+        problems.append(Problem(("payload_class",), "missing", data))
+    if kinds == ["handler"] and data.get("description") is None:
         problems.append(Problem(("description",), "missing", data))
     return problems
 
@@ -267,11 +277,13 @@ class ListenerSection:
     """A listener as written; `ListenerConfig` is what the loader makes of it."""
 
     name: Name
-    payload_class: ClassRefs
+    payload_class: ClassRefs = ()  # required unless `tool:` (a tool's are built in)
     response_class: ClassRefs = ()
     handler: HandlerRef | None = None
     agent: AgentConfig | None = None
-    description: AnyText | None = None  # required for handlers; agents: the docstring
+    tool: ToolConfig | None = None
+    # Required for handlers; agents and tools: their payload's docstring.
+    description: AnyText | None = None
     peers: Names = ()
     max_concurrency: Positive | None = None  # None: pump.per_listener_concurrency
     timeout_s: Seconds | None = None  # None: pump.handler_timeout_s

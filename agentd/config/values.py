@@ -227,6 +227,13 @@ def _folder(value: Path, info: ValidationInfo) -> Path:
     return value
 
 
+def _directory(value: Path) -> Path:
+    """A folder a tool works in: it must exist when the configuration is loaded."""
+    if not value.is_dir():
+        raise problem(f"not a folder: {value}")
+    return value
+
+
 _STRING = {"type": "string"}
 Int = Annotated[int, Strict()]
 Positive = Annotated[int, Strict(), Field(ge=1)]
@@ -250,6 +257,10 @@ Url = Annotated[str, Strict(), AfterValidator(_url), WithJsonSchema({**_STRING, 
 EnvName = Annotated[str, Strict(), AfterValidator(_env_name)]
 FilePath = Annotated[Path, PlainValidator(_path), WithJsonSchema(_STRING)]
 Folder = Annotated[Path, PlainValidator(_path), AfterValidator(_folder), WithJsonSchema(_STRING)]
+# A directory that is only checked, never put on sys.path (a tool's root, a preopen).
+Directory = Annotated[
+    Path, PlainValidator(_path), AfterValidator(_directory), WithJsonSchema(_STRING)
+]
 Prompt = Annotated[str, Strict(), AfterValidator(_prompt)]
 Synchronous = Literal["NORMAL", "FULL"]
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agentd._errors import HuhCode
+from agentd._errors import Denied, HuhCode
 from agentd._handler import HandlerMetadata
 from agentd._routing import Listener
 from agentd._threads import log_ids
@@ -30,10 +30,13 @@ log = logging.getLogger("agentd.pump")
 class CallFailed:
     """A call's outcome when the handler did not return: raised, or timed out."""
 
-    __slots__ = ("code",)
+    __slots__ = ("code", "event")
 
-    def __init__(self, code: HuhCode) -> None:
+    def __init__(self, code: HuhCode, event: dict[str, str] | None = None) -> None:
         self.code = code
+        # A refusal that is a security event (a tool's confinement said no): its
+        # fields, for the pump to journal. None for crashes and timeouts.
+        self.event = event
 
     def __repr__(self) -> str:
         return f"<CallFailed {self.code.value}>"
@@ -91,6 +94,9 @@ class Invoker:
         except asyncio.CancelledError:
             if task not in self._expired:
                 raise  # the pump is stopping
+        except Denied as denied:
+            result = CallFailed(HuhCode.DENIED, {**denied.fields, "cause": denied.cause,
+                                                 "listener": listener.name})
         except Exception:
             log.exception("handler raised listener=%s %s", listener.name,
                           log_ids(conversation or meta.thread_id, meta.thread_id))
@@ -105,6 +111,8 @@ class Invoker:
                 result = TIMED_OUT
         if result is RAISED:
             listener.count("error")
+        elif result.__class__ is CallFailed:
+            listener.count("denied")
         elif result is TIMED_OUT:
             listener.count("timeout")
         else:

@@ -398,6 +398,8 @@ class Pump:
         result = await self._invoker.call(listener, payload, meta, frame.root.uuid)
         batch = self._open()
         if result.__class__ is CallFailed:
+            if result.event is not None:
+                self._security_event("tool-denied", {**result.event, "thread": frame.root.uuid})
             plan = plan_failure(msg, frame, result.code)
         else:
             plan = plan_response(msg, listener, frame, result, self.settings.max_fanout)

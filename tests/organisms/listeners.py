@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from agentd import HandlerMetadata, HandlerResponse, xmlify
 from agentd._core import Ack, Huh
+from agentd.tools import Denied
 from agentd.tools.calculator import Sum
 
 NS = "https://xml-pipeline.org/ns/test"
@@ -162,6 +163,8 @@ async def hostile(
         )
     if kind == "error":
         return HandlerResponse.error("budget-exceeded", "no more")
+    if kind == "denied":
+        raise Denied("path escapes the root", path="../../etc/shadow")
     if kind == "not-a-response":
         return "just a string"  # type: ignore[return-value]
     return HandlerResponse.respond(Done(seq=0, by="hostile"))

@@ -1,0 +1,163 @@
+"""The `tool:` block of a listener: one frozen dataclass per tool kind, chosen by
+`kind`.
+
+A listener with a `tool:` block has no `handler` or `agent`: the tool's payload and
+response classes are built in (except for `wasm`, whose module speaks the classes
+given under `tool:`). These classes only declare the keys and their limits; what a
+kind does with them, and the checks that need the host (is Landlock there, does the
+module's hash match), live with the tool in `agentd.tools`, which builds a runnable
+tool from one of these at load and reports a configuration error at this block's
+location when it cannot.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, ConfigDict, Field, Strict
+from pydantic.dataclasses import dataclass
+
+from agentd.config.values import (
+    Bool,
+    ClassRefs,
+    Directory,
+    EnvName,
+    FilePath,
+    Positive,
+    Seconds,
+    Text,
+    Url,
+    problem,
+)
+
+SECTION = ConfigDict(extra="forbid")
+MIB = 1024 * 1024
+
+
+def _regex(value: str) -> str:
+    try:
+        re.compile(value)
+    except re.error as exc:
+        raise problem(f"not a regular expression: {exc}") from None
+    return value
+
+
+def _cidr(value: str) -> str:
+    try:
+        ipaddress.ip_network(value, strict=False)
+    except ValueError:
+        raise problem(f"not an address range (CIDR): {value!r}") from None
+    return value
+
+
+def _host_pattern(value: str) -> str:
+    """An exact host name or `*.suffix`; never a bare `*`."""
+    name = value[2:] if value.startswith("*.") else value
+    if not name or "*" in name or "/" in name or ":" in name:
+        raise problem(f"not a host name or *.suffix pattern: {value!r}")
+    return value.lower()
+
+
+def _sha256(value: str) -> str:
+    if not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+        raise problem("not a SHA-256 in hex (64 hex digits)")
+    return value.lower()
+
+
+Regex = Annotated[str, Strict(), AfterValidator(_regex)]
+Cidr = Annotated[str, Strict(), AfterValidator(_cidr)]
+HostPattern = Annotated[str, Strict(), AfterValidator(_host_pattern)]
+Sha256 = Annotated[str, Strict(), AfterValidator(_sha256)]
+Bytes = Annotated[int, Strict(), Field(ge=1)]
+Megabytes = Annotated[int, Strict(), Field(ge=1, le=1024 * 1024)]
+Argv = Annotated[tuple[Text, ...], Field(min_length=1)]
+
+
+@dataclass(frozen=True, config=SECTION)
+class FileReadTool:
+    kind: Literal["file-read"]
+    root: Directory
+    max_bytes: Bytes = MIB
+
+
+@dataclass(frozen=True, config=SECTION)
+class FileWriteTool:
+    kind: Literal["file-write"]
+    root: Directory
+    max_bytes: Bytes = MIB
+
+
+@dataclass(frozen=True, config=SECTION)
+class FileListTool:
+    kind: Literal["file-list"]
+    root: Directory
+    max_entries: Positive = 1000
+
+
+@dataclass(frozen=True, config=SECTION)
+class ExecTool:
+    kind: Literal["exec"]
+    argv: Argv  # argv[0] is the program; `{name}` placeholders are filled per call
+    allow_args: dict[str, Regex] = Field(default_factory=dict)
+    root: Directory | None = None  # what the program may read and write besides itself
+    cwd: Text | None = None  # relative to `root`
+    timeout_s: Seconds = 10.0
+    max_output_bytes: Bytes = 64 * 1024
+    memory_mb: Megabytes = 256
+    network: Bool = False
+    env: dict[EnvName, str] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True, config=SECTION)
+class HttpFetchTool:
+    kind: Literal["http-fetch"]
+    allow_hosts: Annotated[tuple[HostPattern, ...], Field(min_length=1)]
+    allow_schemes: tuple[Literal["https", "http"], ...] = ("https",)
+    max_bytes: Bytes = MIB
+    timeout_s: Seconds = 10.0
+    max_redirects: Annotated[int, Strict(), Field(ge=0, le=20)] = 3
+    allow_private: tuple[Cidr, ...] = ()
+
+
+@dataclass(frozen=True, config=SECTION)
+class WasmTool:
+    kind: Literal["wasm"]
+    module: FilePath
+    payload_class: ClassRefs
+    response_class: ClassRefs = ()
+    sha256: Sha256 | None = None
+    fuel: Positive = 1_000_000_000
+    memory_mb: Megabytes = 64
+    timeout_ms: Positive = 1000
+    preopens: dict[Text, Directory] = Field(default_factory=dict)  # guest dir -> host dir
+
+
+@dataclass(frozen=True, config=SECTION)
+class TimerTool:
+    kind: Literal["timer"]
+    max_delay_s: Seconds = 86_400.0
+    max_pending_per_thread: Positive = 16
+
+
+@dataclass(frozen=True, config=SECTION)
+class McpTool:
+    kind: Literal["mcp"]
+    tools: Annotated[tuple[Text, ...], Field(min_length=1)]  # the allowlist
+    command: Argv | None = None  # a stdio server
+    url: Url | None = None  # a Streamable HTTP server
+    env: dict[EnvName, str] = Field(default_factory=dict)
+    timeout_s: Seconds = 30.0
+    max_result_bytes: Bytes = MIB
+    network: Bool = False
+
+
+ToolConfig = Annotated[
+    FileReadTool | FileWriteTool | FileListTool | ExecTool | HttpFetchTool | WasmTool
+    | TimerTool | McpTool,
+    Field(discriminator="kind"),
+]
+
+# Kinds whose payload and response classes are given under `tool:` by the operator.
+OPERATOR_CLASSES = frozenset({"wasm"})
