@@ -581,7 +581,8 @@ def test_listener_has_exactly_one_of_handler_or_agent(tmp_path: Path) -> None:
             "listeners[0].agent",
             "a listener has one of `handler`, `agent` or `tool`, not several",
         ),
-        at(text, "name: neither", "listeners[1]", "a listener needs a `handler`, an `agent` or a `tool`"),
+        at(text, "name: neither", "listeners[1]",
+           "a listener needs a `handler`, an `agent` or a `tool`"),
     ]
 
 
