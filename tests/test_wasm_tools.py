@@ -43,7 +43,7 @@ def organism(tmp_path: Path) -> Path:
     (inside / "escape").symlink_to(tmp_path / "secret.txt")
     mods = {name: W.compile_to(tmp_path / f"{name}.wasm", wat) for name, wat in {
         "echo": W.ECHO, "spin": W.SPIN, "grow": W.GROW, "exit3": W.exit_with(3),
-        "clock": W.CLOCK, "read_inside": W.file_reader("note.txt"),
+        "clock": W.CLOCK, "flood": W.FLOOD, "read_inside": W.file_reader("note.txt"),
         "read_up": W.file_reader("../secret.txt"), "read_abs": W.file_reader("/etc/passwd"),
         "read_link": W.file_reader("escape"),
     }.items()}
@@ -56,6 +56,7 @@ def organism(tmp_path: Path) -> Path:
         wasm_listener("grow", mods["grow"], memory_mb=2),
         wasm_listener("exit3", mods["exit3"]),
         wasm_listener("clock", mods["clock"]),
+        wasm_listener("flood", mods["flood"]),
         *(wasm_listener(n, mods[n], **preopen)
           for n in ("read_inside", "read_up", "read_abs", "read_link")),
     ])
@@ -116,6 +117,12 @@ async def test_memory_grower_stops_at_its_cap_as_budget_exceeded(h: Harness) -> 
 
 async def test_non_zero_exit_is_internal(h: Harness) -> None:
     assert outcome(await call(h, "exit3")) == ("huh", "internal")
+
+
+async def test_flooding_stdout_is_cut_and_the_answer_refused(h: Harness) -> None:
+    frames = await call(h, "flood")
+    assert outcome(frames)[0] == "huh"
+    assert max(len(f) for f in frames) < 4096  # nothing of the flood reached the client
 
 
 async def test_module_reads_a_file_inside_its_preopen(h: Harness) -> None:

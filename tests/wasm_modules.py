@@ -57,6 +57,19 @@ GROW = """(module
     unreachable))
 """
 
+# Writes 64 KiB of "x" to stdout a hundred times (6.4 MiB), then exits normally.
+FLOOD = f"""(module {_IMPORTS}
+  (memory (export "memory") 2)
+  {_WRITE}
+  (func (export "_start")
+    (local $i i32)
+    (memory.fill (i32.const 1024) (i32.const 120) (i32.const 65536))
+    (loop $more
+      (call $write (i32.const 1) (i32.const 1024) (i32.const 65536))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $more (i32.lt_u (local.get $i) (i32.const 100))))))
+"""
+
 
 def exit_with(code: int) -> str:
     return f"""(module {_IMPORTS}
