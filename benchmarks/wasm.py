@@ -100,7 +100,8 @@ async def main(quick: bool) -> None:
     result = {
         "wasm_call_p50_us": round(statistics.median(wasm), 1),
         "python_call_p50_us": round(statistics.median(python), 1),
-        "wasm_over_python_p50": round(statistics.median(w / p for w, p in zip(wasm, python)), 1),
+        "wasm_over_python_p50": round(
+            statistics.median(w / p for w, p in zip(wasm, python, strict=True)), 1),
         "wasm_runaway_stop_ms": round(statistics.median(stops), 1),
     }
     print(json.dumps(result))
