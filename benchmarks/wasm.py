@@ -71,7 +71,8 @@ async def p50_us(call: object, payload: Blob, n: int) -> float:
     return statistics.median(samples) * 1e6
 
 
-async def main(quick: bool) -> None:
+async def measure(quick: bool) -> dict[str, float]:
+    """Run the rounds, print readable lines, return the figures."""
     logging.getLogger("agentd").setLevel(logging.ERROR)  # the runaway calls log a warning
     calls, rounds, runaways = (200, 3, 3) if quick else (2000, 5, 10)
     payload = Blob(text="x" * 1000)
@@ -104,7 +105,11 @@ async def main(quick: bool) -> None:
             statistics.median(w / p for w, p in zip(wasm, python, strict=True)), 1),
         "wasm_runaway_stop_ms": round(statistics.median(stops), 1),
     }
-    print(json.dumps(result))
+    return result
+
+
+async def main(quick: bool) -> None:
+    print(json.dumps(await measure(quick)))
 
 
 if __name__ == "__main__":
