@@ -265,7 +265,8 @@ def _listener(
     node = doc.node(loc)
     location = "" if node is None else issues.where(node)
     if section.tool is not None:
-        return _tool_listeners(section, issues, doc.node((*loc, "tool")), location)
+        return _tool_listeners(section, issues, doc.node((*loc, "tool")), location,
+                               f"listeners[{loc[-1]}].tool")
     description = section.description
     if description is None:  # an agent: the payload's docstring tells the LLM what it does
         description = _docstring(section.payload_class[0].value)
@@ -294,7 +295,7 @@ def _docstring(cls: type) -> str:
 
 def _tool_listeners(
     section: sections.ListenerSection, issues: Issues, tool_node: yaml.Node | None,
-    location: str,
+    location: str, key_path: str,
 ) -> tuple[ListenerConfig, ...]:
     from agentd.tools import ToolUnavailable, build_tool  # late: tools import the schema layer
 
@@ -303,7 +304,7 @@ def _tool_listeners(
     try:
         built = build_tool(tool, section.name)
     except ToolUnavailable as exc:
-        issues.add(tool_node, f"listeners.{section.name}.tool", str(exc))
+        issues.add(tool_node, key_path, str(exc))
         return ()
     return tuple(
         ListenerConfig(

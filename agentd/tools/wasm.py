@@ -1,0 +1,320 @@
+"""WASM tools: a WASI preview 1 command module, run on wasmtime once per call.
+
+The request payload's C14N bytes are the module's stdin; what it writes to stdout is
+its response payload, which re-enters the pump and is validated like any handler's
+output. The module sees no filesystem except the configured preopens, no network
+(WASI preview 1 has no sockets, and none are linked), no environment, no arguments
+beyond its name, and clocks rounded down to the millisecond (the host's clock
+functions are replaced, so a module cannot time the host finely).
+
+Bounds, per call: fuel (instructions; exhausted -> `huh budget-exceeded`), a memory
+cap on the store (a `memory.grow` past it fails; a run that fails with its memory at
+the cap -> `huh budget-exceeded`), and wall time via wasmtime's epoch interruption:
+one ticker thread per process advances the engine's epoch every `TICK_S` while calls
+run, and each store's deadline is its `timeout_ms` in ticks (-> `huh timeout`). A
+non-zero exit or any other trap -> `huh internal`; stderr goes to the log, capped.
+
+Modules are compiled once per content (keyed by SHA-256) when the configuration is
+loaded, and instantiated per call from a pre-linked `InstancePre`. A call runs on a
+thread of a small pool, never on the event loop; wasmtime releases the GIL while
+guest code runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import wasmtime
+
+from agentd._core import Ack, Huh
+from agentd._errors import HuhCode
+from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._xmlify import spec_of, to_xml
+from agentd.config.tools import WasmTool
+from agentd.tools.kinds import Tool, ToolUnavailable
+
+log = logging.getLogger("agentd.tools.wasm")
+
+TICK_S = 0.005  # the epoch period: wall-time limits are enforced to within one tick
+MAX_STDOUT_BYTES = 1024 * 1024  # more is cut off; the pump then refuses the payload
+MAX_STDERR_LOG_BYTES = 4096
+WASM_PAGE = 65536
+_WASI = "wasi_snapshot_preview1"
+_NS_PER_MS = 1_000_000
+_ERRNO_SUCCESS, _ERRNO_FAULT, _ERRNO_INVAL = 0, 21, 28
+_CLOCKS = {0: time.time_ns, 1: time.monotonic_ns, 2: time.process_time_ns,
+           3: time.thread_time_ns}
+
+
+class _EpochTicker:
+    """Advances the engine's epoch every `TICK_S` while at least one call runs;
+    sleeps otherwise. One thread for the whole process."""
+
+    def __init__(self, engine: wasmtime.Engine) -> None:
+        self._engine = engine
+        self._active = 0
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> None:
+        with self._wake:
+            self._active += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="wasm-epoch",
+                                                daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def __exit__(self, *exc: object) -> None:
+        with self._wake:
+            self._active -= 1
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._active:
+                    self._wake.wait()
+            time.sleep(TICK_S)
+            self._engine.increment_epoch()
+
+
+class WasmRuntime:
+    """The process's one engine, its compiled modules, the epoch ticker and the
+    threads calls run on."""
+
+    def __init__(self, threads: int = 4) -> None:
+        config = wasmtime.Config()
+        config.consume_fuel = True
+        config.epoch_interruption = True
+        self.engine = wasmtime.Engine(config)
+        self.ticker = _EpochTicker(self.engine)
+        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wasm")
+        self._compiled: dict[str, wasmtime.InstancePre] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, data: bytes, digest: str) -> wasmtime.InstancePre:
+        """The module compiled and linked against our WASI; once per content."""
+        with self._lock:
+            pre = self._compiled.get(digest)
+            if pre is None:
+                module = wasmtime.Module(self.engine, data)
+                pre = _linker(self.engine).instantiate_pre(module)
+                self._compiled[digest] = pre
+            return pre
+
+
+_runtime: WasmRuntime | None = None
+
+
+def runtime() -> WasmRuntime:
+    global _runtime
+    if _runtime is None:
+        _runtime = WasmRuntime()
+    return _runtime
+
+
+def _linker(engine: wasmtime.Engine) -> wasmtime.Linker:
+    """WASI preview 1, with the clocks replaced by millisecond-grained ones."""
+    linker = wasmtime.Linker(engine)
+    linker.define_wasi()
+    linker.allow_shadowing = True
+    i32, i64 = wasmtime.ValType.i32(), wasmtime.ValType.i64()
+    linker.define_func(_WASI, "clock_time_get", wasmtime.FuncType([i32, i64, i32], [i32]),
+                       _clock_time_get, access_caller=True)
+    linker.define_func(_WASI, "clock_res_get", wasmtime.FuncType([i32, i32], [i32]),
+                       _clock_res_get, access_caller=True)
+    return linker
+
+
+def _store_u64(caller: wasmtime.Caller, address: int, value: int) -> int:
+    memory = caller.get("memory")
+    if not isinstance(memory, wasmtime.Memory) or address < 0:
+        return _ERRNO_FAULT
+    try:
+        memory.write(caller, value.to_bytes(8, "little"), address)
+    except IndexError:
+        return _ERRNO_FAULT
+    return _ERRNO_SUCCESS
+
+
+def _clock_time_get(caller: wasmtime.Caller, clock: int, precision: int, out: int) -> int:
+    del precision
+    read = _CLOCKS.get(clock)
+    if read is None:
+        return _ERRNO_INVAL
+    return _store_u64(caller, out, read() // _NS_PER_MS * _NS_PER_MS)
+
+
+def _clock_res_get(caller: wasmtime.Caller, clock: int, out: int) -> int:
+    if clock not in _CLOCKS:
+        return _ERRNO_INVAL
+    return _store_u64(caller, out, _NS_PER_MS)
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    """What one run came to: stdout on success, else the huh code and why."""
+
+    stdout: bytes = b""
+    failure: HuhCode | None = None
+    reason: str = ""
+
+
+class _Capped:
+    """A stdout/stderr sink that keeps at most `limit` bytes."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.parts: list[bytes] = []
+        self.size = 0
+        self.cut = False
+
+    def __call__(self, chunk: bytes) -> int:
+        # Always report the whole chunk written: a short write would make the guest
+        # retry until its fuel or time ran out.
+        room = self.limit - self.size
+        if len(chunk) > room:
+            self.cut = True
+        kept = chunk[:room]
+        self.parts.append(kept)
+        self.size += len(kept)
+        return len(chunk)
+
+    def value(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class WasmModule:
+    """One configured module: its limits and its pre-linked code."""
+
+    def __init__(self, config: WasmTool, pre: wasmtime.InstancePre, rt: WasmRuntime) -> None:
+        self.config = config
+        self.pre = pre
+        self.rt = rt
+        self.memory_bytes = config.memory_mb * 1024 * 1024
+        self.deadline_ticks = max(1, math.ceil(config.timeout_ms / 1000 / TICK_S))
+
+    def run(self, stdin: bytes) -> RunOutcome:
+        """One call, on the calling thread (a pool thread, never the event loop)."""
+        config = self.config
+        store = wasmtime.Store(self.rt.engine)
+        store.set_limits(memory_size=self.memory_bytes)
+        store.set_fuel(config.fuel)
+        wasi = wasmtime.WasiConfig()
+        wasi.argv = ["module"]
+        stdout, stderr = _Capped(MAX_STDOUT_BYTES), _Capped(MAX_STDERR_LOG_BYTES)
+        wasi.stdout_custom = stdout
+        wasi.stderr_custom = stderr
+        for guest, host in config.preopens.items():
+            wasi.preopen_dir(str(host), guest)
+        # stdin is a path for wasmtime; an anonymous memory file is one that nothing
+        # else can open or swap.
+        fd = os.memfd_create("agentd-wasm-stdin", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, stdin)
+            os.lseek(fd, 0, os.SEEK_SET)
+            wasi.stdin_file = f"/proc/self/fd/{fd}"
+            store.set_wasi(wasi)
+            with self.rt.ticker:
+                store.set_epoch_deadline(self.deadline_ticks)
+                outcome = self._start(store)
+        finally:
+            os.close(fd)
+        if stderr.size:
+            log.info("wasm stderr module=%s: %r", config.module.name, stderr.value())
+        if outcome is None:
+            return RunOutcome(stdout=stdout.value())
+        return outcome
+
+    def _start(self, store: wasmtime.Store) -> RunOutcome | None:
+        instance = None
+        try:
+            instance = self.pre.instantiate(store)
+            start = instance.exports(store)["_start"]
+            assert isinstance(start, wasmtime.Func)
+            start(store)
+        except wasmtime.ExitTrap as exc:
+            if exc.code == 0:
+                return None
+            return self._failed(store, instance, HuhCode.INTERNAL, f"exit code {exc.code}")
+        except wasmtime.Trap as exc:
+            if exc.trap_code is wasmtime.TrapCode.OUT_OF_FUEL:
+                return RunOutcome(failure=HuhCode.BUDGET_EXCEEDED, reason="fuel exhausted")
+            if exc.trap_code is wasmtime.TrapCode.INTERRUPT:
+                return RunOutcome(failure=HuhCode.TIMEOUT, reason="wall time exceeded")
+            return self._failed(store, instance, HuhCode.INTERNAL, f"trap: {exc.message}")
+        except wasmtime.WasmtimeError as exc:
+            return self._failed(store, instance, HuhCode.INTERNAL, f"error: {exc}")
+        return None
+
+    def _failed(
+        self, store: wasmtime.Store, instance: wasmtime.Instance | None, code: HuhCode,
+        reason: str,
+    ) -> RunOutcome:
+        """A failed run whose memory reached the cap failed for want of memory."""
+        if instance is None:  # could not even be instantiated within the cap
+            return RunOutcome(failure=HuhCode.BUDGET_EXCEEDED, reason=f"{reason} (memory)")
+        memory = instance.exports(store).get("memory")
+        at_cap = (isinstance(memory, wasmtime.Memory)
+                  and memory.data_len(store) + WASM_PAGE > self.memory_bytes)
+        if at_cap:
+            return RunOutcome(failure=HuhCode.BUDGET_EXCEEDED,
+                              reason=f"{reason} (memory cap reached)")
+        return RunOutcome(failure=code, reason=reason)
+
+
+class WasmHandler:
+    """The listener's handler: the payload to the module, its stdout back."""
+
+    def __init__(self, module: WasmModule, listener: str) -> None:
+        self.module = module
+        self.listener = listener
+
+    async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse | None:
+        if isinstance(payload, Huh):
+            # The pump refused the module's answer (too large, not its response
+            # class): the tool failed, and its caller must hear so.
+            return HandlerResponse.error(HuhCode.INTERNAL)
+        if isinstance(payload, Ack):
+            return None
+        loop = asyncio.get_running_loop()
+        outcome = await loop.run_in_executor(self.module.rt.executor, self.module.run,
+                                             to_xml(payload))
+        if outcome.failure is not None:
+            log.warning("wasm call failed listener=%s thread=%s reason=%s", self.listener,
+                        meta.thread_id, outcome.reason)
+            return HandlerResponse.error(outcome.failure)
+        return HandlerResponse.respond(outcome.stdout)
+
+
+def build(config: WasmTool, listener: str) -> Sequence[Tool]:
+    """Read, check and compile the module (once per content) for one listener."""
+    try:
+        with open(config.module, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ToolUnavailable(f"cannot read module {config.module}: {exc.strerror}") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if config.sha256 is not None and digest != config.sha256:
+        raise ToolUnavailable(f"module {config.module} has SHA-256 {digest}, "
+                              f"not the configured {config.sha256}")
+    rt = runtime()
+    try:
+        pre = rt.prepare(data, digest)
+    except wasmtime.WasmtimeError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else "invalid module"
+        raise ToolUnavailable(f"module {config.module} cannot be loaded: {first}") from None
+    payloads = tuple(ref.value for ref in config.payload_class)
+    responses = tuple(ref.value for ref in config.response_class)
+    handler = WasmHandler(WasmModule(config, pre, rt), listener)
+    return (Tool(payloads, responses, handler, spec_of(payloads[0]).description),)
