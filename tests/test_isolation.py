@@ -99,6 +99,7 @@ async def settled(h: Harness, restarts: int) -> None:
 
 async def test_isolated_handler_answers_like_in_process(h: Harness) -> None:
     assert await ask(h, "echo", "hello") == ("outcome", "hello")
+    assert await ask(h, "await", "0.01") == ("outcome", "awaited")
     pid = int((await ask(h, "pid"))[1])
     assert pid != os.getpid() and pid in pool_pids(h)
 

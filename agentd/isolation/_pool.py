@@ -94,6 +94,7 @@ class WorkerSpec:
     workers: int = 1
     max_calls: int | None = None
     max_rss_mb: int | None = None
+    spare: bool = True  # keep one more worker ready, to replace a dead one at once
 
 
 @dataclass(eq=False)
@@ -130,6 +131,7 @@ class WorkerPool:
         self._background: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._backoff = 0.0
+        self._spare: Worker | None = None  # started and ready, serving nothing yet
         self._gauges = {s: metrics.workers.labels(spec.listener, s.value) for s in WorkerState
                         if s is not WorkerState.DEAD}
 
@@ -137,7 +139,8 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every worker and wait until each has imported the handler."""
-        started = await asyncio.gather(*(self._start_one() for _ in range(self.spec.workers)),
+        roles = [False] * self.spec.workers + ([True] if self.spec.spare else [])
+        started = await asyncio.gather(*(self._start_one(spare) for spare in roles),
                                        return_exceptions=True)
         errors = [e for e in started if isinstance(e, BaseException)]
         if errors:
@@ -158,8 +161,9 @@ class WorkerPool:
                 waiter.set_exception(WorkerFailed("stopped"))
 
     def status(self) -> dict[str, int]:
-        states = [w.state for w in self._workers]
+        states = [w.state for w in self._workers if w is not self._spare]
         return {"workers": sum(s is not WorkerState.DEAD for s in states),
+                "spare": int(self._spare is not None),
                 "busy": states.count(WorkerState.BUSY),
                 "starting": states.count(WorkerState.STARTING),
                 "restarts": self.restarts}
@@ -261,7 +265,7 @@ class WorkerPool:
             if worker.state in self._gauges:
                 self._gauges[worker.state].inc()
 
-    async def _start_one(self) -> Worker:
+    async def _start_one(self, spare: bool = False) -> Worker:
         spec = self.spec
         proc = await spawn(list(spec.argv), spec.policy, check=False)
         worker = Worker(proc)
@@ -285,8 +289,11 @@ class WorkerPool:
                                f"(exit {proc.returncode})") from None
         self._set(worker, WorkerEvent.READY)
         self._watch(worker)
-        self._idle.append(worker)
-        self._wake()
+        if spare:
+            self._spare = worker
+        else:
+            self._idle.append(worker)
+            self._wake()
         return worker
 
     async def _drain_stderr(self, worker: Worker) -> None:
@@ -353,11 +360,17 @@ class WorkerPool:
         metrics.worker_restarts.labels(self.spec.listener, reason).inc()
         log.warning("isolated worker replaced listener=%s pid=%s reason=%s exit=%s",
                     self.spec.listener, worker.pid, reason, worker.proc.returncode)
+        spare = self._spare
+        want_spare = spare is not None  # the spare died, or it takes over from `worker`
+        self._spare = None
+        if spare is not None and spare is not worker:
+            self._idle.append(spare)  # serves at once; a new spare starts behind it
+            self._wake()
         while not self._stopping:
             if self._backoff:
                 await asyncio.sleep(self._backoff)
             try:
-                await self._start_one()
+                await self._start_one(want_spare)
                 self._backoff = 0.0
                 return
             except WorkerFailed as exc:

@@ -3,6 +3,7 @@ YAML as `tests.isolated.handlers:probe`). Each `action` is one attack."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -56,6 +57,10 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
     elif action == "loop":
         while True:
             pass
+    elif action == "await":  # suspends on the worker's event loop, twice
+        await asyncio.sleep(0)
+        await asyncio.sleep(float(arg))
+        text = "awaited"
     elif action == "sleep":  # blocks in C: the event loop of an in-process handler would stall
         time.sleep(float(arg))
         text = "slept"
