@@ -234,3 +234,14 @@ async def test_bad_output_from_a_worker_is_refused_like_in_process_output(h: Har
     assert [frame_kind(f)[1] for f in frames] == ["accepted"]
     assert all(b"nope" not in f for f in frames)
     assert await ask(h, "echo", "ok") == ("outcome", "ok")
+
+
+async def test_worker_is_recycled_after_max_calls(tmp_path: Path) -> None:
+    config = load_config(organism(tmp_path, "{workers: 1, max_calls: 2}"))
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        first = (await ask(h, "pid"))[1]
+        assert (await ask(h, "pid"))[1] == first
+        await settled(h, 1)
+        assert (await ask(h, "pid"))[1] != first
+        assert h.isolation.status()["pools"][0]["restarts"] == 1

@@ -40,6 +40,7 @@ log = logging.getLogger("agentd.isolation")
 _STDERR_LINE_MAX = 512
 _START_TIMEOUT_S = 60.0
 _RESTART_BACKOFF_MAX_S = 5.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class WorkerState(enum.Enum):
@@ -119,6 +120,15 @@ class Worker:
         except (OSError, ValueError):
             pass
         return 0.0
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far (what RLIMIT_CPU counts)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        except (OSError, ValueError, IndexError):
+            return 0.0
 
 
 class WorkerPool:
@@ -234,18 +244,21 @@ class WorkerPool:
 
     def _release(self, worker: Worker) -> None:
         worker.calls += 1
-        spec = self.spec
-        if spec.max_calls is not None and worker.calls >= spec.max_calls:
-            self._set(worker, WorkerEvent.DONE)
-            self._retire(worker, "recycle")
-            return
-        if spec.max_rss_mb is not None and worker.rss_mb() > spec.max_rss_mb:
-            self._set(worker, WorkerEvent.DONE)
-            self._retire(worker, "recycle")
-            return
         self._set(worker, WorkerEvent.DONE)
+        if self._worn_out(worker):
+            self._retire(worker, "recycle")
+            return
         self._idle.append(worker)
         self._wake()
+
+    def _worn_out(self, worker: Worker) -> bool:
+        """Over its call count, its RSS mark, or half its CPU seconds (RLIMIT_CPU
+        counts a worker's whole life: the next call starts with at least half)."""
+        spec = self.spec
+        cpu = spec.policy.cpu_s
+        return ((spec.max_calls is not None and worker.calls >= spec.max_calls)
+                or (spec.max_rss_mb is not None and worker.rss_mb() > spec.max_rss_mb)
+                or (cpu is not None and worker.cpu_s() >= cpu / 2))
 
     def _wake(self) -> None:
         while self._waiters:
