@@ -171,7 +171,8 @@ def test_a_listeners_own_isolation_wins_over_its_profile(tmp_path: Path) -> None
     text = organism(
         HANDLER.format(name="own", cls="Add", extra="\n    isolation: {memory_mb: 64}")
         + HANDLER.format(name="inherits", cls="Add", extra="")
-        + HANDLER.format(name="opts-out", cls="Multiply", extra="\n    isolation: {process: false}"),
+        + HANDLER.format(name="opts-out", cls="Multiply",
+                         extra="\n    isolation: {process: false}"),
         "  p: {listeners: all, isolation: {memory_mb: 128}}\n")
     chosen = effective_isolation(load_config_text(text, base_dir=tmp_path))
     assert chosen["own"].memory_mb == 64 and chosen["inherits"].memory_mb == 128
