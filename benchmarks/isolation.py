@@ -94,6 +94,7 @@ async def overhead_and_replace(folder: Path, rounds: int, replaces: int) -> tupl
         overhead_us = (statistics.median(isolated) - statistics.median(inproc)) * 1e6
         print(f"round trip 1 KiB: in process p50 {statistics.median(inproc) * 1e6:.1f} us, "
               f"isolated p50 {statistics.median(isolated) * 1e6:.1f} us")
+        print(f"worker RSS: {pool._idle[0].rss_mb():.1f} MiB")
         times = []
         for _ in range(replaces):
             while not pool.status()["spare"]:  # a spare is ready again

@@ -4,6 +4,7 @@ kernel, killed with SIGKILL, in front of the real pump and kernel (Harness)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import textwrap
@@ -245,3 +246,36 @@ async def test_worker_is_recycled_after_max_calls(tmp_path: Path) -> None:
         await settled(h, 1)
         assert (await ask(h, "pid"))[1] != first
         assert h.isolation.status()["pools"][0]["restarts"] == 1
+
+
+async def test_daemon_survives_a_segfaulting_worker_and_reports_its_pool(tmp_path: Path) -> None:
+    from agentd.client import BusClient
+    from tests.daemon_process import DaemonProcess, make_home
+
+    home = tmp_path / "home"
+    make_home(home, [{
+        "name": "prober", "payload_class": "tests.isolated.handlers:Probe",
+        "response_class": "tests.isolated.handlers:Outcome",
+        "handler": "tests.isolated.handlers:probe", "description": "Runs probes.",
+        "isolation": {"workers": 1},
+    }])
+    d = await DaemonProcess(home).start()
+    try:
+        assert d.proc is not None
+        daemon_pid = d.proc.pid
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            crashed = await bus.exchange(Probe("segfault"))
+            assert outcome(crashed) == ("huh", "internal")
+            secret = (home / "tls" / "key.pem").read_text()
+            stolen = await bus.exchange(Probe("read", str(home / "tls" / "key.pem")))
+            assert outcome(stolen) == ("huh", "internal")
+            assert all(secret.encode() not in f for f in stolen)
+            assert outcome(await bus.exchange(Probe("echo", "alive"))) == ("outcome", "alive")
+        assert d.proc.returncode is None and d.proc.pid == daemon_pid
+        code, status = d.agentctl("status")
+        assert code == 0, status
+        text = json.dumps(status)
+        assert "prober" in text and "restarts" in text and "landlock_abi" in text
+    finally:
+        await d.stop()
+    assert secret not in "".join(d.log)
