@@ -21,6 +21,7 @@ from agentd.confine import (
     landlock_status,
     spawn,
 )
+from tests.isolated.watch import alive, gone, recording_server
 
 needs_landlock = pytest.mark.skipif(not landlock_status().filesystem,
                                     reason="kernel without Landlock")
@@ -38,14 +39,6 @@ async def run_python(code: str, policy: Policy, timeout: float = 30) -> tuple[in
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 async def test_environment_is_empty_except_the_policy_env() -> None:
@@ -97,14 +90,10 @@ async def test_grandchild_that_leaves_the_group_cannot_outlive_kill_group() -> N
     lines = {(await proc.stdout.readline()).decode().strip() for _ in range(2)}
     assert "setsid-refused" in lines
     grandchild = int(next(x for x in lines if x.isdigit()))
-    assert _alive(grandchild)
+    assert alive(grandchild)
     rc = await kill_group(proc)
     assert rc == -signal.SIGKILL
-    for _ in range(200):  # reaping by init is asynchronous; bounded, not timed
-        if not _alive(grandchild):
-            break
-        await asyncio.sleep(0.01)
-    assert not _alive(grandchild)
+    assert await gone(grandchild)
 
 
 @needs_landlock
@@ -151,23 +140,15 @@ async def test_signalling_the_parent_is_denied() -> None:
 
 
 async def test_connect_to_loopback_with_network_off_is_refused() -> None:
-    accepted: list[object] = []
-
-    async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        accepted.append(w)
-        w.close()
-
-    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    probe = f"""
-        import socket
-        try:
-            socket.create_connection(("127.0.0.1", {port}), timeout=5).close()
-            print("connected")
-        except OSError as e:
-            print("refused", e.errno)
-    """
-    async with server:
+    async with recording_server() as (port, accepted):
+        probe = f"""
+            import socket
+            try:
+                socket.create_connection(("127.0.0.1", {port}), timeout=5).close()
+                print("connected")
+            except OSError as e:
+                print("refused", e.errno)
+        """
         _code, out, _ = await run_python(probe, python_policy(network=False))
         assert out.startswith("refused") and accepted == []
         _code, out, _ = await run_python(probe, python_policy(network=True))

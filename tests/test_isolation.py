@@ -20,6 +20,7 @@ from agentd.confine import landlock_status
 from agentd.testing import Harness
 from agentd.tools.calculator import Add
 from tests.isolated.handlers import Probe
+from tests.isolated.watch import alive, gone, recording_server
 
 CLIENTS = {"alice": "public"}
 SECRET = "s3cret-token-do-not-leak"
@@ -151,32 +152,18 @@ async def test_cpu_limit_stops_a_busy_loop(tmp_path: Path) -> None:
         assert await ask(h, "echo", "ok") == ("outcome", "ok")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-async def test_grandchild_does_not_outlive_its_worker(h: Harness, tmp_path: Path) -> None:
-    out = tmp_path / "grandchild.pid"
-    out.touch()
-    os.chmod(tmp_path, 0o755)
-    # the worker may not write there (Landlock): hand it a path it can write? No:
-    # it reports the pid through its answer instead, then its worker is recycled.
+async def test_grandchild_does_not_outlive_its_worker(h: Harness) -> None:
+    # The handler forks a grandchild that tries setsid() to leave the worker's
+    # process group, and answers with its pid.
     grandchild = int((await ask(h, "grandchild"))[1])
-    assert _alive(grandchild)
-    # A crash of that worker kills its whole group, grandchild included.
-    pool = h.isolation.pools["prober"]
-    for worker in list(pool._workers):
-        os.kill(worker.pid, signal.SIGKILL)
-    await settled(h, 2)
-    for _ in range(300):
-        if not _alive(grandchild):
-            break
-        await asyncio.sleep(0.01)
-    assert not _alive(grandchild)
+    assert alive(grandchild)
+    with open(f"/proc/{grandchild}/stat") as f:
+        worker_pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    assert worker_pid in pool_pids(h)
+    os.kill(worker_pid, signal.SIGKILL)  # the worker crashes: its whole group goes
+    await settled(h, 1)
+    assert await gone(grandchild)
+    await other_conversation_completes(h)
 
 
 @needs_landlock
@@ -207,15 +194,7 @@ async def test_worker_environment_holds_only_what_the_listener_declares(
 
 
 async def test_network_false_refuses_a_loopback_connection(h: Harness) -> None:
-    accepted: list[object] = []
-
-    async def on_conn(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        accepted.append(w)
-        w.close()
-
-    server = await asyncio.start_server(on_conn, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    async with server:
+    async with recording_server() as (port, accepted):
         assert await ask(h, "connect", f"127.0.0.1:{port}") == ("huh", "internal")
     assert accepted == []
 

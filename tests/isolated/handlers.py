@@ -66,10 +66,6 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
         text = "slept"
     elif action == "grandchild":
         text = _grandchild()
-    elif action == "grandchild-then-exit":
-        with open(arg, "w") as f:  # the test reads the grandchild's pid from here
-            f.write(_grandchild())
-        os._exit(4)
     elif action == "read":
         with open(arg, "rb") as f:
             text = f.read().decode(errors="replace")
