@@ -42,6 +42,7 @@ from agentd._threads import ThreadState
 from agentd._wiring import envelope_shape, kernel_options
 from agentd._xmlify import spec_of
 from agentd.config import OrganismConfig, load_config
+from agentd.isolation import IsolationPools
 from agentd.kernel import Kernel
 from agentd.oob import format_time, result_element
 from agentd.pump import Pump
@@ -103,6 +104,7 @@ class Daemon:
         self.metrics_server: Any = None
         self.auth: Any = None
         self.platforms = AgentPlatforms()
+        self.isolation = IsolationPools()
         self._stop = asyncio.Event()
         self._stop_mode = "graceful"
         self._watchdog: asyncio.Task[None] | None = None
@@ -152,7 +154,8 @@ class Daemon:
             clients = self.auth.profiles()
         handlers = build_agent_handlers(config, self.kernel, self.audit)
         self.platforms.adopt(handlers, 1)  # adopted first, so a failed start closes it
-        self.routing = Routing.build(config, agent_handlers=handlers)
+        isolated = await self.isolation.apply(config)
+        self.routing = Routing.build(config, agent_handlers=handlers, isolated_handlers=isolated)
         self.pump = Pump(
             self.routing,
             clients,
@@ -288,6 +291,7 @@ class Daemon:
             await self.bus.close(1001)
         if self.pump is not None:
             await self.pump.stop()
+        await self.isolation.stop()
         if self.metrics_server is not None:
             await self.metrics_server.close()
         await self.platforms.aclose()
@@ -345,6 +349,7 @@ class Daemon:
             "kernel_writer_restarts": self.kernel.writer_restarts,
             "db_bytes": self.kernel.db_size_bytes(),
             "bus_connections": self.bus.connections if self.bus is not None else 0,
+            "isolation": self.isolation.status(),
         }
 
     async def reload(self, dry_run: bool) -> dict[str, Any]:

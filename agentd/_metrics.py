@@ -86,3 +86,12 @@ kernel_writer_restarts = Gauge(
     "Kernel writer processes started again after one died, since the daemon started",
     registry=REGISTRY,
 )
+worker_restarts = Counter(
+    "agentd_worker_restarts",
+    "Isolated handler workers killed and replaced (crash, limit, timeout, recycle)",
+    ["listener", "reason"],
+    registry=REGISTRY,
+)
+workers = Gauge(
+    "agentd_workers", "Isolated handler workers by state", ["listener", "state"], registry=REGISTRY
+)

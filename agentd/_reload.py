@@ -240,13 +240,23 @@ async def reload_daemon(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
     handlers = build_agent_handlers(new.config, daemon.kernel, daemon.audit) if (
         plan.new_platform) else None
     try:
+        isolated = await daemon.isolation.apply(new.config)
+        rebuild = [cfg.name for cfg in new.config.listeners if cfg.agent] if handlers else []
+        # A listener whose pool changed (or that moved in or out of a worker) gets a
+        # new runtime object; threads on older tables keep theirs.
+        for cfg in new.config.listeners:
+            old = daemon.routing.listeners.get(cfg.name)
+            if cfg.agent is None and old is not None and (
+                    old.handler != isolated.get(cfg.name, cfg.handler)):
+                rebuild.append(cfg.name)
         new_routing = Routing.build(
             new.config,
             version=version,
             agent_handlers=handlers,
             previous=daemon.routing,
             # Every agent moves to the new platform; threads on older tables keep theirs.
-            rebuild=[cfg.name for cfg in new.config.listeners if cfg.agent] if handlers else (),
+            rebuild=rebuild,
+            isolated_handlers=isolated,
         )
     except BaseException:
         if handlers is not None:

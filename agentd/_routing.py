@@ -152,6 +152,7 @@ class Routing:
         agent_handlers: Mapping[str, Callable[..., Any]] | None = None,
         previous: Routing | None = None,
         rebuild: Collection[str] = (),
+        isolated_handlers: Mapping[str, Callable[..., Any]] | None = None,
     ) -> Routing:
         """Build from `config`. With `previous` (a reload), listeners whose declaration
         did not change keep their runtime objects, so threads pinned to older tables
@@ -182,6 +183,8 @@ class Routing:
                         "agent (build them with agentd.platform.make_agent_handlers)"
                     )
                 lst.handler = handler
+            elif isolated_handlers is not None and lst.name in isolated_handlers:
+                lst.handler = isolated_handlers[lst.name]
             for spec in lst.payload_specs:
                 other = specs.setdefault(spec.clark, spec)
                 if other is not spec and other.cls is not spec.cls:
@@ -222,4 +225,5 @@ def listener_signature(cfg: ListenerConfig | None) -> tuple[Any, ...]:
         cfg.max_concurrency,
         cfg.timeout_s,
         cfg.tool,
+        cfg.isolation,
     )

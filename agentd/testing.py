@@ -31,6 +31,7 @@ from agentd._threads import new_uuid
 from agentd._wiring import envelope_shape, kernel_options
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.config import OrganismConfig, load_config
+from agentd.isolation import IsolationPools
 from agentd.kernel import Kernel, KernelUnavailable
 from agentd.pump import CORE, Pump
 
@@ -74,6 +75,7 @@ class Harness:
             state_dir = Path(self._tmp.name)
         self.state_dir = state_dir
         self.kernel: Kernel | None = None
+        self.isolation = IsolationPools()
         self._own_platform: Any = None
         if agent_handlers is None and any(lst.agent is not None for lst in config.listeners):
             from agentd.platform import make_agent_handlers
@@ -98,6 +100,9 @@ class Harness:
         return cls(load_config(path), clients, **kwargs)
 
     async def __aenter__(self) -> Harness:
+        # Listeners with `isolation:` run in worker processes, as in the daemon.
+        for name, handler in (await self.isolation.apply(self.config)).items():
+            self.routing.listeners[name].handler = handler
         if self.durable:
             self.kernel = await Kernel.open(self.state_dir, kernel_options(self.config))
             self.pump.kernel = self.kernel
@@ -117,6 +122,7 @@ class Harness:
         tb: TracebackType | None,
     ) -> None:
         await self.pump.stop()
+        await self.isolation.stop()
         if self._own_platform is not None:
             await self._own_platform.aclose()
         if self.kernel is not None:

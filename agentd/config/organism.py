@@ -68,6 +68,7 @@ class ListenerConfig:
     peers: tuple[str, ...] = ()
     max_concurrency: int | None = None  # None: pump.per_listener_concurrency
     timeout_s: float | None = None  # None: pump.handler_timeout_s
+    isolation: sections.IsolationConfig | None = None  # its own, not its profiles'
     location: str = ""  # "file:line:col" of the listener's entry, for later messages
     handler_ref: str = ""  # the `module:attribute` strings as written, for reload diffs
     payload_refs: tuple[str, ...] = ()
@@ -280,6 +281,7 @@ def _listener(
         peers=section.peers,
         max_concurrency=section.max_concurrency,
         timeout_s=section.timeout_s,
+        isolation=section.isolation,
         location=location,
         handler_ref="" if section.handler is None else section.handler.ref,
         payload_refs=tuple(i.ref for i in section.payload_class),

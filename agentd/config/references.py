@@ -39,6 +39,7 @@ def cross_references(data: dict[str, Any], line_of: LineOf) -> list[Problem]:
     problems += _agents(listeners, data)
     problems += _members(data.get("profiles"), names)
     problems += _payload_keys(listeners)
+    problems += _isolation(listeners, data.get("profiles"))
     return problems
 
 
@@ -142,6 +143,30 @@ def _payload_keys(listeners: list[tuple[int, dict[str, Any]]]) -> list[Problem]:
                 f"is also the payload of {', '.join(others)}"
             )
             problems.append(Problem(("listeners", i, "payload_class"), message, entry))
+    return problems
+
+
+def _isolation(listeners: list[tuple[int, dict[str, Any]]], profiles: Any) -> list[Problem]:
+    """A handler listener without `isolation:` of its own takes its profiles'; two
+    profiles that list it must then agree."""
+    if not isinstance(profiles, dict):
+        return []
+    problems: list[Problem] = []
+    for i, entry in listeners:
+        name = entry.get("name")
+        if "isolation" in entry or "agent" in entry or "tool" in entry or not isinstance(name, str):
+            continue
+        seen: dict[str, Any] = {}
+        for key, body in profiles.items():
+            if not isinstance(body, dict) or "isolation" not in body:
+                continue
+            members = body.get("listeners")
+            if members == "all" or (isinstance(members, tuple) and name in members):
+                seen[key] = body["isolation"]
+        if len({repr(v) for v in seen.values()}) > 1:
+            message = (f"profiles {', '.join(sorted(seen))} give {name!r} different isolation; "
+                       "give the listener an `isolation:` of its own")
+            problems.append(Problem(("listeners", i, "name"), message, name))
     return problems
 
 

@@ -124,6 +124,10 @@ def _kind_rules(data: dict[str, Any]) -> list[Problem]:
                 problems.append(Problem((key,), message, data[key]))
     elif "payload_class" not in data:
         problems.append(Problem(("payload_class",), "missing", data))
+    if "isolation" in data and "handler" not in data:
+        message = ("isolation is for handler listeners; an agent runs the platform's own "
+                   "loop, and a tool confines itself")
+        problems.append(Problem(("isolation",), message, data["isolation"]))
     if kinds == ["handler"] and data.get("description") is None:
         problems.append(Problem(("description",), "missing", data))
     return problems
@@ -205,12 +209,43 @@ class JournalConfig:
     max_outbox_per_client: Positive = _KERNEL.max_outbox_per_client
 
 
+def _isolation_rules(data: dict[str, Any]) -> list[Problem]:
+    """`network: false` is never degraded: refused where nothing can enforce it."""
+    from agentd.confine import landlock_status  # late: only files that use isolation
+
+    if data.get("process", True) is not True or data.get("network", False) is not False:
+        return []
+    if landlock_status().network_denial:
+        return []
+    message = ("network: false cannot be enforced on this kernel (no Landlock TCP rules "
+               "and no permission to create a network namespace)")
+    return [Problem(("network",), message, data.get("network", False), at_entry=True)]
+
+
+@dataclass(frozen=True, config=SECTION)
+class IsolationConfig:
+    """Run a handler in a confined worker process instead of the daemon."""
+
+    process: Bool = True
+    memory_mb: Positive | None = 512  # address space of each worker
+    cpu_s: Positive | None = None  # CPU seconds of one call (see the operations guide)
+    network: Bool = False
+    workers: Positive = 1
+    max_calls: Positive | None = None  # recycle a worker after this many calls
+    max_rss_mb: Positive | None = None  # recycle a worker whose RSS is above this
+    open_files: Positive = 256
+    env: dict[EnvName, AnyText] = Field(default_factory=dict)  # the worker's whole environment
+
+    _rules = rules(lambda data, _: _isolation_rules(data), "isolation")
+
+
 @dataclass(frozen=True, config=SECTION)
 class ProfileConfig:
     listeners: Members
     retention: RetentionValue | None = None  # overrides journal.retention
     synchronous: Synchronous | None = None  # overrides journal.synchronous
     token_budget: Positive | None = None
+    isolation: IsolationConfig | None = None  # for its handler listeners without their own
     name: SkipJsonSchema[str] = ""  # its key in `profiles`, filled in by the loader
 
     _rules = rules(lambda data, _: _name_is_the_key(data), "profile")
@@ -287,6 +322,7 @@ class ListenerSection:
     peers: Names = ()
     max_concurrency: Positive | None = None  # None: pump.per_listener_concurrency
     timeout_s: Seconds | None = None  # None: pump.handler_timeout_s
+    isolation: IsolationConfig | None = None  # wins over its profiles' isolation
 
     _rules = rules(lambda data, _: _kind_rules(data), "listener")
 

@@ -1,0 +1,112 @@
+"""Which listeners run isolated, and the confinement of their workers: pure decisions.
+
+- `effective_isolation`: a handler listener's own `isolation:` wins; otherwise the
+  `isolation:` of the profiles that list it (the configuration refuses profiles
+  that disagree). Agent listeners run the platform's own loop in the daemon and
+  are never isolated. `process: false` means in the daemon.
+- `worker_policy`: what a worker may read. Read and execute: the Python
+  installation, the system libraries, the agentd package and exactly the
+  packages (or single module files) that hold the listener's handler and payload
+  classes. Directory listing only: the other `sys.path` folders, so imports
+  still resolve. Nothing else: not the state directory, the TLS key, the clients
+  file, the operator keys, nor `/proc`. A secret that lies beneath a path the
+  worker may read is a configuration error, not a silent exposure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from agentd._errors import ConfigError
+from agentd.config import IsolationConfig, ListenerConfig, OrganismConfig
+from agentd.confine import SYSTEM_READ_PATHS, Policy
+
+WORKER_ARGV = (sys.executable, "-E", "-s", "-P", "-m", "agentd.isolation.worker")
+
+
+def effective_isolation(config: OrganismConfig) -> dict[str, IsolationConfig]:
+    """Listener name -> its isolation, for the listeners that run in workers."""
+    chosen: dict[str, IsolationConfig] = {}
+    for lst in config.listeners:
+        if lst.agent is not None or lst.handler is None or lst.tool is not None:
+            continue  # agents run the platform's loop; tools confine themselves
+        iso = lst.isolation
+        if iso is None:
+            for profile in config.profiles.values():
+                members = profile.listeners
+                if profile.isolation is not None and (members == "all" or lst.name in members):
+                    iso = profile.isolation
+                    break
+        if iso is not None and iso.process:
+            chosen[lst.name] = iso
+    return chosen
+
+
+def secret_paths(config: OrganismConfig) -> tuple[Path, ...]:
+    """What a worker must never read: the daemon's state and secret files."""
+    paths: list[Path | None] = [config.state_dir, config.auth.clients_file,
+                                config.oob.authorized_keys, config.oob.socket]
+    if config.bus.tls is not None:
+        paths.append(config.bus.tls.key)
+    if config.source is not None:
+        paths.append(config.source)
+    return tuple(Path(os.path.abspath(p)) for p in paths if p is not None)
+
+
+def _module_grant(module_name: str) -> str | None:
+    """The package folder (or the single file) a worker needs to import `module_name`."""
+    top = module_name.split(".")[0]
+    module = sys.modules.get(top)
+    if module is None:
+        return None
+    locations = list(getattr(module, "__path__", ()) or ())
+    if locations:
+        return os.path.abspath(locations[0])
+    file = getattr(module, "__file__", None)
+    return os.path.abspath(file) if file else None
+
+
+def _beneath(path: Path, root: str) -> bool:
+    return path == Path(root) or Path(root) in path.parents
+
+
+def python_read_paths() -> tuple[str, ...]:
+    """The interpreter, its standard library and its site-packages."""
+    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+             os.path.dirname(os.path.realpath(sys.executable))}
+    return tuple(sorted(os.path.abspath(r) for r in roots))
+
+
+def worker_policy(lst: ListenerConfig, iso: IsolationConfig, secrets: Iterable[Path],
+                  sys_path: Iterable[str]) -> Policy:
+    import agentd
+
+    grants = {*SYSTEM_READ_PATHS, *python_read_paths(), os.path.dirname(agentd.__file__)}
+    refs = [lst.handler_ref, *lst.payload_refs, *lst.response_refs]
+    for ref in refs:
+        grant = _module_grant(ref.partition(":")[0])
+        if grant is not None:
+            grants.add(grant)
+    for secret in secrets:
+        for grant in grants:
+            if grant not in SYSTEM_READ_PATHS and _beneath(secret, grant):
+                raise ConfigError([
+                    f"{lst.location}: listeners: {lst.name}: isolation: the worker would be "
+                    f"able to read {secret} (beneath {grant}); move the handler's code or "
+                    "the secret"])
+    hidden = set(secrets)
+    listing = tuple(p for p in (os.path.abspath(x) for x in sys_path if x)
+                    if os.path.isdir(p) and Path(p) not in hidden)
+    return Policy(
+        memory_mb=iso.memory_mb, cpu_s=iso.cpu_s, open_files=iso.open_files,
+        read_paths=tuple(sorted(grants)), list_paths=listing, network=iso.network,
+        env=dict(iso.env), cwd="/",
+    )
+
+
+def worker_init(lst: ListenerConfig, sys_path: Iterable[str]) -> Mapping[str, object]:
+    return {"sys_path": list(sys_path), "listener": lst.name, "handler": lst.handler_ref,
+            "payload_classes": list(lst.payload_refs)}

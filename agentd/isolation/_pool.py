@@ -1,0 +1,392 @@
+"""A pool of confined worker processes serving one listener's handler.
+
+The pool is the daemon's side of isolation. `WorkerPool.call` has the handler
+signature ``(payload, meta) -> HandlerResponse | None``, so an isolated listener
+is a listener whose handler is its pool's `call`: the invoker (slots, timeout
+watchdog, outcome counting) and the pump's checks of the output are the same as
+in process.
+
+Invariants:
+- A worker serves one call at a time; a call waits for an idle worker.
+- A worker that dies, breaks the protocol, runs out of memory, is cancelled by the
+  timeout watchdog or goes over its call or RSS mark is killed with its whole
+  process group and replaced; only the call it was serving fails.
+- Everything a worker sends is decoded by `_protocol.decode_answer`; its stderr is
+  logged (capped per line), never parsed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import signal
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentd import _metrics as metrics
+from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._states import step
+from agentd._xmlify import is_xmlified, spec_of
+from agentd.confine import Policy, kill_group, spawn
+from agentd.isolation import _protocol as p
+
+log = logging.getLogger("agentd.isolation")
+
+_STDERR_LINE_MAX = 512
+_START_TIMEOUT_S = 60.0
+_RESTART_BACKOFF_MAX_S = 5.0
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class WorkerState(enum.Enum):
+    STARTING = "starting"
+    IDLE = "idle"
+    BUSY = "busy"
+    DEAD = "dead"
+
+
+class WorkerEvent(enum.Enum):
+    READY = "ready"
+    CALL = "call"
+    DONE = "done"
+    DIE = "die"
+
+
+TRANSITIONS: Mapping[WorkerState, Mapping[WorkerEvent, WorkerState]] = {
+    WorkerState.STARTING: {WorkerEvent.READY: WorkerState.IDLE, WorkerEvent.DIE: WorkerState.DEAD},
+    WorkerState.IDLE: {WorkerEvent.CALL: WorkerState.BUSY, WorkerEvent.DIE: WorkerState.DEAD},
+    WorkerState.BUSY: {WorkerEvent.DONE: WorkerState.IDLE, WorkerEvent.DIE: WorkerState.DEAD},
+    WorkerState.DEAD: {WorkerEvent.DIE: WorkerState.DEAD},
+}
+
+
+class WorkerFailed(Exception):
+    """The worker serving a call failed; the caller gets `huh internal`."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"isolated worker failed: {reason}")
+        self.reason = reason
+
+
+def exit_reason(returncode: int | None, killed_for: str | None) -> str:
+    """Why a worker ended, for `agentd_worker_restarts_total{reason}`."""
+    if killed_for is not None:
+        return killed_for
+    if returncode in (-signal.SIGXCPU,):
+        return "cpu"
+    if returncode is not None and returncode < 0:
+        return "crash"
+    return "exit"
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start a listener's workers."""
+
+    listener: str
+    argv: tuple[str, ...]
+    policy: Policy
+    init: Mapping[str, Any]  # the INIT frame's header
+    workers: int = 1
+    max_calls: int | None = None
+    max_rss_mb: int | None = None
+    spare: bool = True  # keep one more worker ready, to replace a dead one at once
+
+
+@dataclass(eq=False)
+class Worker:
+    proc: asyncio.subprocess.Process
+    state: WorkerState = WorkerState.STARTING
+    calls: int = 0
+    killed_for: str | None = None
+    pidfd: int = -1
+    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def rss_mb(self) -> float:
+        try:
+            with open(f"/proc/{self.proc.pid}/status", "rb") as f:
+                for line in f:
+                    if line.startswith(b"VmRSS:"):
+                        return int(line.split()[1]) / 1024
+        except (OSError, ValueError):
+            pass
+        return 0.0
+
+    def cpu_s(self) -> float:
+        """CPU seconds used so far (what RLIMIT_CPU counts)."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / _CLK_TCK
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+
+class WorkerPool:
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.restarts = 0
+        self._workers: set[Worker] = set()
+        self._idle: deque[Worker] = deque()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._background: set[asyncio.Task[Any]] = set()
+        self._stopping = False
+        self._backoff = 0.0
+        self._spare: Worker | None = None  # started and ready, serving nothing yet
+        self._gauges = {s: metrics.workers.labels(spec.listener, s.value) for s in WorkerState
+                        if s is not WorkerState.DEAD}
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start every worker and wait until each has imported the handler."""
+        roles = [False] * self.spec.workers + ([True] if self.spec.spare else [])
+        started = await asyncio.gather(*(self._start_one(spare) for spare in roles),
+                                       return_exceptions=True)
+        errors = [e for e in started if isinstance(e, BaseException)]
+        if errors:
+            await self.stop()
+            raise errors[0]
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in list(self._background):
+            task.cancel()
+        for worker in list(self._workers):
+            await self._kill(worker)
+        for task in list(self._background):
+            with contextlib.suppress(BaseException):
+                await task
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(WorkerFailed("stopped"))
+
+    def status(self) -> dict[str, int]:
+        states = [w.state for w in self._workers if w is not self._spare]
+        return {"workers": sum(s is not WorkerState.DEAD for s in states),
+                "spare": int(self._spare is not None),
+                "busy": states.count(WorkerState.BUSY),
+                "starting": states.count(WorkerState.STARTING),
+                "restarts": self.restarts}
+
+    # ---- calls ---------------------------------------------------------------
+
+    async def call(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse | None:
+        """Run the listener's handler in a worker (the handler signature)."""
+        if is_xmlified(payload):
+            spec = spec_of(payload)
+            key: str | None = spec.clark
+            body = spec.to_bytes(payload)
+        else:  # a core payload (ack, huh, answer) coming back to the listener
+            key, body = None, payload.to_bytes()
+        frame = p.encode_call(meta, key, body)
+        worker = await self._acquire()
+        self._set(worker, WorkerEvent.CALL)
+        try:
+            stdin, stdout = worker.proc.stdin, worker.proc.stdout
+            assert stdin is not None and stdout is not None
+            stdin.write(frame)
+            await stdin.drain()
+            size = p.frame_length(await stdout.readexactly(4))
+            kind, header, rest = p.decode(await stdout.readexactly(size))
+            if kind == p.ANSWER:
+                result = p.decode_answer(header, rest)
+            elif kind == p.FAILED:
+                error = header.get("error")
+                if error == "MemoryError":
+                    raise WorkerFailed("memory")
+                self._release(worker)
+                raise WorkerFailed("raised")
+            else:
+                raise p.ProtocolError("unexpected frame kind")
+        except asyncio.CancelledError:
+            self._retire(worker, "timeout")  # or the pump is stopping: either way, gone
+            raise
+        except WorkerFailed as exc:
+            if worker.state is WorkerState.BUSY:
+                self._retire(worker, exc.reason)
+            raise
+        except p.ProtocolError as exc:
+            log.warning("isolated worker broke the protocol listener=%s pid=%s: %s",
+                        self.spec.listener, worker.pid, exc)
+            self._retire(worker, "protocol")
+            raise WorkerFailed("protocol") from None
+        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
+            self._retire(worker, None)
+            raise WorkerFailed("died") from None
+        self._release(worker)
+        return result
+
+    async def _acquire(self) -> Worker:
+        while True:
+            while self._idle:
+                worker = self._idle.popleft()
+                if worker.state is WorkerState.IDLE:
+                    return worker
+            if self._stopping:
+                raise WorkerFailed("stopped")
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+
+    def _release(self, worker: Worker) -> None:
+        worker.calls += 1
+        self._set(worker, WorkerEvent.DONE)
+        if self._worn_out(worker):
+            self._retire(worker, "recycle")
+            return
+        self._idle.append(worker)
+        self._wake()
+
+    def _worn_out(self, worker: Worker) -> bool:
+        """Over its call count, its RSS mark, or half its CPU seconds (RLIMIT_CPU
+        counts a worker's whole life: the next call starts with at least half)."""
+        spec = self.spec
+        cpu = spec.policy.cpu_s
+        return ((spec.max_calls is not None and worker.calls >= spec.max_calls)
+                or (spec.max_rss_mb is not None and worker.rss_mb() > spec.max_rss_mb)
+                or (cpu is not None and worker.cpu_s() >= cpu / 2))
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    # ---- workers -------------------------------------------------------------
+
+    def _set(self, worker: Worker, event: WorkerEvent) -> None:
+        before = worker.state
+        worker.state = step("worker", TRANSITIONS, before, event)
+        if before is not worker.state:
+            if before in self._gauges:
+                self._gauges[before].dec()
+            if worker.state in self._gauges:
+                self._gauges[worker.state].inc()
+
+    async def _start_one(self, spare: bool = False) -> Worker:
+        spec = self.spec
+        proc = await spawn(list(spec.argv), spec.policy, check=False)
+        worker = Worker(proc)
+        self._workers.add(worker)
+        self._gauges[WorkerState.STARTING].inc()
+        worker.tasks.append(asyncio.create_task(self._drain_stderr(worker)))
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(p.encode(p.INIT, dict(spec.init)))
+            await proc.stdin.drain()
+            async with asyncio.timeout(_START_TIMEOUT_S):
+                size = p.frame_length(await proc.stdout.readexactly(4))
+                kind, _, _ = p.decode(await proc.stdout.readexactly(size))
+            if kind != p.READY:
+                raise p.ProtocolError("expected READY")
+        except (Exception, asyncio.CancelledError) as exc:
+            await self._kill(worker)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise WorkerFailed(f"worker for {spec.listener} did not start "
+                               f"(exit {proc.returncode})") from None
+        self._set(worker, WorkerEvent.READY)
+        self._watch(worker)
+        if spare:
+            self._spare = worker
+        else:
+            self._idle.append(worker)
+            self._wake()
+        return worker
+
+    async def _drain_stderr(self, worker: Worker) -> None:
+        stream = worker.proc.stderr
+        assert stream is not None
+        while True:
+            try:
+                line = await stream.readline()
+            except ValueError:  # a line over the stream limit: drop it
+                continue
+            if not line:
+                return
+            text = line[:_STDERR_LINE_MAX].decode("utf-8", "replace").rstrip()
+            log.info("worker stderr listener=%s pid=%s: %s", self.spec.listener,
+                     worker.pid, text)
+
+    def _watch(self, worker: Worker) -> None:
+        """Notice the worker's exit at once, through a pidfd. Its pipes are no sign:
+        a grandchild may hold them open (and asyncio's `wait()` waits for them too).
+        The group is then killed, which closes them, failing a call in progress."""
+        try:
+            worker.pidfd = os.pidfd_open(worker.pid)
+        except (AttributeError, OSError):  # no pidfd (Linux < 5.3): pipes and wait() only
+            return
+        loop = asyncio.get_running_loop()
+
+        def exited() -> None:
+            loop.remove_reader(worker.pidfd)
+            if worker.state is not WorkerState.DEAD:
+                self._retire(worker, None)
+
+        loop.add_reader(worker.pidfd, exited)
+
+    def _retire(self, worker: Worker, reason: str | None) -> None:
+        """Kill `worker` (its whole group) now and replace it in the background."""
+        if worker.state is WorkerState.DEAD:
+            return
+        worker.killed_for = reason
+        self._set(worker, WorkerEvent.DIE)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.pid, signal.SIGKILL)
+        task = asyncio.get_running_loop().create_task(self._replace(worker))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _kill(self, worker: Worker) -> None:
+        if worker.state is not WorkerState.DEAD:
+            self._set(worker, WorkerEvent.DIE)
+        if worker.pidfd >= 0:
+            asyncio.get_running_loop().remove_reader(worker.pidfd)
+            os.close(worker.pidfd)
+            worker.pidfd = -1
+        await kill_group(worker.proc)
+        for task in worker.tasks:
+            task.cancel()
+        self._workers.discard(worker)
+        if worker.state is WorkerState.DEAD and worker in self._idle:
+            self._idle.remove(worker)
+
+    async def _replace(self, worker: Worker) -> None:
+        await self._kill(worker)
+        reason = exit_reason(worker.proc.returncode, worker.killed_for)
+        self.restarts += 1
+        metrics.worker_restarts.labels(self.spec.listener, reason).inc()
+        log.warning("isolated worker replaced listener=%s pid=%s reason=%s exit=%s",
+                    self.spec.listener, worker.pid, reason, worker.proc.returncode)
+        spare = self._spare
+        want_spare = spare is not None  # the spare died, or it takes over from `worker`
+        self._spare = None
+        if spare is not None and spare is not worker:
+            self._idle.append(spare)  # serves at once; a new spare starts behind it
+            self._wake()
+        while not self._stopping:
+            if self._backoff:
+                await asyncio.sleep(self._backoff)
+            try:
+                await self._start_one(want_spare)
+                self._backoff = 0.0
+                return
+            except WorkerFailed as exc:
+                self._backoff = min(_RESTART_BACKOFF_MAX_S, max(0.1, self._backoff * 2))
+                log.error("isolated worker restart failed listener=%s: %s",
+                          self.spec.listener, exc)

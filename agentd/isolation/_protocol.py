@@ -1,0 +1,142 @@
+"""The byte protocol between the daemon and a handler worker: pure encode/decode.
+
+A frame is a 4-byte big-endian length N (N <= `MAX_FRAME`), then N bytes: one
+kind byte, a 4-byte big-endian header length H, H bytes of a JSON object, and the
+rest is opaque bytes (a payload's XML).
+
+    daemon -> worker   INIT    {"sys_path", "listener", "handler", "payload_classes"}
+                       CALL    {"thread_id", "from_id", "own_name", "redelivered", "key"}
+                               + payload XML
+    worker -> daemon   READY   {"pid"}
+                       ANSWER  {"kind", "to", "targets", "code", "message", "retry"} + payload XML
+                       FAILED  {"error"}  (the handler raised; the error's class name only)
+
+Invariants: only JSON objects of strings, booleans, null and lists of strings
+cross, never pickle; everything the worker sends is decoded by `decode_answer`,
+which checks every field's type and bound and raises `ProtocolError` otherwise.
+The payload bytes it returns are handed to the pump as raw handler output, which
+parses and validates them like any handler's output.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+from agentd._errors import HuhCode
+from agentd._handler import HandlerMetadata, HandlerResponse, ResponseKind
+
+MAX_FRAME = 16 * 1024 * 1024
+MAX_HEADER = 64 * 1024
+MAX_TARGETS = 256
+MAX_NAME = 256
+MAX_MESSAGE = 1024
+
+INIT, CALL, READY, ANSWER, FAILED = b"I", b"C", b"R", b"A", b"F"
+KINDS = frozenset({INIT, CALL, READY, ANSWER, FAILED})
+
+_LEN = struct.Struct(">I")
+_KINDS_BY_NAME = {k.value: k for k in ResponseKind}
+_CODES = {c.value: c for c in HuhCode}
+
+
+class ProtocolError(Exception):
+    """A frame that breaks the protocol: the worker that sent it is not trusted again."""
+
+
+def encode(kind: bytes, header: dict[str, Any], body: bytes = b"") -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    size = 1 + 4 + len(head) + len(body)
+    if size > MAX_FRAME:
+        raise ProtocolError(f"frame of {size} bytes > {MAX_FRAME}")
+    return b"".join((_LEN.pack(size), kind, _LEN.pack(len(head)), head, body))
+
+
+def frame_length(prefix: bytes) -> int:
+    """The length announced by a frame's 4-byte prefix, checked against the bound."""
+    (size,) = _LEN.unpack(prefix)
+    if not 5 <= size <= MAX_FRAME:
+        raise ProtocolError(f"frame length {size} out of bounds")
+    return size
+
+
+def decode(frame: bytes) -> tuple[bytes, dict[str, Any], bytes]:
+    """A frame's content (without its length prefix) -> (kind, header, body)."""
+    if len(frame) < 5:
+        raise ProtocolError("short frame")
+    kind = frame[:1]
+    if kind not in KINDS:
+        raise ProtocolError("unknown frame kind")
+    (hlen,) = _LEN.unpack_from(frame, 1)
+    if hlen > MAX_HEADER or 5 + hlen > len(frame):
+        raise ProtocolError("bad header length")
+    try:
+        header = json.loads(frame[5 : 5 + hlen])
+    except (ValueError, RecursionError):
+        raise ProtocolError("header is not JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not an object")
+    return kind, header, frame[5 + hlen :]
+
+
+def _opt_str(header: dict[str, Any], key: str, limit: int) -> str | None:
+    value = header.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > limit:
+        raise ProtocolError(f"{key}: not a string of at most {limit} characters")
+    return value
+
+
+def encode_call(meta: HandlerMetadata, key: str | None, payload_xml: bytes) -> bytes:
+    """`key`: the payload's `{namespace}tag` (None: a core payload)."""
+    return encode(CALL, {"thread_id": meta.thread_id, "from_id": meta.from_id,
+                         "own_name": meta.own_name, "redelivered": meta.redelivered,
+                         "key": key}, payload_xml)
+
+
+def decode_call(header: dict[str, Any]) -> HandlerMetadata:
+    """The worker's side: the daemon is trusted, so this only restores the value."""
+    return HandlerMetadata(str(header["thread_id"]), str(header["from_id"]),
+                           str(header["own_name"]), bool(header["redelivered"]))
+
+
+def encode_answer(result: HandlerResponse | None, payload_xml: bytes) -> bytes:
+    if result is None:
+        return encode(ANSWER, {"kind": None})
+    return encode(ANSWER, {
+        "kind": result.kind.value, "to": result.to, "targets": list(result.targets),
+        "code": result.error_code.value if result.error_code is not None else None,
+        "message": result.error_message, "retry": result.retry_allowed,
+    }, payload_xml)
+
+
+def decode_answer(header: dict[str, Any], body: bytes) -> HandlerResponse | None:
+    """A worker's ANSWER -> what the handler returned (payload as raw XML bytes)."""
+    kind_name = header.get("kind")
+    if kind_name is None:
+        if body:
+            raise ProtocolError("payload without a response")
+        return None
+    kind = _KINDS_BY_NAME.get(kind_name) if isinstance(kind_name, str) else None
+    if kind is None:
+        raise ProtocolError("unknown response kind")
+    to = _opt_str(header, "to", MAX_NAME)
+    targets = header.get("targets", [])
+    if (not isinstance(targets, list) or len(targets) > MAX_TARGETS
+            or not all(isinstance(t, str) and len(t) <= MAX_NAME for t in targets)):
+        raise ProtocolError("targets: not a list of names")
+    retry = header.get("retry")
+    if retry is not None and not isinstance(retry, bool):
+        raise ProtocolError("retry: not a boolean")
+    if kind is ResponseKind.ERROR:
+        code_name = _opt_str(header, "code", MAX_NAME)
+        code = _CODES.get(code_name) if code_name is not None else HuhCode.INTERNAL
+        if code is None:
+            raise ProtocolError("unknown huh code")
+        message = header.get("message") or ""
+        if not isinstance(message, str):
+            raise ProtocolError("message: not a string")
+        return HandlerResponse.error(code, message[:MAX_MESSAGE], retry_allowed=retry)
+    return HandlerResponse(body, to=to, kind=kind, targets=tuple(targets))

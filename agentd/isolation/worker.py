@@ -1,0 +1,143 @@
+"""A handler worker's main: import one listener's handler once, then serve calls.
+
+Run by the pool as ``python -E -s -P -m agentd.isolation.worker`` through the
+confinement shim, so it starts already confined (rlimits, Landlock, seccomp, no
+network unless allowed, empty environment plus the listener's). It speaks the
+protocol of `_protocol.py` on descriptors 0 and 1, which it moves out of the way
+first: the handler's `print` (or a forged envelope written to stdout) goes to
+stderr, which the daemon only logs, never parses.
+
+One call at a time. The worker is as untrusted as the handler it runs: the daemon
+checks everything it sends back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import os
+import sys
+from typing import Any
+
+from agentd.isolation import _protocol as p
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    parts, left = [], n
+    while left:
+        chunk = os.read(fd, left)
+        if not chunk:
+            raise EOFError
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def _read_frame(fd: int) -> tuple[bytes, dict[str, Any], bytes]:
+    return p.decode(_read_exact(fd, p.frame_length(_read_exact(fd, 4))))
+
+
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _resolve(ref: str) -> Any:
+    """`module:attribute` (already checked by the daemon's configuration loader)."""
+    module, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def run_handler(loop: asyncio.AbstractEventLoop, coro: Any) -> Any:
+    """Run a handler's coroutine to its end. Most handlers never suspend: they are
+    stepped once without the event loop (`run_until_complete` costs ~45 us a call);
+    one that suspends is resumed on the loop, as a task would resume it."""
+    try:
+        yielded = coro.send(None)
+    except StopIteration as done:
+        return done.value
+    return loop.run_until_complete(_resume(coro, yielded))
+
+
+async def _resume(coro: Any, yielded: Any) -> Any:
+    while True:
+        if isinstance(yielded, asyncio.Future):
+            yielded._asyncio_future_blocking = False  # we wait on it, as Task.__step does
+            with contextlib.suppress(BaseException):
+                await yielded  # its outcome reaches the coroutine through result()
+        else:  # a bare yield (asyncio.sleep(0)): give the loop one turn
+            await asyncio.sleep(0)
+        try:
+            yielded = coro.send(None)
+        except StopIteration as done:
+            return done.value
+
+
+def _payload_bytes(payload: object) -> bytes:
+    from agentd import to_xml
+
+    if payload is None:
+        return b""
+    if isinstance(payload, bytes | bytearray):
+        return bytes(payload)
+    if isinstance(payload, str):
+        return payload.encode()
+    if isinstance(payload, list | tuple):
+        return b"".join(_payload_bytes(x) for x in payload)
+    to_bytes = getattr(payload, "to_bytes", None)  # core `answer`, for completeness
+    return to_xml(payload) if to_bytes is None else bytes(to_bytes())
+
+
+def serve(fd_in: int, fd_out: int) -> None:
+    from agentd import HandlerResponse, from_xml
+    from agentd._core import core_from_element
+    from agentd._xml import parse_untrusted
+    from agentd._xmlify import spec_of
+
+    kind, init, _ = _read_frame(fd_in)
+    if kind != p.INIT:
+        raise p.ProtocolError("expected INIT")
+    sys.path[:] = [str(x) for x in init["sys_path"]]
+    handler = _resolve(init["handler"])
+    classes = {spec_of(c).clark: c for c in map(_resolve, init["payload_classes"])}
+    _write(fd_out, p.encode(p.READY, {"pid": os.getpid()}))
+    loop = asyncio.new_event_loop()
+    while True:
+        try:
+            kind, header, body = _read_frame(fd_in)
+        except EOFError:
+            return
+        meta = p.decode_call(header)
+        key = header.get("key")
+        try:
+            cls = classes.get(key) if isinstance(key, str) else None
+            payload = (from_xml(cls, body) if cls is not None
+                       else core_from_element(parse_untrusted(body)))
+            result = run_handler(loop, handler(payload, meta))
+            if result is not None and not isinstance(result, HandlerResponse):
+                raise TypeError(f"handler returned {type(result).__name__}")
+            frame = p.encode_answer(result, _payload_bytes(result.payload if result else None))
+        except MemoryError:
+            frame = p.encode(p.FAILED, {"error": "MemoryError"})  # the daemon replaces us
+        except Exception as exc:
+            frame = p.encode(p.FAILED, {"error": type(exc).__name__})
+            print(f"handler raised {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        _write(fd_out, frame)
+
+
+def main() -> None:
+    fd_in, fd_out = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    os.dup2(2, 1)  # stdout is the log, not the protocol
+    serve(fd_in, fd_out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Handler isolation against the same handler in process, in one process run.
+
+(a) throughput: request/response pairs through the pump (no kernel, so the
+    handler path dominates), the same echo handler in process and in a pool of
+    two confined workers (`isolated_ratio` = isolated / in process);
+(b) overhead: one 1 KiB round trip through a worker (`WorkerPool.call`) against
+    the same handler awaited in process, sequential, p50 of the difference;
+(c) replacement: a worker killed with SIGKILL, then the time until the next call
+    is served by its replacement, the pool's ready spare (`worker_replace_ms`,
+    median of a few).
+
+Usage: python benchmarks/isolation.py [--quick]. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agentd._envelope import build_envelope  # noqa: E402
+from agentd._handler import HandlerMetadata  # noqa: E402
+from agentd._xmlify import spec_of  # noqa: E402
+from agentd.config import load_config  # noqa: E402
+from agentd.testing import Harness  # noqa: E402
+from tests.isolated.handlers import Probe, probe  # noqa: E402
+
+TEXT = "x" * 1024
+
+
+def organism(folder: Path, isolation: str | None) -> Path:
+    path = folder / f"organism-{uuid.uuid4().hex[:6]}.yaml"
+    iso = f"\n    isolation: {isolation}" if isolation else ""
+    path.write_text(textwrap.dedent("""
+        organism: {name: isolation-bench}
+        pump: {max_concurrency: 64}
+        listeners:
+          - name: prober
+            payload_class: tests.isolated.handlers:Probe
+            response_class: tests.isolated.handlers:Outcome
+            handler: tests.isolated.handlers:probe
+            description: Echoes.""") + iso + "\nprofiles:\n  public: {listeners: all}\n")
+    return path
+
+
+async def pairs_per_s(config_path: Path, n: int) -> tuple[float, Harness | None]:
+    config = load_config(config_path)
+    spec = spec_of(Probe)
+    data = [build_envelope("alice", str(uuid.uuid4()), spec.to_bytes(Probe("echo", TEXT)))
+            for _ in range(n)]
+    async with Harness(config, {"alice": "public"}, durable=False) as h:
+        for d in data[:50]:  # warm-up
+            await h.pump.submit("alice", d)
+        await h.run_until_idle()
+        before = h.pump.handled
+        t0 = time.perf_counter()
+        for d in data:
+            await h.pump.submit("alice", d)
+        await h.run_until_idle()
+        elapsed = time.perf_counter() - t0
+        assert h.pump.handled - before == n, "not every request was handled"
+    return n / elapsed, None
+
+
+async def overhead_and_replace(folder: Path, rounds: int, replaces: int) -> tuple[float, float]:
+    config = load_config(organism(folder, "{workers: 1}"))
+    meta = HandlerMetadata(str(uuid.uuid4()), "alice", "prober")
+    payload = Probe("echo", TEXT)
+    async with Harness(config, {"alice": "public"}, durable=False) as h:
+        pool = h.isolation.pools["prober"]
+        for _ in range(50):
+            await pool.call(payload, meta)
+        inproc, isolated = [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            await probe(payload, meta)
+            t1 = time.perf_counter()
+            await pool.call(payload, meta)
+            t2 = time.perf_counter()
+            inproc.append(t1 - t0)
+            isolated.append(t2 - t1)
+        overhead_us = (statistics.median(isolated) - statistics.median(inproc)) * 1e6
+        print(f"round trip 1 KiB: in process p50 {statistics.median(inproc) * 1e6:.1f} us, "
+              f"isolated p50 {statistics.median(isolated) * 1e6:.1f} us")
+        print(f"worker RSS: {pool._idle[0].rss_mb():.1f} MiB")
+        times = []
+        for _ in range(replaces):
+            while not pool.status()["spare"]:  # a spare is ready again
+                await asyncio.sleep(0.01)
+            worker = pool._idle[0]
+            t0 = time.perf_counter()
+            os.kill(worker.pid, signal.SIGKILL)
+            while worker.state.value != "dead":  # the pool notices through the pidfd
+                await asyncio.sleep(0.0005)
+            await pool.call(payload, meta)  # waits for the replacement
+            times.append((time.perf_counter() - t0) * 1000)
+        print("worker replaced and next call served (ms): "
+              + ", ".join(f"{t:.0f}" for t in times))
+    return overhead_us, statistics.median(times)
+
+
+async def main(quick: bool) -> dict[str, float]:
+    n = 2_000 if quick else 20_000
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        inproc, _ = await pairs_per_s(organism(folder, None), n)
+        print(f"in process: {inproc:,.0f} pairs/s ({n} requests)")
+        isolated, _ = await pairs_per_s(organism(folder, "{workers: 2}"), n)
+        print(f"isolated (2 workers): {isolated:,.0f} pairs/s ({n} requests)")
+        overhead, replace = await overhead_and_replace(folder, 500 if quick else 5_000,
+                                                       3 if quick else 10)
+    return {
+        "isolated_pairs_per_s": round(isolated, 1),
+        "inprocess_pairs_per_s": round(inproc, 1),
+        "isolated_ratio": round(isolated / inproc, 3),
+        "isolated_overhead_p50_us": round(overhead, 1),
+        "worker_replace_ms": round(replace, 1),
+    }
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    result = asyncio.run(main(ap.parse_args().quick))
+    print(json.dumps(result))

@@ -1,0 +1,89 @@
+"""Handlers that attack their worker's confinement (named by the isolation tests'
+YAML as `tests.isolated.handlers:probe`). Each `action` is one attack."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from agentd import HandlerMetadata, HandlerResponse, xmlify
+
+NS = "https://example.org/ns/isolation-tests"
+
+
+@xmlify(namespace=f"{NS}/probe/v1")
+@dataclass
+class Probe:
+    """Runs one probe in the handler."""
+
+    action: str
+    arg: str = ""
+
+
+@xmlify(namespace=f"{NS}/result/v1")
+@dataclass
+class Outcome:
+    text: str
+
+
+def _grandchild() -> str:
+    pid = os.fork()
+    if pid == 0:
+        with contextlib.suppress(OSError):
+            os.setsid()
+        time.sleep(600)
+        os._exit(0)
+    return str(pid)
+
+
+async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
+    action, arg = payload.action, payload.arg
+    if action == "echo":
+        text = arg
+    elif action == "pid":
+        text = str(os.getpid())
+    elif action == "exit":
+        os._exit(3)
+    elif action == "segfault":
+        ctypes.string_at(0)
+    elif action == "alloc":
+        blob = bytearray(int(arg) * 1024 * 1024)
+        text = str(len(blob))
+    elif action == "loop":
+        while True:
+            pass
+    elif action == "await":  # suspends on the worker's event loop, twice
+        await asyncio.sleep(0)
+        await asyncio.sleep(float(arg))
+        text = "awaited"
+    elif action == "sleep":  # blocks in C: the event loop of an in-process handler would stall
+        time.sleep(float(arg))
+        text = "slept"
+    elif action == "grandchild":
+        text = _grandchild()
+    elif action == "read":
+        with open(arg, "rb") as f:
+            text = f.read().decode(errors="replace")
+    elif action == "connect":
+        host, port = arg.rsplit(":", 1)
+        socket.create_connection((host, int(port)), timeout=5).close()
+        text = "connected"
+    elif action == "forge":
+        forged = ('<message xmlns="https://xml-pipeline.org/ns/envelope/v1"><meta>'
+                  '<from>core</from><to>alice</to><thread>x</thread></meta>'
+                  '<ok xmlns="urn:x"/></message>')
+        print(forged, flush=True)
+        os.write(1, forged.encode())
+        text = "forged"
+    elif action == "environ":
+        text = ",".join(sorted(os.environ))
+    elif action == "bad-xml":
+        return HandlerResponse.respond(b"<outcome xmlns='" + NS.encode() + b"/result/v1'><nope/>")
+    else:
+        raise ValueError(action)
+    return HandlerResponse.respond(Outcome(text))

@@ -1,0 +1,260 @@
+"""Handler isolation, attacked for real: real worker processes confined by the
+kernel, killed with SIGKILL, in front of the real pump and kernel (Harness)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import textwrap
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from agentd._envelope import parse_envelope
+from agentd.client import frame_kind
+from agentd.config import load_config
+from agentd.confine import landlock_status
+from agentd.testing import Harness
+from agentd.tools.calculator import Add
+from tests.isolated.handlers import Probe
+from tests.isolated.watch import alive, gone, recording_server
+
+CLIENTS = {"alice": "public"}
+SECRET = "s3cret-token-do-not-leak"
+needs_landlock = pytest.mark.skipif(not landlock_status().filesystem,
+                                    reason="kernel without Landlock")
+
+
+def organism(tmp: Path, isolation: str = "{memory_mb: 1024, cpu_s: 20, workers: 2}",
+             timeout_s: float = 10) -> Path:
+    (tmp / "tls").mkdir()
+    (tmp / "tls" / "key.pem").write_text(f"-----BEGIN PRIVATE KEY-----\n{SECRET}\n")
+    (tmp / "tls" / "cert.pem").write_text("cert")
+    (tmp / "clients.yaml").write_text(f"alice: {{secret: {SECRET}, profile: public}}\n")
+    (tmp / "authorized_keys").write_text(f"ssh-ed25519 {SECRET} ops-1\n")
+    path = tmp / "organism.yaml"
+    path.write_text(textwrap.dedent(f"""
+        organism: {{name: isolation-tests}}
+        state_dir: state
+        auth: {{clients_file: clients.yaml}}
+        oob: {{authorized_keys: authorized_keys}}
+        bus: {{tls: {{cert: tls/cert.pem, key: tls/key.pem}}}}
+        listeners:
+          - name: prober
+            payload_class: tests.isolated.handlers:Probe
+            response_class: tests.isolated.handlers:Outcome
+            handler: tests.isolated.handlers:probe
+            description: Runs probes.
+            timeout_s: {timeout_s}
+            isolation: {isolation}
+          - name: calculator.add
+            payload_class: agentd.tools.calculator:Add
+            response_class: agentd.tools.calculator:Sum
+            handler: agentd.tools.calculator:add
+            description: Adds two integers.
+        profiles:
+          public: {{listeners: all}}
+    """))
+    return path
+
+
+@pytest.fixture
+async def h(tmp_path: Path) -> AsyncIterator[Harness]:
+    config = load_config(organism(tmp_path))
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as harness:
+        yield harness
+
+
+def outcome(frames: list[bytes]) -> tuple[str, str]:
+    """(kind, text) of the last frame: ("outcome", text) or ("huh", code)."""
+    env = parse_envelope(frames[-1])
+    name = frame_kind(frames[-1])[1]
+    for child in env.payload.iter():
+        tag = child.tag.split("}")[-1] if isinstance(child.tag, str) else ""
+        if (name == "outcome" and tag == "text") or (name == "huh" and tag == "code"):
+            return name, child.text or ""
+    return name, ""
+
+
+async def ask(h: Harness, action: str, arg: str = "") -> tuple[str, str]:
+    return outcome(await h.send("alice", Probe(action, arg)))
+
+
+def pool_pids(h: Harness) -> set[int]:
+    return {w.pid for w in h.isolation.pools["prober"]._workers}
+
+
+async def settled(h: Harness, restarts: int) -> None:
+    """Until the pool has replaced `restarts` workers and has them all ready."""
+    pool = h.isolation.pools["prober"]
+    for _ in range(3000):
+        st = pool.status()
+        if st["restarts"] >= restarts and st["workers"] == pool.spec.workers and not st["starting"]:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"pool did not settle: {pool.status()}")
+
+
+async def test_isolated_handler_answers_like_in_process(h: Harness) -> None:
+    assert await ask(h, "echo", "hello") == ("outcome", "hello")
+    assert await ask(h, "await", "0.01") == ("outcome", "awaited")
+    pid = int((await ask(h, "pid"))[1])
+    assert pid != os.getpid() and pid in pool_pids(h)
+
+
+async def other_conversation_completes(h: Harness) -> None:
+    frames = await h.send("alice", Add(a=2, b=3))
+    assert frame_kind(frames[-1])[1] == "sum"
+
+
+@pytest.mark.parametrize("action,arg,reason", [
+    ("exit", "", "exit"),
+    ("segfault", "", "crash"),
+    ("alloc", "4096", "memory"),
+])
+async def test_worker_that_dies_is_contained_and_replaced(
+        h: Harness, action: str, arg: str, reason: str) -> None:
+    daemon_pid = os.getpid()
+    before = pool_pids(h)
+    assert await ask(h, action, arg) == ("huh", "internal")
+    assert os.getpid() == daemon_pid
+    await other_conversation_completes(h)
+    await settled(h, 1)
+    assert pool_pids(h) != before
+    assert await ask(h, "echo", "still here") == ("outcome", "still here")
+    from agentd import _metrics
+    assert _metrics.worker_restarts.labels("prober", reason)._value.get() >= 1
+
+
+@pytest.mark.parametrize("action,arg", [("loop", ""), ("sleep", "600")])
+async def test_hung_worker_is_killed_at_the_timeout(tmp_path: Path, action: str, arg: str) -> None:
+    config = load_config(organism(tmp_path, timeout_s=1))
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        hung = asyncio.create_task(h.send("alice", Probe(action, arg)))
+        # Meanwhile the other listener and the pool's other worker keep serving.
+        await other_conversation_completes(h)
+        assert outcome(await hung) == ("huh", "timeout")
+        await settled(h, 1)
+        assert await ask(h, "echo", "ok") == ("outcome", "ok")
+
+
+async def test_cpu_limit_stops_a_busy_loop(tmp_path: Path) -> None:
+    config = load_config(organism(tmp_path, "{cpu_s: 1, workers: 1}", timeout_s=120))
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        assert await ask(h, "loop") == ("huh", "internal")
+        await settled(h, 1)
+        assert await ask(h, "echo", "ok") == ("outcome", "ok")
+
+
+async def test_grandchild_does_not_outlive_its_worker(h: Harness) -> None:
+    # The handler forks a grandchild that tries setsid() to leave the worker's
+    # process group, and answers with its pid.
+    grandchild = int((await ask(h, "grandchild"))[1])
+    assert alive(grandchild)
+    with open(f"/proc/{grandchild}/stat") as f:
+        worker_pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    assert worker_pid in pool_pids(h)
+    os.kill(worker_pid, signal.SIGKILL)  # the worker crashes: its whole group goes
+    await settled(h, 1)
+    assert await gone(grandchild)
+    await other_conversation_completes(h)
+
+
+@needs_landlock
+@pytest.mark.parametrize("target", ["clients.yaml", "tls/key.pem", "authorized_keys",
+                                    "organism.yaml", "state/journal.db", "/proc/{pid}/environ"])
+async def test_worker_cannot_read_the_daemons_secrets(
+        h: Harness, tmp_path: Path, caplog: pytest.LogCaptureFixture, target: str) -> None:
+    path = target.format(pid=os.getpid()) if target.startswith("/") else str(tmp_path / target)
+    frames = await h.send("alice", Probe("read", path))
+    assert outcome(frames) == ("huh", "internal")
+    assert all(SECRET.encode() not in f for f in frames)
+    assert SECRET not in caplog.text
+    await other_conversation_completes(h)
+
+
+async def test_worker_environment_holds_only_what_the_listener_declares(
+        tmp_path: Path) -> None:
+    os.environ["AGENTD_DAEMON_SECRET"] = SECRET
+    try:
+        config = load_config(organism(tmp_path, "{workers: 1, env: {GREETING: hi}}"))
+        (tmp_path / "state").mkdir()
+        async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+            kind, names = await ask(h, "environ")
+    finally:
+        del os.environ["AGENTD_DAEMON_SECRET"]
+    assert kind == "outcome"
+    assert "GREETING" in names.split(",") and "AGENTD_DAEMON_SECRET" not in names
+
+
+async def test_network_false_refuses_a_loopback_connection(h: Harness) -> None:
+    async with recording_server() as (port, accepted):
+        assert await ask(h, "connect", f"127.0.0.1:{port}") == ("huh", "internal")
+    assert accepted == []
+
+
+async def test_forged_envelope_on_stdout_goes_nowhere(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    frames = await h.send("alice", Probe("forge"))
+    assert outcome(frames) == ("outcome", "forged")
+    assert all(b"<from>core</from><to>alice</to><thread>x" not in f for f in frames)
+    assert [frame_kind(f)[1] for f in frames] == ["accepted", "outcome"]
+
+
+async def test_bad_output_from_a_worker_is_refused_like_in_process_output(h: Harness) -> None:
+    # Invalid output is refused by the pump's own checks, with a huh to the listener
+    # (as for an in-process handler): nothing of it reaches the client.
+    frames = await h.send("alice", Probe("bad-xml"))
+    assert [frame_kind(f)[1] for f in frames] == ["accepted"]
+    assert all(b"nope" not in f for f in frames)
+    assert await ask(h, "echo", "ok") == ("outcome", "ok")
+
+
+async def test_worker_is_recycled_after_max_calls(tmp_path: Path) -> None:
+    config = load_config(organism(tmp_path, "{workers: 1, max_calls: 2}"))
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        first = (await ask(h, "pid"))[1]
+        assert (await ask(h, "pid"))[1] == first
+        await settled(h, 1)
+        assert (await ask(h, "pid"))[1] != first
+        assert h.isolation.status()["pools"][0]["restarts"] == 1
+
+
+async def test_daemon_survives_a_segfaulting_worker_and_reports_its_pool(tmp_path: Path) -> None:
+    from agentd.client import BusClient
+    from tests.daemon_process import DaemonProcess, make_home
+
+    home = tmp_path / "home"
+    make_home(home, [{
+        "name": "prober", "payload_class": "tests.isolated.handlers:Probe",
+        "response_class": "tests.isolated.handlers:Outcome",
+        "handler": "tests.isolated.handlers:probe", "description": "Runs probes.",
+        "isolation": {"workers": 1},
+    }])
+    d = await DaemonProcess(home).start()
+    try:
+        assert d.proc is not None
+        daemon_pid = d.proc.pid
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            crashed = await bus.exchange(Probe("segfault"))
+            assert outcome(crashed) == ("huh", "internal")
+            secret = (home / "tls" / "key.pem").read_text()
+            stolen = await bus.exchange(Probe("read", str(home / "tls" / "key.pem")))
+            assert outcome(stolen) == ("huh", "internal")
+            assert all(secret.encode() not in f for f in stolen)
+            assert outcome(await bus.exchange(Probe("echo", "alive"))) == ("outcome", "alive")
+        assert d.proc.returncode is None and d.proc.pid == daemon_pid
+        code, status = d.agentctl("status")
+        assert code == 0, status
+        text = json.dumps(status)
+        assert "prober" in text and "restarts" in text and "landlock_abi" in text
+    finally:
+        await d.stop()
+    assert secret not in "".join(d.log)

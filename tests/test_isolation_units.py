@@ -1,0 +1,203 @@
+"""Isolation's pure parts: the byte protocol under hostile input, the worker state
+machine, the exit reasons, which listeners run isolated, the configuration rules."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import struct
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from agentd import ConfigError, HandlerMetadata, HandlerResponse, HuhCode
+from agentd._handler import ResponseKind
+from agentd._states import IllegalTransition, step
+from agentd.config import load_config_text
+from agentd.isolation import _protocol as p
+from agentd.isolation import effective_isolation
+from agentd.isolation._pool import TRANSITIONS, WorkerEvent, WorkerState, exit_reason
+from agentd.isolation.worker import run_handler
+
+
+def body(kind: bytes, header: object, rest: bytes = b"") -> bytes:
+    head = json.dumps(header).encode()
+    return kind + struct.pack(">I", len(head)) + head + rest
+
+
+# ---- the protocol ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("result", [
+    None,
+    HandlerResponse.respond(b"<x/>"),
+    HandlerResponse(b"<x/>", to="calculator.add"),
+    HandlerResponse.broadcast(b"<x/>", ["a", "b"]),
+    HandlerResponse.error(HuhCode.INVALID_PAYLOAD, "no", retry_allowed=False),
+])
+def test_answer_round_trips(result: HandlerResponse | None) -> None:
+    frame = p.encode_answer(result, result.payload if result and result.payload else b"")
+    assert p.frame_length(frame[:4]) == len(frame) - 4
+    kind, header, rest = p.decode(frame[4:])
+    assert kind == p.ANSWER and p.decode_answer(header, rest) == result
+
+
+def test_call_round_trips() -> None:
+    meta = HandlerMetadata("t", "alice", "prober", True)
+    kind, header, rest = p.decode(p.encode_call(meta, "{ns}probe", b"<probe/>")[4:])
+    assert (kind, p.decode_call(header), header["key"], rest) == (
+        p.CALL, meta, "{ns}probe", b"<probe/>")
+
+
+@pytest.mark.parametrize("prefix", [struct.pack(">I", 0), struct.pack(">I", p.MAX_FRAME + 1),
+                                    b"\xff\xff\xff\xff"])
+def test_forged_frame_length_is_refused(prefix: bytes) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.frame_length(prefix)
+
+
+@pytest.mark.parametrize("frame", [
+    b"A",  # short
+    b"Z" + struct.pack(">I", 2) + b"{}",  # unknown kind
+    b"A" + struct.pack(">I", 10**6) + b"{}",  # header longer than the frame
+    b"A" + struct.pack(">I", 3) + b"{x}",  # not JSON
+    b"A" + struct.pack(">I", 2) + b"[]",  # not an object
+    b"A" + struct.pack(">I", 2000) + b"[" * 2000,  # deep nesting
+])
+def test_malformed_frames_are_refused(frame: bytes) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.decode(frame)
+
+
+@pytest.mark.parametrize("header,rest", [
+    ({"kind": "exfiltrate"}, b""),
+    ({"kind": None}, b"<smuggled/>"),
+    ({"kind": "send", "to": 7}, b"<x/>"),
+    ({"kind": "send", "to": "x" * 300}, b"<x/>"),
+    ({"kind": "broadcast", "targets": "a,b"}, b"<x/>"),
+    ({"kind": "broadcast", "targets": [1]}, b"<x/>"),
+    ({"kind": "broadcast", "targets": ["a"] * 1000}, b"<x/>"),
+    ({"kind": "error", "code": "root-shell"}, b""),
+    ({"kind": "error", "code": "internal", "message": ["x"]}, b""),
+    ({"kind": "respond", "retry": "yes"}, b"<x/>"),
+])
+def test_forged_answers_from_a_worker_are_refused(header: dict[str, object], rest: bytes) -> None:
+    with pytest.raises(p.ProtocolError):
+        p.decode_answer(header, rest)
+
+
+def test_an_error_message_from_a_worker_is_capped() -> None:
+    _kind, header, rest = p.decode(body(p.ANSWER, {"kind": "error", "code": "internal",
+                                                  "message": "m" * 10_000}))
+    result = p.decode_answer(header, rest)
+    assert result is not None and result.kind is ResponseKind.ERROR
+    assert len(result.error_message) == p.MAX_MESSAGE
+
+
+# ---- the worker's state machine and exit reasons -----------------------------------
+
+
+def test_worker_state_machine_walk() -> None:
+    s = WorkerState.STARTING
+    for event, expected in [(WorkerEvent.READY, WorkerState.IDLE),
+                            (WorkerEvent.CALL, WorkerState.BUSY),
+                            (WorkerEvent.DONE, WorkerState.IDLE),
+                            (WorkerEvent.CALL, WorkerState.BUSY),
+                            (WorkerEvent.DIE, WorkerState.DEAD),
+                            (WorkerEvent.DIE, WorkerState.DEAD)]:
+        s = step("worker", TRANSITIONS, s, event)
+        assert s is expected
+    for state, allowed in TRANSITIONS.items():
+        for event in WorkerEvent:
+            if event not in allowed:
+                with pytest.raises(IllegalTransition):
+                    step("worker", TRANSITIONS, state, event)
+
+
+@pytest.mark.parametrize("rc,killed_for,reason", [
+    (-signal.SIGKILL, "timeout", "timeout"),
+    (-signal.SIGXCPU, None, "cpu"),
+    (-signal.SIGSEGV, None, "crash"),
+    (3, None, "exit"),
+    (0, "recycle", "recycle"),
+])
+def test_exit_reason(rc: int, killed_for: str | None, reason: str) -> None:
+    assert exit_reason(rc, killed_for) == reason
+
+
+def test_a_handler_that_never_suspends_runs_without_the_loop() -> None:
+    async def quick() -> str:
+        return "done"
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert run_handler(loop, quick()) == "done"
+
+        async def suspends() -> str:
+            await asyncio.sleep(0)
+            await asyncio.sleep(0.001)
+            return "later"
+
+        assert run_handler(loop, suspends()) == "later"
+
+        async def fails_later() -> None:
+            await asyncio.sleep(0)
+            raise KeyError("x")
+
+        with pytest.raises(KeyError):
+            run_handler(loop, fails_later())
+    finally:
+        loop.close()
+
+
+# ---- which listeners run isolated ------------------------------------------------------
+
+HANDLER = """
+  - name: {name}
+    payload_class: agentd.tools.calculator:{cls}
+    response_class: agentd.tools.calculator:Sum
+    handler: agentd.tools.calculator:add
+    description: Adds.{extra}
+"""
+
+
+def organism(listeners: str, profiles: str) -> str:
+    return "organism: {name: t}\nlisteners:" + listeners + "profiles:\n" + profiles
+
+
+def test_a_listeners_own_isolation_wins_over_its_profile(tmp_path: Path) -> None:
+    text = organism(
+        HANDLER.format(name="own", cls="Add", extra="\n    isolation: {memory_mb: 64}")
+        + HANDLER.format(name="inherits", cls="Add", extra="")
+        + HANDLER.format(name="opts-out", cls="Multiply",
+                         extra="\n    isolation: {process: false}"),
+        "  p: {listeners: all, isolation: {memory_mb: 128}}\n")
+    chosen = effective_isolation(load_config_text(text, base_dir=tmp_path))
+    assert chosen["own"].memory_mb == 64 and chosen["inherits"].memory_mb == 128
+    assert "opts-out" not in chosen
+
+
+def test_profiles_that_disagree_about_a_listener_are_a_configuration_error(
+        tmp_path: Path) -> None:
+    text = organism(HANDLER.format(name="adder", cls="Add", extra=""),
+                    "  a: {listeners: [adder], isolation: {memory_mb: 64}}\n"
+                    "  b: {listeners: [adder], isolation: {memory_mb: 128}}\n")
+    with pytest.raises(ConfigError, match="different isolation"):
+        load_config_text(text, base_dir=tmp_path)
+
+
+def test_isolation_on_an_agent_is_a_configuration_error(tmp_path: Path) -> None:
+    text = textwrap.dedent("""
+        organism: {name: t}
+        prompts: {p: "hi"}
+        llm: {backends: [{name: m, provider: openai, base_url: "http://127.0.0.1:1/v1", model: x}]}
+        listeners:
+          - name: greeter
+            payload_class: agentd.tools.calculator:Add
+            agent: {prompt: p, model: m}
+            isolation: {memory_mb: 64}
+    """)
+    with pytest.raises(ConfigError, match="isolation is for handler listeners"):
+        load_config_text(text, base_dir=tmp_path)
