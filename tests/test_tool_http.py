@@ -19,8 +19,8 @@ import pytest
 from agentd.bus import make_self_signed
 from agentd.config.tools import HttpFetchTool
 from agentd.tools import Denied
+from agentd.tools.content import Encoding
 from agentd.tools.http import (
-    BodyEncoding,
     Fetch,
     HttpFetcher,
     Method,
@@ -149,7 +149,7 @@ async def test_the_request_goes_to_the_checked_address_naming_the_host() -> None
     rec = Recorder()
     fetched = await fetcher(rec).fetch(Fetch(url="https://a.example/page?q=1"))
     assert fetched.status == 200 and fetched.body == "hello"
-    assert fetched.encoding is BodyEncoding.UTF8 and not fetched.truncated
+    assert fetched.encoding is Encoding.UTF8 and not fetched.truncated
     sent = rec.seen[0]
     assert str(sent.url) == f"https://{PUBLIC}/page?q=1"
     assert sent.headers["host"] == "a.example"
@@ -256,7 +256,7 @@ async def test_url_rules(url: str, cause: str) -> None:
 async def test_the_body_is_cut_at_max_bytes() -> None:
     rec = Recorder(answers={"/big": (200, {"content-type": "image/png"}, b"\x00" * 5000)})
     fetched = await fetcher(rec, max_bytes=100).fetch(Fetch(url="https://a.example/big"))
-    assert fetched.truncated and fetched.encoding is BodyEncoding.BASE64
+    assert fetched.truncated and fetched.encoding is Encoding.BASE64
     assert len(fetched.body) == 136  # base64 of 100 bytes
 
 

@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from agentd._errors import Denied
 from agentd._handler import HandlerMetadata, HandlerResponse
-from agentd._xmlify import _ILLEGAL_XML_CHAR, MaxLen, xmlify
+from agentd._xmlify import MaxLen, xmlify
 from agentd.confine import (
     SHIM_FAILED,
     SYSTEM_READ_PATHS,
@@ -44,6 +44,7 @@ from agentd.confine import (
 )
 from agentd.tools.beneath import relative_parts
 from agentd.tools.command import CommandTemplate, TemplateError
+from agentd.tools.content import xml_safe
 from agentd.tools.kinds import Tool, ToolUnavailable
 
 log = logging.getLogger("agentd.tools")
@@ -90,7 +91,7 @@ class _ShimFailed(Exception):
 
 def _text(data: bytes) -> str:
     """Output as XML can carry it: invalid UTF-8 and control characters replaced."""
-    return _ILLEGAL_XML_CHAR.sub("\ufffd", data.decode("utf-8", "replace"))
+    return xml_safe(data.decode("utf-8", "replace"))
 
 
 async def exited(pid: int) -> None:

@@ -32,6 +32,7 @@ from agentd._errors import Denied
 from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._xmlify import _ILLEGAL_XML_CHAR, MaxLen, xmlify
 from agentd.tools.beneath import PATH_MAX, Root, relative_parts, shown
+from agentd.tools.content import Encoding, as_xml_text
 from agentd.tools.kinds import Tool
 
 NS = "https://xml-pipeline.org/ns/tools"
@@ -39,11 +40,6 @@ NS = "https://xml-pipeline.org/ns/tools"
 _PATH_CHARS = 2 * PATH_MAX  # longer than any path the kernel takes, so the tool refuses it
 _DATA_CHARS = 64 * 1024 * 1024
 _TEMP_PREFIX = ".agentd-tmp-"
-
-
-class Encoding(Enum):
-    UTF8 = "utf-8"
-    BASE64 = "base64"
 
 
 class WriteMode(Enum):
@@ -138,17 +134,6 @@ def _not_found(path: str) -> HandlerResponse:
                                  retry_allowed=False)
 
 
-def _text_or_base64(data: bytes) -> tuple[Encoding, str]:
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        return Encoding.BASE64, base64.b64encode(data).decode("ascii")
-    if _ILLEGAL_XML_CHAR.search(text) or "\r" in text:
-        # XML cannot carry it (or would not give the same bytes back).
-        return Encoding.BASE64, base64.b64encode(data).decode("ascii")
-    return Encoding.UTF8, text
-
-
 # --- file-read ---------------------------------------------------------------------
 
 
@@ -185,7 +170,7 @@ class FileReader:
                 got += len(chunk)
         finally:
             os.close(fd)
-        encoding, data = _text_or_base64(b"".join(chunks))
+        encoding, data = as_xml_text(b"".join(chunks))
         return FileContent(path=request.path, size=st.st_size, encoding=encoding, data=data)
 
     async def __call__(self, payload: ReadFile, meta: HandlerMetadata) -> HandlerResponse:

@@ -18,7 +18,6 @@ redirects included, ends at `timeout_s`.
 from __future__ import annotations
 
 import asyncio
-import base64
 import ipaddress
 import re
 import socket
@@ -32,8 +31,9 @@ import httpx
 
 from agentd._errors import Denied
 from agentd._handler import HandlerMetadata, HandlerResponse
-from agentd._xmlify import _ILLEGAL_XML_CHAR, MaxLen, xmlify
+from agentd._xmlify import MaxLen, xmlify
 from agentd.tools.beneath import shown
+from agentd.tools.content import Encoding, as_base64, as_xml_text, xml_safe
 from agentd.tools.kinds import Tool
 
 NS = "https://xml-pipeline.org/ns/tools/http-fetch/v1"
@@ -62,11 +62,6 @@ class Method(Enum):
     POST = "POST"
 
 
-class BodyEncoding(Enum):
-    UTF8 = "utf-8"
-    BASE64 = "base64"
-
-
 @xmlify(namespace=NS, tag="fetch")
 @dataclass
 class Fetch:
@@ -84,7 +79,7 @@ class Fetched:
 
     status: int
     content_type: Annotated[str, MaxLen(1024)]
-    encoding: BodyEncoding
+    encoding: Encoding
     body: Annotated[str, MaxLen(_BODY_CHARS)]
     truncated: Annotated[bool, "true when the body was cut at the tool's max_bytes"]
 
@@ -283,17 +278,10 @@ class HttpFetcher:
             got += len(chunk)
         data = b"".join(chunks)
         content_type = response.headers.get("content-type", "")
-        encoding, text = BodyEncoding.BASE64, base64.b64encode(data).decode("ascii")
-        if _TEXTUAL.match(content_type.split(";")[0].strip()):
-            try:
-                decoded = data.decode("utf-8")
-            except UnicodeDecodeError:
-                pass
-            else:
-                if not _ILLEGAL_XML_CHAR.search(decoded) and "\r" not in decoded:
-                    encoding, text = BodyEncoding.UTF8, decoded
+        textual = _TEXTUAL.match(content_type.split(";")[0].strip())
+        encoding, text = as_xml_text(data) if textual else as_base64(data)
         return Fetched(status=response.status_code,
-                       content_type=_ILLEGAL_XML_CHAR.sub("", content_type)[:1024],
+                       content_type=xml_safe(content_type)[:1024],
                        encoding=encoding, body=text, truncated=truncated)
 
     async def __call__(self, payload: Fetch, meta: HandlerMetadata) -> HandlerResponse:
