@@ -10,7 +10,8 @@ doing the same work, measured in the same run.
 - exec: the `exec` tool running `/bin/true` with confinement on (the shim: rlimits,
   Landlock, network denied, seccomp; own process group killed after exit) against
   `asyncio.create_subprocess_exec("/bin/true")`. `exec_spawn_p50_ms` is the tool's
-  median; target <= 15 ms.
+  median; target <= 15 ms. `exec_python_start_p50_ms` is a bare `python -I -S`
+  start, the floor of a confinement shim written in Python.
 
 Each kind is one function in SECTIONS returning its figures; a new kind adds one.
 Baseline and tool alternate per round; the last line is one JSON object.
@@ -87,23 +88,32 @@ async def exec_spawn(quick: bool) -> dict[str, float]:
         proc = await asyncio.create_subprocess_exec("/bin/true")
         await proc.wait()
 
+    async def interpreter() -> None:
+        # The floor of any shim written in Python: starting the interpreter.
+        proc = await asyncio.create_subprocess_exec(sys.executable, "-I", "-S", "-c", "")
+        await proc.wait()
+
     async def confined() -> None:
         response = await tool.handler(Run(arg=[]), META)
         assert response is not None and response.payload.exit_code == 0
 
     tool_s: list[float] = []
     base_s: list[float] = []
+    python_s: list[float] = []
     for _ in range(ROUNDS):
         base_s += await timed(plain, n // ROUNDS)
+        python_s += await timed(interpreter, n // ROUNDS)
         tool_s += await timed(confined, n // ROUNDS)
     tool_ms = statistics.median(tool_s) * 1e3
     base_ms = statistics.median(base_s) * 1e3
+    python_ms = statistics.median(python_s) * 1e3
     status = landlock_status()
     print(f"exec /bin/true (landlock ABI {status.abi}, seccomp {status.seccomp}): tool p50 "
-          f"{tool_ms:.2f} ms, plain subprocess p50 {base_ms:.2f} ms "
-          f"(target <= 15 ms: {'met' if tool_ms <= 15 else 'MISSED'})")
+          f"{tool_ms:.2f} ms, plain subprocess p50 {base_ms:.2f} ms, bare `python -I -S` "
+          f"p50 {python_ms:.2f} ms (target <= 15 ms: {'met' if tool_ms <= 15 else 'MISSED'})")
     return {"exec_spawn_p50_ms": round(tool_ms, 2),
-            "exec_spawn_baseline_p50_ms": round(base_ms, 2)}
+            "exec_spawn_baseline_p50_ms": round(base_ms, 2),
+            "exec_python_start_p50_ms": round(python_ms, 2)}
 
 
 SECTIONS: list[Callable[[bool], Awaitable[dict[str, float]]]] = [file_read, exec_spawn]
