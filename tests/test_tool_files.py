@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import posixpath
 import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agentd.tools import Denied
 from agentd.tools.beneath import OPENAT2, Root, relative_parts
@@ -78,6 +81,21 @@ def test_paths_inside_the_root_are_normalised(path: str, parts: tuple[str, ...])
 ])
 def test_paths_that_cannot_be_inside_are_refused_before_the_disk(path: str, cause: str) -> None:
     assert refused(relative_parts, path) == cause
+
+
+@given(st.lists(st.sampled_from(["a", "b", ".", "..", "", "/", "c d", "\x00"]),
+                max_size=12).map("/".join))
+def test_any_path_is_refused_or_names_only_plain_components_below_the_root(
+    path: str,
+) -> None:
+    try:
+        parts = relative_parts(path)
+    except Denied:
+        return
+    assert all(p not in ("", ".", "..") and "/" not in p and "\x00" not in p for p in parts)
+    # The place POSIX normalisation gives (no symlinks are followed, so `..` is
+    # lexical), and never above the root.
+    assert ("/".join(parts) or ".") == posixpath.normpath(path)
 
 
 # --- reading -----------------------------------------------------------------------
