@@ -343,3 +343,7 @@ def test_listing_outside_is_refused(root: Root) -> None:
     assert refused(lister.list, ListDir(path="out")) == "symbolic link in path"
     assert refused(lister.list, ListDir(path="..")) == "path escapes the root"
     assert refused(lister.list, ListDir(path="/")) == "absolute path"
+
+
+def test_a_file_used_as_a_folder_is_not_found(root: Root) -> None:
+    assert FileReader(root, 10).read(ReadFile(path="hello.txt/x")) is None

@@ -153,8 +153,8 @@ class FileReader:
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer; fstat refuses it.
             fd = self.root.open(parts, os.O_RDONLY | os.O_NONBLOCK, path=request.path)
-        except FileNotFoundError:
-            return None
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # NotADirectory: a component on the way is a file
         except IsADirectoryError:
             raise Denied("not a regular file: directory", path=shown(request.path)) from None
         try:
