@@ -27,7 +27,7 @@ import yaml
 
 from agentd._errors import AgentdError, Rejection
 from agentd._xml import c14n, parse_untrusted
-from agentd.demo import AGENT_FILES, AGENT_ORGANISM, DEMO_DIR, ORGANISM
+from agentd.demo import AGENT_FILES, AGENT_ORGANISM, DEMO_DIR, ORGANISM, SAMPLE_FILES
 
 DEFAULT_HOME = Path("agentd-home")
 DEFAULT_URL = "wss://127.0.0.1:8765/bus"
@@ -50,6 +50,7 @@ INIT_FILES = (
     "operator.key",
     "authorized_keys",
     *AGENT_FILES,
+    *SAMPLE_FILES,
 )
 DEFAULT_METRICS_PORT = 9464
 
@@ -146,7 +147,7 @@ def init_home(
     write_private_key(home / "operator.key", key, OPERATOR_KEY_ID)
     _write(home / "authorized_keys",
            authorized_keys_line(key.public_key(), OPERATOR_KEY_ID) + "\n", 0o644)
-    for name in AGENT_FILES:
+    for name in (*AGENT_FILES, *SAMPLE_FILES):
         _write(home / name, (DEMO_DIR / name).read_bytes(), 0o644)
     _write(home / "organism.yaml", organism_yaml(host, port, metrics), 0o644)
     from agentd.config import load_config
@@ -183,6 +184,9 @@ def next_steps(home: Path, client: str = "alice") -> list[str]:
         f"echo {shlex.quote(DEMO_QUESTION)} | {shlex.quote(executable('agentd'))} send "
         f"--url wss://{_url_host(config.bus.host)}:{config.bus.port}/bus --client {client} "
         f"--secret-file {shlex.quote(str(secret))}{cafile} -",
+        f"echo {shlex.quote(DEMO_READ)} | {shlex.quote(executable('agentd'))} send "
+        f"--url wss://{_url_host(config.bus.host)}:{config.bus.port}/bus --client {client} "
+        f"--secret-file {shlex.quote(str(secret))}{cafile} -",
     ]
 
 
@@ -191,6 +195,9 @@ DEMO_QUESTION = (
     '<mathquestion xmlns="https://xml-pipeline.org/ns/agents/math-tutor/v1">'
     "<text>What is (2 + 3) * 7?</text></mathquestion>"
 )
+# A file the demo's `files` tool reads from the home's samples/ folder.
+DEMO_READ = ('<read-file xmlns="https://xml-pipeline.org/ns/tools/file-read/v1">'
+             "<path>welcome.txt</path></read-file>")
 
 
 @click.command("init", context_settings=HELP_OPTIONS)

@@ -54,7 +54,8 @@ log = logging.getLogger("agentd.daemon")
 
 # Pump and bus security events; the OOB channel's own kinds are added below.
 _PUMP_SECURITY_KINDS = frozenset(
-    {"forged-from", "priv-on-bus", "priv-from-handler", "peer-violation", "lockout"}
+    {"forged-from", "priv-on-bus", "priv-from-handler", "peer-violation", "lockout",
+     "tool-denied"}
 )
 
 
@@ -328,6 +329,7 @@ class Daemon:
             kind=kind,
             handler=fields.get("command", ""),
             sender=fields.get("key_id", fields.get("client", fields.get("listener", ""))),
+            tag=fields.get("cause", ""),  # a tool's refusal: why, readable in the listing
             payload=json.dumps(dict(fields), sort_keys=True).encode(),
         )
         self.kernel.commit(tx).add_done_callback(_log_failure)

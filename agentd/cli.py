@@ -133,6 +133,7 @@ async def _demo() -> int:
     from agentd.testing import Harness
     from agentd.tools.calculator import Add
     from agentd.tools.echo import Echo
+    from agentd.tools.files import ReadFile
     from agentd.tools.relay import Relay
 
     click.echo(f"agentd demo: organism {ORGANISM}")
@@ -141,6 +142,10 @@ async def _demo() -> int:
             ("alice asks calculator.add for 2 + 3", Add(a=2, b=3)),
             ("alice asks the relay, which asks the calculator, for 20 + 22", Relay(a=20, b=22)),
             ("alice sends text to echo", Echo(text="hello <world> & all")),
+            ("alice reads samples/haiku.txt through the files tool",
+             ReadFile(path="haiku.txt")),
+            ("alice tries to read the organism file above the tool's folder (denied)",
+             ReadFile(path="../organism.yaml")),
             ("alice sends malformed XML", b"<message><unclosed>"),
             (
                 "alice claims to be bob",

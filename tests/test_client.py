@@ -137,7 +137,7 @@ def test_next_steps_name_the_files_init_wrote_by_absolute_path(tmp_path: Path) -
 
     home = tmp_path / "agentd-home"
     init_home(home)
-    env, status, send = next_steps(home)
+    env, status, send, read = next_steps(home)
     assert env == (f"export AGENTCTL_SOCKET={home / 'state' / 'oob.sock'} "
                    f"AGENTCTL_KEY={home / 'operator.key'}")
     assert status == f"{executable('agentctl')} status"
@@ -146,6 +146,7 @@ def test_next_steps_name_the_files_init_wrote_by_absolute_path(tmp_path: Path) -
     assert f"--secret-file {home / 'alice.totp'}" in send
     assert f"--cafile {home / 'tls' / 'cert.pem'}" in send
     assert send.startswith("echo '<mathquestion ")
+    assert read.startswith("echo '<read-file ") and read.endswith(send.split(" | ")[1])
 
 
 def test_init_home_is_self_contained_and_movable(tmp_path: Path) -> None:

@@ -202,7 +202,7 @@ def test_install_writes_a_configuration_that_checks(installed: Path) -> None:
     proc = subprocess.run([str(agentd), "check-config", "--user", uid, config],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr  # ...and accepted as the daemon would see them
-    assert proc.stdout.startswith("ok: agent-demo, 5 listeners")
+    assert proc.stdout.startswith("ok: agent-demo, 6 listeners")
     text = (installed / "etc" / "agentd" / "organism.yaml").read_text()
     assert str(installed) not in text  # relative paths: the folder is movable
 

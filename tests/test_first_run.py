@@ -47,7 +47,7 @@ def test_check_config_counts_in_the_singular_and_the_plural(tmp_path: Path) -> N
     assert result.exit_code == 0
     assert result.output == "ok: one, 1 listener, 1 profile\n"
     result = CliRunner().invoke(main, ["check-config", str(ORGANISM)])
-    assert result.output == "ok: demo, 4 listeners, 2 profiles\n"
+    assert result.output == "ok: demo, 5 listeners, 2 profiles\n"
 
 
 def test_send_trusts_the_certificate_beside_the_secret_file(tmp_path: Path) -> None:
