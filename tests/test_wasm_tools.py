@@ -180,7 +180,9 @@ def test_a_file_that_is_not_a_module_is_a_configuration_error(tmp_path: Path) ->
 
 
 def test_modules_are_compiled_once_per_content(tmp_path: Path) -> None:
-    text = config_text(tmp_path)
-    first = load_config_text(text, base_dir=tmp_path).listener("echo").handler
-    second = load_config_text(text, base_dir=tmp_path).listener("echo").handler
-    assert first is not second and first.module.pre is second.module.pre  # type: ignore[union-attr]
+    from agentd.tools import wasm
+
+    tool = load_config_text(config_text(tmp_path), base_dir=tmp_path).listener("echo").tool
+    (first,), (second,) = wasm.build(tool, "echo"), wasm.build(tool, "echo")
+    assert first.handler is not second.handler
+    assert first.handler.module.pre is second.handler.module.pre  # type: ignore[attr-defined]

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from agentd._errors import AgentdError
+from agentd._core import Ack, Huh
+from agentd._errors import AgentdError, HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse
 
 Handler = Callable[[Any, HandlerMetadata], Awaitable[HandlerResponse | None]]
@@ -66,4 +67,20 @@ def build_tool(config: Any, listener: str) -> Sequence[Tool]:
         raise ToolUnavailable(f"tool kind {config.kind!r} is not available in this "
                               "build of agentd") from None
     builder: Callable[[Any, str], Sequence[Tool]] = getattr(module, attribute)
-    return builder(config, listener)
+    return [replace(tool, handler=_answering(tool.handler)) for tool in builder(config, listener)]
+
+
+def _answering(handler: Handler) -> Handler:
+    """A tool only ever answers; the one message it gets besides its requests is the
+    pump's `huh` refusing its answer (over the envelope limit, say). Its caller must
+    then hear that the call failed, not wait for an answer that will not come."""
+
+    async def call(payload: Any, meta: HandlerMetadata) -> HandlerResponse | None:
+        if isinstance(payload, Huh):
+            code = HuhCode.TOO_LARGE if payload.code is HuhCode.TOO_LARGE else HuhCode.INTERNAL
+            return HandlerResponse.error(code)
+        if isinstance(payload, Ack):
+            return None
+        return await handler(payload, meta)
+
+    return call

@@ -36,7 +36,6 @@ from typing import Any
 
 import wasmtime
 
-from agentd._core import Ack, Huh
 from agentd._errors import HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._xmlify import spec_of, to_xml
@@ -280,13 +279,7 @@ class WasmHandler:
         self.module = module
         self.listener = listener
 
-    async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse | None:
-        if isinstance(payload, Huh):
-            # The pump refused the module's answer (too large, not its response
-            # class): the tool failed, and its caller must hear so.
-            return HandlerResponse.error(HuhCode.INTERNAL)
-        if isinstance(payload, Ack):
-            return None
+    async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
         loop = asyncio.get_running_loop()
         outcome = await loop.run_in_executor(self.module.rt.executor, self.module.run,
                                              to_xml(payload))
