@@ -22,6 +22,7 @@ from agentd.config.organism import (
 from agentd.config.schema import organism_schema, organism_schema_text
 from agentd.config.sections import (
     AgentConfig,
+    AgentContextConfig,
     AuthConfig,
     BusConfig,
     JournalConfig,
@@ -40,6 +41,7 @@ from agentd.kernel import Retention
 __all__ = [
     "CLIENT_ID",
     "AgentConfig",
+    "AgentContextConfig",
     "AuthConfig",
     "BusConfig",
     "ClientEntry",

@@ -92,6 +92,13 @@ def _agents(listeners: list[tuple[int, dict[str, Any]]], data: dict[str, Any]) -
                 problems.append(Problem(at, "an agent needs an `llm` section", model))
             elif model not in backends:
                 problems.append(Problem(at, f"no backend named {model!r} in llm.backends", model))
+        context = agent.get("context")
+        summarizer = context.get("summarizer") if isinstance(context, dict) else None
+        if (isinstance(summarizer, str) and summarizer != "extractive"
+                and isinstance(llm, dict) and summarizer not in backends):
+            problems.append(Problem(("listeners", i, "agent", "context", "summarizer"),
+                                    f"no backend named {summarizer!r} in llm.backends "
+                                    "(or `extractive`)", summarizer))
         if not isinstance(prompt, str) or not prompt.strip():
             continue
         at = ("listeners", i, "agent", "prompt")

@@ -248,6 +248,21 @@ class LlmConfig:
     _rules = rules(lambda data, _: _backend_rules(data), "llm")
 
 
+EXTRACTIVE = "extractive"
+
+
+@dataclass(frozen=True, config=SECTION)
+class AgentContextConfig:
+    """How an agent's working memory is kept within its prompt (the librarian) and
+    how much long-term memory is recalled into it."""
+
+    budget_tokens: Positive = 32_000  # the whole request: every message and tool text
+    fold_below: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] = 0.1
+    keep_recent: NonNegative = 4  # the newest segments always stay expanded
+    recall_k: NonNegative = 5
+    summarizer: Name = EXTRACTIVE  # or the name of an `llm.backends` entry
+
+
 @dataclass(frozen=True, config=SECTION)
 class AgentConfig:
     prompt: Text  # "a & b": names of `prompts` entries, composed in this order
@@ -256,6 +271,7 @@ class AgentConfig:
     max_tokens: Positive = 2048
     token_budget: Positive | None = None
     temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
+    context: AgentContextConfig = AgentContextConfig()
 
     @property
     def prompt_names(self) -> tuple[str, ...]:
