@@ -21,6 +21,7 @@ from agentd.config.organism import (
 )
 from agentd.config.schema import organism_schema, organism_schema_text
 from agentd.config.sections import (
+    EXTRACTIVE,
     AgentConfig,
     AgentContextConfig,
     AuthConfig,
@@ -40,6 +41,7 @@ from agentd.kernel import Retention
 
 __all__ = [
     "CLIENT_ID",
+    "EXTRACTIVE",
     "AgentConfig",
     "AgentContextConfig",
     "AuthConfig",

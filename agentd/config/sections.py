@@ -248,7 +248,7 @@ class LlmConfig:
     _rules = rules(lambda data, _: _backend_rules(data), "llm")
 
 
-EXTRACTIVE = "extractive"
+EXTRACTIVE = "extractive"  # the summarizer that needs no model
 
 
 @dataclass(frozen=True, config=SECTION)
