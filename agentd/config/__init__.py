@@ -11,6 +11,7 @@ file) · `schema` (the published JSON Schema).
 
 from agentd._errors import ConfigError
 from agentd.config.clients import CLIENT_ID, ClientEntry, normalise_secret, read_clients_text
+from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.organism import (
     FrozenMapping,
     ListenerConfig,
@@ -48,6 +49,7 @@ __all__ = [
     "BusConfig",
     "ClientEntry",
     "ConfigError",
+    "EmbeddingsConfig",
     "FrozenMapping",
     "JournalConfig",
     "ListenerConfig",

@@ -20,6 +20,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
+from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.references import cross_references
 from agentd.config.values import (
     AnyText,
@@ -331,6 +332,7 @@ class OrganismDocument:
     llm: LlmConfig | None = None
     listeners: tuple[ListenerSection, ...] = ()
     meta: MetaConfig = MetaConfig()
+    embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
     _rules = rules(
         lambda data, context: cross_references(data, context.get("line_of", _no_line)),
