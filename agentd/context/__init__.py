@@ -6,7 +6,8 @@ moves them, fold summaries, durable long-term memory and the vectors both use.
 - `extract`, `facts`, `complete_with_facts` (pure): fold summaries that keep facts;
 - `WorkingMemory`, `KernelSegmentLog`: a task's segments, written through;
 - `LongTermMemory`: layer 6, durable per agent, recalled by similarity;
-- `Embedder`, `HashedTerms`, `VectorIndex`: vectors and exact search;
+- `TextVectors`, `ProviderVectors`, `HashedTerms`, `text_vectors`, `VectorIndex`:
+  storable vectors (from `agentd.embeddings` or hashed terms) and exact search;
 - `TokenCalibration`: token estimates per backend.
 """
 
@@ -30,7 +31,13 @@ from agentd.context._segments import (
     estimate_tokens,
 )
 from agentd.context._tokens import TokenCalibration
-from agentd.context._vectors import Embedder, HashedTerms, VectorIndex
+from agentd.context._vectors import (
+    HashedTerms,
+    ProviderVectors,
+    TextVectors,
+    VectorIndex,
+    text_vectors,
+)
 from agentd.context._working import (
     KernelSegmentLog,
     NoSegmentLog,
@@ -47,7 +54,6 @@ __all__ = [
     "RESULT_PART",
     "TOOL",
     "Costs",
-    "Embedder",
     "HashedTerms",
     "IntegrityError",
     "KernelSegmentLog",
@@ -57,8 +63,10 @@ __all__ = [
     "NoSegmentLog",
     "Part",
     "Plan",
+    "ProviderVectors",
     "Segment",
     "SegmentLog",
+    "TextVectors",
     "Tier",
     "TokenCalibration",
     "VectorIndex",
@@ -70,4 +78,5 @@ __all__ = [
     "extract",
     "facts",
     "plan_tiers",
+    "text_vectors",
 ]

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from agentd.context._vectors import Embedder, HashedTerms, VectorIndex
+from agentd.context._vectors import HashedTerms, TextVectors, VectorIndex
 
 if TYPE_CHECKING:
     from agentd.kernel import Kernel
@@ -48,15 +48,16 @@ class MemoryRecord:
 class _AgentMemories:
     __slots__ = ("index", "records")
 
-    def __init__(self, dimensions: int) -> None:
+    def __init__(self) -> None:
         self.records: list[MemoryRecord] = []
-        self.index = VectorIndex(dimensions)
+        self.index = VectorIndex()
 
 
 class LongTermMemory:
-    def __init__(self, embedder: Embedder | None = None, *, kernel: Kernel | None = None,
+    def __init__(self, embedder: TextVectors | None = None, *, kernel: Kernel | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        self.embedder: Embedder = embedder or HashedTerms()
+        self.embedder: TextVectors = embedder or HashedTerms()
+        self.degraded = ""  # why the last recall found nothing it could search, if so
         self._kernel = kernel
         self._clock = clock
         self._agents: dict[str, _AgentMemories] = {}
@@ -88,13 +89,14 @@ class LongTermMemory:
         vectors: list[np.ndarray | None] = []
         for i, (_mid, _agent, _key, _text, _created, identity, blob) in enumerate(rows):
             stored = np.frombuffer(blob, dtype=np.float32)
-            if identity != self.embedder.identity or len(stored) != self.embedder.dimensions:
+            if identity != self.embedder.identity:
                 stale.append(i)
                 vectors.append(None)
             else:
                 vectors.append(stored)
         if stale:
-            fresh = self.embedder.embed([_embedded_text(rows[i][3], rows[i][2]) for i in stale])
+            fresh = await self.embedder.vectors(
+                [_embedded_text(rows[i][3], rows[i][2]) for i in stale])
             tx = self._kernel.transaction()
             for i, vector in zip(stale, fresh, strict=True):
                 vectors[i] = vector
@@ -112,16 +114,18 @@ class LongTermMemory:
 
     # ---- writing (trusted callers only) ---------------------------------------------
 
-    def add(self, agent: str, text: str, key: str | None = None) -> tuple[MemoryRecord, Any]:
+    async def add(self, agent: str, text: str, key: str | None = None
+                  ) -> tuple[MemoryRecord, Any]:
         """Store a memory; returns it and the kernel's commit future (None without a
-        kernel). Raises ValueError for empty or oversized text or key."""
+        kernel). Raises ValueError for empty or oversized text or key, and the
+        provider's error when its vector cannot be made (nothing is stored then)."""
         text = text.strip()
         if not text or len(text) > MAX_MEMORY_CHARS:
             raise ValueError(f"a memory's text must have 1 to {MAX_MEMORY_CHARS} characters")
         if key is not None and (not key.strip() or len(key) > MAX_KEY_CHARS):
             raise ValueError(f"a memory's key must have 1 to {MAX_KEY_CHARS} characters")
         record = MemoryRecord(f"m-{secrets.token_hex(6)}", agent, text, key, self._clock())
-        vector = self.embedder.embed([_embedded_text(text, key)])[0]
+        vector = (await self.embedder.vectors([_embedded_text(text, key)]))[0]
         fut = None
         if self._kernel is not None:
             tx = self._kernel.transaction()
@@ -151,7 +155,7 @@ class LongTermMemory:
     def _insert(self, record: MemoryRecord, vector: np.ndarray) -> None:
         mem = self._agents.get(record.agent)
         if mem is None:
-            mem = self._agents[record.agent] = _AgentMemories(self.embedder.dimensions)
+            mem = self._agents[record.agent] = _AgentMemories()
         mem.records.append(record)
         mem.index.append(vector)
 
@@ -161,11 +165,20 @@ class LongTermMemory:
         mem = self._agents.get(agent)
         return list(mem.records) if mem is not None else []
 
-    def recall(self, agent: str, query: str, k: int) -> Sequence[MemoryRecord]:
+    async def recall(self, agent: str, query: str, k: int) -> Sequence[MemoryRecord]:
+        """At most `k` memories of `agent` most similar to `query`. A provider that
+        fails recalls nothing this time: logged, and named in `degraded`."""
         mem = self._agents.get(agent)
         if mem is None or k <= 0 or not mem.records:
             return ()
-        q = self.embedder.embed([query])[0]
+        try:
+            q = (await self.embedder.vectors([query]))[0]
+        except Exception as exc:
+            self.degraded = f"{self.embedder.identity}: {type(exc).__name__}"
+            log.warning("long-term memory recall skipped for agent %s: the embeddings "
+                        "provider failed (%s)", agent, exc)
+            return ()
+        self.degraded = ""
         scores = mem.index.similarities(q)
         n = len(scores)
         top = np.argpartition(-scores, k - 1)[:k] if n > k else np.arange(n)

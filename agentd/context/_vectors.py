@@ -1,10 +1,16 @@
-"""Vectors for relevance and recall: the `Embedder` seam and a numpy index.
+r"""Vectors for relevance and recall: the `TextVectors` seam and a numpy index.
 
-`Embedder.embed(texts)` returns one L2-normalised row per text; `identity` names the
-provider and model, and is stored beside each vector so that a change of embedder
-re-embeds. `HashedTerms` is the embedder used when the organism configures none:
-lower-cased word terms (stop words removed), sub-linear term frequency, hashed into
-a fixed number of dimensions; it needs nothing and loads nothing.
+`TextVectors.vectors(texts)` returns one unit row per text; `identity` names the
+provider and model, and is stored beside each vector so that a change of provider
+re-embeds. Two kinds:
+
+- `ProviderVectors`: an absolute provider of `agentd.embeddings` (`openai`, `local`),
+  whose vector of a text does not depend on other texts;
+- `HashedTerms`: for `embeddings: {provider: lexical}` and as the fallback when a
+  provider fails. Lexical BM25 vectors are fit over a corpus, so they cannot be
+  stored beside a memory and compared later; these are the storable lexical kind:
+  lower-cased `\\w+` terms (the same stop words removed), sub-linear term frequency,
+  hashed into a fixed number of dimensions. Nothing to load.
 
 `VectorIndex` holds rows in one contiguous float32 matrix (grown by doubling), so a
 search is one matrix-vector product. Exact search over n rows of d dimensions costs
@@ -16,37 +22,54 @@ store such as FAISS or hnswlib) should replace it behind the same `search` call.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections import Counter
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-_WORD = re.compile(r"\w+")
-_TAG = re.compile(r"<[^<>]{0,400}>")
-_STOP_TEXT = (
-    "a an and are as at be but by for from has have he her his i if in into is it its of "
-    "on or our she so than that the their them then there these they this to was we were "
-    "what when which who will with you your"
-)
-STOP_WORDS = frozenset(_STOP_TEXT.split(" "))
+from agentd.config import EmbeddingsConfig, LlmConfig
+from agentd.embeddings import Embedder, build_embedder, tokens
 
 
-class Embedder(Protocol):
+class TextVectors(Protocol):
     @property
     def identity(self) -> str: ...
 
-    @property
-    def dimensions(self) -> int: ...
-
-    def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+    async def vectors(self, texts: Sequence[str]) -> np.ndarray: ...
 
 
 def terms(text: str) -> list[str]:
-    """Lower-cased `\\w+` terms without stop words; XML tags are read as text too
-    (element names say what a result is about)."""
-    return [t for t in _WORD.findall(text.lower()) if t not in STOP_WORDS]
+    """The lexical provider's terms (`\\w+`, lower case, its stop words removed); XML
+    tags are read as text too (element names say what a result is about)."""
+    return tokens(text)
+
+
+class ProviderVectors:
+    """An absolute provider of `agentd.embeddings` as `TextVectors`."""
+
+    def __init__(self, provider: Embedder) -> None:
+        if provider.corpus_relative:
+            raise ValueError("a corpus-relative provider's vectors cannot be stored")
+        self._provider = provider
+
+    @property
+    def identity(self) -> str:
+        return self._provider.identity.key
+
+    async def vectors(self, texts: Sequence[str]) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, 1), dtype=np.float32)
+        return np.asarray(await self._provider.embed_documents(texts), dtype=np.float32)
+
+
+def text_vectors(config: EmbeddingsConfig, llm: LlmConfig | None, **provider_options: Any
+                 ) -> TextVectors:
+    """The vectors the `embeddings:` section asks for (see the module docstring);
+    `provider_options` (transport, env) go to `build_embedder`."""
+    if config.provider == "lexical":
+        return HashedTerms()
+    return ProviderVectors(build_embedder(config, llm, **provider_options))
 
 
 class HashedTerms:
@@ -73,7 +96,10 @@ class HashedTerms:
                 self._buckets[term] = found
         return found
 
-    def embed(self, texts: Sequence[str]) -> np.ndarray:
+    async def vectors(self, texts: Sequence[str]) -> np.ndarray:
+        return self.vectors_now(texts)
+
+    def vectors_now(self, texts: Sequence[str]) -> np.ndarray:
         out = np.zeros((len(texts), self._d), dtype=np.float32)
         for i, text in enumerate(texts):
             for term, n in Counter(terms(text)).items():
@@ -85,9 +111,13 @@ class HashedTerms:
 
 
 class VectorIndex:
-    """Rows of float32 vectors addressed by position; append, replace, remove, search."""
+    """Rows of float32 vectors addressed by position; append, replace, remove, search.
+    The width is set by the first vector (or `reset`)."""
 
-    def __init__(self, dimensions: int) -> None:
+    def __init__(self, dimensions: int = 0) -> None:
+        self.reset(dimensions)
+
+    def reset(self, dimensions: int) -> None:
         self.dimensions = dimensions
         self._rows = np.zeros((16, dimensions), dtype=np.float32)
         self._n = 0
@@ -96,6 +126,8 @@ class VectorIndex:
         return self._n
 
     def append(self, vector: np.ndarray) -> int:
+        if self._n == 0 and self.dimensions != len(vector):
+            self.reset(len(vector))
         if self._n == len(self._rows):
             grown = np.zeros((2 * len(self._rows), self.dimensions), dtype=np.float32)
             grown[: self._n] = self._rows[: self._n]
@@ -119,6 +151,6 @@ class VectorIndex:
     def similarities(self, query: np.ndarray) -> np.ndarray:
         """Cosine similarity of every row with `query` (rows and query normalised),
         clipped to [0, 1]."""
-        if self._n == 0:
+        if self._n == 0 or len(query) != self.dimensions:
             return np.zeros(0, dtype=np.float32)
         return np.clip(self.matrix @ query, 0.0, 1.0)

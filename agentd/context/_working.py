@@ -1,9 +1,12 @@
 """One task's working memory: its segments, their vectors, and their durable log.
 
-`WorkingMemory` places each turn into a segment (`add_turn`), keeps one vector per
-segment for relevance, and writes every change through a `SegmentLog` (the kernel's
-`segments` table, or nothing). Relevance of a segment is the cosine similarity of its
-vector with the query's (the task and the newest segment), clipped to [0, 1].
+`WorkingMemory` places each turn into a segment (`add_turn`) and keeps one vector per
+segment for relevance; `KernelSegmentLog` writes every change to the kernel's
+`segments` table. Relevance of a segment is the cosine similarity of its vector with
+the query's (the task and the newest segment), clipped to [0, 1]. Vectors are made
+lazily, in one provider call per LLM call for the segments new or grown since the
+last; if the provider fails, the task switches to `HashedTerms` for good (logged, and
+named in `relevance_by`) rather than calling without relevance.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from agentd.context._segments import IntegrityError, Part, Segment, Tier, add_turn
-from agentd.context._vectors import Embedder, VectorIndex
+from agentd.context._vectors import HashedTerms, TextVectors, VectorIndex
 
 if TYPE_CHECKING:
     from agentd.kernel import Kernel
@@ -82,22 +85,47 @@ def _log_failure(fut: Any) -> None:
 
 
 class WorkingMemory:
-    def __init__(self, embedder: Embedder) -> None:
-        self._embedder = embedder
+    def __init__(self, vectors: TextVectors) -> None:
+        self._vectors = vectors
         self.segments: list[Segment] = []
-        self._index = VectorIndex(embedder.dimensions)
+        self._index = VectorIndex()
+        self._dirty: set[int] = set()  # positions whose vector is missing or stale
+
+    @property
+    def relevance_by(self) -> str:
+        return self._vectors.identity
 
     def add(self, part: Part) -> Segment:
         """Place a turn; returns the segment it went into (new or grown)."""
-        before = len(self.segments)
         seg = add_turn(self.segments, part)
         seg.summary = ""  # a grown segment's summary is stale
-        vector = self._embedder.embed([seg.text])[0]
-        if len(self.segments) > before:
-            self._index.append(vector)
-        else:
-            self._index.replace(seg.id - 1, vector)
+        self._dirty.add(seg.id - 1)
         return seg
+
+    async def relevance(self, query: str) -> np.ndarray:
+        if not self.segments:
+            return np.zeros(0)
+        try:
+            q = await self._refresh(query)
+        except Exception as exc:
+            log.warning("context relevance: the embeddings provider %s failed (%s); this "
+                        "task goes on with hashed lexical vectors", self._vectors.identity, exc)
+            self._vectors = HashedTerms()
+            self._index = VectorIndex()
+            self._dirty = set(range(len(self.segments)))
+            q = await self._refresh(query)
+        return self._index.similarities(q)
+
+    async def _refresh(self, query: str) -> np.ndarray:
+        dirty = sorted(self._dirty)
+        made = await self._vectors.vectors([*(self.segments[i].text for i in dirty), query])
+        for i, row in zip(dirty, made[:-1], strict=True):
+            if i < len(self._index):
+                self._index.replace(i, row)
+            else:
+                self._index.append(row)
+        self._dirty.clear()
+        return np.asarray(made[-1])
 
     def adopt(self, stored: Sequence[Segment]) -> None:
         """Take tiers, relevance and summaries from stored segments (after a restart)
@@ -107,12 +135,6 @@ class WorkingMemory:
                 seg = self.segments[old.id - 1]
                 if seg.sha256 == old.sha256:
                     seg.tier, seg.relevance, seg.summary = old.tier, old.relevance, old.summary
-
-    def relevance(self, query: str) -> np.ndarray:
-        if not self.segments:
-            return np.zeros(0)
-        q = self._embedder.embed([query])[0]
-        return self._index.similarities(q)
 
     def get(self, segment_id: int) -> Segment | None:
         if 0 < segment_id <= len(self.segments):

@@ -35,7 +35,7 @@ from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._threads import log_ids
 from agentd._xmlify import is_xmlified, to_xml
 from agentd.config import ListenerConfig, OrganismConfig
-from agentd.context import KernelSegmentLog, LongTermMemory
+from agentd.context import KernelSegmentLog, LongTermMemory, text_vectors
 from agentd.llm import LlmError
 from agentd.platform._audit import kernel_audit
 from agentd.platform._budget import BudgetExceeded
@@ -263,8 +263,12 @@ def make_agent_handlers(
             platform_options.setdefault("history", KernelHistoryStore(kernel))
             platform_options.setdefault("audit", kernel_audit(kernel))
             platform_options.setdefault("segments", KernelSegmentLog(kernel))
-            platform_options.setdefault("memory", LongTermMemory(
-                platform_options.get("embedder"), kernel=kernel))
+            if "memory" not in platform_options:
+                vectors = platform_options.get("vectors") or text_vectors(
+                    config.embeddings, config.llm, **{k: platform_options[k] for k in (
+                        "transport", "env") if k in platform_options})
+                platform_options["vectors"] = vectors
+                platform_options["memory"] = LongTermMemory(vectors, kernel=kernel)
         elif audit is not None:
             platform_options.setdefault("audit", _two_argument_audit(audit))
         platform = Platform.from_config(config, **platform_options)

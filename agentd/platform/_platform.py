@@ -36,7 +36,6 @@ from agentd import _metrics as metrics
 from agentd._threads import log_ids
 from agentd.config import EXTRACTIVE, AgentConfig, OrganismConfig
 from agentd.context import (
-    Embedder,
     HashedTerms,
     LibrarianRules,
     LongTermMemory,
@@ -45,10 +44,12 @@ from agentd.context import (
     Part,
     Segment,
     SegmentLog,
+    TextVectors,
     Tier,
     TokenCalibration,
     complete_with_facts,
     extract,
+    text_vectors,
 )
 from agentd.llm import ChatMessage, LlmError, LlmRequest, LlmRouter
 from agentd.llm._types import Role
@@ -159,14 +160,14 @@ class Platform:
         shared_facts: Mapping[str, str] | None = None,
         resolve_thread: ThreadResolver | None = None,
         segments: SegmentLog | None = None,
-        embedder: Embedder | None = None,
+        vectors: TextVectors | None = None,
     ) -> None:
         self.config = config
         self._registry = registry
         self._router = router
         self.history: HistoryStore = history or InMemoryHistoryStore()
-        self.embedder: Embedder = embedder or (memory.embedder if memory else HashedTerms())
-        self.memory = memory or LongTermMemory(self.embedder)
+        self.vectors: TextVectors = vectors or (memory.embedder if memory else HashedTerms())
+        self.memory = memory or LongTermMemory(self.vectors)
         self.segments: SegmentLog = segments or NoSegmentLog()
         self.tokens = TokenCalibration()
         self._audit_sink: AuditFn = audit or _null_audit
@@ -211,8 +212,11 @@ class Platform:
         registry = PromptRegistry.build(config, manifesto=manifesto)
         own = {k: kwargs.pop(k) for k in (
             "history", "memory", "audit", "shared_facts", "resolve_thread", "segments",
-            "embedder",
+            "vectors",
         ) if k in kwargs}
+        if "vectors" not in own and "memory" not in own:
+            own["vectors"] = text_vectors(config.embeddings, config.llm, **{
+                k: kwargs[k] for k in ("transport", "env") if k in kwargs})
         if router is None:
             from agentd.config import LlmConfig
 
@@ -251,15 +255,11 @@ class Platform:
             raise KeyError(f"{agent} is not an LLM agent")
         return AgentSession(self, agent)
 
-    def remember(self, agent: str, text: str, key: str | None = None) -> MemoryRecord:
-        """Store a long-term memory for `agent` (trusted API: operators, not agents);
-        durable once the kernel commits it (see `remember_durably`)."""
-        return self.memory.add(self._agent_name(agent), text, key)[0]
-
-    async def remember_durably(self, agent: str, text: str, key: str | None = None
-                               ) -> MemoryRecord:
+    async def remember(self, agent: str, text: str, key: str | None = None) -> MemoryRecord:
+        """Store a long-term memory for `agent` (the trusted API: operators and the
+        platform's owner, never an agent); returns once the kernel committed it."""
         await self.memory.ready()
-        record, fut = self.memory.add(self._agent_name(agent), text, key)
+        record, fut = await self.memory.add(self._agent_name(agent), text, key)
         if fut is not None:
             await fut
         return record
@@ -318,7 +318,7 @@ class Platform:
         )
         protected.update(prepared.facts)  # facts the task declares bind the layers below
         task = _Task(agent, protected, Fragment(Layer.DELEGATED, prepared.content, "task"),
-                     query=task_xml, context=TaskContext(self.embedder))
+                     query=task_xml, context=TaskContext(self.vectors))
         self._owners[thread] = agent
         self._tasks[thread] = task
         for event in prepared.events:
@@ -404,11 +404,12 @@ class Platform:
             Scope(f"conversation:{conversation}", budget),
         ]
 
-    def _recall(self, agent: str, thread: str, task: _Task) -> list[Fragment]:
+    async def _recall(self, agent: str, thread: str, task: _Task) -> list[Fragment]:
         """Layer 6: the memories most similar to the task, minus any keyed one that
         would redefine a fact of a higher layer (dropped and reported)."""
+        await self.memory.ready()
         k = self._agents[agent].context.recall_k
-        memories = self.memory.recall(agent, task.query, k)
+        memories = await self.memory.recall(agent, task.query, k)
         kept, events = prepare_keyed(
             ((m.key, m.text) for m in memories),
             layer=Layer.LONG_TERM, source="memory", protected=task.protected,
@@ -417,11 +418,11 @@ class Platform:
             self._report(agent, thread, event, task.reported)
         return [Fragment(Layer.LONG_TERM, text, "memory") for _, text in kept]
 
-    def assemble(self, agent: str, thread: str) -> tuple[AssembledContext, AgentPrompt]:
+    async def assemble(self, agent: str, thread: str) -> tuple[AssembledContext, AgentPrompt]:
         """The six layers for the thread's next call with the segments at their
-        current tiers, validated (`complete` runs the librarian first)."""
+        current tiers, validated (`complete` runs the librarian first: `arrange`)."""
         task = self._own(agent, thread)
-        return self._assemble(agent, thread, task, self._recall(agent, thread, task))
+        return self._assemble(agent, thread, task, await self._recall(agent, thread, task))
 
     def _assemble(self, agent: str, thread: str, task: _Task, memories: list[Fragment]
                   ) -> tuple[AssembledContext, AgentPrompt]:
@@ -459,8 +460,7 @@ class Platform:
         made again with less room, so the request never exceeds `budget_tokens`."""
         task = self._own(agent, thread)
         cfg = self._agents[agent]
-        await self.memory.ready()
-        memories = self._recall(agent, thread, task)
+        memories = await self._recall(agent, thread, task)
         context = task.context
         if not context.segments:
             ctx, prompt = self._assemble(agent, thread, task, memories)
@@ -478,7 +478,7 @@ class Platform:
         budget = cfg.context.budget_tokens
         for _ in range(4):
             rules = LibrarianRules(budget, cfg.context.fold_below, cfg.context.keep_recent)
-            plan = context.plan(query, rules, 0, tokens, fixed)
+            plan = await context.plan(query, rules, tokens, fixed)
             moved = context.apply(plan)
             for seg in context.segments:
                 if seg.tier is Tier.FOLDED and not seg.summary:

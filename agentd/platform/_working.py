@@ -29,7 +29,7 @@ from agentd.context import (
     extract,
     plan_tiers,
 )
-from agentd.context._vectors import Embedder
+from agentd.context._vectors import TextVectors
 from agentd.platform._context import Fragment, Layer
 
 # Bytes a data block's markers add around a fragment (nonce, layer, source), rounded
@@ -49,8 +49,8 @@ def collapsed_text(first: int, last: int, count: int) -> str:
 
 
 class TaskContext:
-    def __init__(self, embedder: Embedder) -> None:
-        self.memory = WorkingMemory(embedder)
+    def __init__(self, vectors: TextVectors) -> None:
+        self.memory = WorkingMemory(vectors)
         self.fragments: dict[int, list[Fragment]] = {}
         self._expanded: list[int] = []  # bytes, by segment position
         self._folded: list[int] = []
@@ -87,9 +87,9 @@ class TaskContext:
     def summarised(self, seg: Segment) -> None:
         self._folded[seg.id - 1] = self._folded_bytes(seg)
 
-    def plan(self, query: str, rules: LibrarianRules, fixed_bytes: int,
-             tokens: Callable[[np.ndarray], np.ndarray], fixed_tokens: int) -> Plan:
-        relevance = self.memory.relevance(query)
+    async def plan(self, query: str, rules: LibrarianRules,
+                   tokens: Callable[[np.ndarray], np.ndarray], fixed_tokens: int) -> Plan:
+        relevance = await self.memory.relevance(query)
         for seg, r in zip(self.segments, relevance.tolist(), strict=True):
             seg.relevance = round(float(r), 4)
         costs = Costs(
