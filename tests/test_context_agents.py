@@ -37,7 +37,9 @@ REPLY_NS = "https://xml-pipeline.org/ns/echo/reply/v1"
 SUMMARY_MARK = "Summarise the text in the user message"
 
 
-FILLER = ["the", "echo", "tool", "repeated", "the", "sentence", "once", "more", "and", "nothing", "in", "it", "changed", "while", "the", "reader", "waited", "for", "something", "new", "to", "happen"]
+_FILLER_TEXT = ("the echo tool repeated the sentence once more and nothing in it changed "
+                "while the reader waited for something new to happen")
+FILLER = _FILLER_TEXT.split(" ")
 
 
 def echo_result(i: int) -> str:
