@@ -12,7 +12,16 @@ moves them, fold summaries, durable long-term memory and the vectors both use.
 """
 
 from agentd.context._extract import complete_with_facts, extract, facts
-from agentd.context._librarian import Costs, LibrarianRules, Plan, plan_tiers
+from agentd.context._librarian import (
+    EVICTED,
+    EXPANDED,
+    FOLDED,
+    TIERS,
+    Costs,
+    LibrarianRules,
+    Plan,
+    plan_tiers,
+)
 from agentd.context._memory import LongTermMemory, MemoryRecord
 from agentd.context._segments import (
     ASSISTANT_PART,
@@ -47,11 +56,15 @@ from agentd.context._working import (
 
 __all__ = [
     "ASSISTANT_PART",
+    "EVICTED",
+    "EXPANDED",
+    "FOLDED",
     "KINDS",
     "NOTICE",
     "NOTICE_PART",
     "REPLY",
     "RESULT_PART",
+    "TIERS",
     "TOOL",
     "Costs",
     "HashedTerms",

@@ -31,7 +31,7 @@ import numpy as np
 
 from agentd.context._segments import Tier
 
-_TIERS = (Tier.EXPANDED, Tier.FOLDED, Tier.EVICTED)
+TIERS = _TIERS = (Tier.EXPANDED, Tier.FOLDED, Tier.EVICTED)  # by code
 EXPANDED, FOLDED, EVICTED = 0, 1, 2
 
 
@@ -66,10 +66,14 @@ class Costs:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    tiers: tuple[Tier, ...]  # per segment, in segment order
+    codes: np.ndarray  # per segment, in segment order: EXPANDED, FOLDED or EVICTED
     total_tokens: int  # the whole request as planned
     collapsed_stubs: bool  # every evicted segment is shown in one range line
     fits: bool  # total_tokens <= budget
+
+    @property
+    def tiers(self) -> tuple[Tier, ...]:
+        return tuple(_TIERS[t] for t in self.codes.tolist())
 
     def tier_counts(self) -> dict[str, int]:
         counts = {t.value: 0 for t in _TIERS}
@@ -83,7 +87,7 @@ def plan_tiers(costs: Costs, rules: LibrarianRules, fixed_tokens: int,
     n = len(costs.expanded)
     if n == 0:
         total = fixed_tokens
-        return Plan((), total, False, total <= rules.budget_tokens)
+        return Plan(np.zeros(0, dtype=np.int64), total, False, total <= rules.budget_tokens)
     protected = costs.pinned.copy()
     if rules.keep_recent > 0:
         protected[max(0, n - rules.keep_recent):] = True
@@ -107,7 +111,7 @@ def plan_tiers(costs: Costs, rules: LibrarianRules, fixed_tokens: int,
         if evicted.any():
             total = total - int(cost[evicted].sum()) + collapsed_stub_tokens
             collapsed = True
-    return Plan(tuple(_TIERS[t] for t in tier.tolist()), total, collapsed, total <= budget)
+    return Plan(tier, total, collapsed, total <= budget)
 
 
 def _evict(order: np.ndarray, tier: np.ndarray, cost: np.ndarray, stub: np.ndarray,

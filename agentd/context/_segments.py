@@ -79,7 +79,6 @@ class Segment:
     tier: Tier = Tier.EXPANDED
     relevance: float = 1.0
     summary: str = ""
-    pinned: bool = False  # asked back with `unfold`: expanded for the next call
     _original: bytes | None = field(default=None, repr=False)
 
     @property
@@ -143,10 +142,15 @@ def add_turn(segments: list[Segment], part: Part) -> Segment:
     segment (the reply that made the call); a notice is a segment of its own.
     Returns the segment that changed."""
     if part.kind == RESULT_PART:
+        # Only notices (refused calls) come between a reply and its results, so the
+        # search stops at the first segment that is not a notice.
         for seg in reversed(segments):
-            if seg.parts and seg.parts[0].kind == ASSISTANT_PART:
+            if seg.kind == NOTICE:
+                continue
+            if seg.parts[0].kind == ASSISTANT_PART:
                 seg.append(part)
                 return seg
+            break
     kind = {ASSISTANT_PART: REPLY, RESULT_PART: TOOL}.get(part.kind, NOTICE)
     seg = Segment(len(segments) + 1, kind, [part])
     segments.append(seg)

@@ -165,7 +165,7 @@ class Platform:
         self.config = config
         self._registry = registry
         self._router = router
-        self.history: HistoryStore = history or InMemoryHistoryStore()
+        self.history: HistoryStore = history if history is not None else InMemoryHistoryStore()
         self.vectors: TextVectors = vectors or (memory.embedder if memory else HashedTerms())
         self.memory = memory or LongTermMemory(self.vectors)
         self.segments: SegmentLog = segments or NoSegmentLog()
@@ -283,7 +283,10 @@ class Platform:
     def task_segments(self, thread: str) -> list[Segment] | None:
         """The live segments of the task on frame `thread` (operators only)."""
         task = self._tasks.get(thread)
-        return list(task.context.segments) if task is not None else None
+        if task is None:
+            return None
+        task.context.current_relevance()
+        return list(task.context.segments)
 
     def tasks_of(self, conversation: str) -> list[str]:
         """Frames of live tasks serving the client's thread `conversation`."""
@@ -480,12 +483,10 @@ class Platform:
             rules = LibrarianRules(budget, cfg.context.fold_below, cfg.context.keep_recent)
             plan = await context.plan(query, rules, tokens, fixed)
             moved = context.apply(plan)
-            for seg in context.segments:
+            for seg in moved:  # a segment is summarised when it is first folded
                 if seg.tier is Tier.FOLDED and not seg.summary:
                     seg.summary = await self._summarise(agent, thread, seg)
                     context.summarised(seg)
-                    if seg not in moved:
-                        moved.append(seg)
             for seg in moved:
                 self.segments.move(thread, seg)
             ctx, prompt = self._assemble(agent, thread, task, memories)
@@ -566,7 +567,7 @@ class Platform:
             if seg is None:
                 notices.append(f"huh invalid-payload: there is no segment {sid} in this task.")
                 continue
-            seg.pinned = True
+            task.context.pin(sid)
         return notices
 
     async def complete(self, agent: str, thread: str) -> Completion:

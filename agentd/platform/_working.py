@@ -19,12 +19,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from agentd.context import (
+    EVICTED,
+    EXPANDED,
+    TIERS,
     Costs,
     LibrarianRules,
     Part,
     Plan,
     Segment,
-    Tier,
     WorkingMemory,
     extract,
     plan_tiers,
@@ -55,6 +57,9 @@ class TaskContext:
         self._expanded: list[int] = []  # bytes, by segment position
         self._folded: list[int] = []
         self._stub: list[int] = []
+        self._codes = np.zeros(0, dtype=np.int64)  # the tier code of each segment
+        self.relevance = np.zeros(0)
+        self.pinned: set[int] = set()  # ids asked back with unfold, for the next call
         self.collapsed = False
 
     @property
@@ -90,66 +95,90 @@ class TaskContext:
     async def plan(self, query: str, rules: LibrarianRules,
                    tokens: Callable[[np.ndarray], np.ndarray], fixed_tokens: int) -> Plan:
         relevance = await self.memory.relevance(query)
-        for seg, r in zip(self.segments, relevance.tolist(), strict=True):
-            seg.relevance = round(float(r), 4)
+        self.relevance = relevance
+        n = len(self.segments)
+        pinned = np.zeros(n, dtype=bool)
+        if self.pinned:
+            pinned[[i - 1 for i in self.pinned if 0 < i <= n]] = True
         costs = Costs(
             tokens(np.asarray(self._expanded, dtype=np.int64)),
             tokens(np.asarray(self._folded, dtype=np.int64)),
             tokens(np.asarray(self._stub, dtype=np.int64)),
             relevance.astype(np.float64),
-            np.fromiter((s.pinned for s in self.segments), dtype=bool,
-                        count=len(self.segments)),
+            pinned,
         )
         collapsed = int(tokens(np.asarray([COLLAPSED_STUB_BYTES]))[0])
         return plan_tiers(costs, rules, fixed_tokens, collapsed)
 
     def apply(self, plan: Plan) -> list[Segment]:
-        """Set the planned tiers; returns the segments whose tier changed."""
+        """Set the planned tiers; returns the segments whose tier changed (they also
+        take their current relevance)."""
+        n = len(plan.codes)
+        if len(self._codes) < n:
+            self._codes = np.concatenate(
+                [self._codes, np.zeros(n - len(self._codes), dtype=np.int64)])
+        changed = np.flatnonzero(self._codes[:n] != plan.codes)
+        self._codes = plan.codes.copy()
         moved: list[Segment] = []
-        for seg, tier in zip(self.segments, plan.tiers, strict=True):
-            if seg.tier is not tier:
-                seg.tier = tier
-                moved.append(seg)
+        for i in changed.tolist():
+            seg = self.segments[i]
+            seg.tier = TIERS[int(plan.codes[i])]
+            seg.relevance = round(float(self.relevance[i]), 4)
+            moved.append(seg)
         self.collapsed = plan.collapsed_stubs
         return moved
+
+    def current_relevance(self) -> None:
+        """Copy the last computed relevance onto every segment (for introspection)."""
+        for seg, r in zip(self.segments, self.relevance.tolist(), strict=False):
+            seg.relevance = round(float(r), 4)
 
     def shown(self, prepared: Callable[[str, str], str]) -> list[Fragment]:
         """The fragments of layer 5 for the next call, per the segments' tiers.
         `prepared(text, source)` neutralises a summary (untrusted: it was made from
         untrusted content)."""
         out: list[Fragment] = []
+        segments = self.segments
+        codes = self._codes
+        if len(codes) < len(segments):  # segments no plan has placed yet: expanded
+            codes = np.concatenate([codes, np.zeros(len(segments) - len(codes), np.int64)])
+        evicted = np.flatnonzero(codes == EVICTED)
+        if self.collapsed and len(evicted):
+            out.append(Fragment(Layer.WORKING, collapsed_text(
+                int(evicted[0]) + 1, int(evicted[-1]) + 1, len(evicted)), "evicted"))
         stubs: list[str] = []
-        evicted: list[int] = []
 
         def flush() -> None:
-            if stubs and not self.collapsed:
+            if stubs:
                 out.append(Fragment(Layer.WORKING, "\n".join(stubs), "evicted"))
             stubs.clear()
 
-        for seg in self.segments:
-            if seg.tier is Tier.EVICTED:
+        # Only segments that show more than a collapsed stub are visited one by one.
+        visible = np.flatnonzero(codes != EVICTED) if self.collapsed else range(len(segments))
+        for i in (visible.tolist() if isinstance(visible, np.ndarray) else visible):
+            seg = segments[i]
+            code = codes[i]
+            if code == EVICTED:
                 stubs.append(seg.stub())
-                evicted.append(seg.id)
                 continue
             flush()
-            if seg.tier is Tier.EXPANDED:
+            if code == EXPANDED:
                 out.extend(self.fragments[seg.id])
             else:
                 out.append(Fragment(Layer.WORKING, prepared(folded_text(seg), f"folded:{seg.id}"),
                                     f"folded:{seg.id}"))
         flush()
-        if self.collapsed and evicted:
-            out.insert(0, Fragment(Layer.WORKING,
-                                   collapsed_text(evicted[0], evicted[-1], len(evicted)),
-                                   "evicted"))
         return out
 
+    def pin(self, segment_id: int) -> None:
+        self.pinned.add(segment_id)
+
     def unpin(self) -> None:
-        for seg in self.segments:
-            seg.pinned = False
+        self.pinned.clear()
 
     def adopt(self, stored: Sequence[Segment]) -> None:
         self.memory.adopt(stored)
+        self._codes = np.asarray([TIERS.index(s.tier) for s in self.segments], dtype=np.int64)
         for seg in self.segments:
             if seg.summary:
                 self.summarised(seg)
