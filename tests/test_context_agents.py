@@ -162,9 +162,10 @@ async def test_a_task_that_cannot_fit_ends_with_budget_exceeded_and_sends_nothin
 # ---- summaries -----------------------------------------------------------------------------
 
 
-async def test_a_failing_summarizer_falls_back_to_the_extract() -> None:
+async def summarised_task(cheap_script: Any) -> tuple[FakeLLM, FakeLLM, Audit]:
+    """Six echo rounds with `cheap` as the summarizer backend."""
     async with FakeLLM("openai", tutor(6)) as server, \
-            FakeLLM("openai", [Reply(status=500)] * 20) as cheap:
+            FakeLLM("openai", cheap_script) as cheap:
         budget = fixed_tokens(server) + 2000
         text = config_text(server, budget, summarizer="cheap",
                            extra_backends=(openai_backend(cheap, "cheap"),))
@@ -173,6 +174,11 @@ async def test_a_failing_summarizer_falls_back_to_the_extract() -> None:
         await run_rounds(platform, 6)
         await platform.session("tutor").complete(THREAD)
         await platform.aclose()
+    return server, cheap, audit
+
+
+async def test_a_failing_summarizer_falls_back_to_the_extract() -> None:
+    server, cheap, audit = await summarised_task([Reply(status=500)] * 20)
     assert cheap.requests  # it was asked, through the router
     summaries = [f for k, _, f in audit.records if k == "summary"]
     assert summaries and all(f["outcome"] == "fallback" for f in summaries)
@@ -185,16 +191,7 @@ async def test_a_failing_summarizer_falls_back_to_the_extract() -> None:
 
 
 async def test_a_working_summarizer_is_used_completed_with_facts_and_counted() -> None:
-    async with FakeLLM("openai", tutor(6)) as server, \
-            FakeLLM("openai", ["An echo round happened."] * 20) as cheap:
-        budget = fixed_tokens(server) + 2000
-        text = config_text(server, budget, summarizer="cheap",
-                           extra_backends=(openai_backend(cheap, "cheap"),))
-        audit = Audit()
-        platform = Platform.from_config(load(text), audit=audit)
-        await run_rounds(platform, 6)
-        await platform.session("tutor").complete(THREAD)
-        await platform.aclose()
+    server, cheap, audit = await summarised_task(["An echo round happened."] * 20)
     summaries = [f for k, _, f in audit.records if k == "summary"]
     assert summaries and all(f["outcome"] == "ok" and f["backend"] == "cheap"
                              for f in summaries)
@@ -313,9 +310,8 @@ async def test_a_durable_memory_redefining_a_prompt_fact_is_dropped_and_reported
             # A new platform reads the durable store; the rule still applies.
             second = Platform.from_config(config, audit=audit,
                                           memory=_memory_over(kernel))
-            session = second.session("tutor")
-            session.begin(THREAD, TASK)
-            await session.complete(THREAD)
+            await run_rounds(second, 0)  # begins the task
+            await second.session("tutor").complete(THREAD)
             await second.aclose()
     memories = [b.content for b in server.requests[0].conversation().blocks if b.layer == 6]
     assert memories == ["2 + 3 is taught with blocks"]
