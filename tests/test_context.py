@@ -244,8 +244,7 @@ async def test_memories_are_durable_and_re_embedded_when_the_embedder_changes(
     async with await Kernel.open(tmp_path / "state") as kernel:
         first = LongTermMemory(HashedTerms(64), kernel=kernel)
         await first.ready()
-        record, fut = await first.add("tutor", "Deadlines are on Fridays.", key="deadline")
-        await fut
+        record = await first.add("tutor", "Deadlines are on Fridays.", key="deadline")
         second = LongTermMemory(HashedTerms(128), kernel=kernel)  # another embedder
         await second.ready()
         assert [m.id for m in second.list("tutor")] == [record.id]
@@ -254,9 +253,8 @@ async def test_memories_are_durable_and_re_embedded_when_the_embedder_changes(
         assert len(np.frombuffer(rows[0][6], dtype=np.float32)) == 128
         assert [m.text for m in await second.recall("tutor", "when are deadlines", 3)] == [
             "Deadlines are on Fridays."]
-        found, fut = second.forget("tutor", record.id)
-        assert found
-        await fut
+        assert await second.forget("tutor", record.id)
+        assert not await second.forget("tutor", record.id)
         assert await kernel.memories("tutor") == []
 
 

@@ -21,7 +21,7 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -114,11 +114,11 @@ class LongTermMemory:
 
     # ---- writing (trusted callers only) ---------------------------------------------
 
-    async def add(self, agent: str, text: str, key: str | None = None
-                  ) -> tuple[MemoryRecord, Any]:
-        """Store a memory; returns it and the kernel's commit future (None without a
-        kernel). Raises ValueError for empty or oversized text or key, and the
-        provider's error when its vector cannot be made (nothing is stored then)."""
+    async def add(self, agent: str, text: str, key: str | None = None) -> MemoryRecord:
+        """Store a memory; returns once the kernel committed it (it is recalled from
+        then on). Raises ValueError for empty or oversized text or key, the
+        provider's error when its vector cannot be made, the kernel's when it cannot
+        write: nothing is stored then."""
         text = text.strip()
         if not text or len(text) > MAX_MEMORY_CHARS:
             raise ValueError(f"a memory's text must have 1 to {MAX_MEMORY_CHARS} characters")
@@ -126,31 +126,31 @@ class LongTermMemory:
             raise ValueError(f"a memory's key must have 1 to {MAX_KEY_CHARS} characters")
         record = MemoryRecord(f"m-{secrets.token_hex(6)}", agent, text, key, self._clock())
         vector = (await self.embedder.vectors([_embedded_text(text, key)]))[0]
-        fut = None
         if self._kernel is not None:
             tx = self._kernel.transaction()
             tx.memory_put((record.id, agent, key, text, record.created, self.embedder.identity,
                            vector.astype(np.float32).tobytes()))
-            fut = self._kernel.commit(tx)
+            await self._kernel.commit(tx)
         self._insert(record, vector)
-        return record, fut
+        return record
 
-    def forget(self, agent: str, memory_id: str) -> tuple[bool, Any]:
-        """Delete one memory; (found, commit future or None)."""
+    async def forget(self, agent: str, memory_id: str) -> bool:
+        """Delete one memory (durably, before it leaves the index); False if `agent`
+        has no memory `memory_id`."""
         mem = self._agents.get(agent)
         if mem is None:
-            return False, None
+            return False
         for i, record in enumerate(mem.records):
             if record.id == memory_id:
-                del mem.records[i]
-                mem.index.remove(i)
-                fut = None
                 if self._kernel is not None:
                     tx = self._kernel.transaction()
                     tx.memory_forget(agent, memory_id)
-                    fut = self._kernel.commit(tx)
-                return True, fut
-        return False, None
+                    await self._kernel.commit(tx)
+                i = mem.records.index(record)  # the list may have moved while awaiting
+                del mem.records[i]
+                mem.index.remove(i)
+                return True
+        return False
 
     def _insert(self, record: MemoryRecord, vector: np.ndarray) -> None:
         mem = self._agents.get(record.agent)

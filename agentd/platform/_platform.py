@@ -259,17 +259,11 @@ class Platform:
         """Store a long-term memory for `agent` (the trusted API: operators and the
         platform's owner, never an agent); returns once the kernel committed it."""
         await self.memory.ready()
-        record, fut = await self.memory.add(self._agent_name(agent), text, key)
-        if fut is not None:
-            await fut
-        return record
+        return await self.memory.add(self._agent_name(agent), text, key)
 
     async def forget(self, agent: str, memory_id: str) -> bool:
         await self.memory.ready()
-        found, fut = self.memory.forget(self._agent_name(agent), memory_id)
-        if fut is not None:
-            await fut
-        return found
+        return await self.memory.forget(self._agent_name(agent), memory_id)
 
     async def memories(self, agent: str) -> list[MemoryRecord]:
         await self.memory.ready()
@@ -608,7 +602,8 @@ class Platform:
             raise
         used = 0 if response.cached else response.total_tokens
         self.budgets.settle(reservation, used)
-        self._tasks[thread].context.unpin() if thread in self._tasks else None
+        if thread in self._tasks:  # what was unfolded has been shown
+            self._tasks[thread].context.unpin()
         if not response.cached:
             self.tokens.observe(response.backend,
                                 -(-_request_bytes(request.system, request.messages) // 4),
