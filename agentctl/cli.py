@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import click
 
-from agentctl._render import result_to_json, result_to_text
+from agentctl._render import render_text, result_to_json
 from agentd import __version__
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONNECT, EXIT_REJECTED = 0, 1, 2, 3, 4
@@ -122,7 +122,11 @@ def _signing_key(settings: Settings) -> tuple[Any, str]:
     return private, key_id
 
 
-def _send(ctx: click.Context, command: str, args: dict[str, str]) -> NoReturn:
+def _send(ctx: click.Context, command: str, args: dict[str, str], unwrap: str = ""
+          ) -> NoReturn:
+    """Sign and send one command, print its result, exit. `unwrap`: the result's root
+    element whose content is the command's document (`{"thread", "segments"}` rather
+    than `{"context": {...}}`)."""
     from agentd.oob import AUTH_CODES, OobClient, OobConnectError, OobProtocolError, sign_request
 
     settings: Settings = ctx.obj
@@ -139,10 +143,13 @@ def _send(ctx: click.Context, command: str, args: dict[str, str]) -> NoReturn:
         code = response.error_code
         exit_code = EXIT_REJECTED if code in AUTH_CODES else EXIT_FAILED
         _fail(settings, code, response.error_message, exit_code, _AUTH_HINTS.get(code, ""))
+    value = result_to_json(response.result)
+    if unwrap and isinstance(value, dict) and list(value) == [unwrap]:
+        value = value[unwrap]
     if settings.as_json:
-        _emit_json(True, result_to_json(response.result))
+        _emit_json(True, value)
     else:
-        text = result_to_text(response.result)
+        text = render_text(value)
         if text:
             click.echo(text.rstrip("\n"))
     sys.exit(EXIT_OK)
@@ -275,6 +282,50 @@ def introspect_threads(ctx: click.Context) -> None:
 def introspect_thread(ctx: click.Context, thread: Any) -> None:
     """Thread UUID, with its private path (for forensics)."""
     _send(ctx, "introspect", {"what": "thread", "thread": str(thread)})
+
+
+@introspect.command("context")
+@click.argument("thread", type=click.UUID, metavar="UUID")
+@click.pass_context
+def introspect_context(ctx: click.Context, thread: Any) -> None:
+    """A thread's context segments: tier, relevance, size, token estimate."""
+    _send(ctx, "introspect", {"what": "context", "thread": str(thread)}, unwrap="context")
+
+
+@main.group()
+def memory() -> None:
+    """An agent's long-term memory (recalled into its prompts by similarity)."""
+
+
+@memory.command("add")
+@click.argument("agent")
+@click.argument("text")
+@click.option("--key", metavar="KEY", help="A key: a keyed memory cannot redefine a fact.")
+@click.pass_context
+def memory_add(ctx: click.Context, agent: str, text: str, key: str | None) -> None:
+    """Store TEXT as a long-term memory of AGENT."""
+    args = {"action": "add", "agent": agent, "text": text}
+    if key is not None:
+        args["key"] = key
+    _send(ctx, "memory", args, unwrap="memory")
+
+
+@memory.command("list")
+@click.argument("agent")
+@click.pass_context
+def memory_list(ctx: click.Context, agent: str) -> None:
+    """AGENT's long-term memories, oldest first."""
+    _send(ctx, "memory", {"action": "list", "agent": agent}, unwrap="memory")
+
+
+@memory.command("forget")
+@click.argument("agent")
+@click.argument("memory_id", metavar="ID")
+@click.pass_context
+def memory_forget(ctx: click.Context, agent: str, memory_id: str) -> None:
+    """Delete AGENT's memory ID."""
+    _send(ctx, "memory", {"action": "forget", "agent": agent, "id": memory_id},
+          unwrap="memory")
 
 
 @main.command()

@@ -380,8 +380,12 @@ class DaemonCommands:
                 except ConfigError as exc:
                     raise CommandFailed("invalid", "\n".join(exc.issues)) from None
                 return result_element("reload", diff)
+            if name == "introspect" and args.get("what") == "context":
+                return await self._context(args)
             if name == "introspect":
                 return self._introspect(args)
+            if name == "memory":
+                return await self._memory(args)
             if name == "journal":
                 return await self._journal(args)
             if name == "shutdown":
@@ -465,6 +469,62 @@ class DaemonCommands:
                 },
             )
         raise CommandFailed("invalid", f"unknown introspection {what!r}")
+
+    async def _context(self, args: Mapping[str, str]) -> etree._Element:
+        """A thread's context segments: live tasks from the platform, ended ones (kept
+        while their frames' rows live) from the kernel. `thread` may be the client's
+        thread or a task's own frame."""
+        d = self.daemon
+        assert d.kernel is not None
+        uuid = args.get("thread", "")
+        live: dict[str, list[Any]] = {}
+        if d.agents is not None:
+            platform = d.agents.platform
+            for frame in platform.tasks_of(uuid):
+                live[frame] = platform.task_segments(frame) or []
+        rows = await d.kernel.segments(conversation=uuid) + await d.kernel.segments(thread=uuid)
+        segments: dict[tuple[str, int], dict[str, Any]] = {}
+        for row in rows:
+            frame, sid, kind, tier, relevance, nbytes, tokens = (
+                row[0], row[1], row[4], row[5], row[6], row[7], row[8])
+            if frame not in live:
+                segments[(frame, sid)] = {"id": sid, "kind": kind, "tier": tier,
+                                          "relevance": relevance, "bytes": nbytes,
+                                          "tokens": tokens, "frame": frame}
+        for frame, segs in live.items():
+            for seg in segs:
+                segments[(frame, seg.id)] = {
+                    "id": seg.id, "kind": seg.kind, "tier": seg.tier.value,
+                    "relevance": float(seg.relevance), "bytes": seg.nbytes,
+                    "tokens": seg.tokens, "frame": frame}
+        return result_element("context", {
+            "thread": uuid, "segments": [segments[k] for k in sorted(segments)]})
+
+    async def _memory(self, args: Mapping[str, str]) -> etree._Element:
+        """Long-term memory of an agent: add, list, forget (operators only)."""
+        from agentd.oob import CommandFailed
+
+        d = self.daemon
+        if d.agents is None:
+            raise CommandFailed("invalid", "this organism has no LLM agents")
+        platform = d.agents.platform
+        action, agent = args.get("action", ""), args.get("agent", "")
+        if action == "add":
+            record = await platform.remember(agent, args.get("text", ""),
+                                             args.get("key") or None)
+            return result_element("memory", {
+                "agent": agent, "id": record.id, "key": record.key,
+                "created": format_time(record.created)})
+        if action == "list":
+            return result_element("memory", {"agent": agent, "memories": [
+                {"id": m.id, "key": m.key, "text": m.text, "created": format_time(m.created)}
+                for m in await platform.memories(agent)]})
+        if action == "forget":
+            memory_id = args.get("id", "")
+            if not await platform.forget(agent, memory_id):
+                raise CommandFailed("invalid", f"agent {agent} has no memory {memory_id!r}")
+            return result_element("memory", {"agent": agent, "id": memory_id, "forgotten": True})
+        raise CommandFailed("invalid", "action must be add, list or forget")
 
     async def _journal(self, args: Mapping[str, str]) -> etree._Element:
         d = self.daemon

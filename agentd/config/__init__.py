@@ -11,6 +11,7 @@ file) · `schema` (the published JSON Schema).
 
 from agentd._errors import ConfigError
 from agentd.config.clients import CLIENT_ID, ClientEntry, normalise_secret, read_clients_text
+from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.organism import (
     FrozenMapping,
     ListenerConfig,
@@ -21,7 +22,9 @@ from agentd.config.organism import (
 )
 from agentd.config.schema import organism_schema, organism_schema_text
 from agentd.config.sections import (
+    EXTRACTIVE,
     AgentConfig,
+    AgentContextConfig,
     AuthConfig,
     BusConfig,
     IsolationConfig,
@@ -40,11 +43,14 @@ from agentd.kernel import Retention
 
 __all__ = [
     "CLIENT_ID",
+    "EXTRACTIVE",
     "AgentConfig",
+    "AgentContextConfig",
     "AuthConfig",
     "BusConfig",
     "ClientEntry",
     "ConfigError",
+    "EmbeddingsConfig",
     "FrozenMapping",
     "IsolationConfig",
     "JournalConfig",

@@ -23,6 +23,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from agentd._errors import ConfigError
 from agentd.config import sections
+from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.reader import Document, Issues, nulls_as_empty, read_document
 from agentd.config.tools import ToolConfig
 
@@ -93,6 +94,7 @@ class OrganismConfig:
     llm: sections.LlmConfig | None = None
     listeners: tuple[ListenerConfig, ...] = ()
     meta: sections.MetaConfig = field(default_factory=sections.MetaConfig)
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     digest: str = ""  # SHA-256 hex of the file's bytes
     python_path: tuple[Path, ...] = ()
 
@@ -253,6 +255,7 @@ def _load(
         llm=document.llm,
         listeners=listeners,
         meta=document.meta,
+        embeddings=document.embeddings,
         digest=digest,
         python_path=document.python_path,
     )

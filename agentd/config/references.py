@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentd.config import imports
+from agentd.config.embeddings import embeddings_references
 from agentd.config.values import NAME_PATTERN, Problem
 
 LineOf = Callable[[tuple[str | int, ...]], int]
@@ -40,6 +41,7 @@ def cross_references(data: dict[str, Any], line_of: LineOf) -> list[Problem]:
     problems += _members(data.get("profiles"), names)
     problems += _payload_keys(listeners)
     problems += _isolation(listeners, data.get("profiles"))
+    problems += embeddings_references(data)
     return problems
 
 
@@ -93,6 +95,13 @@ def _agents(listeners: list[tuple[int, dict[str, Any]]], data: dict[str, Any]) -
                 problems.append(Problem(at, "an agent needs an `llm` section", model))
             elif model not in backends:
                 problems.append(Problem(at, f"no backend named {model!r} in llm.backends", model))
+        context = agent.get("context")
+        summarizer = context.get("summarizer") if isinstance(context, dict) else None
+        if (isinstance(summarizer, str) and summarizer != "extractive"
+                and isinstance(llm, dict) and summarizer not in backends):
+            problems.append(Problem(("listeners", i, "agent", "context", "summarizer"),
+                                    f"no backend named {summarizer!r} in llm.backends "
+                                    "(or `extractive`)", summarizer))
         if not isinstance(prompt, str) or not prompt.strip():
             continue
         at = ("listeners", i, "agent", "prompt")

@@ -20,6 +20,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
+from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.references import cross_references
 from agentd.config.tools import ToolConfig
 from agentd.config.values import (
@@ -293,6 +294,21 @@ class LlmConfig:
     _rules = rules(lambda data, _: _backend_rules(data), "llm")
 
 
+EXTRACTIVE = "extractive"  # the summarizer that needs no model
+
+
+@dataclass(frozen=True, config=SECTION)
+class AgentContextConfig:
+    """How an agent's working memory is kept within its prompt (the librarian) and
+    how much long-term memory is recalled into it."""
+
+    budget_tokens: Positive = 32_000  # the whole request: every message and tool text
+    fold_below: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] = 0.1
+    keep_recent: NonNegative = 4  # the newest segments always stay expanded
+    recall_k: NonNegative = 5
+    summarizer: Name = EXTRACTIVE  # or the name of an `llm.backends` entry
+
+
 @dataclass(frozen=True, config=SECTION)
 class AgentConfig:
     prompt: Text  # "a & b": names of `prompts` entries, composed in this order
@@ -301,6 +317,7 @@ class AgentConfig:
     max_tokens: Positive = 2048
     token_budget: Positive | None = None
     temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
+    context: AgentContextConfig = AgentContextConfig()
 
     @property
     def prompt_names(self) -> tuple[str, ...]:
@@ -363,6 +380,7 @@ class OrganismDocument:
     llm: LlmConfig | None = None
     listeners: tuple[ListenerSection, ...] = ()
     meta: MetaConfig = MetaConfig()
+    embeddings: EmbeddingsConfig = EmbeddingsConfig()
 
     _rules = rules(
         lambda data, context: cross_references(data, context.get("line_of", _no_line)),

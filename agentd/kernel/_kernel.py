@@ -59,6 +59,8 @@ from agentd.kernel._records import (
 from agentd.kernel._schema import code_version, read_version, too_new_message
 from agentd.kernel._store import (
     JOURNAL_COLUMNS,
+    MEMORY_COLUMNS,
+    SEGMENT_COLUMNS,
     THREAD_COLUMNS,
     entry_from_row,
     is_storage_error,
@@ -389,6 +391,29 @@ class Kernel:
         rows = await self._reader.execute_fetchall(
             "SELECT role, content FROM context WHERE thread = ? ORDER BY id", (thread,))
         return [(i, r[0], r[1]) for i, r in enumerate(rows)]
+
+    async def segments(self, *, thread: str | None = None, conversation: str | None = None
+                       ) -> list[tuple[Any, ...]]:
+        """Context segments of a task's frame (`thread`) or of every task serving a
+        client's thread (`conversation`), as rows of `SEGMENT_COLUMNS`, in order."""
+        column, value = ("thread", thread) if thread is not None else ("conversation",
+                                                                        conversation)
+        rows = await self._reader.execute_fetchall(
+            f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE {column} = ? ORDER BY thread, id",
+            (value,))
+        return [tuple(r) for r in rows]
+
+    async def memories(self, agent: str | None = None) -> list[tuple[Any, ...]]:
+        """Long-term memories (of one agent, or all), oldest first, as rows of
+        `MEMORY_COLUMNS`."""
+        if agent is None:
+            rows = await self._reader.execute_fetchall(
+                f"SELECT {MEMORY_COLUMNS} FROM memories ORDER BY created, id")
+        else:
+            rows = await self._reader.execute_fetchall(
+                f"SELECT {MEMORY_COLUMNS} FROM memories WHERE agent = ? ORDER BY created, id",
+                (agent,))
+        return [tuple(r) for r in rows]
 
     async def verify(self) -> tuple[bool, int | None, str]:
         """Walk the hash chain: (ok, first bad seq or None, message)."""

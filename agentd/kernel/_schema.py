@@ -80,7 +80,41 @@ _V1 = (
     "CREATE TABLE probe (data BLOB)",
 )
 
+# Context segments (an agent task's working memory, one row a segment, keyed by the
+# task's frame; `conversation` is the client's thread an operator knows) and
+# long-term memories (per agent, with the vector of their text and the embedder that
+# made it: another embedder means re-embedding). A segment's `original` is never
+# changed once its segment is complete; tier, relevance and summary are.
+_V2_CONTEXT = (
+    """CREATE TABLE segments (
+        thread TEXT NOT NULL,
+        id INTEGER NOT NULL,
+        conversation TEXT NOT NULL,
+        agent TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        tier TEXT NOT NULL CHECK (tier IN ('expanded', 'folded', 'evicted')),
+        relevance REAL NOT NULL,
+        bytes INTEGER NOT NULL,
+        tokens INTEGER NOT NULL,
+        sha256 TEXT NOT NULL,
+        summary TEXT NOT NULL,
+        original BLOB NOT NULL,
+        ts REAL NOT NULL,
+        PRIMARY KEY (thread, id))""",
+    "CREATE INDEX segments_conversation ON segments (conversation)",
+    """CREATE TABLE memories (
+        id TEXT PRIMARY KEY,
+        agent TEXT NOT NULL,
+        key TEXT,
+        text TEXT NOT NULL,
+        created REAL NOT NULL,
+        embedder TEXT NOT NULL,
+        vector BLOB NOT NULL)""",
+    "CREATE INDEX memories_agent ON memories (agent, created)",
+)
+
 MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1}
+MIGRATIONS[2] = _V2_CONTEXT
 
 
 def code_version() -> int:

@@ -24,7 +24,13 @@ from agentd.kernel._chain import Gap, Verdict, encode, verify_chain
 from agentd.kernel._errors import KernelUnavailable
 from agentd.kernel._records import JournalEntry, ThreadRow
 from agentd.kernel._schema import migrate
-from agentd.kernel._transaction import BatchPlan
+from agentd.kernel._transaction import (
+    OP_MEMORY_FORGET,
+    OP_MEMORY_PUT,
+    OP_SEGMENT_MOVE,
+    OP_SEGMENT_PUT,
+    BatchPlan,
+)
 
 # Primary result codes meaning "the storage is failing", as opposed to "this
 # transaction is bad": BUSY, LOCKED, NOMEM, READONLY, IOERR, CORRUPT, FULL, CANTOPEN,
@@ -167,6 +173,8 @@ class Store:
             if plan.context_insert:
                 conn.executemany("INSERT INTO context (thread, role, content, ts) "
                                  "VALUES (?, ?, ?, ?)", plan.context_insert)
+            for op in plan.memory_ops:
+                _write_memory_op(conn, op)
             if new_head != head:
                 conn.execute("UPDATE head SET pos = ?, hash = ?, seq = ?, outbox_id = ? "
                              "WHERE id = 0",
@@ -225,6 +233,10 @@ class Store:
         idle = [(t,) for t in idle_buffers]
         conn.execute("BEGIN")
         try:
+            # A task's segments live as long as its frame's thread row.
+            conn.execute(
+                "DELETE FROM segments WHERE thread IN (SELECT uuid FROM threads WHERE "
+                "state IN ('completed', 'failed') AND updated < ?)", (thread_cutoff,))
             threads = conn.execute(
                 "DELETE FROM threads WHERE state IN ('completed', 'failed') AND updated < ?",
                 (thread_cutoff,)).rowcount
@@ -310,6 +322,27 @@ class Store:
 
 
 # -- reading (any connection, any thread) ---------------------------------------------
+
+
+SEGMENT_COLUMNS = ("thread, id, conversation, agent, kind, tier, relevance, bytes, tokens, "
+                   "sha256, summary, original, ts")
+MEMORY_COLUMNS = "id, agent, key, text, created, embedder, vector"
+
+
+def _write_memory_op(conn: sqlite3.Connection, op: tuple) -> None:
+    code = op[0]
+    if code == OP_SEGMENT_PUT:
+        conn.execute(f"INSERT OR REPLACE INTO segments ({SEGMENT_COLUMNS}) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", op[1])
+    elif code == OP_SEGMENT_MOVE:
+        _, thread, segment, tier, relevance, summary = op
+        conn.execute("UPDATE segments SET tier = ?, relevance = ?, summary = ? "
+                     "WHERE thread = ? AND id = ?", (tier, relevance, summary, thread, segment))
+    elif code == OP_MEMORY_PUT:
+        conn.execute(f"INSERT OR REPLACE INTO memories ({MEMORY_COLUMNS}) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?)", op[1])
+    elif code == OP_MEMORY_FORGET:
+        conn.execute("DELETE FROM memories WHERE agent = ? AND id = ?", (op[1], op[2]))
 
 
 def readonly_uri(db: Path) -> str:

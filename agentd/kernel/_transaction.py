@@ -40,6 +40,10 @@ OP_OUTBOX_PUT = 3  # (op, id, client, thread, data)
 OP_OUTBOX_DELIVERED = 4  # (op, client, up_to_id)
 OP_CONTEXT_APPEND = 5  # (op, thread, role, content, ts)
 OP_CONTEXT_DROP = 6  # (op, thread)
+OP_SEGMENT_PUT = 7  # (op, row of _store.SEGMENT_COLUMNS)
+OP_SEGMENT_MOVE = 8  # (op, thread, id, tier, relevance, summary)
+OP_MEMORY_PUT = 9  # (op, row of _store.MEMORY_COLUMNS)
+OP_MEMORY_FORGET = 10  # (op, agent, id)
 
 # Journal base row: seq, ts, thread, direction, kind, handler, sender, tag, payload,
 # profile, expires, pending. The writer adds payload_hash, pos, prev_hash and hash (it
@@ -286,6 +290,32 @@ class Transaction:
         self.touches_context = True
         self.ops.append((OP_CONTEXT_DROP, thread))
 
+    def segment_put(self, row: tuple[object, ...]) -> None:
+        """Insert or replace a context segment: (thread, id, conversation, agent, kind,
+        tier, relevance, bytes, tokens, sha256, summary, original, ts)."""
+        self._check_open()
+        if len(row) != 13:
+            raise ValueError("a segment row has 13 fields")
+        self.ops.append((OP_SEGMENT_PUT, tuple(row)))
+
+    def segment_move(self, thread: str, segment: int, tier: str, relevance: float,
+                     summary: str) -> None:
+        """Change a segment's tier, relevance and summary (its original never changes)."""
+        self._check_open()
+        self.ops.append((OP_SEGMENT_MOVE, thread, segment, tier, relevance, summary))
+
+    def memory_put(self, row: tuple[object, ...]) -> None:
+        """Insert or replace a long-term memory: (id, agent, key, text, created,
+        embedder, vector)."""
+        self._check_open()
+        if len(row) != 7:
+            raise ValueError("a memory row has 7 fields")
+        self.ops.append((OP_MEMORY_PUT, tuple(row)))
+
+    def memory_forget(self, agent: str, memory_id: str) -> None:
+        self._check_open()
+        self.ops.append((OP_MEMORY_FORGET, agent, memory_id))
+
     # -- what the kernel reads -----------------------------------------------------
 
     def wire(self) -> tuple:
@@ -318,6 +348,9 @@ class BatchPlan:
     outbox_insert: dict[int, tuple[int, str, str, bytes]] = field(default_factory=dict)
     context_delete: list[tuple[str]] = field(default_factory=list)
     context_insert: list[tuple[str, str, bytes, float]] = field(default_factory=list)
+    # Segment and memory writes, in submission order (they are rare next to journal
+    # rows: one per model turn or operator command, so no per-table folding).
+    memory_ops: list[tuple] = field(default_factory=list)
     max_seq: int = 0
     max_outbox_id: int = 0
     ops: int = 0
@@ -388,6 +421,8 @@ def _apply_op(plan: BatchPlan, op: tuple) -> None:
         if any(slot[0] == thread for slot in plan.context_insert):
             plan.context_insert = [s for s in plan.context_insert if s[0] != thread]
         plan.context_delete.append((thread,))
+    elif code in (OP_SEGMENT_PUT, OP_SEGMENT_MOVE, OP_MEMORY_PUT, OP_MEMORY_FORGET):
+        plan.memory_ops.append(op)
     else:  # pragma: no cover - ops are only built by Transaction
         raise AssertionError(f"unknown op {code}")
 

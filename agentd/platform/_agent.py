@@ -35,6 +35,7 @@ from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._threads import log_ids
 from agentd._xmlify import is_xmlified, to_xml
 from agentd.config import ListenerConfig, OrganismConfig
+from agentd.context import KernelSegmentLog, LongTermMemory, text_vectors
 from agentd.llm import LlmError
 from agentd.platform._audit import kernel_audit
 from agentd.platform._budget import BudgetExceeded
@@ -167,6 +168,8 @@ class AgentLoop:
                 return self._fail(thread, HuhCode.INTERNAL)
             reply = parse_reply(completion.text, session.catalogue)
             calls, notices = list(reply.calls), list(reply.notices)
+            if reply.unfolds:  # answered here, in the next turn: nothing goes out
+                notices.extend(await session.unfold(thread, reply.unfolds))
             if len(calls) > self.max_fanout:
                 notices.append(
                     f"huh too-large: {len(calls)} calls in one reply; at most "
@@ -178,7 +181,7 @@ class AgentLoop:
                     session.record(thread, notice, source="platform", notice=True)
             except HistoryFull:
                 return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
-            state.thought(len(calls), len(notices))
+            state.thought(len(calls), len(notices) + len(reply.unfolds))
             if calls:
                 return HandlerResponse(b"".join(calls))
             if state.phase is Phase.FINISHED:
@@ -259,6 +262,13 @@ def make_agent_handlers(
         if kernel is not None:
             platform_options.setdefault("history", KernelHistoryStore(kernel))
             platform_options.setdefault("audit", kernel_audit(kernel))
+            platform_options.setdefault("segments", KernelSegmentLog(kernel))
+            if "memory" not in platform_options:
+                vectors = platform_options.get("vectors") or text_vectors(
+                    config.embeddings, config.llm, **{k: platform_options[k] for k in (
+                        "transport", "env") if k in platform_options})
+                platform_options["vectors"] = vectors
+                platform_options["memory"] = LongTermMemory(vectors, kernel=kernel)
         elif audit is not None:
             platform_options.setdefault("audit", _two_argument_audit(audit))
         platform = Platform.from_config(config, **platform_options)

@@ -18,6 +18,8 @@ Each candidate then becomes one of:
   anyway, so that the pump refuses it (`huh unroutable`, and a peer-violation
   security event when it is a real route outside the peers); the agent is not
   the judge of its own permissions;
+- an unfold: core `unfold` {`segment`}, answered by the platform itself (the
+  segment is expanded for the next call); nothing is sent;
 - prose: an element that is an echo of a known result type, or of the core
   namespace, or anything without a namespace that is not a tool name.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from agentd._errors import Rejection
 from agentd._schemas import NS_CORE
@@ -49,10 +52,11 @@ class ParsedReply:
     calls: tuple[bytes, ...]  # C14N payload elements, in the order written
     notices: tuple[str, ...]  # local `huh`s for the model, one per refused candidate
     text: str  # the prose that remains
+    unfolds: tuple[int, ...] = ()  # segments asked back with core `unfold`
 
     @property
     def is_answer(self) -> bool:
-        return not self.calls and not self.notices
+        return not self.calls and not self.notices and not self.unfolds
 
 
 def _end_of(text: str, name: str, start: int) -> int | None:
@@ -70,6 +74,22 @@ def _end_of(text: str, name: str, start: int) -> int | None:
     return None
 
 
+_UNFOLD = "{" + NS_CORE + "}unfold"
+_UNFOLD_HELP = ("huh invalid-payload: core unfold takes one <segment> with the number of a "
+                "segment of this task.")
+
+
+def _unfold(el: Any) -> tuple[str, str]:
+    """('unfold', segment id) for `<unfold xmlns=core><segment>N</segment></unfold>`."""
+    kids = [c for c in el if isinstance(c.tag, str)]
+    if len(kids) != 1 or kids[0].tag != "{" + NS_CORE + "}segment":
+        return "notice", _UNFOLD_HELP
+    text = (kids[0].text or "").strip()
+    if not text.isdigit() or len(text) > 9:
+        return "notice", _UNFOLD_HELP
+    return "unfold", text
+
+
 def _example(tool: Tool) -> str:
     return tool.spec.example.decode()
 
@@ -78,6 +98,7 @@ def parse_reply(text: str, catalogue: ToolCatalogue) -> ParsedReply:
     text = _THINK.sub("", text)
     calls: list[bytes] = []
     notices: list[str] = []
+    unfolds: list[int] = []
     prose: list[str] = []
     pos = 0
     for m in _START.finditer(text):
@@ -86,7 +107,8 @@ def parse_reply(text: str, catalogue: ToolCatalogue) -> ParsedReply:
         name, attrs, selfclosing = m.group(1), m.group(2) or "", m.group(3)
         local = name.rpartition(":")[2]
         declared = _XMLNS.search(attrs)
-        if declared is None and "xmlns" not in attrs and local not in catalogue.by_local:
+        if (declared is None and "xmlns" not in attrs and local not in catalogue.by_local
+                and local != "unfold"):
             continue
         end = m.end() if selfclosing else _end_of(text, name, m.start())
         closed = end is not None
@@ -102,6 +124,8 @@ def parse_reply(text: str, catalogue: ToolCatalogue) -> ParsedReply:
         kind, value = outcome
         if kind == "call":
             calls.append(value.encode() if isinstance(value, str) else value)
+        elif kind == "unfold":
+            unfolds.append(int(value))
         else:
             notices.append(str(value))
     prose.append(text[pos:])
@@ -109,7 +133,7 @@ def parse_reply(text: str, catalogue: ToolCatalogue) -> ParsedReply:
     wrapped = _ANSWER_WRAP.match(remaining)
     if wrapped is not None:
         remaining = wrapped.group(1).strip()
-    return ParsedReply(tuple(calls), tuple(notices), remaining)
+    return ParsedReply(tuple(calls), tuple(notices), remaining, tuple(unfolds))
 
 
 def _candidate(
@@ -122,7 +146,11 @@ def _candidate(
 ) -> tuple[str, bytes | str] | None:
     """('call', c14n bytes) | ('notice', text) | None (not a call: leave as prose)."""
     tool: Tool | None = None
-    if declared is None and ":" not in name:
+    if declared is None and ":" not in name and local == "unfold" and not (
+            catalogue.by_local.get(local)):
+        # core unfold written without its namespace: the platform's own payload.
+        fragment = re.sub(r"\A<unfold", f'<unfold xmlns="{NS_CORE}"', fragment)
+    elif declared is None and ":" not in name:
         tools = catalogue.by_local.get(local, ())
         if len(tools) != 1:
             if tools:
@@ -155,6 +183,8 @@ def _candidate(
     key = el.tag
     if tool is None:
         tool = catalogue.by_key.get(key)
+    if key == _UNFOLD:
+        return _unfold(el)
     if tool is None:
         if key in catalogue.result_keys or key.startswith("{" + NS_CORE + "}"):
             return None  # an echo of a result, or of a notice: prose
