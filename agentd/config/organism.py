@@ -92,6 +92,9 @@ class OrganismConfig:
     meta: sections.MetaConfig = field(default_factory=sections.MetaConfig)
     digest: str = ""  # SHA-256 hex of the file's bytes
     python_path: tuple[Path, ...] = ()
+    identity: sections.IdentityConfig | None = None
+    federation: sections.FederationConfig | None = None
+    gateways: tuple[sections.GatewayConfig, ...] = ()
 
     def listener(self, name: str) -> ListenerConfig:
         return self._listeners_by_name[name]
@@ -250,6 +253,9 @@ def _load(
         meta=document.meta,
         digest=digest,
         python_path=document.python_path,
+        identity=document.identity,
+        federation=document.federation,
+        gateways=document.gateways,
     )
 
 

@@ -46,6 +46,7 @@ from agentd.config.values import (
     Synchronous,
     Text,
     Url,
+    WssUrl,
     rules,
     split_host_port,
 )
@@ -280,6 +281,34 @@ class ListenerSection:
 
 
 @dataclass(frozen=True, config=SECTION)
+class IdentityConfig:
+    key: FilePath  # the organism's Ed25519 private key (`agentd init` writes identity.key)
+
+
+@dataclass(frozen=True, config=SECTION)
+class FederationConfig:
+    listen: HostPort  # "host:port" of wss://host:port/federation, never the bus's port
+    tls: TlsConfig
+    handshake_timeout_s: Seconds = 10.0
+    max_frame_bytes: Annotated[int, Strict(), Field(ge=1024)] = 262144
+    backoff_initial_s: Seconds = 0.5
+    backoff_max_s: Seconds = 30.0
+
+
+@dataclass(frozen=True, config=SECTION)
+class GatewayConfig:
+    """A peer organism: its name is the peer's `organism.name`."""
+
+    name: Name
+    public_key: Text  # "ssh-ed25519 AAAA… comment", the peer's identity line
+    url: WssUrl | None = None  # wss://host:port/federation; None: only the peer dials
+    cafile: FilePath | None = None  # verify the peer's TLS certificate against it
+    profile: ProfileName | None = None  # what the peer's requests may reach here
+    export: Names = ()  # local listeners the peer may call
+    import_: Names = Field(default=(), alias="import")  # remote listeners callable here
+
+
+@dataclass(frozen=True, config=SECTION)
 class OrganismSection:
     name: Name
 
@@ -315,6 +344,9 @@ class OrganismDocument:
     llm: LlmConfig | None = None
     listeners: tuple[ListenerSection, ...] = ()
     meta: MetaConfig = MetaConfig()
+    identity: IdentityConfig | None = None
+    federation: FederationConfig | None = None
+    gateways: tuple[GatewayConfig, ...] = ()
 
     _rules = rules(
         lambda data, context: cross_references(data, context.get("line_of", _no_line)),

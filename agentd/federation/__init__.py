@@ -1,0 +1,39 @@
+"""Federation: sovereign organisms calling each other's exported listeners.
+
+identity (the Ed25519 key and its public line) · binding (the TLS `tls-exporter`
+value) · handshake (sans-I/O, pure) · gateway (the link state machine, backoff) ·
+link (the `/federation` endpoint and the dialers: the I/O).
+"""
+
+from agentd.federation._binding import ChannelBindingUnavailable, tls_exporter
+from agentd.federation._handshake import (
+    HANDSHAKE_FAILED,
+    Handshake,
+    HandshakeFailed,
+    Role,
+)
+from agentd.federation._identity import (
+    Identity,
+    IdentityError,
+    fingerprint,
+    load_identity,
+    parse_public_line,
+    public_line,
+    write_identity,
+)
+
+__all__ = [
+    "HANDSHAKE_FAILED",
+    "ChannelBindingUnavailable",
+    "Handshake",
+    "HandshakeFailed",
+    "Identity",
+    "IdentityError",
+    "Role",
+    "fingerprint",
+    "load_identity",
+    "parse_public_line",
+    "public_line",
+    "tls_exporter",
+    "write_identity",
+]
