@@ -21,15 +21,25 @@ from agentd.federation._identity import (
     public_line,
     write_identity,
 )
+from agentd.federation._link import (
+    FEDERATION_PATH,
+    SECURITY_KINDS,
+    Federation,
+    federation_server_context,
+)
 
 __all__ = [
+    "FEDERATION_PATH",
     "HANDSHAKE_FAILED",
+    "SECURITY_KINDS",
     "ChannelBindingUnavailable",
+    "Federation",
     "Handshake",
     "HandshakeFailed",
     "Identity",
     "IdentityError",
     "Role",
+    "federation_server_context",
     "fingerprint",
     "load_identity",
     "parse_public_line",
