@@ -55,6 +55,10 @@ log = logging.getLogger("agentd.daemon")
 _PUMP_SECURITY_KINDS = frozenset(
     {"forged-from", "priv-on-bus", "priv-from-handler", "peer-violation", "lockout"}
 )
+# The federation's (kept literal so the daemon imports agentd.federation only if used).
+_FEDERATION_SECURITY_KINDS = frozenset(
+    {"federation-handshake-failed", "federation-unexpected-frame"}
+)
 
 
 class KernelOutbox:
@@ -101,6 +105,7 @@ class Daemon:
         self.bus: Any = None
         self.oob: Any = None
         self.metrics_server: Any = None
+        self.federation: Any = None
         self.auth: Any = None
         self.platforms = AgentPlatforms()
         self._stop = asyncio.Event()
@@ -194,6 +199,13 @@ class Daemon:
                                  ssl_context=self.checked.tls,
                                  submit_nowait=self.pump.submit_nowait)
             await _bind("bus.port", f"{config.bus.host}:{config.bus.port}", self.bus.start())
+        if config.federation is not None and self.checked.identity is not None:
+            from agentd.federation import Federation
+
+            self.federation = Federation(self.checked.identity, config.federation,
+                                         config.gateways, self.audit,
+                                         server_ssl=self.checked.federation_tls)
+            await _bind("federation.listen", config.federation.listen, self.federation.start())
         if config.oob.authorized_keys is not None:
             from agentd.oob import OobServer
 
@@ -286,6 +298,9 @@ class Daemon:
             await self.oob.close()
         if self.bus is not None:
             await self.bus.close(1001)
+        if self.federation is not None:
+            await self.federation.close()
+            self.federation = None
         if self.pump is not None:
             await self.pump.stop()
         if self.metrics_server is not None:
@@ -305,7 +320,8 @@ class Daemon:
         """An audit or security event, journaled as an entry of its own kind."""
         from agentd.oob import SECURITY_KINDS as OOB_SECURITY_KINDS
 
-        security = kind in _PUMP_SECURITY_KINDS or kind in OOB_SECURITY_KINDS
+        security = (kind in _PUMP_SECURITY_KINDS or kind in OOB_SECURITY_KINDS
+                    or kind in _FEDERATION_SECURITY_KINDS)
         direction = "security" if security else "audit"
         if fields.get("channel") != "oob":  # the OOB server logs its own events
             log.log(
@@ -345,6 +361,7 @@ class Daemon:
             "kernel_writer_restarts": self.kernel.writer_restarts,
             "db_bytes": self.kernel.db_size_bytes(),
             "bus_connections": self.bus.connections if self.bus is not None else 0,
+            "gateways": self.federation.status() if self.federation is not None else [],
         }
 
     async def reload(self, dry_run: bool) -> dict[str, Any]:

@@ -6,6 +6,7 @@ link (the `/federation` endpoint and the dialers: the I/O).
 """
 
 from agentd.federation._binding import ChannelBindingUnavailable, tls_exporter
+from agentd.federation._gateway import LinkState, check_gateways
 from agentd.federation._handshake import (
     HANDSHAKE_FAILED,
     Handshake,
@@ -38,7 +39,9 @@ __all__ = [
     "HandshakeFailed",
     "Identity",
     "IdentityError",
+    "LinkState",
     "Role",
+    "check_gateways",
     "federation_server_context",
     "fingerprint",
     "load_identity",

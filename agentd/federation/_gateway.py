@@ -13,8 +13,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from agentd._states import step
+
+if TYPE_CHECKING:
+    from agentd.config import OrganismConfig
 
 
 class LinkState(enum.Enum):
@@ -80,3 +84,25 @@ def keeps_link(local: str, peer: str, dialed_by_local: bool) -> bool:
     organism whose name sorts first survives; both sides compute the same answer."""
     dialer = local if dialed_by_local else peer
     return dialer == min(local, peer)
+
+
+def check_gateways(config: OrganismConfig) -> list[str]:
+    """What the loader cannot see: each declared key parses, and nothing asks for
+    what is not built (calling remote listeners)."""
+    from agentd.federation._identity import IdentityError, parse_public_line
+
+    issues: list[str] = []
+    for i, gateway in enumerate(config.gateways):
+        try:
+            parse_public_line(gateway.public_key)
+        except IdentityError as exc:
+            issues.append(f"gateways[{i}].public_key: {exc}")
+        if gateway.import_:
+            issues.append(
+                f"gateways[{i}].import: calling a peer's listeners is not built in this "
+                "version (the link, its handshake and its status are)")
+        if gateway.export:
+            issues.append(
+                f"gateways[{i}].export: serving listeners to a peer is not built in this "
+                "version (the link, its handshake and its status are)")
+    return issues

@@ -143,7 +143,7 @@ class Federation:
             server_header=None,
             logger=logging.getLogger("agentd.federation.websockets"),
         )
-        log.info("federation listening on wss://%s:%d%s", host, self.port, FEDERATION_PATH)
+        log.info("federation listening url=wss://%s:%d%s", host, self.port, FEDERATION_PATH)
         for link in self.links.values():
             if link.config.url is not None:
                 self._dialers.append(asyncio.create_task(
