@@ -55,10 +55,7 @@ log = logging.getLogger("agentd.daemon")
 _PUMP_SECURITY_KINDS = frozenset(
     {"forged-from", "priv-on-bus", "priv-from-handler", "peer-violation", "lockout"}
 )
-# The federation's (kept literal so the daemon imports agentd.federation only if used).
-_FEDERATION_SECURITY_KINDS = frozenset(
-    {"federation-handshake-failed", "federation-unexpected-frame"}
-)
+
 
 
 class KernelOutbox:
@@ -86,6 +83,22 @@ class KernelOutbox:
         for client, up_to in marks.items():
             tx.outbox_delivered(client, up_to)
         self.kernel.commit(tx).add_done_callback(_log_failure)
+
+
+class FederationHost(KernelOutbox):
+    """What the federation needs to serve a peer's calls: the pump, where a gateway
+    is a client under its own name, and the kernel's outbox of its replies."""
+
+    def __init__(self, kernel: Kernel, pump: Pump) -> None:
+        super().__init__(kernel)
+        self.pump = pump
+
+    async def submit(self, client: str, data: bytes) -> Any:
+        return await self.pump.submit(client, data)
+
+    async def thread_exists(self, thread: str) -> bool:
+        return self.pump.registry.get(thread) is not None or (
+            await self.kernel.thread(thread) is not None)
 
 
 def _log_failure(fut: asyncio.Future[Any]) -> None:
@@ -154,7 +167,7 @@ class Daemon:
             # The entries the preflight read and checked: the file is read once.
             self.auth = ClientAuth.restore(self.checked.clients, config.state_dir, config.auth)
             self.auth.on_lockout = lambda client: self.audit("lockout", {"client": client})
-            clients = self.auth.profiles()
+        clients = self.client_profiles()
         handlers = build_agent_handlers(config, self.kernel, self.audit)
         self.platforms.adopt(handlers, 1)  # adopted first, so a failed start closes it
         self.routing = Routing.build(config, agent_handlers=handlers)
@@ -204,7 +217,10 @@ class Daemon:
 
             self.federation = Federation(self.checked.identity, config.federation,
                                          config.gateways, self.audit,
-                                         server_ssl=self.checked.federation_tls)
+                                         server_ssl=self.checked.federation_tls,
+                                         host=FederationHost(self.kernel, self.pump),
+                                         allow_meta=config.meta.allow_remote,
+                                         max_envelope_bytes=config.bus.max_envelope_bytes)
             await _bind("federation.listen", config.federation.listen, self.federation.start())
         if config.oob.authorized_keys is not None:
             from agentd.oob import OobServer
@@ -259,7 +275,21 @@ class Daemon:
         if kept:
             log.info("oob nonces restored from the journal count=%d", kept)
 
+    def client_profiles(self) -> dict[str, str]:
+        """Who may start conversations, and under which profile: the bus's clients,
+        and each gateway that exports listeners (under the gateway's name)."""
+        clients = self.auth.profiles() if self.auth is not None else {}
+        for gateway in self.config.gateways:
+            if gateway.name in clients:
+                raise ConfigError([f"gateways: {gateway.name!r} is also a bus client's id"])
+            if gateway.export and gateway.profile is not None:
+                clients[gateway.name] = gateway.profile
+        return clients
+
     def _deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> None:
+        if self.federation is not None and self.federation.deliver(client, thread, data,
+                                                                   outbox_id):
+            return
         if self.bus is not None:
             self.bus.deliver(client, thread, data, outbox_id)
 
@@ -318,10 +348,11 @@ class Daemon:
 
     def audit(self, kind: str, fields: Mapping[str, str]) -> None:
         """An audit or security event, journaled as an entry of its own kind."""
+        from agentd.federation import SECURITY_KINDS as FEDERATION_SECURITY_KINDS
         from agentd.oob import SECURITY_KINDS as OOB_SECURITY_KINDS
 
         security = (kind in _PUMP_SECURITY_KINDS or kind in OOB_SECURITY_KINDS
-                    or kind in _FEDERATION_SECURITY_KINDS)
+                    or kind in FEDERATION_SECURITY_KINDS)
         direction = "security" if security else "audit"
         if fields.get("channel") != "oob":  # the OOB server logs its own events
             log.log(

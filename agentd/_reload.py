@@ -293,7 +293,7 @@ def _swap(
             log.error("bus certificate not reloaded: %s", exc)
     if new.clients is not None and daemon.auth is not None:
         withdrawn = daemon.auth.replace(dict(new.clients)).withdrawn
-        daemon.pump.clients = daemon.auth.profiles()
+        daemon.pump.clients = daemon.client_profiles()
         if daemon.bus is not None:
             for client in withdrawn:
                 daemon.bus.disconnect(client)

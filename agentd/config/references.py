@@ -182,6 +182,15 @@ def _gateways(data: dict[str, Any], names: dict[str, int]) -> list[Problem]:
             for j, member in _strings(entry.get("export"))
             if NAME_PATTERN.fullmatch(member) and member not in names
         ]
+        body = profiles.get(profile) if isinstance(profile, str) else None
+        members = body.get("listeners") if isinstance(body, dict) else None
+        if isinstance(members, tuple):
+            problems += [
+                Problem(("gateways", i, "export", j),
+                        f"{member!r} is not in profile {profile!r}", member)
+                for j, member in _strings(entry.get("export"))
+                if member in names and member not in members
+            ]
         if entry.get("export") and profile is None:
             message = "a gateway that exports listeners needs a profile"
             problems.append(Problem(("gateways", i, "profile"), message, entry))

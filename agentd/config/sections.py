@@ -212,6 +212,7 @@ class MetaConfig:
     allow_list_capabilities: Bool = False
     allow_schema_requests: Bool = False
     allow_example_requests: Bool = False
+    allow_remote: Bool = False  # meta questions from federation peers (within the above)
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -293,6 +294,9 @@ class FederationConfig:
     max_frame_bytes: Annotated[int, Strict(), Field(ge=1024)] = 262144
     backoff_initial_s: Seconds = 0.5
     backoff_max_s: Seconds = 30.0
+    rate_per_s: Seconds = 200.0  # a peer's calls per second (token bucket refill), per link
+    rate_burst: Positive = 400
+    max_inflight_calls: Positive = 256  # a peer's calls being admitted at once, per link
 
 
 @dataclass(frozen=True, config=SECTION)

@@ -101,8 +101,4 @@ def check_gateways(config: OrganismConfig) -> list[str]:
             issues.append(
                 f"gateways[{i}].import: calling a peer's listeners is not built in this "
                 "version (the link, its handshake and its status are)")
-        if gateway.export:
-            issues.append(
-                f"gateways[{i}].export: serving listeners to a peer is not built in this "
-                "version (the link, its handshake and its status are)")
     return issues

@@ -18,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import random
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from websockets.asyncio.client import ClientConnection, connect
@@ -34,8 +36,11 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 
+from agentd._errors import GENERIC_MESSAGES, HuhCode
+from agentd.bus import TokenBucket
 from agentd.config import FederationConfig, GatewayConfig
 from agentd.federation._binding import ChannelBindingUnavailable, tls_exporter
+from agentd.federation._calls import CallRefused, admit_call, call_id_of
 from agentd.federation._gateway import Backoff, LinkEvent, LinkState, keeps_link, transition
 from agentd.federation._handshake import HANDSHAKE_FAILED, Handshake, HandshakeFailed, Role
 from agentd.federation._identity import Identity, fingerprint, parse_public_line
@@ -45,9 +50,26 @@ log = logging.getLogger("agentd.federation")
 FEDERATION_PATH = "/federation"
 CLOSE_POLICY = 1008
 MAX_PENDING_HANDSHAKES = 16
-SECURITY_KINDS = frozenset({"federation-handshake-failed", "federation-unexpected-frame"})
+SECURITY_KINDS = frozenset({
+    "federation-handshake-failed", "federation-unexpected-frame", "federation-forged-from",
+    "federation-priv-from-peer", "federation-not-exported",
+})
+MAX_PENDING_REPLIES = 10_000  # replies sent and not yet acknowledged, per link
 
 Audit = Callable[[str, Mapping[str, str]], None]
+
+
+class CallHost(Protocol):
+    """What serving a peer's calls needs of the daemon: the pump (as for any bus
+    client, under the gateway's name) and the kernel's outbox of replies."""
+
+    async def submit(self, client: str, data: bytes) -> Any: ...  # a pump SubmitResult
+
+    async def thread_exists(self, thread: str) -> bool: ...
+
+    async def pending(self, client: str) -> list[tuple[int, str, bytes]]: ...
+
+    def delivered(self, client: str, outbox_id: int) -> None: ...
 
 
 @dataclass
@@ -63,6 +85,11 @@ class GatewayLink:
     dialed: bool = False  # whether the up link is one we dialed
     up_count: int = 0  # how many times a link came up
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    bucket: TokenBucket | None = None  # the peer's call rate, per link
+    admitting: int = 0  # the peer's calls being admitted now
+    unacked: deque[int] = field(default_factory=deque)  # reply ids sent, in order
+    acked: set[int] = field(default_factory=set)  # acknowledged, not yet a prefix
+    sending: asyncio.Queue[bytes] | None = None  # frames for the up link's writer
 
     def apply(self, event: LinkEvent) -> None:
         new = transition(self.state, event)
@@ -111,7 +138,13 @@ class Federation:
         audit: Audit,
         server_ssl: ssl.SSLContext | None = None,
         rng: Callable[[], float] = random.random,
+        host: CallHost | None = None,
+        allow_meta: bool = False,
+        max_envelope_bytes: int = 262144,
     ) -> None:
+        self.host = host
+        self.allow_meta = allow_meta
+        self.max_envelope_bytes = max_envelope_bytes
         self.identity = identity
         self.config = config
         self.audit = audit
@@ -126,6 +159,9 @@ class Federation:
         self._dialers: list[asyncio.Task[None]] = []
         self._pending = 0
         self._stopping = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Calls being admitted, by thread: a duplicate waits for the first's outcome.
+        self._admitting: dict[str, asyncio.Future[tuple[bool, HuhCode | None]]] = {}
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -156,6 +192,8 @@ class Federation:
 
     async def close(self) -> None:
         self._stopping.set()
+        for call in list(self._tasks):
+            call.cancel()
         for task in self._dialers:
             task.cancel()
         for task in self._dialers:
@@ -286,13 +324,159 @@ class Federation:
                     log.info("federation gateway=%s down", peer)
 
     async def _receive(self, link: GatewayLink, ws: Connection) -> None:
-        """After the handshake. Messages across the link are not built yet: a peer
-        that sends one gets a policy close and a security event."""
+        """After the handshake: the peer's calls and acknowledgements, and a writer
+        for our frames (replies from the outbox first, then as the pump makes them)."""
+        link.bucket = TokenBucket(self.config.rate_per_s, self.config.rate_burst, time.monotonic())
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        link.sending = queue
+        link.unacked.clear()
+        link.acked.clear()
+        writer = asyncio.create_task(self._write(ws, queue),
+                                     name=f"federation-write-{link.config.name}")
+        try:
+            if self.host is not None:
+                for outbox_id, thread, data in await self.host.pending(link.config.name):
+                    self._queue_reply(link, outbox_id, thread, data)
+            with contextlib.suppress(ConnectionClosed):
+                async for frame in ws:
+                    if not await self._frame(link, ws, frame):
+                        return
+        finally:
+            link.sending = None
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+
+    @staticmethod
+    async def _write(ws: Connection, queue: asyncio.Queue[bytes]) -> None:
         with contextlib.suppress(ConnectionClosed):
-            async for _frame in ws:
-                self.audit("federation-unexpected-frame", {"peer": link.config.name})
-                await ws.close(CLOSE_POLICY, "unexpected frame")
-                return
+            while True:
+                await ws.send(await queue.get())
+
+    async def _frame(self, link: GatewayLink, ws: Connection, data: str | bytes) -> bool:
+        """One frame from an authenticated peer; False once the link is closed."""
+        peer = link.config.name
+        try:
+            msg = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            msg = None
+        kind = msg.get("t") if isinstance(msg, dict) else None
+        if kind == "call" and self.host is not None and link.config.export:
+            assert isinstance(msg, dict)
+            self._spawn_call(link, msg)
+            return True
+        if kind == "ack" and isinstance(msg, dict) and isinstance(msg.get("id"), int):
+            self._acknowledged(link, msg["id"])
+            return True
+        self.audit("federation-unexpected-frame", {"peer": peer, "kind": str(kind)[:32]})
+        await ws.close(CLOSE_POLICY, "unexpected frame")
+        return False
+
+    def _spawn_call(self, link: GatewayLink, msg: dict[str, object]) -> None:
+        if link.admitting >= self.config.max_inflight_calls:
+            call_id = msg.get("id")
+            self._send(link, {"t": "refused", "id": call_id if isinstance(call_id, str) else "",
+                              "code": HuhCode.RATE_LIMITED.value,
+                              "message": GENERIC_MESSAGES[HuhCode.RATE_LIMITED]})
+            return
+        link.admitting += 1
+        task = asyncio.create_task(self._call(link, msg))
+        self._tasks.add(task)
+        task.add_done_callback(lambda done: self._call_done(link, done))
+
+    def _call_done(self, link: GatewayLink, task: asyncio.Task[None]) -> None:
+        link.admitting -= 1
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("federation call failed", exc_info=task.exception())
+
+    async def _call(self, link: GatewayLink, msg: dict[str, object]) -> None:
+        """Admit one call: refused, a duplicate (answered like the original), or
+        submitted to the pump; `accepted` is sent only once the pump committed it."""
+        peer = link.config.name
+        host = self.host
+        assert host is not None
+        try:
+            call_id = call_id_of(msg)
+        except CallRefused:
+            self._send(link, {"t": "refused", "id": "", "code": HuhCode.MALFORMED.value})
+            return
+        try:
+            assert link.bucket is not None
+            if not link.bucket.take(time.monotonic()):
+                raise CallRefused(HuhCode.RATE_LIMITED, "call rate")
+            call = admit_call(msg, peer, link.config.export, self.allow_meta,
+                              self.max_envelope_bytes)
+        except CallRefused as exc:
+            if exc.event is not None:
+                self.audit(f"federation-{exc.event}", {"peer": peer, "detail": exc.detail})
+            self._send(link, {"t": "refused", "id": call_id, "code": exc.code.value,
+                              "message": GENERIC_MESSAGES[exc.code]})
+            return
+        original = self._admitting.get(call.thread)
+        if original is not None:  # the same call again while the first is in admission
+            accepted, code = await asyncio.shield(original)
+        else:
+            # Registered before the first await, so a duplicate arriving meanwhile
+            # waits for this outcome instead of being submitted a second time.
+            future: asyncio.Future[tuple[bool, HuhCode | None]] = (
+                asyncio.get_running_loop().create_future())
+            self._admitting[call.thread] = future
+            accepted, code = False, HuhCode.INTERNAL
+            try:
+                if await host.thread_exists(call.thread):  # admitted before (a crash?)
+                    accepted, code = True, None
+                else:
+                    result = await host.submit(peer, call.envelope)
+                    accepted, code = bool(result.accepted), result.code
+            except Exception:
+                log.exception("federation call from %s failed", peer)
+            finally:
+                del self._admitting[call.thread]
+                future.set_result((accepted, code))
+        if accepted:
+            self._send(link, {"t": "accepted", "id": call.call_id, "thread": call.thread})
+        else:
+            code = HuhCode(code or HuhCode.INTERNAL)
+            self._send(link, {"t": "refused", "id": call.call_id, "code": code.value,
+                              "message": GENERIC_MESSAGES[code]})
+
+    def _send(self, link: GatewayLink, frame: dict[str, object]) -> None:
+        if link.sending is not None:
+            link.sending.put_nowait(json.dumps(frame, separators=(",", ":")).encode())
+
+    def _queue_reply(self, link: GatewayLink, outbox_id: int, thread: str, data: bytes) -> None:
+        if link.sending is None or len(link.unacked) >= MAX_PENDING_REPLIES:
+            return  # stays in the outbox; sent again when the link is (re)established
+        if link.unacked and outbox_id <= link.unacked[-1]:
+            return  # already sent on this link (the outbox load and a live delivery met)
+        link.unacked.append(outbox_id)
+        self._send(link, {"t": "reply", "id": outbox_id, "thread": thread,
+                          "envelope": data.decode("utf-8")})
+
+    def _acknowledged(self, link: GatewayLink, outbox_id: int) -> None:
+        """Outbox rows are removed up to an id; only a prefix acknowledged without
+        a gap is, so a reply the peer has not committed is never dropped."""
+        if outbox_id not in link.unacked or self.host is None:
+            return
+        link.acked.add(outbox_id)
+        up_to = None
+        while link.unacked and link.unacked[0] in link.acked:
+            up_to = link.unacked.popleft()
+            link.acked.discard(up_to)
+        if up_to is not None:
+            self.host.delivered(link.config.name, up_to)
+
+    def deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> bool:
+        """A frame the pump has for the gateway `client` (False: not a gateway).
+        Replies are durable (outbox rows); core frames without a row (`accepted`,
+        an immediate `huh`) are what `accepted`/`refused` already told the peer."""
+        link = self.links.get(client)
+        if link is None:
+            return False
+        if outbox_id is not None:
+            self._queue_reply(link, outbox_id, thread, data)
+        return True
 
 
 def _address(ws: Connection) -> str:
