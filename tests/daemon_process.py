@@ -55,9 +55,11 @@ def edit_config(home: Path, edit: Any) -> None:
 
 
 class DaemonProcess:
-    def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, home: Path, env: dict[str, str] | None = None,
+                 wrapper: tuple[str, ...] = ()) -> None:
         self.home = home
         self.env = env or {}
+        self.wrapper = wrapper  # a command the daemon runs under (e.g. `ip netns exec NS`)
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
         self.metrics_url = ""
@@ -76,6 +78,7 @@ class DaemonProcess:
 
     async def start(self, timeout: float = 30.0) -> DaemonProcess:
         self.proc = await asyncio.create_subprocess_exec(
+            *self.wrapper,
             sys.executable,
             "-m",
             "agentd.cli",

@@ -313,7 +313,8 @@ class Federation:
         link.apply(LinkEvent.AUTHENTICATED)
         link.connection, link.dialed = ws, dialed
         link.up_count += 1
-        log.info("federation gateway=%s up (%s)", peer, "dialed" if dialed else "accepted")
+        log.info("federation gateway=%s up (%s) address=%s", peer,
+                 "dialed" if dialed else "accepted", _address(ws))
         try:
             await self._receive(link, ws)
         finally:
