@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,70 +71,74 @@ def ts_of(line: str) -> float:
     return dt.datetime.fromisoformat(stamp.group(1).replace("Z", "+00:00")).timestamp()
 
 
-async def remote(peer: RawPeer, n: int, window: int, tag: str) -> list[float]:
-    """Calls `n` additions with up to `window` outstanding; the round trip of each."""
-    assert peer.ws is not None
-    ws = peer.ws
+async def windowed(
+    n: int,
+    window: int,
+    request: Callable[[int], tuple[str, Awaitable[None]]],
+    answered: Callable[[], Awaitable[str | None]],
+) -> list[float]:
+    """Sends `n` requests with up to `window` outstanding; the round trip of each.
+    `request(i)`: the thread its answer will carry and the send; `answered()`: the
+    thread of the next answer received (None for any other frame)."""
     started: dict[str, float] = {}
     done: list[float] = []
     sem = asyncio.Semaphore(window)
-    finished = asyncio.Event()
 
     async def reader() -> None:
         while len(done) < n:
-            frame = json.loads(await ws.recv())
-            if frame["t"] == "reply":
-                await ws.send(json.dumps({"t": "ack", "id": frame["id"]}))
-                t0 = started.pop(frame["thread"], None)
-                if t0 is not None:
-                    done.append(time.perf_counter() - t0)
-                    sem.release()
-            elif frame["t"] == "refused":
-                raise RuntimeError(f"call refused: {frame}")
-        finished.set()
-
-    from agentd.federation._calls import call_thread
+            thread = await answered()
+            t0 = started.pop(thread, None) if thread is not None else None
+            if t0 is not None:
+                done.append(time.perf_counter() - t0)
+                sem.release()
 
     task = asyncio.create_task(reader())
     for i in range(n):
         await sem.acquire()
-        call_id = f"{tag}-{i}"
-        started[call_thread("alpha", call_id)] = time.perf_counter()
-        await peer.call(call_id, Add(a=i, b=1), to="calculator.add")
-    await finished.wait()
+        thread, send = request(i)
+        started[thread] = time.perf_counter()
+        await send
     await task
     return done
+
+
+async def remote(peer: RawPeer, n: int, window: int, tag: str) -> list[float]:
+    """Calls across the link; every reply is acknowledged, as a peer must."""
+    from agentd.federation._calls import call_thread
+
+    assert peer.ws is not None
+    ws = peer.ws
+
+    def request(i: int) -> tuple[str, Awaitable[None]]:
+        call_id = f"{tag}-{i}"
+        return (call_thread("alpha", call_id),
+                peer.call(call_id, Add(a=i, b=1), to="calculator.add"))
+
+    async def answered() -> str | None:
+        frame = json.loads(await ws.recv())
+        if frame["t"] == "refused":
+            raise RuntimeError(f"call refused: {frame}")
+        if frame["t"] != "reply":
+            return None
+        await ws.send(json.dumps({"t": "ack", "id": frame["id"]}))
+        return str(frame["thread"])
+
+    return await windowed(n, window, request, answered)
 
 
 async def local(bus: BusClient, n: int, window: int) -> list[float]:
     from agentd.client import is_answer
 
-    started: dict[str, float] = {}
-    done: list[float] = []
-    sem = asyncio.Semaphore(window)
-    finished = asyncio.Event()
-
-    async def reader() -> None:
-        while len(done) < n:
-            frame = await bus.recv()
-            if is_answer(frame):
-                thread = re.search(rb"<thread>([^<]+)</thread>", frame)
-                assert thread is not None
-                t0 = started.pop(thread.group(1).decode(), None)
-                if t0 is not None:
-                    done.append(time.perf_counter() - t0)
-                    sem.release()
-        finished.set()
-
-    task = asyncio.create_task(reader())
-    for i in range(n):
-        await sem.acquire()
+    def request(i: int) -> tuple[str, Awaitable[None]]:
         data, thread = bus.wrap(Add(a=i, b=1))
-        started[thread] = time.perf_counter()
-        await bus.send_raw(data)
-    await finished.wait()
-    await task
-    return done
+        return thread, bus.send_raw(data)
+
+    async def answered() -> str | None:
+        frame = await bus.recv()
+        thread = re.search(rb"<thread>([^<]+)</thread>", frame)
+        return thread.group(1).decode() if is_answer(frame) and thread else None
+
+    return await windowed(n, window, request, answered)
 
 
 async def pairs_and_p50(run: Any, n: int) -> tuple[float, float]:

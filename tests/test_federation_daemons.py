@@ -80,15 +80,23 @@ def gateway_states(daemon: DaemonProcess) -> dict[str, str]:
     return {g["name"]: g["state"] for g in doc["result"]["status"]["gateways"]}
 
 
-async def test_two_daemons_link_up_and_status_shows_it(
-    tmp_path: Path, daemons: list[DaemonProcess]
-) -> None:
-    alpha, beta = organism(tmp_path, "alpha"), organism(tmp_path, "beta")
-    declare(beta, "alpha", public_line(alpha, "alpha"))  # beta only accepts
+async def alpha_dials_beta(
+    tmp: Path, daemons: list[DaemonProcess], alpha_key_at_beta: str | None = None
+) -> tuple[DaemonProcess, DaemonProcess]:
+    """beta accepts alpha (under `alpha_key_at_beta`, default alpha's real key);
+    alpha dials beta. Returns (alpha, beta), both started."""
+    alpha, beta = organism(tmp, "alpha"), organism(tmp, "beta")
+    declare(beta, "alpha", alpha_key_at_beta or public_line(alpha, "alpha"))
     b = await start(daemons, beta)
     declare(alpha, "beta", public_line(beta, "beta"),
             f"wss://127.0.0.1:{federation_port(b)}/federation")
-    a = await start(daemons, alpha)
+    return await start(daemons, alpha), b
+
+
+async def test_two_daemons_link_up_and_status_shows_it(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    a, b = await alpha_dials_beta(tmp_path, daemons)
     await a.wait_for_line(r"federation gateway=beta up \(dialed\)")
     await b.wait_for_line(r"federation gateway=alpha up \(accepted\)")
     assert gateway_states(a) == {"beta": "up"}
@@ -98,13 +106,8 @@ async def test_two_daemons_link_up_and_status_shows_it(
 async def test_wrong_key_is_refused_and_journaled_as_security(
     tmp_path: Path, daemons: list[DaemonProcess]
 ) -> None:
-    alpha, beta = organism(tmp_path, "alpha"), organism(tmp_path, "beta")
     impostor = Identity("alpha", Ed25519PrivateKey.generate())
-    declare(beta, "alpha", impostor.public_line)
-    b = await start(daemons, beta)
-    declare(alpha, "beta", public_line(beta, "beta"),
-            f"wss://127.0.0.1:{federation_port(b)}/federation")
-    a = await start(daemons, alpha)
+    a, b = await alpha_dials_beta(tmp_path, daemons, impostor.public_line)
     await b.wait_for_line(r"security kind=federation-handshake-failed .*bad signature")
     await a.wait_for_line(r"federation dial gateway=beta|security kind=federation-handshake")
     code, doc = b.agentctl("journal", "--limit", "50")
@@ -118,12 +121,8 @@ async def test_wrong_key_is_refused_and_journaled_as_security(
 async def test_peer_killed_with_sigkill_is_redialed_when_back(
     tmp_path: Path, daemons: list[DaemonProcess]
 ) -> None:
-    alpha, beta = organism(tmp_path, "alpha"), organism(tmp_path, "beta")
-    declare(beta, "alpha", public_line(alpha, "alpha"))
-    b = await start(daemons, beta)
-    port = federation_port(b)
-    declare(alpha, "beta", public_line(beta, "beta"), f"wss://127.0.0.1:{port}/federation")
-    a = await start(daemons, alpha)
+    a, b = await alpha_dials_beta(tmp_path, daemons)
+    port, beta = federation_port(b), b.home
     await a.wait_for_line(r"federation gateway=beta up")
     mark = len(a.log)
     await b.stop(signal.SIGKILL)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 
 from agentd._states import IllegalTransition
@@ -15,16 +13,11 @@ from agentd.federation._gateway import (
     keeps_link,
     transition,
 )
+from tests.state_tables import walk_table
 
 
 def test_transition_table_walk() -> None:
-    for state, event in itertools.product(LinkState, LinkEvent):
-        allowed = TRANSITIONS[state].get(event)
-        if allowed is None:
-            with pytest.raises(IllegalTransition):
-                transition(state, event)
-        else:
-            assert transition(state, event) is allowed
+    walk_table(TRANSITIONS, transition, LinkState, LinkEvent)
 
 
 def test_a_dial_that_fails_goes_back_down_and_an_accepted_link_comes_up() -> None:
