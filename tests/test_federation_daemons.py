@@ -161,3 +161,20 @@ def test_a_bad_declared_key_is_a_config_error(tmp_path: Path) -> None:
     declare(alpha, "beta", "ssh-rsa AAAAB3NzaC1yc2E= beta")
     done = check_config(alpha)
     assert done.returncode == 1 and "gateways[0].public_key" in done.stdout + done.stderr
+
+
+async def test_three_daemons_an_undeclared_one_is_refused_the_others_stay_up(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    """alpha and beta are linked; gamma, whom beta never declared, dials beta too."""
+    a, b = await alpha_dials_beta(tmp_path, daemons)
+    await a.wait_for_line(r"federation gateway=beta up")
+    gamma = organism(tmp_path, "gamma")
+    declare(gamma, "beta", public_line(b.home, "beta"),
+            f"wss://127.0.0.1:{federation_port(b)}/federation")
+    g = await start(daemons, gamma)
+    await b.wait_for_line(r"security kind=federation-handshake-failed .*peer=gamma")
+    await g.wait_for_line(r"security kind=federation-handshake-failed|federation dial")
+    assert gateway_states(g)["beta"] != "up"
+    assert gateway_states(b) == {"alpha": "up"}
+    assert gateway_states(a) == {"beta": "up"}
