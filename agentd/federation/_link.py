@@ -23,7 +23,6 @@ import logging
 import random
 import ssl
 import time
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -44,6 +43,7 @@ from agentd.federation._calls import CallRefused, admit_call, call_id_of
 from agentd.federation._gateway import Backoff, LinkEvent, LinkState, keeps_link, transition
 from agentd.federation._handshake import HANDSHAKE_FAILED, Handshake, HandshakeFailed, Role
 from agentd.federation._identity import Identity, fingerprint, parse_public_line
+from agentd.federation._replies import ReplyWindow
 
 log = logging.getLogger("agentd.federation")
 
@@ -87,8 +87,7 @@ class GatewayLink:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     bucket: TokenBucket | None = None  # the peer's call rate, per link
     admitting: int = 0  # the peer's calls being admitted now
-    unacked: deque[int] = field(default_factory=deque)  # reply ids sent, in order
-    acked: set[int] = field(default_factory=set)  # acknowledged, not yet a prefix
+    replies: ReplyWindow = field(default_factory=lambda: ReplyWindow(MAX_PENDING_REPLIES))
     sending: asyncio.Queue[bytes] | None = None  # frames for the up link's writer
 
     def apply(self, event: LinkEvent) -> None:
@@ -160,6 +159,8 @@ class Federation:
         self._pending = 0
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        # Live replies that arrived while a gateway's outbox was being loaded.
+        self._held: dict[str, dict[int, tuple[str, bytes]]] = {}
         # Calls being admitted, by thread: a duplicate waits for the first's outcome.
         self._admitting: dict[str, asyncio.Future[tuple[bool, HuhCode | None]]] = {}
 
@@ -330,20 +331,18 @@ class Federation:
         link.bucket = TokenBucket(self.config.rate_per_s, self.config.rate_burst, time.monotonic())
         queue: asyncio.Queue[bytes] = asyncio.Queue()
         link.sending = queue
-        link.unacked.clear()
-        link.acked.clear()
+        link.replies = ReplyWindow(MAX_PENDING_REPLIES)
         writer = asyncio.create_task(self._write(ws, queue),
                                      name=f"federation-write-{link.config.name}")
         try:
-            if self.host is not None:
-                for outbox_id, thread, data in await self.host.pending(link.config.name):
-                    self._queue_reply(link, outbox_id, thread, data)
+            await self._load_outbox(link)
             with contextlib.suppress(ConnectionClosed):
                 async for frame in ws:
                     if not await self._frame(link, ws, frame):
                         return
         finally:
-            link.sending = None
+            if link.sending is queue:  # not replaced by a newer link meanwhile
+                link.sending = None
             writer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
@@ -446,27 +445,39 @@ class Federation:
         if link.sending is not None:
             link.sending.put_nowait(json.dumps(frame, separators=(",", ":")).encode())
 
-    def _queue_reply(self, link: GatewayLink, outbox_id: int, thread: str, data: bytes) -> None:
-        if link.sending is None or len(link.unacked) >= MAX_PENDING_REPLIES:
-            return  # stays in the outbox; sent again when the link is (re)established
-        if link.unacked and outbox_id <= link.unacked[-1]:
-            return  # already sent on this link (the outbox load and a live delivery met)
-        link.unacked.append(outbox_id)
+    async def _load_outbox(self, link: GatewayLink) -> None:
+        """Send the gateway's outbox rows, and the live replies held meanwhile."""
+        if self.host is None:
+            return
+        window = link.replies
+        window.start_load()
+        self._held[link.config.name] = {}
+        try:
+            rows = await self.host.pending(link.config.name)
+        except BaseException:
+            window.end_load([])
+            raise
+        by_id = {oid: (thread, data) for oid, thread, data in rows}
+        by_id.update(self._held.pop(link.config.name, {}))
+        for oid in window.end_load(list(by_id)):
+            self._send_reply(link, oid, *by_id[oid])
+
+    def _send_reply(self, link: GatewayLink, outbox_id: int, thread: str, data: bytes) -> None:
         self._send(link, {"t": "reply", "id": outbox_id, "thread": thread,
                           "envelope": data.decode("utf-8")})
 
     def _acknowledged(self, link: GatewayLink, outbox_id: int) -> None:
-        """Outbox rows are removed up to an id; only a prefix acknowledged without
-        a gap is, so a reply the peer has not committed is never dropped."""
-        if outbox_id not in link.unacked or self.host is None:
+        """Outbox rows are removed up to an id; only up to an unbroken run of
+        acknowledgements (`ReplyWindow`), so no unsent or uncommitted reply goes."""
+        if self.host is None:
             return
-        link.acked.add(outbox_id)
-        up_to = None
-        while link.unacked and link.unacked[0] in link.acked:
-            up_to = link.unacked.popleft()
-            link.acked.discard(up_to)
+        up_to = link.replies.acknowledge(outbox_id)
         if up_to is not None:
             self.host.delivered(link.config.name, up_to)
+        if link.replies.needs_reload:
+            task = asyncio.create_task(self._load_outbox(link))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> bool:
         """A frame the pump has for the gateway `client` (False: not a gateway).
@@ -475,8 +486,12 @@ class Federation:
         link = self.links.get(client)
         if link is None:
             return False
-        if outbox_id is not None:
-            self._queue_reply(link, outbox_id, thread, data)
+        if outbox_id is not None and link.sending is not None:
+            if link.replies.loading:
+                self._held.setdefault(client, {})[outbox_id] = (thread, data)
+                link.replies.offer(outbox_id)
+            elif link.replies.offer(outbox_id):
+                self._send_reply(link, outbox_id, thread, data)
         return True
 
 
