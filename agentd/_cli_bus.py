@@ -49,6 +49,7 @@ INIT_FILES = (
     "tls/key.pem",
     "operator.key",
     "authorized_keys",
+    "identity.key",
     *AGENT_FILES,
     *SAMPLE_FILES,
 )
@@ -92,6 +93,7 @@ bus:
   tls: {{cert: tls/cert.pem, key: tls/key.pem}}
 auth: {{clients_file: clients.yaml}}
 oob: {{authorized_keys: authorized_keys}}
+identity: {{key: identity.key}}  # the organism's Ed25519 key, for federation gateways
 metrics: {{listen: "{metrics}"}}
 """
     body = yaml.safe_dump(_demo_sections(), sort_keys=False, default_flow_style=None, width=100)
@@ -149,11 +151,16 @@ def init_home(
            authorized_keys_line(key.public_key(), OPERATOR_KEY_ID) + "\n", 0o644)
     for name in (*AGENT_FILES, *SAMPLE_FILES):
         _write(home / name, (DEMO_DIR / name).read_bytes(), 0o644)
-    _write(home / "organism.yaml", organism_yaml(host, port, metrics), 0o644)
+    organism = organism_yaml(host, port, metrics)
+    from agentd.federation import write_identity
+
+    identity = write_identity(home / "identity.key", yaml.safe_load(organism)["organism"]["name"])
+    _write(home / "organism.yaml", organism, 0o644)
     from agentd.config import load_config
 
     load_config(home / "organism.yaml")  # what init writes must load
-    return {"dir": str(home), "client": client, "otpauth_uri": uri, "files": names}
+    return {"dir": str(home), "client": client, "otpauth_uri": uri, "files": names,
+            "identity": identity.public_line}
 
 
 def executable(name: str) -> str:
@@ -216,7 +223,8 @@ def init_cmd(
 ) -> None:
     """Write a working setup into the --dir folder: organism.yaml (the demo tools and
     the tutor agent with its prompt and cassette), a self-signed TLS cert, a clients
-    file with one client and its TOTP secret, an operator key."""
+    file with one client and its TOTP secret, an operator key, the organism's
+    identity key (printed as its public line)."""
     try:
         info = init_home(home, client, host, port, f"127.0.0.1:{metrics_port}")
     except AgentdError as exc:
@@ -231,6 +239,8 @@ def init_cmd(
     click.echo(f"\nPorts: bus {host}:{port} (wss), metrics 127.0.0.1:{metrics_port} (http).")
     click.echo(f"\nTOTP for client {client} (scan into an authenticator app or keep for scripts):")
     click.echo(f"  {info['otpauth_uri']}")
+    click.echo("\nThis organism's public identity (give it to a peer's operator for `gateways:`):")
+    click.echo(f"  {info['identity']}")
     click.echo("\nNext: run the daemon")
     config = (home / "organism.yaml").absolute()
     click.echo(f"  {shlex.quote(executable('agentd'))} run --config {shlex.quote(str(config))}")

@@ -59,6 +59,7 @@ _PUMP_SECURITY_KINDS = frozenset(
 )
 
 
+
 class KernelOutbox:
     """The bus's view of the kernel's durable outbox. Delivery marks are coalesced:
     a client's outbox ids are delivered in increasing order and `outbox_delivered`
@@ -86,6 +87,22 @@ class KernelOutbox:
         self.kernel.commit(tx).add_done_callback(_log_failure)
 
 
+class FederationHost(KernelOutbox):
+    """What the federation needs to serve a peer's calls: the pump, where a gateway
+    is a client under its own name, and the kernel's outbox of its replies."""
+
+    def __init__(self, kernel: Kernel, pump: Pump) -> None:
+        super().__init__(kernel)
+        self.pump = pump
+
+    async def submit(self, client: str, data: bytes) -> Any:
+        return await self.pump.submit(client, data)
+
+    async def thread_exists(self, thread: str) -> bool:
+        return self.pump.registry.get(thread) is not None or (
+            await self.kernel.thread(thread) is not None)
+
+
 def _log_failure(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("kernel write failed: %s", fut.exception())
@@ -103,6 +120,7 @@ class Daemon:
         self.bus: Any = None
         self.oob: Any = None
         self.metrics_server: Any = None
+        self.federation: Any = None
         self.auth: Any = None
         self.platforms = AgentPlatforms()
         self.isolation = IsolationPools()
@@ -152,7 +170,7 @@ class Daemon:
             # The entries the preflight read and checked: the file is read once.
             self.auth = ClientAuth.restore(self.checked.clients, config.state_dir, config.auth)
             self.auth.on_lockout = lambda client: self.audit("lockout", {"client": client})
-            clients = self.auth.profiles()
+        clients = self.client_profiles()
         handlers = build_agent_handlers(config, self.kernel, self.audit)
         self.platforms.adopt(handlers, 1)  # adopted first, so a failed start closes it
         isolated = await self.isolation.apply(config)
@@ -198,6 +216,16 @@ class Daemon:
                                  ssl_context=self.checked.tls,
                                  submit_nowait=self.pump.submit_nowait)
             await _bind("bus.port", f"{config.bus.host}:{config.bus.port}", self.bus.start())
+        if config.federation is not None and self.checked.identity is not None:
+            from agentd.federation import Federation
+
+            self.federation = Federation(self.checked.identity, config.federation,
+                                         config.gateways, self.audit,
+                                         server_ssl=self.checked.federation_tls,
+                                         host=FederationHost(self.kernel, self.pump),
+                                         allow_meta=config.meta.allow_remote,
+                                         max_envelope_bytes=config.bus.max_envelope_bytes)
+            await _bind("federation.listen", config.federation.listen, self.federation.start())
         if config.oob.authorized_keys is not None:
             from agentd.oob import OobServer
 
@@ -251,7 +279,21 @@ class Daemon:
         if kept:
             log.info("oob nonces restored from the journal count=%d", kept)
 
+    def client_profiles(self) -> dict[str, str]:
+        """Who may start conversations, and under which profile: the bus's clients,
+        and each gateway that exports listeners (under the gateway's name)."""
+        clients = self.auth.profiles() if self.auth is not None else {}
+        for gateway in self.config.gateways:
+            if gateway.name in clients:
+                raise ConfigError([f"gateways: {gateway.name!r} is also a bus client's id"])
+            if gateway.export and gateway.profile is not None:
+                clients[gateway.name] = gateway.profile
+        return clients
+
     def _deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> None:
+        if self.federation is not None and self.federation.deliver(client, thread, data,
+                                                                   outbox_id):
+            return
         if self.bus is not None:
             self.bus.deliver(client, thread, data, outbox_id)
 
@@ -290,6 +332,9 @@ class Daemon:
             await self.oob.close()
         if self.bus is not None:
             await self.bus.close(1001)
+        if self.federation is not None:
+            await self.federation.close()
+            self.federation = None
         if self.pump is not None:
             await self.pump.stop()
         await self.isolation.stop()
@@ -308,9 +353,11 @@ class Daemon:
 
     def audit(self, kind: str, fields: Mapping[str, str]) -> None:
         """An audit or security event, journaled as an entry of its own kind."""
+        from agentd.federation import SECURITY_KINDS as FEDERATION_SECURITY_KINDS
         from agentd.oob import SECURITY_KINDS as OOB_SECURITY_KINDS
 
-        security = kind in _PUMP_SECURITY_KINDS or kind in OOB_SECURITY_KINDS
+        security = (kind in _PUMP_SECURITY_KINDS or kind in OOB_SECURITY_KINDS
+                    or kind in FEDERATION_SECURITY_KINDS)
         direction = "security" if security else "audit"
         if fields.get("channel") != "oob":  # the OOB server logs its own events
             log.log(
@@ -352,6 +399,7 @@ class Daemon:
             "db_bytes": self.kernel.db_size_bytes(),
             "bus_connections": self.bus.connections if self.bus is not None else 0,
             "isolation": self.isolation.status(),
+            "gateways": self.federation.status() if self.federation is not None else [],
         }
 
     async def reload(self, dry_run: bool) -> dict[str, Any]:

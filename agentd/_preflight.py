@@ -33,6 +33,8 @@ class CheckedConfig:
     tls: ssl.SSLContext | None = None  # the bus's server context; None: no bus TLS
     prompt_digests: Mapping[str, str] = field(default_factory=dict)  # agent -> sha256
     cassette_digests: Mapping[str, str] = field(default_factory=dict)  # backend -> sha256
+    identity: Any = None  # the organism's federation Identity; None: no identity key
+    federation_tls: ssl.SSLContext | None = None  # the /federation server context
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,29 @@ def _listeners(config: OrganismConfig) -> Mapping[str, Any]:
     return {}
 
 
+def _federation(config: OrganismConfig) -> Mapping[str, Any]:
+    """The identity key, the gateways' public keys and the /federation TLS pair."""
+    loaded: dict[str, Any] = {}
+    if config.identity is None:
+        return loaded
+    from agentd.federation import check_gateways, federation_server_context, load_identity
+
+    issues: list[str] = []
+    try:
+        loaded["identity"] = load_identity(config.identity.key, config.name)
+    except AgentdError as exc:
+        issues.append(f"identity.key: {exc}")
+    issues += check_gateways(config)
+    if config.federation is not None:
+        try:
+            loaded["federation_tls"] = federation_server_context(config.federation)
+        except AgentdError as exc:
+            issues.append(f"federation.tls: {exc}")
+    if issues:
+        raise ConfigError(issues)
+    return loaded
+
+
 PREFLIGHT_CHECKS: tuple[PreflightCheck, ...] = (
     PreflightCheck("auth.clients_file", _clients),
     PreflightCheck("oob.authorized_keys", _authorized_keys),
@@ -134,6 +159,7 @@ PREFLIGHT_CHECKS: tuple[PreflightCheck, ...] = (
     PreflightCheck("prompts", _prompts),
     PreflightCheck("llm.backends", _cassettes),
     PreflightCheck("listeners", _listeners),
+    PreflightCheck("federation", _federation),
 )
 
 

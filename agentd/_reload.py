@@ -41,6 +41,7 @@ log = logging.getLogger("agentd.reload")
 # Settings a reload applies; every other change to these sections waits for a restart.
 _RELOADED = frozenset({"bus.tls", "auth.clients_file", "oob.authorized_keys"})
 _READ_AT_START = ("bus", "auth", "oob", "metrics", "pump", "journal")
+_FEDERATION_AT_START = ("identity", "federation", "gateways")  # whole sections, optional
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,9 @@ def _restart_needed(current: CheckedConfig, new: CheckedConfig) -> tuple[str, ..
             key = f"{section}.{f.name}"
             if key not in _RELOADED and getattr(old_sec, f.name) != getattr(new_sec, f.name):
                 found.append(key)
+    for key in _FEDERATION_AT_START:
+        if getattr(current.config, key) != getattr(new.config, key):
+            found.append(key)
     return tuple(found)
 
 
@@ -299,7 +303,7 @@ def _swap(
             log.error("bus certificate not reloaded: %s", exc)
     if new.clients is not None and daemon.auth is not None:
         withdrawn = daemon.auth.replace(dict(new.clients)).withdrawn
-        daemon.pump.clients = daemon.auth.profiles()
+        daemon.pump.clients = daemon.client_profiles()
         if daemon.bus is not None:
             for client in withdrawn:
                 daemon.bus.disconnect(client)

@@ -10,7 +10,8 @@
 #   /opt/agentd                                   a virtualenv with agentd installed
 #   /etc/agentd/                                  `agentd init`'s files, owned
 #       root:agentd 0750; files the daemon must read are 0640; the secrets it
-#       reads (clients.yaml, tls/key.pem, operator.key) are agentd's own, 0600
+#       reads (clients.yaml, tls/key.pem, operator.key, identity.key) are
+#       agentd's own, 0600
 #   /etc/agentd/agentctl.env                      AGENTCTL_SOCKET and AGENTCTL_KEY for
 #       the unit's ExecReload= (so `systemctl reload agentd` works) and for operators
 #   /etc/systemd/system/agentd.service            the unit
@@ -65,7 +66,7 @@ rmdir "$etc/state" 2>/dev/null || true  # the unit passes --state-dir /var/lib/a
 chown -R "0:$gid" "$etc"
 find "$etc" -type d -exec chmod 0750 {} +
 find "$etc" -type f -exec chmod 0640 {} +
-for secret in clients.yaml tls/key.pem operator.key; do
+for secret in clients.yaml tls/key.pem operator.key identity.key; do
     chown "$uid:$gid" "$etc/$secret"
     chmod 0600 "$etc/$secret"
 done

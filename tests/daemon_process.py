@@ -55,14 +55,17 @@ def edit_config(home: Path, edit: Any) -> None:
 
 
 class DaemonProcess:
-    def __init__(self, home: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, home: Path, env: dict[str, str] | None = None,
+                 wrapper: tuple[str, ...] = ()) -> None:
         self.home = home
         self.env = env or {}
+        self.wrapper = wrapper  # a command the daemon runs under (e.g. `ip netns exec NS`)
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
         self.metrics_url = ""
         self.socket = ""
         self.log: list[str] = []
+        self._logged = asyncio.Event()  # set whenever a line is added to `log`
         self._drain: asyncio.Task[None] | None = None
 
     @property
@@ -75,6 +78,7 @@ class DaemonProcess:
 
     async def start(self, timeout: float = 30.0) -> DaemonProcess:
         self.proc = await asyncio.create_subprocess_exec(
+            *self.wrapper,
             sys.executable,
             "-m",
             "agentd.cli",
@@ -104,6 +108,24 @@ class DaemonProcess:
         assert self.proc is not None and self.proc.stderr is not None
         while line := await self.proc.stderr.readline():
             self.log.append(line.decode())
+            self._logged.set()
+        self._logged.set()
+
+    async def wait_for_line(self, pattern: str, after: int = 0, timeout: float = 30.0) -> str:
+        """The first log line from index `after` on matching `pattern` (a regex),
+        waiting for the daemon to write it."""
+        regex = re.compile(pattern)
+        seen = after
+        async with asyncio.timeout(timeout):
+            while True:
+                for line in self.log[seen:]:
+                    if regex.search(line):
+                        return line
+                seen = len(self.log)
+                if self._drain is not None and self._drain.done():
+                    raise RuntimeError(f"agentd exited before logging {pattern!r}")
+                self._logged.clear()
+                await self._logged.wait()
 
     async def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         assert self.proc is not None

@@ -4,14 +4,10 @@ in test_bus.py."""
 
 from __future__ import annotations
 
-import itertools
 import uuid
 from dataclasses import dataclass
 
-import pytest
-
 from agentd._envelope import build_envelope
-from agentd._states import IllegalTransition
 from agentd._xmlify import spec_of
 from agentd.bus import (
     BusSession,
@@ -36,6 +32,7 @@ from agentd.bus._session import (
 )
 from agentd.client import frame_kind
 from agentd.tools.calculator import Add, Sum
+from tests.state_tables import walk_table
 
 LIMITS = SessionLimits(max_inflight=2, inflight_ttl_s=10.0, send_queue_limit=64 * 1024,
                        read_pause_bytes=16 * 1024)
@@ -73,13 +70,7 @@ def opened(limits: SessionLimits = LIMITS, bucket: TokenBucket | None = None) ->
 
 
 def test_every_state_and_event_is_either_in_the_table_or_illegal() -> None:
-    for state, event in itertools.product(ConnState, ConnEvent):
-        allowed = TRANSITIONS[state].get(event)
-        if allowed is None:
-            with pytest.raises(IllegalTransition):
-                transition(state, event)
-        else:
-            assert transition(state, event) is allowed
+    walk_table(TRANSITIONS, transition, ConnState, ConnEvent)
 
 
 def test_closed_is_terminal() -> None:

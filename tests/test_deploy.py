@@ -178,7 +178,7 @@ def test_install_gives_the_daemon_its_secrets_and_root_the_rest(installed: Path)
         "tls/cert.pem": (False, 0o640), "prompts/no_paperclippers.md": (False, 0o640),
         "cassettes/agent-demo.jsonl": (False, 0o640), "alice.totp": (False, 0o600),
         "clients.yaml": (True, 0o600), "tls/key.pem": (True, 0o600),
-        "operator.key": (True, 0o600),
+        "operator.key": (True, 0o600), "identity.key": (True, 0o600),
     }
     for name, (daemons, mode) in expected.items():
         st = (etc / name).stat()

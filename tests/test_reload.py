@@ -208,6 +208,10 @@ def _break_listeners(home: Path) -> None:
     edit_config(home, twins)
 
 
+def _break_identity(home: Path) -> None:  # readable by others: refused
+    (home / "identity.key").chmod(0o644)
+
+
 # setting -> (how to break what it checks, what the report must say)
 BREAKS: dict[str, tuple[Callable[[Path], None], str]] = {
     "auth.clients_file": (_break_clients, "auth.clients_file: clients file"),
@@ -216,6 +220,7 @@ BREAKS: dict[str, tuple[Callable[[Path], None], str]] = {
     "prompts": (_break_prompts, "uses unknown variable {nonsense}"),
     "llm.backends": (_break_cassette, "broken.jsonl:1: not a cassette exchange"),
     "listeners": (_break_listeners, "}greeting"),
+    "federation": (_break_identity, "federation: identity.key:"),
 }
 
 

@@ -20,6 +20,7 @@ from agentd.bus._auth import (
     totp_code,
     write_private_atomic,
 )
+from agentd.bus._limits import TokenBucket
 from agentd.bus._server import BusServer, OutboxSource
 from agentd.bus._session import (
     AUTH_FAILED_REASON,
@@ -55,6 +56,7 @@ __all__ = [
     "OutboxSource",
     "SessionLimits",
     "TlsSetupError",
+    "TokenBucket",
     "auth_frame",
     "client_context",
     "diff_clients",

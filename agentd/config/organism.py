@@ -97,6 +97,9 @@ class OrganismConfig:
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
     digest: str = ""  # SHA-256 hex of the file's bytes
     python_path: tuple[Path, ...] = ()
+    identity: sections.IdentityConfig | None = None
+    federation: sections.FederationConfig | None = None
+    gateways: tuple[sections.GatewayConfig, ...] = ()
 
     def listener(self, name: str) -> ListenerConfig:
         return self._listeners_by_name[name]
@@ -258,6 +261,9 @@ def _load(
         embeddings=document.embeddings,
         digest=digest,
         python_path=document.python_path,
+        identity=document.identity,
+        federation=document.federation,
+        gateways=document.gateways,
     )
 
 

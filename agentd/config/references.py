@@ -42,6 +42,7 @@ def cross_references(data: dict[str, Any], line_of: LineOf) -> list[Problem]:
     problems += _payload_keys(listeners)
     problems += _isolation(listeners, data.get("profiles"))
     problems += embeddings_references(data)
+    problems += _gateways(data, names)
     return problems
 
 
@@ -182,3 +183,49 @@ def _isolation(listeners: list[tuple[int, dict[str, Any]]], profiles: Any) -> li
 def _label(index: int, entry: dict[str, Any]) -> str:
     name = entry.get("name")
     return repr(name) if isinstance(name, str) else f"listeners[{index}]"
+
+
+def _gateways(data: dict[str, Any], names: dict[str, int]) -> list[Problem]:
+    """Gateways need the organism's identity and the federation endpoint; each names
+    a known profile and exports known listeners; gateway names are unique."""
+    gateways = _entries(data.get("gateways"))
+    if not gateways:
+        return []
+    problems: list[Problem] = []
+    for key in ("identity", "federation"):
+        if data.get(key) is None:
+            problems.append(Problem((key,), "required when gateways are declared", data))
+    raw_profiles = data.get("profiles")
+    profiles = raw_profiles if isinstance(raw_profiles, dict) else {}
+    seen: set[str] = set()
+    for i, entry in gateways:
+        name = entry.get("name")
+        if isinstance(name, str) and name in seen:
+            problems.append(Problem(("gateways", i, "name"), f"duplicate gateway {name!r}", name))
+        elif isinstance(name, str):
+            seen.add(name)
+            if name in names:
+                message = f"{name!r} is also a listener's name"
+                problems.append(Problem(("gateways", i, "name"), message, name))
+        profile = entry.get("profile")
+        if isinstance(profile, str) and profile not in profiles:
+            message = f"no profile is named {profile!r}"
+            problems.append(Problem(("gateways", i, "profile"), message, profile))
+        problems += [
+            Problem(("gateways", i, "export", j), f"no listener is named {member!r}", member)
+            for j, member in _strings(entry.get("export"))
+            if NAME_PATTERN.fullmatch(member) and member not in names
+        ]
+        body = profiles.get(profile) if isinstance(profile, str) else None
+        members = body.get("listeners") if isinstance(body, dict) else None
+        if isinstance(members, tuple):
+            problems += [
+                Problem(("gateways", i, "export", j),
+                        f"{member!r} is not in profile {profile!r}", member)
+                for j, member in _strings(entry.get("export"))
+                if member in names and member not in members
+            ]
+        if entry.get("export") and profile is None:
+            message = "a gateway that exports listeners needs a profile"
+            problems.append(Problem(("gateways", i, "profile"), message, entry))
+    return problems

@@ -48,6 +48,7 @@ from agentd.config.values import (
     Synchronous,
     Text,
     Url,
+    WssUrl,
     rules,
     split_host_port,
 )
@@ -257,6 +258,7 @@ class MetaConfig:
     allow_list_capabilities: Bool = False
     allow_schema_requests: Bool = False
     allow_example_requests: Bool = False
+    allow_remote: Bool = False  # meta questions from federation peers (within the above)
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -345,6 +347,37 @@ class ListenerSection:
 
 
 @dataclass(frozen=True, config=SECTION)
+class IdentityConfig:
+    key: FilePath  # the organism's Ed25519 private key (`agentd init` writes identity.key)
+
+
+@dataclass(frozen=True, config=SECTION)
+class FederationConfig:
+    listen: HostPort  # "host:port" of wss://host:port/federation, never the bus's port
+    tls: TlsConfig
+    handshake_timeout_s: Seconds = 10.0
+    max_frame_bytes: Annotated[int, Strict(), Field(ge=1024)] = 262144
+    backoff_initial_s: Seconds = 0.5
+    backoff_max_s: Seconds = 30.0
+    rate_per_s: Seconds = 200.0  # a peer's calls per second (token bucket refill), per link
+    rate_burst: Positive = 400
+    max_inflight_calls: Positive = 256  # a peer's calls being admitted at once, per link
+
+
+@dataclass(frozen=True, config=SECTION)
+class GatewayConfig:
+    """A peer organism: its name is the peer's `organism.name`."""
+
+    name: Name
+    public_key: Text  # "ssh-ed25519 AAAA… comment", the peer's identity line
+    url: WssUrl | None = None  # wss://host:port/federation; None: only the peer dials
+    cafile: FilePath | None = None  # verify the peer's TLS certificate against it
+    profile: ProfileName | None = None  # what the peer's requests may reach here
+    export: Names = ()  # local listeners the peer may call
+    import_: Names = Field(default=(), alias="import")  # remote listeners callable here
+
+
+@dataclass(frozen=True, config=SECTION)
 class OrganismSection:
     name: Name
 
@@ -381,6 +414,9 @@ class OrganismDocument:
     listeners: tuple[ListenerSection, ...] = ()
     meta: MetaConfig = MetaConfig()
     embeddings: EmbeddingsConfig = EmbeddingsConfig()
+    identity: IdentityConfig | None = None
+    federation: FederationConfig | None = None
+    gateways: tuple[GatewayConfig, ...] = ()
 
     _rules = rules(
         lambda data, context: cross_references(data, context.get("line_of", _no_line)),

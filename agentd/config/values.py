@@ -177,6 +177,13 @@ def _url(value: str) -> str:
     return value
 
 
+def _wss_url(value: str) -> str:
+    _not_empty(value)
+    if not re.fullmatch(r"wss://[^\s/]+(/\S*)?", value):
+        raise problem(f"expected a wss:// URL, got {value!r}")
+    return value
+
+
 def _env_name(value: str) -> str:
     _not_empty(value)
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
@@ -254,6 +261,9 @@ ProfileName = Annotated[str, AfterValidator(_key_name("profile"))]
 PromptName = Annotated[str, AfterValidator(_key_name("prompt"))]
 HostPort = Annotated[str, Strict(), AfterValidator(_host_port)]
 Url = Annotated[str, Strict(), AfterValidator(_url), WithJsonSchema({**_STRING, "format": "uri"})]
+WssUrl = Annotated[
+    str, Strict(), AfterValidator(_wss_url), WithJsonSchema({**_STRING, "format": "uri"})
+]
 EnvName = Annotated[str, Strict(), AfterValidator(_env_name)]
 FilePath = Annotated[Path, PlainValidator(_path), WithJsonSchema(_STRING)]
 Folder = Annotated[Path, PlainValidator(_path), AfterValidator(_folder), WithJsonSchema(_STRING)]

@@ -1,0 +1,500 @@
+"""The federation's I/O: the `/federation` endpoint, one dialer per gateway with a
+URL, and the authenticated links. The decisions live in `_handshake` (who the
+peer is) and `_gateway` (link states, backoff, which of two links survives).
+
+Invariants:
+- Nothing but a handshake frame is read from a link before the handshake is done;
+  a handshake that has not finished within `handshake_timeout_s` fails.
+- Every handshake failure closes with the same code and reason
+  (`HANDSHAKE_FAILED`) and is reported as the security event
+  `federation-handshake-failed`, with the precise cause in the event only.
+- At most `MAX_PENDING_HANDSHAKES` accepted connections are unauthenticated at a
+  time; more are refused at the HTTP upgrade.
+- Dialers never use a proxy from the environment and speak only TLS 1.3 (the
+  channel binding needs it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import ssl
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, Protocol
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.connection import Connection
+from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
+from websockets.http11 import Request, Response
+
+from agentd._errors import GENERIC_MESSAGES, HuhCode
+from agentd.bus import TokenBucket
+from agentd.config import FederationConfig, GatewayConfig
+from agentd.federation._binding import ChannelBindingUnavailable, tls_exporter
+from agentd.federation._calls import CallRefused, admit_call, call_id_of
+from agentd.federation._gateway import Backoff, LinkEvent, LinkState, keeps_link, transition
+from agentd.federation._handshake import HANDSHAKE_FAILED, Handshake, HandshakeFailed, Role
+from agentd.federation._identity import Identity, fingerprint, parse_public_line
+from agentd.federation._replies import ReplyWindow
+
+log = logging.getLogger("agentd.federation")
+
+FEDERATION_PATH = "/federation"
+CLOSE_POLICY = 1008
+MAX_PENDING_HANDSHAKES = 16
+SECURITY_KINDS = frozenset({
+    "federation-handshake-failed", "federation-unexpected-frame", "federation-forged-from",
+    "federation-priv-from-peer", "federation-not-exported",
+})
+MAX_PENDING_REPLIES = 10_000  # replies sent and not yet acknowledged, per link
+
+Audit = Callable[[str, Mapping[str, str]], None]
+
+
+class CallHost(Protocol):
+    """What serving a peer's calls needs of the daemon: the pump (as for any bus
+    client, under the gateway's name) and the kernel's outbox of replies."""
+
+    async def submit(self, client: str, data: bytes) -> Any: ...  # a pump SubmitResult
+
+    async def thread_exists(self, thread: str) -> bool: ...
+
+    async def pending(self, client: str) -> list[tuple[int, str, bytes]]: ...
+
+    def delivered(self, client: str, outbox_id: int) -> None: ...
+
+
+@dataclass
+class GatewayLink:
+    """One gateway's live state (what `agentctl status` shows)."""
+
+    config: GatewayConfig
+    public_key: Ed25519PublicKey
+    state: LinkState = LinkState.DOWN
+    since: float = field(default_factory=time.time)
+    attempts: int = 0  # failed dials since the last success
+    connection: Connection | None = None
+    dialed: bool = False  # whether the up link is one we dialed
+    up_count: int = 0  # how many times a link came up
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    bucket: TokenBucket | None = None  # the peer's call rate, per link
+    admitting: int = 0  # the peer's calls being admitted now
+    replies: ReplyWindow = field(default_factory=lambda: ReplyWindow(MAX_PENDING_REPLIES))
+    sending: asyncio.Queue[bytes] | None = None  # frames for the up link's writer
+
+    def apply(self, event: LinkEvent) -> None:
+        new = transition(self.state, event)
+        if new is not self.state:
+            self.state, self.since = new, time.time()
+        self.changed.set()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "name": self.config.name,
+            "state": self.state.value,
+            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
+            "direction": ("out" if self.dialed else "in") if self.state is LinkState.UP else "",
+            "url": self.config.url or "",
+            "failed_dials": self.attempts,
+            "peer_key": fingerprint(self.public_key),
+        }
+
+
+def federation_server_context(config: FederationConfig) -> ssl.SSLContext:
+    from agentd.bus import server_context
+
+    ctx = server_context(config.tls)  # the bus's hardened settings and key checks
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    return ctx
+
+
+def gateway_client_context(gateway: GatewayConfig) -> ssl.SSLContext:
+    """Without `cafile` the certificate is not checked: the peer is identified by
+    its signature over this channel's exporter value, which a relay cannot forge."""
+    from agentd.bus import client_context
+
+    ctx = client_context(gateway.cafile, verify=gateway.cafile is not None)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    return ctx
+
+
+class Federation:
+    """The endpoint, the dialers and the links of one organism."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        config: FederationConfig,
+        gateways: tuple[GatewayConfig, ...],
+        audit: Audit,
+        server_ssl: ssl.SSLContext | None = None,
+        rng: Callable[[], float] = random.random,
+        host: CallHost | None = None,
+        allow_meta: bool = False,
+        max_envelope_bytes: int = 262144,
+    ) -> None:
+        self.host = host
+        self.allow_meta = allow_meta
+        self.max_envelope_bytes = max_envelope_bytes
+        self.identity = identity
+        self.config = config
+        self.audit = audit
+        self.rng = rng
+        self.server_ssl = server_ssl
+        self.backoff = Backoff(config.backoff_initial_s, config.backoff_max_s)
+        self.links = {
+            g.name: GatewayLink(g, parse_public_line(g.public_key)) for g in gateways
+        }
+        self.peers = {name: link.public_key for name, link in self.links.items()}
+        self._server: Server | None = None
+        self._dialers: list[asyncio.Task[None]] = []
+        self._pending = 0
+        self._stopping = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        # Live replies that arrived while a gateway's outbox was being loaded.
+        self._held: dict[str, dict[int, tuple[str, bytes]]] = {}
+        # Calls being admitted, by thread: a duplicate waits for the first's outcome.
+        self._admitting: dict[str, asyncio.Future[tuple[bool, HuhCode | None]]] = {}
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    async def start(self) -> None:
+        host, _, port = self.config.listen.rpartition(":")
+        self._server = await serve(
+            self._accepted,
+            host.strip("[]"),
+            int(port),
+            ssl=self.server_ssl or federation_server_context(self.config),
+            process_request=self._upgrade,
+            max_size=self.config.max_frame_bytes,
+            compression=None,
+            open_timeout=self.config.handshake_timeout_s,
+            server_header=None,
+            logger=logging.getLogger("agentd.federation.websockets"),
+        )
+        log.info("federation listening url=wss://%s:%d%s", host, self.port, FEDERATION_PATH)
+        for link in self.links.values():
+            if link.config.url is not None:
+                self._dialers.append(asyncio.create_task(
+                    self._dial_forever(link), name=f"federation-dial-{link.config.name}"))
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    async def close(self) -> None:
+        self._stopping.set()
+        for call in list(self._tasks):
+            call.cancel()
+        for task in self._dialers:
+            task.cancel()
+        for task in self._dialers:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for link in self.links.values():
+            link.apply(LinkEvent.STOP)
+            if link.connection is not None:
+                await link.connection.close(1001, "going away")
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+
+    def status(self) -> list[dict[str, Any]]:
+        return [link.status() for link in self.links.values()]
+
+    # ---- accepting -------------------------------------------------------------
+
+    def _upgrade(self, connection: ServerConnection, request: Request) -> Response | None:
+        if request.path != FEDERATION_PATH:
+            return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
+        if self._pending >= MAX_PENDING_HANDSHAKES or self._stopping.is_set():
+            return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, "busy\n")
+        return None
+
+    async def _accepted(self, ws: ServerConnection) -> None:
+        self._pending += 1
+        try:
+            peer = await self._handshake(ws, Role.ACCEPTOR, None)
+        finally:
+            self._pending -= 1
+        if peer is not None:
+            await self._run(self.links[peer], ws, dialed=False)
+
+    # ---- dialing ---------------------------------------------------------------
+
+    async def _dial_forever(self, link: GatewayLink) -> None:
+        url = link.config.url
+        assert url is not None
+        ctx = gateway_client_context(link.config)
+        while not self._stopping.is_set():
+            while link.state is LinkState.UP:
+                link.changed.clear()
+                await link.changed.wait()
+            link.apply(LinkEvent.DIAL)
+            ws = await self._dial(url, ctx, link)
+            if ws is not None:
+                link.attempts = 0
+                await self._run(link, ws, dialed=True)
+                continue
+            link.apply(LinkEvent.FAILED)
+            delay = self.backoff.delay(link.attempts, self.rng())
+            link.attempts += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+
+    async def _dial(
+        self, url: str, ctx: ssl.SSLContext, link: GatewayLink
+    ) -> ClientConnection | None:
+        try:
+            ws = await connect(
+                url,
+                ssl=ctx,
+                proxy=None,  # never a proxy from the environment
+                compression=None,
+                max_size=self.config.max_frame_bytes,
+                open_timeout=self.config.handshake_timeout_s,
+                user_agent_header=None,
+                logger=logging.getLogger("agentd.federation.websockets"),
+            )
+        except (OSError, InvalidHandshake, InvalidURI, TimeoutError, ssl.SSLError) as exc:
+            log.info("federation dial gateway=%s failed: %s", link.config.name, exc)
+            return None
+        peer = await self._handshake(ws, Role.DIALER, link.config.name)
+        return ws if peer is not None else None
+
+    # ---- both ------------------------------------------------------------------
+
+    async def _handshake(self, ws: Connection, role: Role, expect: str | None) -> str | None:
+        """The authenticated peer's name, or None after closing with the generic reason."""
+        claimed = expect or ""
+        try:
+            binding = tls_exporter(ws.transport.get_extra_info("ssl_object"))
+            hs = Handshake(role, self.identity, binding, self.peers, expect=expect)
+            async with asyncio.timeout(self.config.handshake_timeout_s):
+                for frame in hs.start():
+                    await ws.send(frame)
+                while not hs.done:
+                    data = await ws.recv(decode=False)
+                    try:
+                        out = hs.receive(data if isinstance(data, bytes) else data.encode())
+                    finally:
+                        claimed = hs.claimed or claimed
+                    for frame in out:
+                        await ws.send(frame)
+            assert hs.peer is not None
+            return hs.peer
+        except (HandshakeFailed, ChannelBindingUnavailable, TimeoutError, ConnectionClosed) as exc:
+            cause = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
+            self.audit("federation-handshake-failed", {
+                "role": role.value, "peer": claimed, "address": _address(ws), "cause": cause,
+            })
+            await ws.close(CLOSE_POLICY, HANDSHAKE_FAILED)
+            return None
+
+    async def _run(self, link: GatewayLink, ws: Connection, dialed: bool) -> None:
+        """Hold an authenticated link until it closes (or a better one replaces it)."""
+        local, peer = self.identity.name, link.config.name
+        if link.state is LinkState.UP and link.connection is not None:
+            if not keeps_link(local, peer, dialed):
+                await ws.close(1000, "duplicate link")
+                return
+            old = link.connection
+            link.connection = None
+            await old.close(1000, "duplicate link")
+        link.apply(LinkEvent.AUTHENTICATED)
+        link.connection, link.dialed = ws, dialed
+        link.up_count += 1
+        log.info("federation gateway=%s up (%s) address=%s", peer,
+                 "dialed" if dialed else "accepted", _address(ws))
+        try:
+            await self._receive(link, ws)
+        finally:
+            if link.connection is ws:
+                link.connection = None
+                if link.state is LinkState.UP:
+                    link.apply(LinkEvent.LOST)
+                    log.info("federation gateway=%s down", peer)
+
+    async def _receive(self, link: GatewayLink, ws: Connection) -> None:
+        """After the handshake: the peer's calls and acknowledgements, and a writer
+        for our frames (replies from the outbox first, then as the pump makes them)."""
+        link.bucket = TokenBucket(self.config.rate_per_s, self.config.rate_burst, time.monotonic())
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        link.sending = queue
+        link.replies = ReplyWindow(MAX_PENDING_REPLIES)
+        writer = asyncio.create_task(self._write(ws, queue),
+                                     name=f"federation-write-{link.config.name}")
+        try:
+            await self._load_outbox(link)
+            with contextlib.suppress(ConnectionClosed):
+                async for frame in ws:
+                    if not await self._frame(link, ws, frame):
+                        return
+        finally:
+            if link.sending is queue:  # not replaced by a newer link meanwhile
+                link.sending = None
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
+
+    @staticmethod
+    async def _write(ws: Connection, queue: asyncio.Queue[bytes]) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            while True:
+                await ws.send(await queue.get())
+
+    async def _frame(self, link: GatewayLink, ws: Connection, data: str | bytes) -> bool:
+        """One frame from an authenticated peer; False once the link is closed."""
+        peer = link.config.name
+        try:
+            msg = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            msg = None
+        kind = msg.get("t") if isinstance(msg, dict) else None
+        if kind == "call" and self.host is not None and link.config.export:
+            assert isinstance(msg, dict)
+            self._spawn_call(link, msg)
+            return True
+        if kind == "ack" and isinstance(msg, dict) and isinstance(msg.get("id"), int):
+            self._acknowledged(link, msg["id"])
+            return True
+        self.audit("federation-unexpected-frame", {"peer": peer, "kind": str(kind)[:32]})
+        await ws.close(CLOSE_POLICY, "unexpected frame")
+        return False
+
+    def _spawn_call(self, link: GatewayLink, msg: dict[str, object]) -> None:
+        if link.admitting >= self.config.max_inflight_calls:
+            call_id = msg.get("id")
+            self._send(link, {"t": "refused", "id": call_id if isinstance(call_id, str) else "",
+                              "code": HuhCode.RATE_LIMITED.value,
+                              "message": GENERIC_MESSAGES[HuhCode.RATE_LIMITED]})
+            return
+        link.admitting += 1
+        task = asyncio.create_task(self._call(link, msg))
+        self._tasks.add(task)
+        task.add_done_callback(lambda done: self._call_done(link, done))
+
+    def _call_done(self, link: GatewayLink, task: asyncio.Task[None]) -> None:
+        link.admitting -= 1
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("federation call failed", exc_info=task.exception())
+
+    async def _call(self, link: GatewayLink, msg: dict[str, object]) -> None:
+        """Admit one call: refused, a duplicate (answered like the original), or
+        submitted to the pump; `accepted` is sent only once the pump committed it."""
+        peer = link.config.name
+        host = self.host
+        assert host is not None
+        try:
+            call_id = call_id_of(msg)
+        except CallRefused:
+            self._send(link, {"t": "refused", "id": "", "code": HuhCode.MALFORMED.value})
+            return
+        try:
+            assert link.bucket is not None
+            if not link.bucket.take(time.monotonic()):
+                raise CallRefused(HuhCode.RATE_LIMITED, "call rate")
+            call = admit_call(msg, peer, link.config.export, self.allow_meta,
+                              self.max_envelope_bytes)
+        except CallRefused as exc:
+            if exc.event is not None:
+                self.audit(f"federation-{exc.event}", {"peer": peer, "detail": exc.detail})
+            self._send(link, {"t": "refused", "id": call_id, "code": exc.code.value,
+                              "message": GENERIC_MESSAGES[exc.code]})
+            return
+        original = self._admitting.get(call.thread)
+        if original is not None:  # the same call again while the first is in admission
+            accepted, code = await asyncio.shield(original)
+        else:
+            # Registered before the first await, so a duplicate arriving meanwhile
+            # waits for this outcome instead of being submitted a second time.
+            future: asyncio.Future[tuple[bool, HuhCode | None]] = (
+                asyncio.get_running_loop().create_future())
+            self._admitting[call.thread] = future
+            accepted, code = False, HuhCode.INTERNAL
+            try:
+                if await host.thread_exists(call.thread):  # admitted before (a crash?)
+                    accepted, code = True, None
+                else:
+                    result = await host.submit(peer, call.envelope)
+                    accepted, code = bool(result.accepted), result.code
+            except Exception:
+                log.exception("federation call from %s failed", peer)
+            finally:
+                del self._admitting[call.thread]
+                future.set_result((accepted, code))
+        if accepted:
+            self._send(link, {"t": "accepted", "id": call.call_id, "thread": call.thread})
+        else:
+            code = HuhCode(code or HuhCode.INTERNAL)
+            self._send(link, {"t": "refused", "id": call.call_id, "code": code.value,
+                              "message": GENERIC_MESSAGES[code]})
+
+    def _send(self, link: GatewayLink, frame: dict[str, object]) -> None:
+        if link.sending is not None:
+            link.sending.put_nowait(json.dumps(frame, separators=(",", ":")).encode())
+
+    async def _load_outbox(self, link: GatewayLink) -> None:
+        """Send the gateway's outbox rows, and the live replies held meanwhile."""
+        if self.host is None:
+            return
+        window = link.replies
+        window.start_load()
+        self._held[link.config.name] = {}
+        try:
+            rows = await self.host.pending(link.config.name)
+        except BaseException:
+            window.end_load([])
+            raise
+        by_id = {oid: (thread, data) for oid, thread, data in rows}
+        by_id.update(self._held.pop(link.config.name, {}))
+        for oid in window.end_load(list(by_id)):
+            self._send_reply(link, oid, *by_id[oid])
+
+    def _send_reply(self, link: GatewayLink, outbox_id: int, thread: str, data: bytes) -> None:
+        self._send(link, {"t": "reply", "id": outbox_id, "thread": thread,
+                          "envelope": data.decode("utf-8")})
+
+    def _acknowledged(self, link: GatewayLink, outbox_id: int) -> None:
+        """Outbox rows are removed up to an id; only up to an unbroken run of
+        acknowledgements (`ReplyWindow`), so no unsent or uncommitted reply goes."""
+        if self.host is None:
+            return
+        up_to = link.replies.acknowledge(outbox_id)
+        if up_to is not None:
+            self.host.delivered(link.config.name, up_to)
+        if link.replies.needs_reload:
+            task = asyncio.create_task(self._load_outbox(link))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> bool:
+        """A frame the pump has for the gateway `client` (False: not a gateway).
+        Replies are durable (outbox rows); core frames without a row (`accepted`,
+        an immediate `huh`) are what `accepted`/`refused` already told the peer."""
+        link = self.links.get(client)
+        if link is None:
+            return False
+        if outbox_id is not None and link.sending is not None:
+            if link.replies.loading:
+                self._held.setdefault(client, {})[outbox_id] = (thread, data)
+                link.replies.offer(outbox_id)
+            elif link.replies.offer(outbox_id):
+                self._send_reply(link, outbox_id, thread, data)
+        return True
+
+
+def _address(ws: Connection) -> str:
+    peer = ws.transport.get_extra_info("peername")
+    return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else ""

@@ -1,0 +1,85 @@
+"""Two daemons in two network namespaces joined by a veth pair, which the test
+creates and removes itself: the link comes up across a real (virtual) network and
+nothing but the declared peer's address is involved. Skipped with the reason where
+`ip netns` is not permitted (it needs root, or CAP_SYS_ADMIN and CAP_NET_ADMIN)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_process import DaemonProcess, edit_config
+from tests.test_federation_daemons import (
+    declare,
+    federation_port,
+    gateway_states,
+    organism,
+    public_line,
+)
+
+ADDRESS_A, ADDRESS_B = "10.231.7.1", "10.231.7.2"
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def namespaces() -> Iterator[tuple[str, str]]:
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 (`ip`) is not installed")
+    tag = f"agentd{os.getpid()}"
+    ns_a, ns_b = f"{tag}a", f"{tag}b"
+    made = _ip("netns", "add", ns_a)
+    if made.returncode != 0:
+        pytest.skip(f"`ip netns add` is not permitted here: {made.stderr.strip()}")
+    try:
+        steps = [
+            ("netns", "add", ns_b),
+            ("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"),
+            ("link", "set", f"{tag}va", "netns", ns_a),
+            ("link", "set", f"{tag}vb", "netns", ns_b),
+            ("-n", ns_a, "addr", "add", f"{ADDRESS_A}/30", "dev", f"{tag}va"),
+            ("-n", ns_b, "addr", "add", f"{ADDRESS_B}/30", "dev", f"{tag}vb"),
+            ("-n", ns_a, "link", "set", f"{tag}va", "up"),
+            ("-n", ns_b, "link", "set", f"{tag}vb", "up"),
+            ("-n", ns_a, "link", "set", "lo", "up"),
+            ("-n", ns_b, "link", "set", "lo", "up"),
+        ]
+        for step in steps:
+            done = _ip(*step)
+            if done.returncode != 0:
+                pytest.skip(f"`ip {' '.join(step)}` failed: {done.stderr.strip()}")
+        yield ns_a, ns_b
+    finally:
+        for ns in (ns_a, ns_b):  # deleting a namespace deletes its end of the veth pair
+            _ip("netns", "delete", ns)
+
+
+async def test_link_across_two_network_namespaces(
+    tmp_path: Path, namespaces: tuple[str, str]
+) -> None:
+    ns_a, ns_b = namespaces
+    alpha, beta = organism(tmp_path, "alpha"), organism(tmp_path, "beta")
+    edit_config(beta, lambda doc: doc["federation"].update(listen=f"{ADDRESS_B}:0"))
+    declare(beta, "alpha", public_line(alpha, "alpha"))
+    b = await DaemonProcess(beta, wrapper=("ip", "netns", "exec", ns_b)).start()
+    try:
+        declare(alpha, "beta", public_line(beta, "beta"),
+                f"wss://{ADDRESS_B}:{federation_port(b)}/federation")
+        a = await DaemonProcess(alpha, wrapper=("ip", "netns", "exec", ns_a)).start()
+        try:
+            await a.wait_for_line(r"federation gateway=beta up \(dialed\)")
+            line = await b.wait_for_line(r"federation gateway=alpha up \(accepted\)")
+            assert f"address={ADDRESS_A}:" in line  # alpha's veth address, not loopback
+            assert gateway_states(a) == {"beta": "up"}
+        finally:
+            await a.stop(signal.SIGKILL)
+    finally:
+        await b.stop(signal.SIGKILL)
