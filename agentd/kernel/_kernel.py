@@ -79,6 +79,7 @@ log = logging.getLogger("agentd.kernel")
 _HEALTHY = Health.HEALTHY
 _OPEN = Phase.OPEN
 _PIPELINE = 2  # batches sent to the writer and not yet answered
+_FOLD_TURNS = 4  # loop turns a batch waits for while each adds transactions (_gather)
 
 
 @dataclass(frozen=True)
@@ -504,12 +505,20 @@ class Kernel:
         writes, batching is natural, and waiting would only leave both the event loop
         and the writer idle (the GIL lets them overlap little)."""
         if self._interval <= 0 or self._last_batch_ops >= self._saturated_ops:
-            if not self._inflight and self._phase is _OPEN:
-                # Yield once: what this loop turn already scheduled joins the batch.
-                # A client's envelope is queued, then its handler runs in the next
-                # turn and queues the answer; without this the two would commit one
-                # after the other, and a lone client would wait for both.
+            # Yield while each loop turn adds transactions (at most _FOLD_TURNS): what
+            # the turn already scheduled joins the batch. A client's envelope is
+            # queued, then its handler runs in the next turn and queues the answer; a
+            # delegation chain (relay -> tool -> relay) adds one transaction a turn.
+            # Without this each step would commit after the previous one, and a lone
+            # client would wait for every commit in turn instead of one.
+            queue = self._queue
+            for _ in range(_FOLD_TURNS):
+                if self._inflight or self._phase is not _OPEN:
+                    break
+                seen = len(queue)
                 await asyncio.sleep(0)
+                if len(queue) == seen:
+                    break
             return
         loop = self._loop
         delay = self._head_time + self._interval - loop.time()
