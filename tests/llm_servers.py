@@ -105,9 +105,16 @@ Script = Callable[[Seen], "Reply | str"] | Sequence["Reply | str"]
 
 
 class FakeLLM:
-    def __init__(self, protocol: str = "openai", script: Script = ("ok",), model: str = "fake-1"):
+    def __init__(
+        self,
+        protocol: str = "openai",
+        script: Script = ("ok",),
+        model: str = "fake-1",
+        embed: Callable[[str], list[float]] | None = None,
+    ):
         assert protocol in ("openai", "anthropic")
         self.protocol = protocol
+        self.embed = embed  # openai only: answers POST /v1/embeddings with embed(input)
         self.script = script
         self.model = model
         self.requests: list[Seen] = []
@@ -184,6 +191,8 @@ class FakeLLM:
 
     def _expected_path(self, seen: Seen) -> Reply | None:
         want = "/v1/chat/completions" if self.protocol == "openai" else "/v1/messages"
+        if self.embed is not None and seen.path == "/v1/embeddings":
+            want = seen.path
         if seen.method != "POST" or seen.path != want:
             return Reply(status=404, body=b'{"error": {"message": "not found"}}')
         return None
@@ -191,6 +200,14 @@ class FakeLLM:
     def _response(self, seen: Seen, reply: Reply) -> bytes:
         if reply.body is not None:
             body = reply.body
+        elif reply.status == 200 and seen.path == "/v1/embeddings" and self.embed is not None:
+            inputs = seen.json["input"]
+            obj = {"object": "list", "model": seen.json["model"],
+                   "data": [{"object": "embedding", "index": i, "embedding": self.embed(text)}
+                            for i, text in enumerate(inputs)],
+                   "usage": {"prompt_tokens": sum(len(t) // 4 + 1 for t in inputs),
+                             "total_tokens": sum(len(t) // 4 + 1 for t in inputs)}}
+            body = json.dumps(obj).encode()
         elif reply.status != 200:
             body = json.dumps({"error": {"message": f"status {reply.status}"}}).encode()
         else:

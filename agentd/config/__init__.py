@@ -11,6 +11,7 @@ file) · `schema` (the published JSON Schema).
 
 from agentd._errors import ConfigError
 from agentd.config.clients import CLIENT_ID, ClientEntry, normalise_secret, read_clients_text
+from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.organism import (
     FrozenMapping,
     ListenerConfig,
@@ -18,6 +19,12 @@ from agentd.config.organism import (
     check_config_main,
     load_config,
     load_config_text,
+)
+from agentd.config.routing import (
+    ProfileRoutingConfig,
+    RoutingConfig,
+    SemanticOverride,
+    SemanticRoutingConfig,
 )
 from agentd.config.schema import organism_schema, organism_schema_text
 from agentd.config.sections import (
@@ -44,6 +51,7 @@ __all__ = [
     "BusConfig",
     "ClientEntry",
     "ConfigError",
+    "EmbeddingsConfig",
     "FrozenMapping",
     "JournalConfig",
     "ListenerConfig",
@@ -55,8 +63,12 @@ __all__ = [
     "OrganismConfig",
     "OrganismDocument",
     "ProfileConfig",
+    "ProfileRoutingConfig",
     "PumpConfig",
     "Retention",
+    "RoutingConfig",
+    "SemanticOverride",
+    "SemanticRoutingConfig",
     "TlsConfig",
     "check_config_main",
     "load_config",

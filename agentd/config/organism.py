@@ -23,7 +23,9 @@ from pydantic import TypeAdapter, ValidationError
 
 from agentd._errors import ConfigError
 from agentd.config import sections
+from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.reader import Document, Issues, nulls_as_empty, read_document
+from agentd.config.routing import RoutingConfig
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -64,6 +66,7 @@ class ListenerConfig:
     handler: Callable[..., Any] | None = None
     agent: sections.AgentConfig | None = None
     description: str = ""
+    semantic_description: str = ""  # extra text semantic routing matches (not shown to LLMs)
     peers: tuple[str, ...] = ()
     max_concurrency: int | None = None  # None: pump.per_listener_concurrency
     timeout_s: float | None = None  # None: pump.handler_timeout_s
@@ -90,6 +93,8 @@ class OrganismConfig:
     llm: sections.LlmConfig | None = None
     listeners: tuple[ListenerConfig, ...] = ()
     meta: sections.MetaConfig = field(default_factory=sections.MetaConfig)
+    embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     digest: str = ""  # SHA-256 hex of the file's bytes
     python_path: tuple[Path, ...] = ()
 
@@ -248,6 +253,8 @@ def _load(
         llm=document.llm,
         listeners=listeners,
         meta=document.meta,
+        embeddings=document.embeddings,
+        routing=document.routing,
         digest=digest,
         python_path=document.python_path,
     )
@@ -268,6 +275,7 @@ def _listener(
         handler=None if section.handler is None else section.handler.value,
         agent=section.agent,
         description=description,
+        semantic_description=section.semantic_description or "",
         peers=section.peers,
         max_concurrency=section.max_concurrency,
         timeout_s=section.timeout_s,

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from agentd.config import imports
+from agentd.config.embeddings import embeddings_references
+from agentd.config.routing import routing_references
 from agentd.config.values import NAME_PATTERN, Problem
 
 LineOf = Callable[[tuple[str | int, ...]], int]
@@ -39,6 +41,8 @@ def cross_references(data: dict[str, Any], line_of: LineOf) -> list[Problem]:
     problems += _agents(listeners, data)
     problems += _members(data.get("profiles"), names)
     problems += _payload_keys(listeners)
+    problems += embeddings_references(data)
+    problems += routing_references(data)
     return problems
 
 

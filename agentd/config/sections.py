@@ -20,7 +20,9 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
 
+from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.references import cross_references
+from agentd.config.routing import ProfileRoutingConfig, RoutingConfig
 from agentd.config.values import (
     AnyText,
     Bool,
@@ -201,6 +203,8 @@ class ProfileConfig:
     retention: RetentionValue | None = None  # overrides journal.retention
     synchronous: Synchronous | None = None  # overrides journal.synchronous
     token_budget: Positive | None = None
+    allow_intents: Bool = False  # may its clients send core `intent`? (agents always may)
+    routing: ProfileRoutingConfig | None = None  # overrides routing.semantic's values
     name: SkipJsonSchema[str] = ""  # its key in `profiles`, filled in by the loader
 
     _rules = rules(lambda data, _: _name_is_the_key(data), "profile")
@@ -272,6 +276,7 @@ class ListenerSection:
     handler: HandlerRef | None = None
     agent: AgentConfig | None = None
     description: AnyText | None = None  # required for handlers; agents: the docstring
+    semantic_description: AnyText | None = None  # more text for semantic routing to match
     peers: Names = ()
     max_concurrency: Positive | None = None  # None: pump.per_listener_concurrency
     timeout_s: Seconds | None = None  # None: pump.handler_timeout_s
@@ -315,6 +320,8 @@ class OrganismDocument:
     llm: LlmConfig | None = None
     listeners: tuple[ListenerSection, ...] = ()
     meta: MetaConfig = MetaConfig()
+    embeddings: EmbeddingsConfig = EmbeddingsConfig()
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
 
     _rules = rules(
         lambda data, context: cross_references(data, context.get("line_of", _no_line)),

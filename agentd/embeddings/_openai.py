@@ -1,0 +1,182 @@
+"""`openai`: vectors from an OpenAI-compatible `/v1/embeddings` endpoint (OpenAI,
+Ollama, vLLM, llama.cpp server) of an `llm.backends` entry.
+
+The wire part is sans I/O (`encode_request`, `decode_response`); `OpenAIEmbedder`
+sends through one httpx client. The backend's `base_url`, `api_key_env` (read at
+every call, never logged) and `timeout_s` apply; errors are classified as for chat
+calls (retry 408/409/429/5xx after a backoff or `Retry-After`, up to `llm.retries`
+times; anything else fails at once). Each attempt counts in
+`agentd_llm_requests_total{backend,outcome}` and the reported input tokens in
+`agentd_llm_tokens_total{agent="embeddings",backend,kind="input"}`.
+
+A reply is checked before use: one finite vector per input, all of one
+dimension, at most `MAX_RESPONSE_BYTES` long; anything else is an error, never a
+silently wrong ranking.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+import numpy as np
+
+from agentd import _metrics as metrics
+from agentd.config import LlmBackendConfig
+from agentd.embeddings._protocol import EmbedderIdentity, EmbeddingsError
+from agentd.embeddings._vectors import Matrix, Vector, unit_rows
+from agentd.llm import BackendError, classify
+
+log = logging.getLogger("agentd.embeddings")
+
+DEFAULT_BASE_URL = "https://api.openai.com/v1"
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+BATCH = 128  # inputs per request
+
+
+def encode_request(model: str, texts: Sequence[str]) -> bytes:
+    body = {"model": model, "input": list(texts), "encoding_format": "float"}
+    return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def decode_response(body: bytes, count: int) -> tuple[Matrix, int | None]:
+    """The rows in input order and the reported input tokens; raises
+    `EmbeddingsError` on any reply that is not exactly `count` finite vectors."""
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise EmbeddingsError("embeddings reply is not JSON") from None
+    data = obj.get("data") if isinstance(obj, dict) else None
+    if not isinstance(data, list) or len(data) != count:
+        raise EmbeddingsError(f"embeddings reply does not hold {count} vectors")
+    rows: list[Any] = [None] * count
+    for position, item in enumerate(data):
+        index = item.get("index", position) if isinstance(item, dict) else None
+        vector = item.get("embedding") if isinstance(item, dict) else None
+        if (
+            not isinstance(index, int) or isinstance(index, bool)
+            or not 0 <= index < count or rows[index] is not None
+            or not isinstance(vector, list) or not vector
+        ):
+            raise EmbeddingsError("embeddings reply has a malformed or repeated entry")
+        rows[index] = vector
+    try:
+        wide = np.asarray(rows, dtype=np.float64)
+    except (ValueError, TypeError):
+        raise EmbeddingsError("embeddings reply holds vectors of different sizes") from None
+    limit = float(np.finfo(np.float32).max)
+    if wide.ndim != 2 or not np.all(np.isfinite(wide)) or np.any(np.abs(wide) > limit):
+        raise EmbeddingsError("embeddings reply holds non-numeric or non-finite values")
+    matrix = wide.astype(np.float32)
+    usage = obj.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    valid = isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 0
+    return unit_rows(matrix), tokens if valid else None
+
+
+class OpenAIEmbedder:
+    corpus_relative = False
+
+    def __init__(
+        self,
+        backend: LlmBackendConfig,
+        model: str,
+        *,
+        retries: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+        env: Mapping[str, str] | None = None,
+        backoff_base_s: float = 0.5,
+    ) -> None:
+        if backend.provider != "openai":
+            raise EmbeddingsError(
+                f"embeddings backend {backend.name} speaks {backend.provider}; "
+                "only an openai-compatible backend has /v1/embeddings"
+            )
+        self.backend = backend
+        self.model = model
+        self.identity = EmbedderIdentity("openai", model)
+        self.retries = retries
+        self.backoff_base_s = backoff_base_s
+        self._url = (backend.base_url or DEFAULT_BASE_URL).rstrip("/") + "/embeddings"
+        self._env = os.environ if env is None else env
+        self._client = httpx.AsyncClient(transport=transport, follow_redirects=False)
+        self._slots = asyncio.Semaphore(backend.max_concurrency)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"content-type": "application/json", "accept": "application/json"}
+        var = self.backend.api_key_env
+        if var is not None:
+            value = self._env.get(var)
+            if not value:
+                raise EmbeddingsError(
+                    f"embeddings backend {self.backend.name}: environment variable {var} "
+                    "is not set"
+                )
+            headers["authorization"] = f"Bearer {value}"
+        return headers
+
+    async def _attempt(self, body: bytes, count: int) -> Matrix:
+        name = self.backend.name
+        try:
+            async with self._slots:
+                reply = await self._client.post(
+                    self._url, content=body, headers=self._headers(),
+                    timeout=self.backend.timeout_s,
+                )
+        except httpx.TimeoutException:
+            raise BackendError(name, "timed out", retryable=True) from None
+        except httpx.HTTPError as exc:
+            raise BackendError(
+                name, f"connection failed ({type(exc).__name__})", retryable=True
+            ) from None
+        if not 200 <= reply.status_code < 300:
+            raise classify(name, reply.status_code, reply.headers, reply.content[:4096])
+        if len(reply.content) > MAX_RESPONSE_BYTES:
+            raise EmbeddingsError(f"embeddings backend {name}: reply too large")
+        matrix, tokens = decode_response(reply.content, count)
+        if tokens:
+            metrics.llm_tokens.labels("embeddings", name, "input").inc(tokens)
+        return matrix
+
+    async def _batch(self, texts: Sequence[str]) -> Matrix:
+        body = encode_request(self.model, texts)
+        name = self.backend.name
+        for attempt in range(self.retries + 1):
+            try:
+                matrix = await self._attempt(body, len(texts))
+            except BackendError as err:
+                again = err.retryable and attempt < self.retries
+                metrics.llm_requests.labels(name, "retry" if again else "error").inc()
+                log.warning("embeddings attempt failed: %s", err)
+                if not again:
+                    raise EmbeddingsError(f"embeddings: {err}") from None
+                delay = err.retry_after
+                if delay is None:
+                    delay = self.backoff_base_s * (2**attempt)
+                await asyncio.sleep(min(delay, 60.0))
+                continue
+            except EmbeddingsError:
+                metrics.llm_requests.labels(name, "error").inc()
+                raise
+            metrics.llm_requests.labels(name, "ok").inc()
+            return matrix
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def embed_documents(self, texts: Sequence[str]) -> Matrix:
+        if not texts:
+            return np.zeros((0, 0), dtype=np.float32)
+        parts = [await self._batch(texts[i : i + BATCH]) for i in range(0, len(texts), BATCH)]
+        if len({p.shape[1] for p in parts}) != 1:
+            raise EmbeddingsError("embeddings reply holds vectors of different sizes")
+        return np.vstack(parts)
+
+    async def embed_query(self, text: str, corpus: Sequence[str] = ()) -> Vector:
+        return (await self._batch([text]))[0]
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
