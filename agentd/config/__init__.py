@@ -21,6 +21,7 @@ from agentd.config.organism import (
     load_config_text,
 )
 from agentd.config.routing import (
+    DEFAULT_SEMANTIC,
     ProfileRoutingConfig,
     RoutingConfig,
     SemanticOverride,
@@ -46,6 +47,7 @@ from agentd.kernel import Retention
 
 __all__ = [
     "CLIENT_ID",
+    "DEFAULT_SEMANTIC",
     "AgentConfig",
     "AuthConfig",
     "BusConfig",

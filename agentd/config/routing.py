@@ -31,6 +31,9 @@ class SemanticRoutingConfig:
     fill_models: Names = ()
 
 
+DEFAULT_SEMANTIC = SemanticRoutingConfig()
+
+
 @dataclass(frozen=True, config=_SECTION)
 class RoutingConfig:
     semantic: SemanticRoutingConfig = Field(default_factory=SemanticRoutingConfig)

@@ -18,6 +18,8 @@ Each candidate then becomes one of:
   anyway, so that the pump refuses it (`huh unroutable`, and a peer-violation
   security event when it is a real route outside the peers); the agent is not
   the judge of its own permissions;
+- an intent: core `intent` {text}, valid against the core schema, is a call too
+  (the pump's semantic router picks and fills the tool);
 - prose: an element that is an echo of a known result type, or of the core
   namespace, or anything without a namespace that is not a tool name.
 
@@ -30,7 +32,7 @@ import re
 from dataclasses import dataclass
 
 from agentd._errors import Rejection
-from agentd._schemas import NS_CORE
+from agentd._schemas import NS_CORE, schema
 from agentd._xml import c14n, parse_untrusted
 from agentd.platform._prompts import Tool, ToolCatalogue
 
@@ -42,6 +44,8 @@ _EMPTY_FENCE = re.compile(r"```[A-Za-z0-9_+\-]*\s*```")
 _ANSWER_WRAP = re.compile(r"\A\s*<answer>(.*)</answer>\s*\Z", re.DOTALL)
 _XMLNS = re.compile(r"""\bxmlns\s*=\s*["']([^"']*)["']""")
 MAX_CANDIDATE_BYTES = 256 * 1024
+_INTENT = "{" + NS_CORE + "}intent"
+_CORE_SCHEMA = schema(NS_CORE)
 
 
 @dataclass(frozen=True)
@@ -155,6 +159,11 @@ def _candidate(
     key = el.tag
     if tool is None:
         tool = catalogue.by_key.get(key)
+    if tool is None and key == _INTENT:
+        # Semantic routing: the agent says what it needs; the pump picks the tool.
+        return ("call", c14n(el)) if _CORE_SCHEMA.validate(el) else (
+            "notice", "huh invalid-payload: an <intent> holds one <text> element."
+        )
     if tool is None:
         if key in catalogue.result_keys or key.startswith("{" + NS_CORE + "}"):
             return None  # an echo of a result, or of a notice: prose
