@@ -365,3 +365,36 @@ async def test_introspect_ranking_shows_only_permitted_listeners() -> None:
     assert ranking.selected == "files.erase"
     as_json: dict[str, Any] = ranking.as_json()
     assert set(as_json) == {"ranking", "selected"}
+
+
+def test_eval_routes_prints_accuracy_and_abstain_rate_per_profile(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from agentd.cli import main
+
+    config = tmp_path / "organism.yaml"
+    config.write_text(organism_text(FakeLLM("openai")))  # never called: lexical, no fill
+    labelled = tmp_path / "labelled.yaml"
+    labelled.write_text(
+        "- {profile: users, text: read the contents of main.rs, expect: files.read}\n"
+        "- {profile: users, text: list the entries of the tmp directory, expect: files.list}\n"
+        "- {profile: users, text: wipe clean the temp files, expect: null}\n"
+        "- {profile: admin, text: wipe clean the temp files, expect: files.erase}\n"
+        "- {profile: admin, text: send an email message to bob, expect: mail.send}\n"
+        "- {profile: admin, text: zebra quokka, expect: files.read}\n"
+    )
+    result = CliRunner().invoke(main, ["eval-routes", "--config", str(config), "--json",
+                                       str(labelled)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(result.stdout)
+    assert figures["users"] == {"items": 3, "top1_accuracy": 1.0, "top3_accuracy": 1.0,
+                                "abstain_rate": 0.3333, "abstain_correct": 1.0}
+    assert figures["admin"]["top1_accuracy"] == 0.6667
+    assert figures["admin"]["abstain_rate"] == 0.3333
+    text = CliRunner().invoke(main, ["eval-routes", "--config", str(config), "--misses",
+                                     str(labelled)])
+    assert "profile=users top1_accuracy=1.0" in text.output.replace("items=3 ", "")
+    assert "miss: 'zebra quokka' expected=files.read got=-" in text.output
+    labelled.write_text("- {profile: ghosts, text: x, expect: null}\n")
+    refused = CliRunner().invoke(main, ["eval-routes", "--config", str(config), str(labelled)])
+    assert refused.exit_code == 1 and "no profile named 'ghosts'" in refused.output

@@ -16,10 +16,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+from weakref import WeakKeyDictionary
 
 import numpy as np
 
-from agentd._routing import Listener, Profile
+from agentd._routing import DispatchTable, Listener, Profile
 from agentd.embeddings import Embedder, Matrix, similarities
 
 _DOCUMENTS_KEPT = 64  # candidate sets whose vectors are kept (absolute providers)
@@ -69,6 +70,9 @@ class Ranker:
     def __init__(self, embedder: Embedder) -> None:
         self.embedder = embedder
         self._documents: OrderedDict[tuple[str, ...], Matrix] = OrderedDict()
+        self._candidates: WeakKeyDictionary[
+            DispatchTable, dict[str | None, tuple[tuple[Listener, ...], tuple[str, ...]]]
+        ] = WeakKeyDictionary()
 
     async def _matrix(self, texts: tuple[str, ...]) -> Matrix:
         if self.embedder.corpus_relative:
@@ -82,12 +86,27 @@ class Ranker:
             self._documents.move_to_end(texts)
         return found
 
+    def candidates(
+        self, profile: Profile, sender: Listener | None
+    ) -> tuple[tuple[Listener, ...], tuple[str, ...]]:
+        """`permitted(profile, sender)` and their texts, computed once per table and
+        sender: tables are immutable (a reload builds new ones)."""
+        per_table = self._candidates.get(profile.table)
+        if per_table is None:
+            per_table = self._candidates[profile.table] = {}
+        key = None if sender is None else sender.name
+        found = per_table.get(key)
+        if found is None:
+            listeners = permitted(profile, sender)
+            found = per_table[key] = (listeners, tuple(candidate_text(x) for x in listeners))
+        return found
+
     async def rank(
-        self, text: str, candidates: Sequence[Listener], threshold: float, top_k: int
+        self, text: str, profile: Profile, sender: Listener | None, threshold: float, top_k: int
     ) -> Ranking:
+        candidates, texts = self.candidates(profile, sender)
         if not candidates:
             return Ranking((), None, threshold)
-        texts = tuple(candidate_text(lst) for lst in candidates)
         matrix = await self._matrix(texts)
         query = await self.embedder.embed_query(text, texts)
         scores = similarities(query, matrix) if matrix.shape[1] else np.zeros(len(texts))

@@ -26,7 +26,7 @@ from agentd.llm import LlmError
 from agentd.platform import BudgetExceeded, Platform
 from agentd.pump import IntentOutcome
 from agentd.semantic._filler import fill_prompt, read_fill
-from agentd.semantic._ranking import Ranker, Ranking, permitted
+from agentd.semantic._ranking import Ranker, Ranking
 
 log = logging.getLogger("agentd.semantic")
 
@@ -69,9 +69,7 @@ class SemanticRouter:
     async def rank(self, text: str, profile: Profile, sender: Listener | None = None) -> Ranking:
         """The permitted ranking for `text` in `profile` (for `sender`'s peers)."""
         semantic = settings_of(profile)
-        return await self.ranker.rank(
-            text, permitted(profile, sender), semantic.threshold, semantic.top_k
-        )
+        return await self.ranker.rank(text, profile, sender, semantic.threshold, semantic.top_k)
 
     async def resolve(
         self, text: str, sender: str, sender_listener: Listener | None, frame: Frame
