@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -159,10 +160,17 @@ async def test_a_client_intent_is_filled_and_dispatched_as_its_own_request() -> 
     assert "request/1 files.read alice" in journal  # dispatched as alice's, one hop on
 
 
-async def test_delete_the_temp_files_never_reaches_erase_outside_the_profile() -> None:
+async def test_delete_the_temp_files_never_reaches_erase_outside_the_profile(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
     async with organism(good_filler) as (h, server):
         frames = await h.send("alice", intent("alice", "delete the temp files"))
+        masked = await h.send("alice", intent("alice", "wipe clean"))
         journal = await journal_text(h)
+    assert frame_kind(masked[-1])[:2] == ("core", "huh")
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert "intent" in logged and not any(word in logged for word in ERASE_WORDS[:2])
     assert all(b"files.erase" not in f for f in frames)
     last = frame_kind(frames[-1])[:2]
     assert last in {("core", "huh"), ("files.read", "done"), ("files.list", "done"),
