@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING, Any
 from agentd import _metrics as metrics
 from agentd._threads import log_ids
 from agentd.config import AgentConfig, OrganismConfig
-from agentd.llm import ChatMessage, LlmError, LlmRequest, LlmRouter
+from agentd.llm import ChatMessage, LlmError, LlmRequest, LlmResponse, LlmRouter
 from agentd.llm._types import Role
-from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
+from agentd.platform._budget import BudgetExceeded, BudgetLedger, Reservation, Scope
 from agentd.platform._context import (
     AssembledContext,
     Fragment,
@@ -406,13 +406,7 @@ class Platform:
         except BaseException:  # cancelled (handler timeout): the reservation is freed
             self.budgets.settle(reservation, None)
             raise
-        used = 0 if response.cached else response.total_tokens
-        self.budgets.settle(reservation, used)
-        if not response.cached:
-            metrics.llm_tokens.labels(agent, response.backend, "input").inc(response.input_tokens)
-            metrics.llm_tokens.labels(agent, response.backend, "output").inc(
-                response.output_tokens
-            )
+        self._settle(agent, reservation, response)
         self._audit("llm-call", thread, {
             "agent": agent,
             "backend": response.backend,
@@ -458,12 +452,7 @@ class Platform:
         except BaseException:
             self.budgets.settle(reservation, None)
             raise
-        self.budgets.settle(reservation, 0 if response.cached else response.total_tokens)
-        if not response.cached:
-            metrics.llm_tokens.labels(ROUTER, response.backend, "input").inc(response.input_tokens)
-            metrics.llm_tokens.labels(ROUTER, response.backend, "output").inc(
-                response.output_tokens
-            )
+        self._settle(ROUTER, reservation, response)
         self._audit_sink("llm-call", conversation, {
             "agent": ROUTER, "backend": response.backend, "request_sha256": request.key,
             "input_tokens": response.input_tokens, "output_tokens": response.output_tokens,
@@ -474,6 +463,16 @@ class Platform:
             response.text, response.input_tokens, response.output_tokens, response.backend,
             response.cached, request.key, response.transport_s,
         )
+
+    def _settle(self, agent: str, reservation: Reservation, response: LlmResponse) -> None:
+        """Charge the budgets what the provider reported (a cache hit costs nothing)
+        and count the tokens in `agentd_llm_tokens_total`."""
+        self.budgets.settle(reservation, 0 if response.cached else response.total_tokens)
+        if not response.cached:
+            metrics.llm_tokens.labels(agent, response.backend, "input").inc(response.input_tokens)
+            metrics.llm_tokens.labels(agent, response.backend, "output").inc(
+                response.output_tokens
+            )
 
     def _report(self, agent: str, thread: str, event: SecurityEvent,
                 seen: set[tuple[str, str, str]]) -> None:
