@@ -406,3 +406,27 @@ def test_eval_routes_prints_accuracy_and_abstain_rate_per_profile(tmp_path: Path
     labelled.write_text("- {profile: ghosts, text: x, expect: null}\n")
     refused = CliRunner().invoke(main, ["eval-routes", "--config", str(config), str(labelled)])
     assert refused.exit_code == 1 and "no profile named 'ghosts'" in refused.output
+
+
+async def test_openai_embeddings_never_see_a_masked_description() -> None:
+    from agentd.config import LlmBackendConfig
+    from agentd.embeddings import OpenAIEmbedder
+
+    def embed(text: str) -> list[float]:
+        words = text.lower().split()
+        return [1.0 + sum(w.startswith(p) for w in words) for p in ("read", "list", "mail")]
+
+    routing = _routing()
+    async with FakeLLM("openai", embed=embed) as server:
+        backend = LlmBackendConfig(name="emb", provider="openai", base_url=server.base_url,
+                                   model="chat")
+        router = SemanticRouter(OpenAIEmbedder(backend, "embed-1"), lambda: None)
+        try:
+            ranking = await router.rank("wipe clean the temp files", routing.profiles["users"])
+        finally:
+            await router.aclose()
+    assert server.requests and all(s.path == "/v1/embeddings" for s in server.requests)
+    masked = ("Erases temporary files", "delete remove wipe clean temp files")
+    for seen in server.requests:
+        assert not any(text in seen.body.decode() for text in masked)
+    assert "files.erase" not in {name for name, _ in ranking.entries}
