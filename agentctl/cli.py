@@ -328,6 +328,16 @@ def memory_forget(ctx: click.Context, agent: str, memory_id: str) -> None:
           unwrap="memory")
 
 
+@introspect.command("route")
+@click.argument("profile")
+@click.argument("text")
+@click.pass_context
+def introspect_route(ctx: click.Context, profile: str, text: str) -> None:
+    """The permitted ranking for intent TEXT in PROFILE, with scores."""
+    _send(ctx, "introspect", {"what": "route", "profile": profile, "text": text},
+          unwrap="route")
+
+
 @main.command()
 @click.option("--thread", type=click.UUID, metavar="UUID", help="Only this thread.")
 @click.option("--limit", type=click.IntRange(min=1), metavar="N",

@@ -46,6 +46,7 @@ from agentd.isolation import IsolationPools
 from agentd.kernel import Kernel
 from agentd.oob import format_time, result_element
 from agentd.pump import Pump
+from agentd.semantic import SemanticRouter
 
 if TYPE_CHECKING:
     from agentd.platform import AgentHandlers
@@ -117,6 +118,7 @@ class Daemon:
         self.kernel: Kernel | None = None
         self.routing: Routing | None = None
         self.pump: Pump | None = None
+        self.router: SemanticRouter | None = None  # core `intent` (semantic routing)
         self.bus: Any = None
         self.oob: Any = None
         self.metrics_server: Any = None
@@ -143,6 +145,11 @@ class Daemon:
     def agents(self) -> AgentHandlers | None:
         """The handlers of the live routing's agents (None: no agents)."""
         return self.platforms.current
+
+    def _agent_platform(self) -> Any:
+        """The live LLM platform (semantic routing fills payloads through it)."""
+        handlers = self.platforms.current
+        return handlers.platform if handlers is not None else None
 
     async def start(self) -> None:
         """Check everything, open the kernel, build and recover, and bind the
@@ -188,6 +195,8 @@ class Daemon:
             self.agents.platform.bind_threads(self.pump.registry)
         self.pump.on_security = self.audit
         self.pump.meta_flags = config.meta
+        self.router = SemanticRouter.from_config(config, self._agent_platform)
+        self.pump.intents = self.router
         resumed = await self.pump.recover()
         if resumed:
             log.info("recovered messages=%d", resumed)
@@ -341,6 +350,8 @@ class Daemon:
         if self.metrics_server is not None:
             await self.metrics_server.close()
         await self.platforms.aclose()
+        if self.router is not None:
+            await self.router.aclose()
         if self.kernel is not None:
             await self.kernel.close()
             self.kernel = None
@@ -430,6 +441,8 @@ class DaemonCommands:
                 return result_element("reload", diff)
             if name == "introspect" and args.get("what") == "context":
                 return await self._context(args)
+            if name == "introspect" and args.get("what") == "route":
+                return await self._route(args)
             if name == "introspect":
                 return self._introspect(args)
             if name == "memory":
@@ -573,6 +586,22 @@ class DaemonCommands:
                 raise CommandFailed("invalid", f"agent {agent} has no memory {memory_id!r}")
             return result_element("memory", {"agent": agent, "id": memory_id, "forgotten": True})
         raise CommandFailed("invalid", "action must be add, list or forget")
+
+    async def _route(self, args: Mapping[str, str]) -> etree._Element:
+        """The permitted ranking of TEXT in PROFILE, with scores: only listeners the
+        profile's table holds are ever scored (what operators tune thresholds with)."""
+        from agentd.oob import CommandFailed
+
+        d = self.daemon
+        assert d.routing is not None and d.router is not None
+        name, text = args.get("profile", ""), args.get("text", "")
+        profile = d.routing.profiles.get(name)
+        if profile is None:
+            raise CommandFailed("invalid", f"no profile named {name!r}")
+        if not text.strip():
+            raise CommandFailed("invalid", "the intent text is empty")
+        ranking = await d.router.rank(text, profile)
+        return result_element("route", {"profile": name, **ranking.as_json()})
 
     async def _journal(self, args: Mapping[str, str]) -> etree._Element:
         d = self.daemon

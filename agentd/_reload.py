@@ -40,7 +40,7 @@ log = logging.getLogger("agentd.reload")
 
 # Settings a reload applies; every other change to these sections waits for a restart.
 _RELOADED = frozenset({"bus.tls", "auth.clients_file", "oob.authorized_keys"})
-_READ_AT_START = ("bus", "auth", "oob", "metrics", "pump", "journal")
+_READ_AT_START = ("bus", "auth", "oob", "metrics", "pump", "journal", "embeddings")
 _FEDERATION_AT_START = ("identity", "federation", "gateways")  # whole sections, optional
 
 

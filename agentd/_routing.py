@@ -21,7 +21,7 @@ from agentd._waiters import WaiterQueue
 from agentd._xmlify import XmlSpec, spec_of
 
 if TYPE_CHECKING:
-    from agentd.config import ListenerConfig, OrganismConfig
+    from agentd.config import ListenerConfig, OrganismConfig, SemanticRoutingConfig
 
 # A routing key in Clark notation, "{namespace}localname": the payload element's tag
 # as lxml reports it, so routing needs no string building on the hot path.
@@ -96,6 +96,8 @@ class Profile:
     name: str
     table: DispatchTable
     token_budget: int | None = None
+    allow_intents: bool = False  # may a client of this profile send core `intent`?
+    semantic: SemanticRoutingConfig | None = None  # routing.semantic with its overrides
 
 
 def build_table(version: int, listeners: Iterable[Listener]) -> DispatchTable:
@@ -202,7 +204,13 @@ class Routing:
                 if pcfg.listeners == "all"
                 else [listeners[n] for n in pcfg.listeners]
             )
-            profiles[pname] = Profile(pname, build_table(version, chosen), pcfg.token_budget)
+            semantic = config.routing.semantic
+            if pcfg.routing is not None:
+                semantic = pcfg.routing.semantic.over(semantic)
+            profiles[pname] = Profile(
+                pname, build_table(version, chosen), pcfg.token_budget, pcfg.allow_intents,
+                semantic,
+            )
         return cls(
             version,
             MappingProxyType(listeners),
@@ -222,6 +230,7 @@ def listener_signature(cfg: ListenerConfig | None) -> tuple[Any, ...]:
         cfg.agent,
         cfg.peers,
         cfg.description,
+        cfg.semantic_description,
         cfg.max_concurrency,
         cfg.timeout_s,
         cfg.tool,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -120,6 +121,52 @@ def verify_journal(state_dir: Path) -> None:
     from agentd.kernel import verify_journal_main
 
     sys.exit(verify_journal_main(state_dir))
+
+
+@main.command("eval-routes")
+@click.option("--config", "config_file", required=True,
+              type=click.Path(dir_okay=False, path_type=Path), help="The organism.yaml.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout.")
+@click.option("--misses", is_flag=True, help="Also list every item the router got wrong.")
+@click.argument("labelled", type=click.Path(dir_okay=False, path_type=Path))
+def eval_routes(config_file: Path, as_json: bool, misses: bool, labelled: Path) -> None:
+    """Run a labelled file of intents against the organism's profiles and
+    embeddings, offline: top-1/top-3 accuracy and abstain rate per profile."""
+    import json
+
+    from agentd.config import load_config
+    from agentd.semantic import (
+        SemanticRouter,
+        evaluate,
+        read_labelled,
+        routing_for_evaluation,
+    )
+
+    async def run() -> dict[str, Any]:
+        config = load_config(config_file)
+        items = read_labelled(labelled.read_text(encoding="utf-8"), str(labelled))
+        router = SemanticRouter.from_config(config, lambda: None)
+        try:
+            return await evaluate(router, routing_for_evaluation(config), items)
+        finally:
+            await router.aclose()
+
+    try:
+        scores = asyncio.run(run())
+    except (ConfigError, OSError) as exc:
+        for issue in getattr(exc, "issues", None) or [str(exc)]:
+            click.echo(issue, err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps({p: s.figures() for p, s in scores.items()}, indent=2))
+        return
+    for profile, score in scores.items():
+        figures = score.figures()
+        shown = " ".join(f"{k}={'-' if v is None else v}" for k, v in figures.items())
+        click.echo(f"profile={profile} {shown}")
+        if misses:
+            for text, expect, selected in score.misses:
+                click.echo(f"  miss: {text!r} expected={expect or '-'} got={selected or '-'}")
 
 
 @main.command("demo")

@@ -92,6 +92,11 @@ class Harness:
             shape=envelope_shape(config.bus),
         )
         self.pump.meta_flags = config.meta
+        from agentd.semantic import SemanticRouter  # late: numpy only when a harness runs
+
+        platform = getattr(agent_handlers, "platform", None)
+        self.router = SemanticRouter.from_config(config, lambda: platform)
+        self.pump.intents = self.router
         if self._own_platform is not None:
             self._own_platform.bind_threads(self.pump.registry)
 
@@ -123,6 +128,7 @@ class Harness:
     ) -> None:
         await self.pump.stop()
         await self.isolation.stop()
+        await self.router.aclose()
         if self._own_platform is not None:
             await self._own_platform.aclose()
         if self.kernel is not None:

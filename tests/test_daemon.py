@@ -168,6 +168,17 @@ async def test_every_privileged_command_against_a_real_daemon(home: Path) -> Non
         code, doc = await asyncio.to_thread(d.agentctl, "introspect", "thread", thread)
         assert code == 0 and "alice" in str(doc["result"])  # the private path, here only
 
+        code, doc = await asyncio.to_thread(
+            d.agentctl, "introspect", "route", "public", "add two integers"
+        )
+        route = doc["result"]["route"]
+        assert code == 0 and route["profile"] == "public", doc
+        assert route["selected"] == "calculator.add"
+        assert route["ranking"][0]["listener"] == "calculator.add"
+        assert 0.2 <= route["ranking"][0]["score"] <= 1.0
+        code, doc = await asyncio.to_thread(d.agentctl, "introspect", "route", "nope", "x")
+        assert code == 1 and not doc["ok"]
+
         code, doc = await asyncio.to_thread(d.agentctl, "journal", "--thread", thread)
         assert code == 0 and "calculator.add" in str(doc["result"])
         code, doc = await asyncio.to_thread(d.agentctl, "introspect", "schema", "nope")
@@ -175,7 +186,7 @@ async def test_every_privileged_command_against_a_real_daemon(home: Path) -> Non
 
         # Every command above is in the journal as an audit event.
         code, doc = await asyncio.to_thread(d.agentctl, "journal", "--limit", "50")
-        assert code == 0 and str(doc["result"]).count("oob-command") >= 8
+        assert code == 0 and str(doc["result"]).count("oob-command") >= 10
 
         code, doc = await asyncio.to_thread(d.agentctl, "shutdown")
         assert code == 0

@@ -113,10 +113,12 @@ def test_settings_read_at_start_are_reported_as_needing_a_restart(home: Path) ->
     def move(doc: dict[str, Any]) -> None:
         doc["bus"]["port"] = 1
         doc["metrics"]["listen"] = "127.0.0.1:2"
+        doc["embeddings"] = {"provider": "local", "path": "."}
 
     plan = plan_after(home, move)
-    assert plan.restart_needed == ("bus.port", "metrics.listen")
-    assert plan.result(2, dry_run=True)["restart_needed"] == ["bus.port", "metrics.listen"]
+    moved = ["bus.port", "metrics.listen", "embeddings.provider", "embeddings.path"]
+    assert plan.restart_needed == tuple(moved)
+    assert plan.result(2, dry_run=True)["restart_needed"] == moved
 
 
 def test_removing_the_bus_or_the_clients_file_is_refused(home: Path) -> None:

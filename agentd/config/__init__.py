@@ -20,6 +20,13 @@ from agentd.config.organism import (
     load_config,
     load_config_text,
 )
+from agentd.config.routing import (
+    DEFAULT_SEMANTIC,
+    ProfileRoutingConfig,
+    RoutingConfig,
+    SemanticOverride,
+    SemanticRoutingConfig,
+)
 from agentd.config.schema import organism_schema, organism_schema_text
 from agentd.config.sections import (
     EXTRACTIVE,
@@ -46,6 +53,7 @@ from agentd.kernel import Retention
 
 __all__ = [
     "CLIENT_ID",
+    "DEFAULT_SEMANTIC",
     "EXTRACTIVE",
     "AgentConfig",
     "AgentContextConfig",
@@ -69,8 +77,12 @@ __all__ = [
     "OrganismConfig",
     "OrganismDocument",
     "ProfileConfig",
+    "ProfileRoutingConfig",
     "PumpConfig",
     "Retention",
+    "RoutingConfig",
+    "SemanticOverride",
+    "SemanticRoutingConfig",
     "TlsConfig",
     "check_config_main",
     "load_config",

@@ -25,6 +25,7 @@ from agentd._errors import ConfigError
 from agentd.config import sections
 from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.reader import Document, Issues, nulls_as_empty, read_document
+from agentd.config.routing import RoutingConfig
 from agentd.config.tools import ToolConfig
 
 K = TypeVar("K")
@@ -66,6 +67,7 @@ class ListenerConfig:
     handler: Callable[..., Any] | None = None
     agent: sections.AgentConfig | None = None
     description: str = ""
+    semantic_description: str = ""  # extra text semantic routing matches (not shown to LLMs)
     peers: tuple[str, ...] = ()
     max_concurrency: int | None = None  # None: pump.per_listener_concurrency
     timeout_s: float | None = None  # None: pump.handler_timeout_s
@@ -95,6 +97,7 @@ class OrganismConfig:
     listeners: tuple[ListenerConfig, ...] = ()
     meta: sections.MetaConfig = field(default_factory=sections.MetaConfig)
     embeddings: EmbeddingsConfig = field(default_factory=EmbeddingsConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     digest: str = ""  # SHA-256 hex of the file's bytes
     python_path: tuple[Path, ...] = ()
     identity: sections.IdentityConfig | None = None
@@ -259,6 +262,7 @@ def _load(
         listeners=listeners,
         meta=document.meta,
         embeddings=document.embeddings,
+        routing=document.routing,
         digest=digest,
         python_path=document.python_path,
         identity=document.identity,
@@ -287,6 +291,7 @@ def _listener(
         handler=None if section.handler is None else section.handler.value,
         agent=section.agent,
         description=description,
+        semantic_description=section.semantic_description or "",
         peers=section.peers,
         max_concurrency=section.max_concurrency,
         timeout_s=section.timeout_s,

@@ -14,6 +14,7 @@ from typing import Any
 
 from agentd.config import imports
 from agentd.config.embeddings import embeddings_references
+from agentd.config.routing import routing_references
 from agentd.config.values import NAME_PATTERN, Problem
 
 LineOf = Callable[[tuple[str | int, ...]], int]
@@ -43,6 +44,7 @@ def cross_references(data: dict[str, Any], line_of: LineOf) -> list[Problem]:
     problems += _isolation(listeners, data.get("profiles"))
     problems += embeddings_references(data)
     problems += _gateways(data, names)
+    problems += routing_references(data)
     return problems
 
 

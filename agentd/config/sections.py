@@ -22,6 +22,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.references import cross_references
+from agentd.config.routing import ProfileRoutingConfig, RoutingConfig
 from agentd.config.tools import ToolConfig
 from agentd.config.values import (
     AnyText,
@@ -248,6 +249,8 @@ class ProfileConfig:
     synchronous: Synchronous | None = None  # overrides journal.synchronous
     token_budget: Positive | None = None
     isolation: IsolationConfig | None = None  # for its handler listeners without their own
+    allow_intents: Bool = False  # may its clients send core `intent`? (agents always may)
+    routing: ProfileRoutingConfig | None = None  # overrides routing.semantic's values
     name: SkipJsonSchema[str] = ""  # its key in `profiles`, filled in by the loader
 
     _rules = rules(lambda data, _: _name_is_the_key(data), "profile")
@@ -338,6 +341,7 @@ class ListenerSection:
     tool: ToolConfig | None = None
     # Required for handlers; agents and tools: their payload's docstring.
     description: AnyText | None = None
+    semantic_description: AnyText | None = None  # more text for semantic routing to match
     peers: Names = ()
     max_concurrency: Positive | None = None  # None: pump.per_listener_concurrency
     timeout_s: Seconds | None = None  # None: pump.handler_timeout_s
@@ -417,6 +421,7 @@ class OrganismDocument:
     identity: IdentityConfig | None = None
     federation: FederationConfig | None = None
     gateways: tuple[GatewayConfig, ...] = ()
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
 
     _rules = rules(
         lambda data, context: cross_references(data, context.get("line_of", _no_line)),

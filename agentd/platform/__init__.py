@@ -51,7 +51,7 @@ from agentd.platform._platform import (
     ThreadScope,
     registry_resolver,
 )
-from agentd.platform._prompts import AgentPrompt, PromptRegistry, ToolCatalogue
+from agentd.platform._prompts import AgentPrompt, PromptRegistry, Tool, ToolCatalogue
 from agentd.platform._reply import ParsedReply, parse_reply
 
 __all__ = [
@@ -81,6 +81,7 @@ __all__ = [
     "SecurityEvent",
     "TaskState",
     "ThreadScope",
+    "Tool",
     "ToolCatalogue",
     "Turn",
     "assemble",

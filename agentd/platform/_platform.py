@@ -51,15 +51,17 @@ from agentd.context import (
     extract,
     text_vectors,
 )
-from agentd.llm import ChatMessage, LlmError, LlmRequest, LlmRouter
+from agentd.llm import ChatMessage, LlmError, LlmRequest, LlmResponse, LlmRouter
 from agentd.llm._types import Role
-from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
+from agentd.platform._budget import BudgetExceeded, BudgetLedger, Reservation, Scope
 from agentd.platform._context import (
     AssembledContext,
     Fragment,
     Layer,
     SecurityEvent,
     assemble,
+    block,
+    neutralise,
     prepare,
     prepare_keyed,
     validate_no_override,
@@ -85,6 +87,7 @@ log = logging.getLogger("agentd.platform")
 AuditFn = Callable[[str, str, Mapping[str, Any]], None]
 SECURITY = "security"  # the audit kind of security events
 MAX_ANSWER_CHARS = 60_000  # core:text allows 65536
+ROUTER = "router"  # the name semantic routing's form-filling calls are counted under
 
 
 class IsolationError(Exception):
@@ -600,18 +603,13 @@ class Platform:
         except BaseException:  # cancelled (handler timeout): the reservation is freed
             self.budgets.settle(reservation, None)
             raise
-        used = 0 if response.cached else response.total_tokens
-        self.budgets.settle(reservation, used)
+        self._settle(agent, reservation, response)
         if thread in self._tasks:  # what was unfolded has been shown
             self._tasks[thread].context.unpin()
         if not response.cached:
             self.tokens.observe(response.backend,
                                 -(-_request_bytes(request.system, request.messages) // 4),
                                 response.input_tokens)
-            metrics.llm_tokens.labels(agent, response.backend, "input").inc(response.input_tokens)
-            metrics.llm_tokens.labels(agent, response.backend, "output").inc(
-                response.output_tokens
-            )
         self._audit("llm-call", thread, {
             "agent": agent,
             "backend": response.backend,
@@ -630,6 +628,54 @@ class Platform:
             response.text, response.input_tokens, response.output_tokens, response.backend,
             response.cached, request.key, response.transport_s,
         )
+
+    async def fill(
+        self, thread: str, system: str, data: str, backend: str, max_tokens: int = 1024
+    ) -> Completion:
+        """One call for semantic routing's form filler (not an agent: no task, no
+        history): `system` states the payload to fill, `data` is the sender's intent,
+        spotlighted as untrusted data. Charged to the conversation's budget,
+        counted and audited like an agent's call, under the name `router`."""
+        nonce = secrets.token_hex(8)
+        cleaned, _ = neutralise(data)
+        spotlit = block(Fragment(Layer.DELEGATED, cleaned, "intent"), nonce)
+        request = LlmRequest(
+            system=system,
+            messages=(ChatMessage("user", spotlit),),
+            max_tokens=max_tokens, temperature=0.0, nonce=nonce, agent=ROUTER,
+        )  # fmt: skip
+        scope = self._resolve(thread) if self._resolve is not None else None
+        conversation = scope.conversation if scope is not None else thread
+        scopes = [Scope(f"conversation:{conversation}", scope.token_budget if scope else None)]
+        reservation = self.budgets.reserve(scopes, request.estimated_input_tokens, max_tokens)
+        if reservation.max_output != request.max_tokens:
+            request = request.with_max_tokens(reservation.max_output)
+        try:
+            response = await self._router.complete(request, prefer=backend)
+        except BaseException:
+            self.budgets.settle(reservation, None)
+            raise
+        self._settle(ROUTER, reservation, response)
+        self._audit_sink("llm-call", conversation, {
+            "agent": ROUTER, "backend": response.backend, "request_sha256": request.key,
+            "input_tokens": response.input_tokens, "output_tokens": response.output_tokens,
+            "cached": response.cached, "outcome": "ok",
+            **({"frame": thread} if thread != conversation else {}),
+        })  # fmt: skip
+        return Completion(
+            response.text, response.input_tokens, response.output_tokens, response.backend,
+            response.cached, request.key, response.transport_s,
+        )
+
+    def _settle(self, agent: str, reservation: Reservation, response: LlmResponse) -> None:
+        """Charge the budgets what the provider reported (a cache hit costs nothing)
+        and count the tokens in `agentd_llm_tokens_total`."""
+        self.budgets.settle(reservation, 0 if response.cached else response.total_tokens)
+        if not response.cached:
+            metrics.llm_tokens.labels(agent, response.backend, "input").inc(response.input_tokens)
+            metrics.llm_tokens.labels(agent, response.backend, "output").inc(
+                response.output_tokens
+            )
 
     def _report(self, agent: str, thread: str, event: SecurityEvent,
                 seen: set[tuple[str, str, str]]) -> None:

@@ -20,6 +20,8 @@ Each candidate then becomes one of:
   the judge of its own permissions;
 - an unfold: core `unfold` {`segment`}, answered by the platform itself (the
   segment is expanded for the next call); nothing is sent;
+- an intent: core `intent` {text}, valid against the core schema, is a call too
+  (the pump's semantic router picks and fills the tool);
 - prose: an element that is an echo of a known result type, or of the core
   namespace, or anything without a namespace that is not a tool name.
 
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentd._errors import Rejection
-from agentd._schemas import NS_CORE
+from agentd._schemas import NS_CORE, schema
 from agentd._xml import c14n, parse_untrusted
 from agentd.platform._prompts import Tool, ToolCatalogue
 
@@ -45,6 +47,8 @@ _EMPTY_FENCE = re.compile(r"```[A-Za-z0-9_+\-]*\s*```")
 _ANSWER_WRAP = re.compile(r"\A\s*<answer>(.*)</answer>\s*\Z", re.DOTALL)
 _XMLNS = re.compile(r"""\bxmlns\s*=\s*["']([^"']*)["']""")
 MAX_CANDIDATE_BYTES = 256 * 1024
+_INTENT = "{" + NS_CORE + "}intent"
+_CORE_SCHEMA = schema(NS_CORE)
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,11 @@ def _candidate(
         tool = catalogue.by_key.get(key)
     if key == _UNFOLD:
         return _unfold(el)
+    if tool is None and key == _INTENT:
+        # Semantic routing: the agent says what it needs; the pump picks the tool.
+        return ("call", c14n(el)) if _CORE_SCHEMA.validate(el) else (
+            "notice", "huh invalid-payload: an <intent> holds one <text> element."
+        )
     if tool is None:
         if key in catalogue.result_keys or key.startswith("{" + NS_CORE + "}"):
             return None  # an echo of a result, or of a notice: prose

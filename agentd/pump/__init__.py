@@ -5,7 +5,21 @@ Other packages use what is exported here; the modules inside are the pump's own
 """
 
 from agentd.pump.batch import DeliverFn
-from agentd.pump.message import CORE, SubmitResult
+from agentd.pump.message import (
+    CORE,
+    NO_CAPABILITY,
+    IntentOutcome,
+    IntentResolver,
+    SubmitResult,
+)
 from agentd.pump.pump import Pump
 
-__all__ = ["CORE", "DeliverFn", "Pump", "SubmitResult"]
+__all__ = [
+    "CORE",
+    "NO_CAPABILITY",
+    "DeliverFn",
+    "IntentOutcome",
+    "IntentResolver",
+    "Pump",
+    "SubmitResult",
+]

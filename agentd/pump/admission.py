@@ -33,6 +33,7 @@ from agentd.pump.message import CORE, Message, MsgKind
 
 _CORE_SCHEMA = schema(NS_CORE)
 _ANSWER = "{" + NS_CORE + "}answer"
+INTENT = "{" + NS_CORE + "}intent"
 
 
 class Violation(Rejection):
@@ -93,10 +94,27 @@ def route_request(
     if len(targets) != 1 or targets[0].retired:
         targets = tuple(t for t in targets if not t.retired)
     if not targets:
+        if key == INTENT:  # checked only here: no cost for routable messages
+            return intent_message(env, data, sender, sender_listener, frame)
         raise Rejection(HuhCode.UNROUTABLE, f"no route for {key}")
     spec = table.specs[key]
     validate(spec, env)
     return Message(MsgKind.REQUEST, sender, frame, env.payload, targets, spec, data)
+
+
+def intent_message(
+    env: Envelope, data: bytes, sender: str, sender_listener: Listener | None, frame: Frame
+) -> Message:
+    """Core `intent`: accepted from an LLM agent, or from a client whose profile
+    allows intents; the pump's intent resolver then picks and fills a payload. A
+    sender that may not send intents is told what any unroutable key tells it."""
+    allowed = (
+        sender_listener.is_agent if sender_listener is not None else frame.profile.allow_intents
+    )
+    if not allowed or env.to is not None:
+        raise Rejection(HuhCode.UNROUTABLE, f"no route for {env.key}")
+    validate_core(env)
+    return Message(MsgKind.INTENT, sender, frame, env.payload, (), None, data)
 
 
 def to_holder(

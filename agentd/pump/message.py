@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Protocol
 
 from lxml import etree
 
@@ -23,6 +24,7 @@ CORE = "core"
 class MsgKind(Enum):
     REQUEST = "request"  # routed by payload key; runs the callee in a child frame
     TO_HOLDER = "to-holder"  # a response, ack or huh for the holder of the frame
+    INTENT = "intent"  # core `intent`: the pump's intent resolver picks and fills a payload
 
 
 class Message:
@@ -80,3 +82,29 @@ class SubmitResult:
     @property
     def accepted(self) -> bool:
         return self.code is None
+
+
+# The one text of every unroutable intent, whether nothing matched or every match
+# was outside the sender's profile: a sender learns nothing about what it cannot reach.
+NO_CAPABILITY = "no matching capability in your profile"
+
+
+@dataclass(frozen=True)
+class IntentOutcome:
+    """What became of a core `intent`: the filled payload (C14N bytes) for
+    `listener`, or `payload` None (unroutable). `record` is the journal's account:
+    the intent, the permitted ranking with its scores, the models tried."""
+
+    payload: bytes | None
+    listener: str | None
+    record: bytes
+
+
+class IntentResolver(Protocol):
+    """Ranks the listeners `sender` may reach from `frame` for the intent's text
+    and fills the best one's payload (semantic routing). `sender_listener` is None
+    for a client; never raises for a bad intent (it returns an unroutable outcome)."""
+
+    async def resolve(
+        self, text: str, sender: str, sender_listener: Listener | None, frame: Frame
+    ) -> IntentOutcome: ...

@@ -52,7 +52,15 @@ from agentd.pump.batch import (
     thread_row,
 )
 from agentd.pump.invoker import CallFailed, Invoker
-from agentd.pump.message import CORE, Message, MsgKind, SubmitResult
+from agentd.pump.message import (
+    CORE,
+    NO_CAPABILITY,
+    IntentOutcome,
+    IntentResolver,
+    Message,
+    MsgKind,
+    SubmitResult,
+)
 from agentd.pump.response import plan_failure, plan_response
 from agentd.pump.scheduler import Scheduler
 
@@ -60,6 +68,8 @@ log = logging.getLogger("agentd.pump")
 
 _ACTIVE = ThreadState.ACTIVE
 _REQUEST = MsgKind.REQUEST
+_INTENT = MsgKind.INTENT
+_INTENT_TEXT = "{https://xml-pipeline.org/ns/core/v1}text"
 
 
 class Pump:
@@ -88,6 +98,9 @@ class Pump:
         # the daemon journals them as entries of kind `security`.
         self.on_security: Callable[[str, Mapping[str, str]], None] | None = None
         self.meta_flags = MetaConfig()  # meta introspection on the bus: all off by default
+        # Semantic routing of core `intent` (set by the daemon); None: every intent is
+        # unroutable, and said so in the log.
+        self.intents: IntentResolver | None = None
         self._scheduler = Scheduler(
             self._handle, self.settings.max_concurrency, self.settings.max_queue
         )
@@ -370,6 +383,9 @@ class Pump:
                 self._stop_chain(root, HuhCode.BUDGET_EXCEEDED, "hop limit reached", batch)
             self._close(batch, msg)
             return
+        if msg.kind is _INTENT:
+            await self._resolve_intent(msg)
+            return
         if msg.kind is _REQUEST and len(msg.targets) > 1:
             # Broadcast: the listeners on one key run concurrently; the message counts
             # as handled once all of them have returned.
@@ -424,6 +440,57 @@ class Pump:
             batch.tx.thread_put(thread_row(frame))
             frame.persisted = True
         self._close(batch, msg if last else None)
+
+    async def _resolve_intent(self, msg: Message) -> None:
+        """Core `intent`: the resolver ranks what the sender may reach and fills a
+        payload, which then enters as the sender's own output (the same checks as
+        any handler output: schema, dispatch table, peers; one more hop). Nothing
+        fits: `huh unroutable` with the one text that never says why."""
+        frame, sender, hops = msg.frame, msg.sender, msg.hops + 1
+        # A listener never holds a root frame: on one, the sender is the client.
+        listener = None if frame.is_root else frame.profile.table.listeners.get(sender)
+        outcome: IntentOutcome | None = None
+        if self.intents is None:
+            log.warning("intent refused: semantic routing is not configured %s", frame.log_ids)
+        elif frame.is_root or listener is not None:
+            text = msg.payload.findtext(_INTENT_TEXT) or ""
+            try:
+                outcome = await self.intents.resolve(text, sender, listener, frame)
+            except Exception:  # a resolver bug: refused, loudly, never half-done
+                log.exception("intent resolver failed %s", frame.log_ids)
+        batch = self._open()
+        if outcome is not None and batch is not None:
+            batch.tx.journal(
+                thread=frame.uuid, direction="audit", kind="intent-route",
+                handler=outcome.listener or "", sender=sender, tag=msg.payload.tag,
+                payload=outcome.record, profile=frame.profile.name,
+            )  # fmt: skip
+        if outcome is None or outcome.payload is None or outcome.listener is None:
+            huh = Huh.of(HuhCode.UNROUTABLE, NO_CAPABILITY)
+            metrics.envelopes_rejected.labels(HuhCode.UNROUTABLE.value).inc()
+            self._reenter_core(frame, huh.to_bytes(), hops, batch)
+        else:
+            data = build_envelope(sender, frame.uuid, outcome.payload, to=outcome.listener)
+            if listener is not None:
+                self._reenter(data, listener, frame, frame, False, hops, batch)
+            else:
+                self._admit_filled(data, sender, frame, hops, batch)
+        self._close(batch, msg)
+
+    def _admit_filled(
+        self, data: bytes, client: str, frame: Frame, hops: int, batch: Batch | None
+    ) -> None:
+        """A client's filled intent: routed like the client's own envelope."""
+        try:
+            env = parse_envelope(data, max_bytes=self.max_envelope_bytes, shape=self.shape)
+            filled = admission.route_request(env, env.key, data, client, None, frame)
+        except Rejection as rej:
+            log.info("filled intent rejected client=%s code=%s %s detail=%s",
+                     client, rej.code.value, frame.log_ids, rej.detail)
+            self._huh_to(frame, rej.code, hops, batch)
+            return
+        filled.hops = hops
+        self._enqueue(filled, batch)
 
     def _reenter(
         self, data: bytes, listener: Listener, frame: Frame, own: Frame, respond: bool,

@@ -17,7 +17,7 @@ from agentd._errors import HuhCode, Rejection
 from agentd._routing import Listener, Profile
 from agentd._threads import Frame, ThreadRegistry, log_ids
 from agentd.kernel import Kernel, ThreadRow
-from agentd.pump.admission import response_spec, to_holder, validate
+from agentd.pump.admission import INTENT, intent_message, response_spec, to_holder, validate
 from agentd.pump.batch import REQUEST
 from agentd.pump.message import CORE, Message, MsgKind
 
@@ -72,7 +72,10 @@ def resume(
     base, _, hops = kind.partition("/")
     try:
         env = parse_envelope(data, max_bytes=max(len(data), 1))
-        if base == REQUEST:
+        if base == REQUEST and env.key == INTENT:
+            sender = listeners.get(env.sender) if env.sender != frame.owner else None
+            msg = intent_message(env, data, env.sender, sender, frame)
+        elif base == REQUEST:
             names = set(handlers.split(",")) if handlers else set()
             targets = tuple(t for t in frame.profile.table.resolve(env.key, env.to)
                             if t.name in names and not t.retired)
