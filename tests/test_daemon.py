@@ -171,7 +171,7 @@ async def test_every_privileged_command_against_a_real_daemon(home: Path) -> Non
         code, doc = await asyncio.to_thread(
             d.agentctl, "introspect", "route", "public", "add two integers"
         )
-        route = doc["result"]["route"]
+        route = doc["result"]
         assert code == 0 and route["profile"] == "public", doc
         assert route["selected"] == "calculator.add"
         assert route["ranking"][0]["listener"] == "calculator.add"
