@@ -1,0 +1,273 @@
+"""Child-side confinement: apply a policy to the current process, then exec.
+
+This file is two things. Imported, it is the code that confines the *current*
+process (`apply`): rlimits, a network namespace, another uid, Landlock, a seccomp
+filter. Run as a script (``python -I -S _shim.py FD``), it is the exec shim the
+parent spawns instead of the target: it reads the policy from descriptor FD,
+confines itself and `execve`s the target, so every restriction is in place before
+the first instruction of the untrusted program runs, without `preexec_fn` in a
+threaded parent.
+
+Invariants: it imports only the standard library (it runs with ``-I -S``, no
+site-packages, and must start fast); any failure to apply a required restriction
+ends the process with exit code `SHIM_FAILED` and a one-line reason on stderr,
+never a target that runs less confined than asked. Only what the policy marks as
+best-effort (filesystem rules on a kernel without Landlock) may be skipped, and the
+skip is reported in the returned `Applied` value.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import resource
+import struct
+import sys
+
+SHIM_FAILED = 125
+
+_SYS_LANDLOCK_CREATE_RULESET = 444
+_SYS_LANDLOCK_ADD_RULE = 445
+_SYS_LANDLOCK_RESTRICT_SELF = 446
+_LANDLOCK_CREATE_RULESET_VERSION = 1
+_LANDLOCK_RULE_PATH_BENEATH = 1
+
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_SECCOMP = 22
+_SECCOMP_MODE_FILTER = 2
+_CLONE_NEWNET = 0x40000000
+
+# Landlock filesystem rights, by the ABI that introduced them.
+FS_EXECUTE = 1 << 0
+FS_WRITE_FILE = 1 << 1
+FS_READ_FILE = 1 << 2
+FS_READ_DIR = 1 << 3
+FS_REMOVE_DIR = 1 << 4
+FS_REMOVE_FILE = 1 << 5
+FS_MAKE_CHAR = 1 << 6
+FS_MAKE_DIR = 1 << 7
+FS_MAKE_REG = 1 << 8
+FS_MAKE_SOCK = 1 << 9
+FS_MAKE_FIFO = 1 << 10
+FS_MAKE_BLOCK = 1 << 11
+FS_MAKE_SYM = 1 << 12
+FS_REFER = 1 << 13  # ABI 2
+FS_TRUNCATE = 1 << 14  # ABI 3
+FS_IOCTL_DEV = 1 << 15  # ABI 5
+NET_BIND_TCP = 1 << 0  # ABI 4
+NET_CONNECT_TCP = 1 << 1  # ABI 4
+SCOPE_ABSTRACT_UNIX_SOCKET = 1 << 0  # ABI 6
+SCOPE_SIGNAL = 1 << 1  # ABI 6
+
+# Rights that make sense on a regular file (the kernel refuses directory rights there).
+_FILE_RIGHTS = FS_EXECUTE | FS_WRITE_FILE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV
+_READ_RIGHTS = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+
+
+def fs_rights_for_abi(abi: int) -> int:
+    """Every filesystem right the kernel's Landlock ABI can restrict."""
+    if abi < 1:
+        return 0
+    rights = (1 << 13) - 1
+    if abi >= 2:
+        rights |= FS_REFER
+    if abi >= 3:
+        rights |= FS_TRUNCATE
+    if abi >= 5:
+        rights |= FS_IOCTL_DEV
+    return rights
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _c() -> ctypes.CDLL:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.syscall.restype = ctypes.c_long
+    return _libc
+
+
+def _raise_errno(what: str) -> None:
+    err = ctypes.get_errno()
+    raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version, 0 when Landlock is absent or disabled."""
+    if sys.platform != "linux" or os.uname().machine != "x86_64":
+        return 0
+    r = _c().syscall(_SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0),
+                     ctypes.c_uint32(_LANDLOCK_CREATE_RULESET_VERSION))
+    return int(r) if r > 0 else 0
+
+
+def _landlock_restrict(abi: int, read: list[str], write: list[str], listing: list[str],
+                       deny_network: bool) -> None:
+    handled_fs = fs_rights_for_abi(abi)
+    handled_net = (NET_BIND_TCP | NET_CONNECT_TCP) if deny_network and abi >= 4 else 0
+    scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0
+    if abi >= 6:
+        attr = struct.pack("=QQQ", handled_fs, handled_net, scoped)
+    elif abi >= 4:
+        attr = struct.pack("=QQ", handled_fs, handled_net)
+    else:
+        attr = struct.pack("=Q", handled_fs)
+    buf = ctypes.create_string_buffer(attr, len(attr))
+    libc = _c()
+    ruleset = libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)),
+                           ctypes.c_uint32(0))
+    if ruleset < 0:
+        _raise_errno("landlock_create_ruleset")
+    try:
+        grants = [(p, _READ_RIGHTS) for p in read]
+        grants += [(p, handled_fs) for p in write]
+        grants += [(p, FS_READ_DIR) for p in listing]
+        for path, rights in grants:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # a path that does not exist grants nothing
+            try:
+                if not os.path.isdir(path):
+                    rights &= _FILE_RIGHTS
+                rights &= handled_fs
+                if not rights:
+                    continue
+                rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)
+                if libc.syscall(_SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset),
+                                ctypes.c_int(_LANDLOCK_RULE_PATH_BENEATH), rule,
+                                ctypes.c_uint32(0)) < 0:
+                    _raise_errno(f"landlock_add_rule {path!r}")
+            finally:
+                os.close(fd)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            _raise_errno("prctl(PR_SET_NO_NEW_PRIVS)")
+        if libc.syscall(_SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset),
+                        ctypes.c_uint32(0)) < 0:
+            _raise_errno("landlock_restrict_self")
+    finally:
+        os.close(ruleset)
+
+
+# A classic-BPF seccomp filter (x86_64) that refuses setsid(2) and setpgid(2) with
+# EPERM, so nothing the child starts can leave its process group and outlive
+# kill_group; every non-x86_64 syscall ABI (i386 via int 0x80, x32) is refused too.
+_AUDIT_ARCH_X86_64 = 0xC000003E
+_X32_BIT = 0x40000000
+_NR_SETPGID = 109
+_NR_SETSID = 112
+_RET_ALLOW = 0x7FFF0000
+_RET_EPERM = 0x00050000 | 1
+
+
+def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
+    return struct.pack("=HBBI", code, jt, jf, k)
+
+
+def _seccomp_program() -> bytes:
+    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
+    return b"".join([
+        _bpf(ld_w_abs, 0, 0, 4),                       # A = arch
+        _bpf(jeq_k, 1, 0, _AUDIT_ARCH_X86_64),
+        _bpf(ret_k, 0, 0, _RET_EPERM),
+        _bpf(ld_w_abs, 0, 0, 0),                       # A = syscall number
+        _bpf(jge_k, 2, 0, _X32_BIT),
+        _bpf(jeq_k, 1, 0, _NR_SETSID),
+        _bpf(jeq_k, 0, 1, _NR_SETPGID),
+        _bpf(ret_k, 0, 0, _RET_EPERM),
+        _bpf(ret_k, 0, 0, _RET_ALLOW),
+    ])
+
+
+def _install_seccomp() -> None:
+    prog = _seccomp_program()
+    filt = ctypes.create_string_buffer(prog, len(prog))
+
+    class _SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = _SockFprog(len(prog) // 8, ctypes.cast(filt, ctypes.c_void_p))
+    libc = _c()
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        _raise_errno("prctl(PR_SET_NO_NEW_PRIVS)")
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0) != 0:
+        _raise_errno("prctl(PR_SET_SECCOMP)")
+
+
+def seccomp_available() -> bool:
+    return sys.platform == "linux" and os.uname().machine == "x86_64"
+
+
+def _unshare_network() -> bool:
+    return _c().unshare(_CLONE_NEWNET) == 0
+
+
+def apply(policy: dict) -> dict:
+    """Confine the current process by `policy` (the dict form of `Policy`).
+
+    Returns what was applied: ``{"landlock_abi", "filesystem", "network", "seccomp"}``;
+    raises OSError or RuntimeError when a required restriction cannot be applied.
+    """
+    deny_network = not policy.get("network", False)
+    net_by: list[str] = []
+    if deny_network and policy.get("netns", True) and _unshare_network():
+        net_by.append("netns")
+    if policy.get("gid") is not None:
+        os.setgroups([])
+        os.setgid(int(policy["gid"]))
+    if policy.get("uid") is not None:
+        os.setuid(int(policy["uid"]))
+    limits = (
+        (resource.RLIMIT_AS, policy.get("memory_mb"), 1024 * 1024),
+        (resource.RLIMIT_CPU, policy.get("cpu_s"), 1),
+        (resource.RLIMIT_NOFILE, policy.get("open_files"), 1),
+        (resource.RLIMIT_NPROC, policy.get("processes"), 1),
+        (resource.RLIMIT_FSIZE, policy.get("file_size_mb"), 1024 * 1024),
+    )
+    for which, value, unit in limits:
+        if value is not None:
+            resource.setrlimit(which, (int(value) * unit, int(value) * unit))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file holding its memory
+    if policy.get("cwd"):
+        os.chdir(policy["cwd"])
+    abi = landlock_abi()
+    fs = False
+    if abi >= 1 and policy.get("filesystem", True):
+        _landlock_restrict(abi, list(policy.get("read_paths", ())),
+                           list(policy.get("write_paths", ())),
+                           list(policy.get("list_paths", ())), deny_network)
+        fs = True
+        if deny_network and abi >= 4:
+            net_by.append("landlock-tcp")
+    elif policy.get("require_filesystem"):
+        raise RuntimeError("filesystem confinement required but Landlock is unavailable")
+    if deny_network and not net_by:
+        raise RuntimeError("network denial required but neither a network namespace "
+                           "nor Landlock TCP rules are available")
+    sec = False
+    if policy.get("seccomp", True) and seccomp_available():
+        _install_seccomp()
+        sec = True
+    return {"landlock_abi": abi, "filesystem": fs, "network": net_by, "seccomp": sec}
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        fd = int(argv[1])
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        os.close(fd)
+        request = json.loads(b"".join(chunks))
+        apply(request["policy"])
+        os.execve(request["executable"], request["argv"], request["env"])
+    except BaseException as exc:
+        os.write(2, f"confine: {type(exc).__name__}: {exc}\n".encode(errors="replace"))
+    return SHIM_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv))

@@ -1,0 +1,95 @@
+"""Start a confined child from asyncio, and kill it with everything it started.
+
+The child is the exec shim (`_shim.py`, run by this interpreter with ``-I -S``):
+it reads the policy from a pipe, confines itself and `execve`s the target. So the
+restrictions are applied in the child, before the target runs, without
+`preexec_fn` (unsafe in a threaded parent). The child starts in a new session
+(its own process group), with an empty environment plus the policy's, and no
+descriptor of ours except its three pipes: `close_fds` closes the rest, and the
+policy pipe is closed by the shim before it execs.
+
+`kill_group` SIGKILLs the whole process group and reaps the child; the shim's
+seccomp filter refuses setsid/setpgid, so nothing the child starts can leave the
+group and outlive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+from agentd.confine import _shim
+from agentd.confine._policy import Policy, check_enforceable
+
+SHIM_PATH = os.path.abspath(_shim.__file__)
+SHIM_FAILED = _shim.SHIM_FAILED
+_PIPE_MAX = 60 * 1024  # written before the child reads: must fit a pipe buffer
+
+
+def resolve_executable(argv0: str, env: dict[str, str] | None = None) -> str:
+    """The absolute path of `argv0` (searched in the policy env's PATH, else the default)."""
+    if os.path.isabs(argv0):
+        return argv0
+    found = shutil.which(argv0, path=(env or {}).get("PATH", os.defpath))
+    if found is None:
+        raise FileNotFoundError(f"program not found: {argv0}")
+    return os.path.abspath(found)
+
+
+def shim_command(argv: list[str], policy: Policy) -> tuple[list[str], bytes]:
+    """The shim's argv (policy descriptor left as ``{fd}``) and the request it reads."""
+    if not argv:
+        raise ValueError("empty argv")
+    env = dict(policy.env)
+    request = json.dumps({
+        "policy": policy.to_shim(),
+        "executable": resolve_executable(argv[0], env),
+        "argv": list(argv),
+        "env": env,
+    }).encode()
+    if len(request) > _PIPE_MAX:
+        raise ValueError("confinement policy too large")
+    return [sys.executable, "-I", "-S", SHIM_PATH, "{fd}"], request
+
+
+async def spawn(argv: list[str], policy: Policy, *,
+                stdin: int | None = subprocess.PIPE,
+                stdout: int | None = subprocess.PIPE,
+                stderr: int | None = subprocess.PIPE,
+                check: bool = True) -> asyncio.subprocess.Process:
+    """Start `argv` confined by `policy`; returns the asyncio process.
+
+    The child is in its own process group (``pgid == pid``). A child whose
+    confinement failed exits with `SHIM_FAILED` (125) and says why on stderr.
+    `check=False` skips `check_enforceable` (the caller checked at configuration).
+    """
+    if check:
+        check_enforceable(policy)
+    command, request = shim_command(argv, policy)
+    r, w = os.pipe()
+    try:
+        os.write(w, request)
+        os.close(w)
+        w = -1
+        command[-1] = str(r)
+        return await asyncio.create_subprocess_exec(
+            *command, stdin=stdin, stdout=stdout, stderr=stderr, env={},
+            cwd="/", close_fds=True, pass_fds=(r,), start_new_session=True)
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)
+
+
+async def kill_group(proc: asyncio.subprocess.Process) -> int:
+    """SIGKILL `proc`'s whole process group and reap `proc`; returns its return code."""
+    # ProcessLookupError: the group is already empty
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return await proc.wait()
