@@ -86,3 +86,11 @@ kernel_writer_restarts = Gauge(
     "Kernel writer processes started again after one died, since the daemon started",
     registry=REGISTRY,
 )
+mcp_calls = Counter(
+    "agentd_mcp_calls", "Calls to MCP server tools, by outcome", ["listener", "outcome"],
+    registry=REGISTRY,
+)
+mcp_server_restarts = Counter(
+    "agentd_mcp_server_restarts", "Sessions with an MCP server started again after one ended",
+    ["server"], registry=REGISTRY,
+)
