@@ -64,27 +64,34 @@ async def confined_stdio(
     stderr_tail = bytearray()
 
     async def read_stdout() -> None:
-        buffer = b""
         try:
             async with to_session:
-                while chunk := await proc.stdout.read(65536):  # type: ignore[union-attr]
-                    *lines, buffer = (buffer + chunk).split(b"\n")
-                    if len(buffer) > max_line:
-                        ending.set(f"server wrote a line over {max_line} bytes")
-                        return
-                    for line in lines:
-                        if not line.strip():
-                            continue
-                        try:
-                            message = types.JSONRPCMessage.model_validate_json(line)
-                        except ValueError:
-                            ending.set("server wrote something other than JSON-RPC "
-                                       "on its output")
-                            return
-                        await to_session.send(SessionMessage(message))
-                ending.set("server closed its output")
+                await pass_messages()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            ending.set("session closed")
         finally:
             ending.ended.set()
+        # Keep reading to the end: a pipe nobody reads keeps a killed child unreaped.
+        while await proc.stdout.read(65536):  # type: ignore[union-attr]
+            pass
+
+    async def pass_messages() -> None:
+        buffer = b""
+        while chunk := await proc.stdout.read(65536):  # type: ignore[union-attr]
+            *lines, buffer = (buffer + chunk).split(b"\n")
+            if len(buffer) > max_line or any(len(line) > max_line for line in lines):
+                ending.set(f"server wrote a line over {max_line} bytes")
+                return
+            for line in lines:
+                if not line.strip():
+                    continue
+                try:
+                    message = types.JSONRPCMessage.model_validate_json(line)
+                except ValueError:
+                    ending.set("server wrote something other than JSON-RPC on its output")
+                    return
+                await to_session.send(SessionMessage(message))
+        ending.set("server closed its output")
 
     async def write_stdin() -> None:
         async with from_session:
@@ -106,9 +113,8 @@ async def confined_stdio(
     try:
         yield read_stream, write_stream
     finally:
-        for task in tasks:
-            task.cancel()
-        code = await kill_group(proc)
+        tasks[1].cancel()  # the writer: nothing more goes in
+        code = await kill_group(proc)  # the reader and stderr drain to the end
         _LIVE_GROUPS.discard(proc.pid)
         await asyncio.gather(*tasks, return_exceptions=True)
         if ending.reason or code not in (0, -9):
