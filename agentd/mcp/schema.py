@@ -26,8 +26,7 @@ from typing import Annotated, Any
 
 from lxml import etree
 
-from agentd._xml import escape_text
-from agentd._xmlify import _ILLEGAL_XML_CHAR, MaxLen, spec_of, xmlify
+from agentd._xmlify import MaxLen, xmlify
 
 NS_BASE = "https://xml-pipeline.org/ns/mcp"
 MAX_DEPTH = 8  # nested objects; a deeper schema is refused, not truncated
@@ -200,96 +199,6 @@ def _json(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return arguments_of(value)
     return value
-
-
-def input_schema(cls: type) -> dict[str, Any]:
-    """A JSON Schema for an `@xmlify` class: the other direction, for `mcp-serve`.
-
-    Each element is a property of its text type; nested classes are nested objects;
-    repeated elements are arrays; required elements are `required`."""
-    spec = spec_of(cls)
-    properties: dict[str, Any] = {}
-    required: list[str] = []
-    for f in spec.fields:
-        if f.nested is not None:
-            one: dict[str, Any] = input_schema(f.nested.cls)
-        else:
-            assert f.simple is not None
-            one = _json_type(f.simple.base, f.simple.facets)
-        if f.doc:
-            one["description"] = f.doc
-        if f.occurs.value == "repeated":
-            one = {"type": "array", "items": one, "maxItems": f.max_occurs}
-        elif f.min_occurs:
-            required.append(f.name)
-        properties[f.name] = one
-    schema: dict[str, Any] = {"type": "object", "properties": properties,
-                              "additionalProperties": False}
-    if required:
-        schema["required"] = required
-    if spec.description:
-        schema["description"] = spec.description
-    return schema
-
-
-def _json_type(base: str, facets: tuple[tuple[str, str], ...]) -> dict[str, Any]:
-    enum = [v for k, v in facets if k == "enumeration"]
-    if enum:
-        return {"type": "string", "enum": enum}
-    kind = {"xs:boolean": "boolean", "xs:integer": "integer", "xs:double": "number",
-            "xs:decimal": "number"}.get(base, "string")
-    out: dict[str, Any] = {"type": kind}
-    for k, v in facets:
-        if k == "maxLength":
-            out["maxLength"] = int(v)
-    if base == "xs:dateTime":
-        out["format"] = "date-time"
-    return out
-
-
-def payload_xml(cls: type, arguments: Any) -> bytes:
-    """The payload element for JSON `arguments` (from an MCP client), by `cls`'s spec.
-
-    Only shapes the text: the bytes are then parsed and validated against the XSD
-    like any other input. Raises `ValueError` for arguments that cannot be shaped
-    (unknown names, wrong JSON types)."""
-    spec = spec_of(cls)
-    return (f'<{spec.tag} xmlns="{spec.namespace}">' + _content(spec, arguments, 0)
-            + f"</{spec.tag}>").encode()
-
-
-def _content(spec: Any, arguments: Any, depth: int) -> str:
-    if not isinstance(arguments, dict):
-        raise ValueError("arguments must be an object")
-    if depth > MAX_DEPTH:
-        raise ValueError("arguments nested too deeply")
-    known = {f.name for f in spec.fields}
-    extra = sorted(set(arguments) - known)
-    if extra:
-        raise ValueError(f"unknown argument {extra[0]!r}")
-    parts: list[str] = []
-    for f in spec.fields:
-        if f.name not in arguments or arguments[f.name] is None:
-            continue
-        raw = arguments[f.name]
-        items = raw if f.occurs.value == "repeated" else [raw]
-        if not isinstance(items, list):
-            raise ValueError(f"argument {f.name!r} must be an array")
-        for item in items:
-            if f.nested is not None:
-                text = _content(f.nested, item, depth + 1)
-            else:
-                text = _text(item, f.name)
-            parts.append(f"<{f.name}>{text}</{f.name}>")
-    return "".join(parts)
-
-
-def _text(value: Any, name: str) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float, str)):
-        return escape_text(_ILLEGAL_XML_CHAR.sub("", str(value)))
-    raise ValueError(f"argument {name!r} has the wrong type")
 
 
 def result_class(listener: str, tool: str, max_bytes: int) -> type:
