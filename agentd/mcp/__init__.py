@@ -102,6 +102,8 @@ def _probe(config: Any, listener: str) -> list[types.Tool]:
     thread.join()
     if isinstance(box[0], BaseException):
         exc = box[0]
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # anyio task groups
+            exc = exc.exceptions[0]
         raise ToolUnavailable(f"mcp server {listener} could not be listed: "
                               f"{type(exc).__name__}: {exc}") from None
     return list(box[0])
