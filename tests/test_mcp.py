@@ -7,11 +7,10 @@ import json
 import socket
 import sys
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
-
-import uuid
 
 from agentd._envelope import build_envelope
 from agentd._errors import ConfigError
@@ -208,3 +207,18 @@ def test_the_server_state_machine_walks_its_table() -> None:
     with pytest.raises(IllegalTransition):
         step("mcp server", SERVER_TRANSITIONS, s.CLOSED, e.START)
     assert backoff_s(1) < backoff_s(3) <= 30.0 and backoff_s(100) == 30.0
+
+
+async def test_status_shows_servers_and_restarts_and_introspection_shows_pins(
+        tmp_path: Path) -> None:
+    from agentd._daemon import _mcp_pin, _mcp_status
+
+    async with harness(tmp_path, "good") as h:
+        await h.send("alice", add())
+        status = _mcp_status()["mcp_servers"]
+        assert status == [{"server": "calc", "state": "ready", "restarts": 0,
+                           "last_end": "", "refused": []}]
+        listener = h.routing.listeners["calc.add"]
+        pin = _mcp_pin(listener)["mcp"]
+        assert pin["server"] == "calc" and pin["tool"] == "add"
+        assert pin["pin_sha256"] == SERVERS["calc"].pins["add"]

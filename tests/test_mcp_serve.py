@@ -11,10 +11,10 @@ import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
+from agentd._xmlify import spec_of
 from agentd.config import MetaConfig
 from agentd.mcp.serve import input_schema, payload_xml, shape_of_xsd
 from agentd.tools.calculator import Add
-from agentd._xmlify import spec_of
 from tests.test_bus_support import Rig, start_rig, stop_rig
 
 

@@ -114,7 +114,12 @@ def _close_later(server: McpServer) -> None:
         loop = asyncio.get_running_loop()
     except RuntimeError:
         return  # never started: nothing runs
-    loop.create_task(server.aclose())
+    task = loop.create_task(server.aclose())
+    _CLOSING.add(task)  # a task nobody references may be collected before it runs
+    task.add_done_callback(_CLOSING.discard)
+
+
+_CLOSING: set[asyncio.Task[None]] = set()
 
 
 def _handler(server: McpServer, listener: str, tool: str, result_cls: type) -> Any:

@@ -123,7 +123,8 @@ def _object_class(schema: Any, pointer: str, namespace: str, tag: str, name: str
     # last, so the order is restored by the element sequence below.
     order = list(properties)
     cls.__dataclass_fields__ = {k: cls.__dataclass_fields__[k] for k in order}  # type: ignore[attr-defined]
-    description = schema.get("description") if isinstance(schema.get("description"), str) else ""
+    given = schema.get("description")
+    description = given if isinstance(given, str) else ""
     cls.__doc__ = (" ".join(description.split()) or f"Arguments of {tag}.") + (
         "\n\nArgs:\n" + "\n".join(docs) if docs else "")
     cls.__module__ = __name__
@@ -214,8 +215,8 @@ def result_class(listener: str, tool: str, max_bytes: int) -> type:
         """One item of a tool's result: text, or base64 data with its MIME type."""
 
         type: Annotated[str, MaxLen(64)]
-        text: cap | None = None  # type: ignore[valid-type]
-        data: cap | None = None  # type: ignore[valid-type]
+        text: cap | None = None
+        data: cap | None = None
         mime_type: Annotated[str, MaxLen(255)] | None = None
 
     @xmlify(namespace=namespace, tag="mcp-result")
