@@ -3,10 +3,9 @@ confined child, behind the pump, and misbehaves in every way the tool must conta
 
 from __future__ import annotations
 
-import json
+import asyncio
 import socket
 import sys
-import textwrap
 import uuid
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from agentd.config import load_config_text
 from agentd.mcp import SERVERS
 from agentd.mcp.client import SERVER_TRANSITIONS, ServerEvent, ServerState, backoff_s
 from agentd.testing import Harness
+from tests.mcp import close_servers, mcp_organism
 
 TESTS = Path(__file__).resolve().parent
 SERVER = TESTS / "mcp" / "fastmcp_server.py"
@@ -28,25 +28,12 @@ READ = [str(Path(sys.prefix)), str(TESTS), str(Path(sys.base_prefix))]
 NS = "https://xml-pipeline.org/ns/mcp/calc/{}/v1"
 
 
-def organism(tmp_path: Path, *args: str, tools: str = "[add, echo]", extra: str = "") -> str:
-    command = json.dumps([sys.executable, str(SERVER), *args])
-    return textwrap.dedent(f"""\
-        organism: {{name: mcp-tests}}
-        pump: {{handler_timeout_s: 20}}
-        profiles:
-          public: {{listeners: all}}
-        listeners:
-          - name: calc
-            description: The operator's calculator.
-            tool:
-              kind: mcp
-              command: {command}
-              tools: {tools}
-              read: {json.dumps(READ)}
-              root: {json.dumps(str(tmp_path))}
-              timeout_s: 5
-              {extra}
-        """)
+def organism(tmp_path: Path, *args: str, tools: str = "[add, echo]",
+             extra: dict[str, object] | None = None) -> str:
+    block: dict[str, object] = {
+        "command": [sys.executable, str(SERVER), *args], "tools": tools.strip("[]").split(", "),
+        "read": READ, "root": str(tmp_path), "timeout_s": 5, **(extra or {})}
+    return mcp_organism("calc", block, "The operator's calculator.")
 
 
 def harness(tmp_path: Path, *args: str, **kw: str) -> Harness:
@@ -67,9 +54,7 @@ def last(frames: list[bytes]) -> tuple[str, str, str]:
 @pytest.fixture(autouse=True)
 async def _close_servers():
     yield
-    for server in list(SERVERS.values()):
-        await server.aclose()
-    SERVERS.clear()
+    await close_servers()
 
 
 async def test_a_call_reaches_the_server_and_the_result_is_validated(tmp_path: Path) -> None:
@@ -148,7 +133,7 @@ async def test_a_server_that_breaks_its_output_ends_its_session_and_restarts(
 
 
 async def test_a_hanging_server_is_a_failed_call_not_a_stuck_pump(tmp_path: Path) -> None:
-    async with harness(tmp_path, "hang", extra="") as h:
+    async with harness(tmp_path, "hang") as h:
         SERVERS["calc"].config = _with(SERVERS["calc"].config, timeout_s=0.5)
         frames = await h.send("alice", add())
         assert frame_kind(frames[-1])[1] == "huh" and b"internal" in frames[-1]
@@ -183,7 +168,7 @@ async def test_a_server_cannot_read_the_daemons_secrets_or_connect_out(
 
 async def test_a_result_over_the_cap_is_refused(tmp_path: Path) -> None:
     async with harness(tmp_path, "good", "5000", tools="[big]",
-                       extra="max_result_bytes: 1000") as h:
+                       extra={"max_result_bytes": 1000}) as h:
         body = b'<big xmlns="https://xml-pipeline.org/ns/mcp/calc/big/v1"/>'
         frames = await h.send("alice", build_envelope("alice", str(uuid.uuid4()), body,
                                                       to="calc.big"))
@@ -222,3 +207,43 @@ async def test_status_shows_servers_and_restarts_and_introspection_shows_pins(
         pin = _mcp_pin(listener)["mcp"]
         assert pin["server"] == "calc" and pin["tool"] == "add"
         assert pin["pin_sha256"] == SERVERS["calc"].pins["add"]
+
+
+@pytest.fixture
+async def http_server():
+    """The FastMCP server over Streamable HTTP on 127.0.0.1, ready when uvicorn says so."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(SERVER), "http", str(port), stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.DEVNULL)
+    assert proc.stderr is not None
+    async with asyncio.timeout(30):
+        while b"Uvicorn running" not in await proc.stderr.readline():
+            pass
+    drain = asyncio.ensure_future(proc.stderr.read())
+    yield f"http://127.0.0.1:{port}/mcp"
+    proc.kill()
+    await proc.wait()
+    drain.cancel()
+
+
+def url_organism(url: str, allow_private: list[str]) -> str:
+    return mcp_organism("calc", {"url": url, "tools": ["add"], "timeout_s": 10,
+                                 "allow_private": allow_private})
+
+
+async def test_a_url_server_on_a_private_address_is_refused(http_server: str,
+                                                            tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config_text(url_organism(http_server, []), base_dir=tmp_path)
+    assert "loopback" in str(info.value) or "not a public address" in str(info.value)
+
+
+async def test_a_url_server_the_configuration_allows_answers(http_server: str,
+                                                             tmp_path: Path) -> None:
+    config = load_config_text(url_organism(http_server, ["127.0.0.0/8"]), base_dir=tmp_path)
+    async with Harness(config, {"alice": "public"}) as h:
+        frames = await h.send("alice", add())
+        assert frame_kind(frames[-1])[1] == "mcp-result" and b"<text>42</text>" in frames[-1]

@@ -3,9 +3,7 @@ installed by CI into .ci/node) as a confined stdio tool behind the pump."""
 
 from __future__ import annotations
 
-import json
 import shutil
-import textwrap
 import uuid
 from pathlib import Path
 
@@ -14,8 +12,8 @@ import pytest
 from agentd._envelope import build_envelope
 from agentd.client import frame_kind
 from agentd.config import load_config_text
-from agentd.mcp import SERVERS
 from agentd.testing import Harness
+from tests.mcp import close_servers, mcp_organism
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / ".ci" / "node" / "node_modules" / "@modelcontextprotocol" / "server-filesystem"
@@ -31,29 +29,17 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(autouse=True)
 async def _close_servers():
     yield
-    for server in list(SERVERS.values()):
-        await server.aclose()
-    SERVERS.clear()
+    await close_servers()
 
 
 def organism(root: Path) -> str:
-    command = json.dumps([NODE, str(PACKAGE / "dist" / "index.js"), str(root)])
-    return textwrap.dedent(f"""\
-        organism: {{name: mcp-npm}}
-        pump: {{handler_timeout_s: 30}}
-        profiles:
-          public: {{listeners: all}}
-        listeners:
-          - name: fs
-            tool:
-              kind: mcp
-              command: {command}
-              tools: [read_text_file, list_directory]
-              read: {json.dumps([str(ROOT / ".ci" / "node"), "/etc/ssl"])}
-              root: {json.dumps(str(root))}
-              timeout_s: 20
-              memory_mb: 8192  # V8 reserves address space far beyond what it uses
-        """)
+    return mcp_organism("fs", {
+        "command": [NODE, str(PACKAGE / "dist" / "index.js"), str(root)],
+        "tools": ["read_text_file", "list_directory"],
+        "read": [str(ROOT / ".ci" / "node"), "/etc/ssl"], "root": str(root),
+        "timeout_s": 20,
+        "memory_mb": 8192,  # V8 reserves address space far beyond what it uses
+    })
 
 
 def call(tool: str, body: str) -> bytes:

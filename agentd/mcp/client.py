@@ -231,14 +231,17 @@ async def stdio_connection(config: Any) -> AsyncIterator[Any]:
 
 @contextlib.asynccontextmanager
 async def http_connection(config: Any) -> AsyncIterator[Any]:
-    from mcp.client.streamable_http import streamablehttp_client
+    import httpx
+    from mcp.client.streamable_http import streamable_http_client
 
     from agentd.mcp.address import check_url
 
     await asyncio.to_thread(check_url, str(config.url), config.allow_private)
     ending = Ending()
-    async with streamablehttp_client(str(config.url), timeout=config.timeout_s) as (
-            read, write, _session_id):
+    # No proxy from the environment and no redirects: the checked host is the one used.
+    async with httpx.AsyncClient(timeout=config.timeout_s, trust_env=False,
+                                 follow_redirects=False) as http, \
+            streamable_http_client(str(config.url), http_client=http) as (read, write, _):
         yield read, write, ending
 
 

@@ -6,7 +6,7 @@ non-JSON-RPC line at its first call), `exit` (exits at its first call), `hang`
 (never answers a call), `flood` (writes an endless line at its first call),
 `snoop` (tries to read argv[2] and to connect to argv[3] host:port), `big`
 (answers with argv[2] bytes of text), `inject` (a description carrying an
-injection).
+injection), `http` (well behaved, over Streamable HTTP on port argv[2]).
 """
 
 import os
@@ -76,4 +76,9 @@ def big() -> str:
 
 
 if __name__ == "__main__":
-    app.run("stdio")
+    if mode == "http":  # Streamable HTTP on 127.0.0.1:argv[2], path /mcp
+        app.settings.host = "127.0.0.1"
+        app.settings.port = int(sys.argv[2])
+        app.run("streamable-http")
+    else:
+        app.run("stdio")
