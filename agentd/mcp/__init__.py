@@ -25,6 +25,7 @@ from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._xmlify import _ILLEGAL_XML_CHAR
 from agentd.confine import ConfinementUnavailable, check_enforceable
 from agentd.mcp.client import (
+    SERVERS,
     McpServer,
     ServerFailed,
     ServerState,
@@ -36,13 +37,16 @@ from agentd.mcp.client import (
 from agentd.mcp.schema import Unmappable, arguments_of, payload_class, result_class
 from agentd.tools.kinds import Tool, ToolUnavailable
 
-__all__ = ["SERVERS", "McpServer", "ServerFailed", "ServerState", "build", "pin_of",
-           "servers_status"]
-
-# listener -> its running server, for `agentctl status` and introspection. A reload
-# replaces the entry; the replaced server is closed.
-SERVERS: dict[str, McpServer] = {}
-
+__all__ = [
+    "SERVERS",
+    "McpServer",
+    "McpToolCall",
+    "ServerFailed",
+    "ServerState",
+    "build",
+    "pin_of",
+    "servers_status",
+]
 
 def servers_status() -> list[dict[str, Any]]:
     return [server.status() for _, server in sorted(SERVERS.items())]
@@ -64,10 +68,6 @@ def build(config: Any, listener: str) -> Sequence[Tool]:
                               f"(it offers {len(offered)} tools)")
     pins = {name: pin_of(by_name[name]) for name in config.tools}
     server = McpServer(listener, config, pins, connection_for(config))
-    old = SERVERS.get(listener)
-    SERVERS[listener] = server
-    if old is not None:
-        _close_later(old)
     tools = []
     for name in config.tools:
         offer = by_name[name]
@@ -109,41 +109,37 @@ def _probe(config: Any, listener: str) -> list[types.Tool]:
     return list(box[0])
 
 
-def _close_later(server: McpServer) -> None:
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return  # never started: nothing runs
-    task = loop.create_task(server.aclose())
-    _CLOSING.add(task)  # a task nobody references may be collected before it runs
-    task.add_done_callback(_CLOSING.discard)
+def _handler(server: McpServer, listener: str, tool: str, result_cls: type) -> McpToolCall:
+    return McpToolCall(server, listener, tool, result_cls)
 
 
-_CLOSING: set[asyncio.Task[None]] = set()
+class McpToolCall:
+    """The handler of one MCP tool's listener: payload -> JSON arguments -> the
+    server -> a capped, validated `mcp-result`."""
 
+    def __init__(self, server: McpServer, listener: str, tool: str, result_cls: type) -> None:
+        self.server = server
+        self.listener = listener
+        self.tool = tool
+        self.result_cls = result_cls
 
-def _handler(server: McpServer, listener: str, tool: str, result_cls: type) -> Any:
-    cap = server.config.max_result_bytes
-    count = _metrics.mcp_calls
-
-    async def handle(payload: Any, meta: HandlerMetadata) -> HandlerResponse:
+    async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
+        count = _metrics.mcp_calls
         try:
-            answer = await server.call(tool, arguments_of(payload))
+            answer = await self.server.call(self.tool, arguments_of(payload))
         except Denied:
-            count.labels(listener, "refused").inc()
+            count.labels(self.listener, "refused").inc()
             raise
         except ServerFailed:
-            count.labels(listener, "failed").inc()
+            count.labels(self.listener, "failed").inc()
             raise
         try:
-            response = result_of(answer, result_cls, cap)
+            response = result_of(answer, self.result_cls, self.server.config.max_result_bytes)
         except ServerFailed:
-            count.labels(listener, "too-large").inc()
+            count.labels(self.listener, "too-large").inc()
             raise
-        count.labels(listener, "error" if answer.isError else "ok").inc()
+        count.labels(self.listener, "error" if answer.isError else "ok").inc()
         return HandlerResponse.respond(response)
-
-    return handle
 
 
 def result_of(answer: types.CallToolResult, result_cls: type, cap: int) -> Any:

@@ -93,6 +93,22 @@ def stdio_policy(config: Any) -> Policy:
                   env=dict(config.env), cwd=root or "/")
 
 
+# listener -> the server whose session started last under that name, for
+# `agentctl status`. A server is listed once it starts (a dry-run reload builds
+# servers that never do); a newer one for the same listener closes the older.
+SERVERS: dict[str, McpServer] = {}
+_CLOSING: set[asyncio.Task[None]] = set()
+
+
+def _register(server: McpServer) -> None:
+    old = SERVERS.get(server.name)
+    SERVERS[server.name] = server
+    if old is not None and old is not server:
+        task = asyncio.get_running_loop().create_task(old.aclose())
+        _CLOSING.add(task)  # a task nobody references may be collected before it runs
+        task.add_done_callback(_CLOSING.discard)
+
+
 class McpServer:
     """The runtime side of one `tool: {kind: mcp}` block."""
 
@@ -153,6 +169,7 @@ class McpServer:
                 self.restarts += 1
                 _metrics.mcp_server_restarts.labels(self.name).inc()
             self._move(E.START)
+            _register(self)
             self._ready = asyncio.Event()
             self._stop = asyncio.Event()
             self._owner = asyncio.create_task(self._own_session(), name=f"mcp:{self.name}")
