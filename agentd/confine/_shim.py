@@ -38,20 +38,14 @@ _PR_SET_SECCOMP = 22
 _SECCOMP_MODE_FILTER = 2
 _CLONE_NEWNET = 0x40000000
 
-# Landlock filesystem rights, by the ABI that introduced them.
+# Landlock filesystem rights, by the ABI that introduced them. ABI 1 has bits 0-12:
+# execute, write file, read file, read dir, remove dir, remove file, make char,
+# dir, regular, socket, fifo, block device, symlink.
+_FS_ABI1 = (1 << 13) - 1
 FS_EXECUTE = 1 << 0
 FS_WRITE_FILE = 1 << 1
 FS_READ_FILE = 1 << 2
 FS_READ_DIR = 1 << 3
-FS_REMOVE_DIR = 1 << 4
-FS_REMOVE_FILE = 1 << 5
-FS_MAKE_CHAR = 1 << 6
-FS_MAKE_DIR = 1 << 7
-FS_MAKE_REG = 1 << 8
-FS_MAKE_SOCK = 1 << 9
-FS_MAKE_FIFO = 1 << 10
-FS_MAKE_BLOCK = 1 << 11
-FS_MAKE_SYM = 1 << 12
 FS_REFER = 1 << 13  # ABI 2
 FS_TRUNCATE = 1 << 14  # ABI 3
 FS_IOCTL_DEV = 1 << 15  # ABI 5
@@ -69,7 +63,7 @@ def fs_rights_for_abi(abi: int) -> int:
     """Every filesystem right the kernel's Landlock ABI can restrict."""
     if abi < 1:
         return 0
-    rights = (1 << 13) - 1
+    rights = _FS_ABI1
     if abi >= 2:
         rights |= FS_REFER
     if abi >= 3:
