@@ -473,6 +473,43 @@ def send_cmd(
     sys.exit(code)
 
 
+@click.command("mcp-serve", context_settings=HELP_OPTIONS)
+@click.option("--url", default=DEFAULT_URL, show_default=True, help="The bus URL.")
+@click.option("--client", required=True, help="The client id (its profile decides the tools).")
+@click.option("--secret-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="TOTP secret file [default: agentd-home/CLIENT.totp].")
+@click.option("--session-file", type=click.Path(dir_okay=False, path_type=Path),
+              help="A session token to log in with instead of a TOTP code, if present.")
+@click.option("--cafile", type=click.Path(dir_okay=False, path_type=Path),
+              help="CA or self-signed certificate to trust [default: tls/cert.pem beside "
+                   "the secret file, if it exists; else the system's CAs].")
+@click.option("--timeout", default=60.0, show_default=True, type=float,
+              help="Seconds a tool call waits for its answer.")
+def mcp_serve_cmd(url: str, client: str, secret_file: Path | None, session_file: Path | None,
+                  cafile: Path | None, timeout: float) -> None:
+    """An MCP server on stdin/stdout offering the listeners CLIENT's profile permits."""
+    from agentd.client import BusClient, BusError
+    from agentd.mcp.serve import serve
+
+    secret_path = secret_file or DEFAULT_HOME / f"{client}.totp"
+    session = None
+    if session_file is not None and session_file.is_file():
+        session = session_file.read_text(encoding="utf-8").strip() or None
+    try:
+        secret = read_secret(secret_path) if session is None else None
+    except AgentdError as exc:
+        click.echo(f"agentd mcp-serve: {exc}", err=True)
+        sys.exit(EXIT_USAGE)
+    bus = BusClient(url, client, secret=secret, session=session,
+                    cafile=cafile or default_cafile(secret_path))
+    try:
+        asyncio.run(serve(bus, timeout))
+    except BusError as exc:
+        click.echo(f"agentd mcp-serve: {exc}", err=True)
+        sys.exit(EXIT_CONNECT)
+
+
 __all__ = [
-    "executable", "init_cmd", "init_home", "next_steps", "read_secret", "send_cmd", "totp_cmd"
+    "executable", "init_cmd", "init_home", "mcp_serve_cmd", "next_steps", "read_secret",
+    "send_cmd", "totp_cmd",
 ]

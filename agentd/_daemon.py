@@ -24,6 +24,7 @@ import errno
 import json
 import logging
 import signal
+import sys
 import time
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
@@ -411,12 +412,29 @@ class Daemon:
             "bus_connections": self.bus.connections if self.bus is not None else 0,
             "isolation": self.isolation.status(),
             "gateways": self.federation.status() if self.federation is not None else [],
+            **_mcp_status(),
         }
 
     async def reload(self, dry_run: bool) -> dict[str, Any]:
         """Check the configuration file fully, then apply the difference (see
         `agentd._reload`); a dry run only reports it."""
         return await reload_daemon(self, dry_run)
+
+
+def _mcp_status() -> dict[str, Any]:
+    """MCP servers' states and restarts, when an organism declares any (imported
+    only then: an organism without MCP tools does not load the SDK)."""
+    mcp = sys.modules.get("agentd.mcp")
+    return {"mcp_servers": mcp.servers_status()} if mcp is not None and mcp.SERVERS else {}
+
+
+def _mcp_pin(lst: Any) -> dict[str, Any]:
+    """An MCP tool's server and pin, for `introspect capabilities`."""
+    ref = getattr(lst.config, "handler_ref", "")
+    if not ref.startswith("tool:mcp:"):
+        return {}
+    server, _, tool = lst.name.rpartition(".")
+    return {"mcp": {"server": server, "tool": tool, "pin_sha256": ref.removeprefix("tool:mcp:")}}
 
 
 class DaemonCommands:
@@ -477,6 +495,7 @@ class DaemonCommands:
                         "description": lst.description,
                         "accepts": [spec.clark for spec in lst.payload_specs],
                         "peers": sorted(lst.peers),
+                        **_mcp_pin(lst),
                     }
                     for lst in sorted(d.routing.listeners.values(), key=lambda x: x.name)
                 ],

@@ -77,11 +77,13 @@ class Denied(AgentdError):
     """Raised by a tool when its confinement refuses a request (a path outside its
     root, a host or an argument not allowed). The caller gets `huh denied` with the
     generic text; `cause` and `fields` go only to the log and to the journal, as a
-    security event."""
+    security event. `code` is `denied` unless the refusal is better told otherwise
+    (an MCP tool whose server changed it since it was pinned is `unroutable`)."""
 
-    def __init__(self, cause: str, **fields: str) -> None:
+    def __init__(self, cause: str, *, code: HuhCode = HuhCode.DENIED, **fields: str) -> None:
         super().__init__(cause)
         self.cause = cause
+        self.code = code
         self.fields = fields
 
 

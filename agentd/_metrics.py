@@ -95,3 +95,11 @@ worker_restarts = Counter(
 workers = Gauge(
     "agentd_workers", "Isolated handler workers by state", ["listener", "state"], registry=REGISTRY
 )
+mcp_calls = Counter(
+    "agentd_mcp_calls", "Calls to MCP server tools, by outcome", ["listener", "outcome"],
+    registry=REGISTRY,
+)
+mcp_server_restarts = Counter(
+    "agentd_mcp_server_restarts", "Sessions with an MCP server started again after one ended",
+    ["server"], registry=REGISTRY,
+)

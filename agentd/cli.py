@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from agentd._cli_bus import HELP_OPTIONS, init_cmd, send_cmd, totp_cmd
+from agentd._cli_bus import HELP_OPTIONS, init_cmd, mcp_serve_cmd, send_cmd, totp_cmd
 from agentd._envelope import parse_envelope
 from agentd._errors import AgentdError, ConfigError
 from agentd.demo import AGENT_ORGANISM, ORGANISM
@@ -232,6 +232,7 @@ def _summary(frame: bytes) -> str:
 
 main.add_command(init_cmd)
 main.add_command(send_cmd)
+main.add_command(mcp_serve_cmd)
 main.add_command(totp_cmd)
 
 

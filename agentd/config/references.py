@@ -37,6 +37,8 @@ def cross_references(data: dict[str, Any], line_of: LineOf) -> list[Problem]:
             problems.append(Problem(("listeners", i, "name"), message, name))
             continue
         names[name] = i
+        for tool in _mcp_tools(entry):  # one `tool: {kind: mcp}` block names several
+            names.setdefault(f"{name}.{tool}", i)
     problems += _peers(listeners, names)
     problems += _agents(listeners, data)
     problems += _members(data.get("profiles"), names)
@@ -46,6 +48,14 @@ def cross_references(data: dict[str, Any], line_of: LineOf) -> list[Problem]:
     problems += _gateways(data, names)
     problems += routing_references(data)
     return problems
+
+
+def _mcp_tools(entry: dict[str, Any]) -> list[str]:
+    """The allowlisted tools of an MCP `tool:` block: its listeners are `NAME.TOOL`."""
+    tool = entry.get("tool")
+    if not isinstance(tool, dict) or tool.get("kind") != "mcp":
+        return []
+    return [name for _, name in _strings(tool.get("tools"))]
 
 
 def _entries(value: Any) -> list[tuple[int, dict[str, Any]]]:

@@ -150,7 +150,11 @@ class McpTool:
     env: dict[EnvName, str] = Field(default_factory=dict)
     timeout_s: Seconds = 30.0
     max_result_bytes: Bytes = MIB
-    network: Bool = False
+    network: Bool = False  # stdio servers; a `url` server is reached by the daemon
+    root: Directory | None = None  # a stdio server may read and write beneath it
+    read: tuple[Directory, ...] = ()  # and read beneath these (its code, its packages)
+    memory_mb: Megabytes = 512
+    allow_private: tuple[Cidr, ...] = ()  # for `url`: as http-fetch's
 
 
 ToolConfig = Annotated[

@@ -95,7 +95,7 @@ class Invoker:
             if task not in self._expired:
                 raise  # the pump is stopping
         except Denied as denied:
-            result = CallFailed(HuhCode.DENIED, {**denied.fields, "cause": denied.cause,
+            result = CallFailed(denied.code, {**denied.fields, "cause": denied.cause,
                                                  "listener": listener.name})
         except Exception:
             log.exception("handler raised listener=%s %s", listener.name,

@@ -36,6 +36,12 @@ class Tool:
     # Non-empty when one `tool:` block yields several listeners (an MCP server's
     # tools): the listener is then named `NAME.SUFFIX`.
     suffix: str = ""
+    # Text from a third party (an MCP server's own tool description): shown to
+    # agents only spotlighted, after the listener's `description`.
+    third_party: str = ""
+    # What identifies this tool's contract beyond its configuration (an MCP tool's
+    # pin), so a reload lists the listener as changed when it differs.
+    ref: str = ""
 
 
 class ToolUnavailable(AgentdError):

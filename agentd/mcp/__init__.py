@@ -1,0 +1,184 @@
+"""MCP: tools from Model Context Protocol servers, and organisms as MCP servers.
+
+Client side: `build` turns a `tool: {kind: mcp}` block into one tool per
+allowlisted MCP tool (listener `NAME.TOOL`). At load it starts the server once,
+lists its tools, pins each allowlisted one (SHA-256 over name, description and
+input schema) and generates its payload class from the input schema; a tool the
+allowlist does not name is never seen again. At run time the calls go through an
+`McpServer` (one session, restarted with backoff, pins checked on every start).
+Server side: `agentd.mcp.serve` (`agentd mcp-serve`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from mcp import types
+
+from agentd import _metrics
+from agentd._errors import Denied
+from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._xmlify import _ILLEGAL_XML_CHAR
+from agentd.confine import ConfinementUnavailable, check_enforceable
+from agentd.mcp.client import (
+    SERVERS,
+    McpServer,
+    ServerFailed,
+    ServerState,
+    connection_for,
+    list_offered,
+    pin_of,
+    stdio_policy,
+)
+from agentd.mcp.schema import Unmappable, arguments_of, payload_class, result_class
+from agentd.tools.kinds import Tool, ToolUnavailable
+
+__all__ = [
+    "SERVERS",
+    "McpServer",
+    "McpToolCall",
+    "ServerFailed",
+    "ServerState",
+    "build",
+    "pin_of",
+    "servers_status",
+]
+
+def servers_status() -> list[dict[str, Any]]:
+    return [server.status() for _, server in sorted(SERVERS.items())]
+
+
+def build(config: Any, listener: str) -> Sequence[Tool]:
+    if (config.command is None) == (config.url is None):
+        raise ToolUnavailable("an mcp tool needs exactly one of `command` (stdio) or `url`")
+    if config.command is not None:
+        try:
+            check_enforceable(stdio_policy(config))
+        except (ConfinementUnavailable, FileNotFoundError) as exc:
+            raise ToolUnavailable(f"mcp server {listener}: {exc}") from None
+    offered = _probe(config, listener)
+    by_name = {t.name: t for t in offered}
+    missing = [name for name in config.tools if name not in by_name]
+    if missing:
+        raise ToolUnavailable(f"mcp server {listener} does not offer {', '.join(missing)} "
+                              f"(it offers {len(offered)} tools)")
+    pins = {name: pin_of(by_name[name]) for name in config.tools}
+    server = McpServer(listener, config, pins, connection_for(config))
+    tools = []
+    for name in config.tools:
+        offer = by_name[name]
+        try:
+            payload = payload_class(listener, name, offer.inputSchema)
+        except Unmappable as exc:
+            raise ToolUnavailable(f"mcp tool {name!r}: input schema at {exc.pointer}: "
+                                  f"{exc.why}") from None
+        result = result_class(listener, name, config.max_result_bytes)
+        tools.append(Tool(
+            payload_classes=(payload,), response_classes=(result,),
+            handler=_handler(server, f"{listener}.{name}", name, result),
+            description=f"MCP tool {name} of server {listener}.",
+            suffix=name, third_party=" ".join((offer.description or "").split()),
+            ref=f"tool:mcp:{pins[name]}"))
+    return tools
+
+
+def _probe(config: Any, listener: str) -> list[types.Tool]:
+    """List the server's tools from synchronous load code, in a thread of its own
+    (load may run inside the daemon's event loop, during a reload)."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(asyncio.run(asyncio.wait_for(list_offered(config), config.timeout_s)))
+        except BaseException as exc:  # reported below, in the loading thread
+            box.append(exc)
+
+    thread = threading.Thread(target=run, name=f"mcp-probe:{listener}")
+    thread.start()
+    thread.join()
+    if isinstance(box[0], BaseException):
+        exc = box[0]
+        while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # anyio task groups
+            exc = exc.exceptions[0]
+        raise ToolUnavailable(f"mcp server {listener} could not be listed: "
+                              f"{type(exc).__name__}: {exc}") from None
+    return list(box[0])
+
+
+def _handler(server: McpServer, listener: str, tool: str, result_cls: type) -> McpToolCall:
+    return McpToolCall(server, listener, tool, result_cls)
+
+
+class McpToolCall:
+    """The handler of one MCP tool's listener: payload -> JSON arguments -> the
+    server -> a capped, validated `mcp-result`."""
+
+    def __init__(self, server: McpServer, listener: str, tool: str, result_cls: type) -> None:
+        self.server = server
+        self.listener = listener
+        self.tool = tool
+        self.result_cls = result_cls
+
+    async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
+        count = _metrics.mcp_calls
+        try:
+            answer = await self.server.call(self.tool, arguments_of(payload))
+        except Denied:
+            count.labels(self.listener, "refused").inc()
+            raise
+        except ServerFailed:
+            count.labels(self.listener, "failed").inc()
+            raise
+        try:
+            response = result_of(answer, self.result_cls, self.server.config.max_result_bytes)
+        except ServerFailed:
+            count.labels(self.listener, "too-large").inc()
+            raise
+        count.labels(self.listener, "error" if answer.isError else "ok").inc()
+        return HandlerResponse.respond(response)
+
+
+def result_of(answer: types.CallToolResult, result_cls: type, cap: int) -> Any:
+    """The `mcp-result` for a server's answer; `ServerFailed` when it is over `cap`
+    bytes of content. Characters XML cannot carry are dropped."""
+    content_cls = _content_class(result_cls)
+    items = []
+    total = 0
+    for item in answer.content:
+        text = data = mime = None
+        if isinstance(item, types.TextContent):
+            text = item.text
+        elif isinstance(item, (types.ImageContent, types.AudioContent)):
+            data, mime = item.data, item.mimeType
+        elif isinstance(item, types.EmbeddedResource):
+            res = item.resource
+            if isinstance(res, types.TextResourceContents):
+                text = res.text
+            else:
+                data = res.blob
+            mime = res.mimeType
+        elif isinstance(item, types.ResourceLink):
+            text = str(item.uri)
+        else:
+            text = ""
+        total += len(text or "") + len(data or "")
+        if total > cap:
+            raise ServerFailed(f"mcp result over {cap} bytes")
+        if data is not None:
+            base64.b64decode(data, validate=True)  # binascii.Error: not base64
+        items.append(content_cls(type=item.type[:64],
+                                 text=None if text is None else _ILLEGAL_XML_CHAR.sub("", text),
+                                 data=data, mime_type=mime))
+    return result_cls(content=items, is_error=bool(answer.isError))
+
+
+def _content_class(result_cls: type) -> type:
+    from agentd._xmlify import spec_of
+
+    nested = spec_of(result_cls).fields[0].nested
+    assert nested is not None
+    return nested.cls

@@ -1,0 +1,123 @@
+"""The stdio transport to an MCP server we spawned confined.
+
+The SDK's `stdio_client` spawns the server itself (with the host's environment and
+no confinement) and passes unparsable lines on as exceptions. Here the process
+comes from `agentd.confine.spawn` and its stdout is JSON-RPC only: the first line
+that is not a JSON-RPC message, or a line longer than the cap (a flood), ends the
+session: the process group is killed and the reason is kept for the log and the
+restart. The SDK's `ClientSession` runs over the two memory streams this yields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+from mcp import types
+from mcp.shared.message import SessionMessage
+
+from agentd.confine import Policy, kill_group, spawn
+
+log = logging.getLogger("agentd.mcp")
+STDERR_KEEP = 4096  # the last bytes of a server's stderr, for the log when it dies
+
+
+@dataclass
+class Ending:
+    """Why a session ended, set once by whichever side noticed first."""
+
+    reason: str = ""
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def set(self, reason: str) -> None:
+        if not self.reason:
+            self.reason = reason
+
+
+# Children alive in this process, killed if the daemon exits without closing them.
+_LIVE_GROUPS: set[int] = set()
+
+
+@atexit.register
+def _kill_live_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+@contextlib.asynccontextmanager
+async def confined_stdio(
+    argv: list[str], policy: Policy, *, max_line: int, ending: Ending,
+) -> AsyncIterator[tuple[anyio.abc.ObjectReceiveStream, anyio.abc.ObjectSendStream]]:
+    proc = await spawn(argv, policy, check=False)
+    _LIVE_GROUPS.add(proc.pid)
+    assert proc.stdin and proc.stdout and proc.stderr
+    to_session, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](16)
+    write_stream, from_session = anyio.create_memory_object_stream[SessionMessage](16)
+    stderr_tail = bytearray()
+
+    async def read_stdout() -> None:
+        try:
+            async with to_session:
+                await pass_messages()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            ending.set("session closed")
+        finally:
+            ending.ended.set()
+        # Keep reading to the end: a pipe nobody reads keeps a killed child unreaped.
+        while await proc.stdout.read(65536):  # type: ignore[union-attr]
+            pass
+
+    async def pass_messages() -> None:
+        buffer = b""
+        while chunk := await proc.stdout.read(65536):  # type: ignore[union-attr]
+            *lines, buffer = (buffer + chunk).split(b"\n")
+            if len(buffer) > max_line or any(len(line) > max_line for line in lines):
+                ending.set(f"server wrote a line over {max_line} bytes")
+                return
+            for line in lines:
+                if not line.strip():
+                    continue
+                try:
+                    message = types.JSONRPCMessage.model_validate_json(line)
+                except ValueError:
+                    ending.set("server wrote something other than JSON-RPC on its output")
+                    return
+                await to_session.send(SessionMessage(message))
+        ending.set("server closed its output")
+
+    async def write_stdin() -> None:
+        async with from_session:
+            async for item in from_session:
+                data = item.message.model_dump_json(by_alias=True, exclude_none=True)
+                try:
+                    proc.stdin.write(data.encode() + b"\n")  # type: ignore[union-attr]
+                    await proc.stdin.drain()  # type: ignore[union-attr]
+                except (BrokenPipeError, ConnectionResetError):
+                    ending.set("server closed its input")
+                    return
+
+    async def drain_stderr() -> None:
+        while chunk := await proc.stderr.read(65536):  # type: ignore[union-attr]
+            stderr_tail.extend(chunk)
+            del stderr_tail[:-STDERR_KEEP]
+
+    tasks = [asyncio.ensure_future(f()) for f in (read_stdout, write_stdin, drain_stderr)]
+    try:
+        yield read_stream, write_stream
+    finally:
+        tasks[1].cancel()  # the writer: nothing more goes in
+        code = await kill_group(proc)  # the reader and stderr drain to the end
+        _LIVE_GROUPS.discard(proc.pid)
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if ending.reason or code not in (0, -9):
+            ending.set(f"server exited with {code}")
+            log.error("mcp server ended: %s (argv[0]=%s); stderr tail: %r",
+                      ending.reason, argv[0], bytes(stderr_tail[-512:]))
