@@ -680,19 +680,20 @@ async def test_foreign_database_is_refused(state_dir: Path) -> None:
 async def test_older_schema_is_migrated(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     async with await Kernel.open(state_dir) as k:
         seq = await journal_one(k, pending=True)
-    monkeypatch.setitem(_schema.MIGRATIONS, 2, (
+    current = _schema.code_version()
+    monkeypatch.setitem(_schema.MIGRATIONS, current + 1, (
         "CREATE TABLE extra (x INTEGER)", "ALTER TABLE threads ADD COLUMN note TEXT"))
     # The newer code's Store.open, in this process (the monkeypatch does not reach a
     # writer process): exactly what the kernel's writer runs first.
     store = Store.open(state_dir / DB_NAME)
-    assert store.migrated_from == 1
+    assert store.migrated_from == current
     store.close()
     assert verify_file(state_dir / DB_NAME).ok
     with db_conn(state_dir) as conn:
         assert conn.execute("SELECT seq FROM inflight").fetchall() == [(seq,)]
-        assert conn.execute("SELECT version FROM schema_version").fetchone() == (2,)
+        assert conn.execute("SELECT version FROM schema_version").fetchone() == (current + 1,)
         conn.execute("SELECT x FROM extra")
-    monkeypatch.delitem(_schema.MIGRATIONS, 2)
+    monkeypatch.delitem(_schema.MIGRATIONS, current + 1)
     with pytest.raises(SchemaTooNew):
         await Kernel.open(state_dir)
 

@@ -167,6 +167,8 @@ class Store:
             if plan.context_insert:
                 conn.executemany("INSERT INTO context (thread, role, content, ts) "
                                  "VALUES (?, ?, ?, ?)", plan.context_insert)
+            for statement, params in plan.durable:
+                conn.execute(statement, params)
             if new_head != head:
                 conn.execute("UPDATE head SET pos = ?, hash = ?, seq = ?, outbox_id = ? "
                              "WHERE id = 0",
