@@ -912,7 +912,8 @@ def test_a_profile_is_named_by_its_key_only(tmp_path: Path) -> None:
         text,
         "name: admin",
         "profiles.public.name",
-        "unknown key; expected one of: listeners, retention, synchronous, token_budget",
+        "unknown key; expected one of: listeners, retention, synchronous, token_budget, "
+        "approval",
     )
 
 

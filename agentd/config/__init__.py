@@ -22,6 +22,7 @@ from agentd.config.organism import (
 from agentd.config.schema import organism_schema, organism_schema_text
 from agentd.config.sections import (
     AgentConfig,
+    ApprovalConfig,
     AuthConfig,
     BusConfig,
     JournalConfig,
@@ -40,6 +41,7 @@ from agentd.kernel import Retention
 __all__ = [
     "CLIENT_ID",
     "AgentConfig",
+    "ApprovalConfig",
     "AuthConfig",
     "BusConfig",
     "ClientEntry",

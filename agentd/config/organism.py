@@ -73,6 +73,7 @@ class ListenerConfig:
     payload_refs: tuple[str, ...] = ()
     response_refs: tuple[str, ...] = ()
     tool: ToolConfig | None = None  # the `tool:` block as written, for reload diffs
+    approval: sections.ApprovalConfig | None = None  # a gate: decided before it runs
 
 
 @dataclass(frozen=True)
@@ -283,6 +284,7 @@ def _listener(
         handler_ref="" if section.handler is None else section.handler.ref,
         payload_refs=tuple(i.ref for i in section.payload_class),
         response_refs=tuple(i.ref for i in section.response_class),
+        approval=section.approval,
     ),)
 
 
@@ -318,6 +320,7 @@ def _tool_listeners(
             location=location,
             handler_ref=f"tool:{tool.kind}",
             tool=tool,
+            approval=section.approval,
         )
         for one in built
     )

@@ -189,6 +189,7 @@ class PumpConfig:
     max_queue: Positive = 10000
     max_fanout: Positive = 64
     thread_idle_s: Seconds = 86400.0  # conversations idle this long are ended and forgotten
+    max_state_bytes_per_thread: Positive = 65536  # handler state per listener and conversation
 
 
 _KERNEL = DEFAULT_KERNEL_OPTIONS  # the journal's defaults are the kernel's own
@@ -206,11 +207,22 @@ class JournalConfig:
 
 
 @dataclass(frozen=True, config=SECTION)
+class ApprovalConfig:
+    """A gate: a message for the listener waits, parked, for a human's decision."""
+
+    required: Bool = True
+    approvers: Annotated[tuple[Literal["operator", "client"], ...],
+                         Field(min_length=1)] = ("operator",)
+    timeout_s: Seconds = 3600.0
+
+
+@dataclass(frozen=True, config=SECTION)
 class ProfileConfig:
     listeners: Members
     retention: RetentionValue | None = None  # overrides journal.retention
     synchronous: Synchronous | None = None  # overrides journal.synchronous
     token_budget: Positive | None = None
+    approval: ApprovalConfig | None = None  # a gate on every listener of the profile
     name: SkipJsonSchema[str] = ""  # its key in `profiles`, filled in by the loader
 
     _rules = rules(lambda data, _: _name_is_the_key(data), "profile")
@@ -287,6 +299,7 @@ class ListenerSection:
     peers: Names = ()
     max_concurrency: Positive | None = None  # None: pump.per_listener_concurrency
     timeout_s: Seconds | None = None  # None: pump.handler_timeout_s
+    approval: ApprovalConfig | None = None  # a human decides before it runs
 
     _rules = rules(lambda data, _: _kind_rules(data), "listener")
 
