@@ -86,3 +86,12 @@ kernel_writer_restarts = Gauge(
     "Kernel writer processes started again after one died, since the daemon started",
     registry=REGISTRY,
 )
+approvals_pending = Gauge(
+    "agentd_approvals_pending", "Messages parked at approval gates", registry=REGISTRY
+)
+approvals_total = Counter(
+    "agentd_approvals",
+    "Parked messages closed, by listener and outcome (approved, denied, expired, cancelled)",
+    ["listener", "outcome"],
+    registry=REGISTRY,
+)

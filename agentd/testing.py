@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import time
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -62,6 +63,7 @@ class Harness:
         state_dir: Path | None = None,
         durable: bool = True,
         agent_handlers: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.clients = dict(clients)
@@ -88,6 +90,7 @@ class Harness:
             config.pump,
             max_envelope_bytes=config.bus.max_envelope_bytes,
             shape=envelope_shape(config.bus),
+            clock=clock,
         )
         self.pump.meta_flags = config.meta
         if self._own_platform is not None:
@@ -165,6 +168,14 @@ class Harness:
                     await self.kernel.flush()
             if not self.pump.queue_depth and not self.pump.running:
                 return
+
+    async def fire_due(self) -> int:
+        """Fire the timers and expire the approvals due by the harness's clock (a
+        fake one moves only when the test moves it), then run until idle. Returns
+        how many were due."""
+        fired = self.pump.durable.deadlines.run_due()
+        await self.run_until_idle()
+        return fired
 
     def frames(self, client: str, thread: str) -> list[bytes]:
         """Every frame delivered to `client` on `thread` so far, in order."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from enum import Enum
 
 from agentd._schemas import NS_CORE
@@ -116,9 +117,14 @@ def decision_from(el: object, client: str, thread: str) -> Decision:
     )
 
 
-def approval_required(row: ApprovalRow, expires: str) -> bytes:
+def iso_time(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def approval_required(row: ApprovalRow) -> bytes:
     """The core `approval-required` payload for `row`'s owner: the exact payload
     bytes it would approve (as text) and their SHA-256."""
+    expires = iso_time(row.deadline)
     return (
         f'<approval-required xmlns="{NS_CORE}"><approval>{row.id}</approval>'
         f"<listener>{escape_text(row.listener)}</listener>"

@@ -40,6 +40,10 @@ class StateBook:
         self._sizes: dict[tuple[str, str], int] = {}
         self._by_conversation: dict[str, set[str]] = {}
 
+    def __len__(self) -> int:
+        """Conversations with state."""
+        return len(self._by_conversation)
+
     def __contains__(self, conversation: object) -> bool:
         return conversation in self._by_conversation
 
