@@ -106,3 +106,16 @@ async def pay_relay(payload: PayVia | Paid | Huh, meta: HandlerMetadata) -> Hand
     if isinstance(payload, Paid):
         return HandlerResponse.respond(payload)
     return HandlerResponse.error(payload.code, payload.message)
+
+
+@xmlify(namespace=f"{NS}/pay-op/v1")
+@dataclass
+class PayOp:
+    """Pays an amount: gated, operators only."""
+
+    amount: int
+
+
+async def pay_op(payload: PayOp, meta: HandlerMetadata) -> HandlerResponse:
+    CALLS.append(("pay.op", payload.amount))
+    return HandlerResponse.respond(Paid(amount=payload.amount))
