@@ -321,7 +321,7 @@ async def test_a_reload_does_not_change_parked_rules(tmp_path: Path) -> None:
 
 async def test_the_end_of_a_conversation_denies_what_it_parked() -> None:
     async with harness(FakeClock()) as h:
-        thread, approval, _ = await park(h)
+        thread, _, _ = await park(h)
         root = h.pump.registry.get(thread)
         assert root is not None
         batch = h.pump._open()
