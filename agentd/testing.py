@@ -162,11 +162,15 @@ class Harness:
         client frame has been delivered)."""
         while True:
             await self.pump.join()
+            handled = self.pump.handled
             if self.kernel is not None:
                 # Storage failing: what was not written will not be delivered.
                 with contextlib.suppress(KernelUnavailable):
                     await self.kernel.flush()
-            if not self.pump.queue_depth and not self.pump.running:
+            # A commit may have released work (an approved message runs once its
+            # decision is durable), which may even have run meanwhile: go round again.
+            if (not self.pump.queue_depth and not self.pump.running
+                    and self.pump.handled == handled):
                 return
 
     async def fire_due(self) -> int:

@@ -52,7 +52,7 @@ from agentd.durable import (
 )
 from agentd.kernel import ApprovalRow, Kernel, TimerRow, Transaction
 from agentd.pump import admission
-from agentd.pump.batch import Batch, thread_row
+from agentd.pump.batch import Batch, journal_message, thread_row
 from agentd.pump.message import CORE, Message, SubmitResult
 from agentd.pump.response import ResponsePlan, plan_failure
 
@@ -293,29 +293,49 @@ class DurableWaits:
         if not alive and outcome is Outcome.APPROVED:
             outcome = Outcome.CANCELLED
         metrics.approvals_total.labels(row.listener, outcome.value).inc()
-        if batch is not None:
-            batch.tx.approval_decide(row.id, outcome.value, by, reason, self.clock())
-            self._audit(batch.tx, "approval-decision", row, {
+        # An approval is its own transaction, and the message runs only once it has
+        # committed: a crash before leaves it pending, after, the journal resumes it.
+        kernel = pump.kernel
+        own = kernel.transaction() if outcome is Outcome.APPROVED and kernel else None
+        tx = own if own is not None else (batch.tx if batch is not None else None)
+        if tx is not None:
+            tx.approval_decide(row.id, outcome.value, by, reason, self.clock())
+            self._audit(tx, "approval-decision", row, {
                 "outcome": outcome.value, "by": by, "reason": reason})
         log.info("approval %s approval=%s listener=%s by=%s thread=%s", outcome.value,
                  row.id, row.listener, by, row.conversation)
         if frame is None or not alive:
             return
-        if outcome is Outcome.APPROVED:
-            self._dispatch(row, frame, batch)
-        else:
+        if outcome is not Outcome.APPROVED:
             pump._reenter_core(frame, Huh.of(HuhCode.DENIED, NOT_APPROVED).to_bytes(),
                                row.hops, batch)
+            return
+        msg = self._route_again(row, frame, batch)
+        if own is None or kernel is None:
+            if msg is not None:
+                pump._enqueue(msg, None)
+            return
+        if msg is not None:
+            msg.seq = journal_message(own, msg)
 
-    def _dispatch(self, row: ApprovalRow, frame: Frame, batch: Batch | None) -> None:
+        def decided(exc: BaseException | None) -> None:
+            if exc is not None:
+                log.error("approval not recorded (still pending in the kernel) approval=%s: "
+                          "%s", row.id, exc)
+            elif msg is not None:
+                pump._scheduler.put(msg)
+
+        kernel.commit_then(own, decided)
+
+    def _route_again(self, row: ApprovalRow, frame: Frame, batch: Batch | None
+                     ) -> Message | None:
         """As if it had just arrived: routed again against the thread's table (and the
-        sender's peers), journaled pending, queued; a refusal goes to the sender."""
+        sender's peers); a refusal goes to the sender."""
         pump = self._pump
-        table = frame.profile.table
-        sender = None if (frame.is_root and row.sender == frame.owner) else (
-            table.listeners.get(row.sender))
+        from_client = frame.is_root and row.sender == frame.owner
+        sender = None if from_client else frame.profile.table.listeners.get(row.sender)
         try:
-            if sender is None and not (frame.is_root and row.sender == frame.owner):
+            if sender is None and not from_client:
                 raise Rejection(HuhCode.UNROUTABLE, "sender gone")
             env = parse_envelope(row.envelope, max_bytes=max(len(row.envelope), 1))
             msg = admission.route_request(env, env.key, row.envelope, row.sender, sender,
@@ -324,9 +344,9 @@ class DurableWaits:
             log.info("approved message no longer routable approval=%s detail=%s", row.id,
                      rej.detail)
             pump._huh_to(frame, rej.code, row.hops, batch)
-            return
+            return None
         msg.hops = row.hops
-        pump._enqueue(msg, batch)
+        return msg
 
     def _unpark(self, approval_id: str) -> None:
         row = self.parked.pop(approval_id, None)
