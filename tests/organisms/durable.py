@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass
 from decimal import Decimal
@@ -84,6 +85,8 @@ class Paid:
 
 
 async def pay(payload: Pay, meta: HandlerMetadata) -> HandlerResponse:
+    if os.environ.get("AGENTD_TEST_PAY") == "block":  # crash tests: killed while here
+        await asyncio.Event().wait()
     CALLS.append(("pay", payload.amount))
     ledger = os.environ.get("AGENTD_TEST_LEDGER")
     if ledger:  # crash tests: the daemon is another process
