@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lxml import etree
@@ -331,3 +332,73 @@ async def test_the_end_of_a_conversation_denies_what_it_parked() -> None:
         assert h.pump.durable.parked == {}
         (closed,) = await h.kernel.approvals(state=None)  # type: ignore[union-attr]
         assert closed.state == "cancelled"
+
+
+# ---- an agent's tool call into a gated listener ------------------------------------------
+
+
+async def test_an_agents_tool_call_parks_and_the_outcome_is_its_tool_result() -> None:
+    from agentd.platform import Platform, make_agent_handlers
+    from agentd.platform.demo import MathQuestion
+    from tests.llm_servers import FakeLLM, add_call, load, openai_backend, organism_yaml, values
+
+    def script(seen: Any) -> str:
+        got = values(seen.conversation().results)
+        if not got:
+            return f"Let me add.\n{add_call(2, 40)}"
+        return f"The sum is {got[0]}."
+
+    async with FakeLLM("openai", script) as server:
+        text = organism_yaml(openai_backend(server), agent=", max_iterations: 2").replace(
+            "    handler: agentd.tools.calculator:add\n",
+            "    handler: agentd.tools.calculator:add\n"
+            "    approval: {approvers: [operator]}\n", 1)
+        config = load(text)
+        platform = Platform.from_config(config)
+        handlers = make_agent_handlers(config, platform)
+        async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
+                           clock=FakeClock()) as h:
+            platform.bind_threads(h.pump.registry)
+            frames = await h.send("alice", MathQuestion(text="What is 2 + 40?"))
+            assert [tag(f) for f in frames] == ["accepted", "approval-required"]
+            assert len(server.requests) == 1  # the agent waits; no model turn is spent
+            thread = child(frames[0], "thread")
+            (parked,) = h.pump.durable.parked.values()
+            assert parked.listener == "calculator.add" and parked.sender == "tutor"
+            assert h.pump.durable.decide(Decision(parked.id, True, "operator:ops-1")) is None
+            await h.run_until_idle()
+            answer = h.frames("alice", thread)[-1]
+            assert tag(answer) == "answer" and child(answer, "text") == "The sum is 42."
+            assert len(server.requests) == 2  # within max_iterations: 2
+        await platform.aclose()
+
+
+async def test_an_agent_is_told_not_approved_as_its_tool_result() -> None:
+    from agentd.platform import Platform, make_agent_handlers
+    from agentd.platform.demo import MathQuestion
+    from tests.llm_servers import FakeLLM, add_call, load, openai_backend, organism_yaml
+
+    def script(seen: Any) -> str:
+        results = seen.conversation().results
+        if not results:
+            return f"Let me add.\n{add_call(2, 40)}"
+        return "Refused: " + ("yes" if "not approved" in results[0].content else "no")
+
+    async with FakeLLM("openai", script) as server:
+        text = organism_yaml(openai_backend(server)).replace(
+            "    handler: agentd.tools.calculator:add\n",
+            "    handler: agentd.tools.calculator:add\n"
+            "    approval: {approvers: [operator]}\n", 1)
+        config = load(text)
+        platform = Platform.from_config(config)
+        handlers = make_agent_handlers(config, platform)
+        async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
+                           clock=FakeClock()) as h:
+            platform.bind_threads(h.pump.registry)
+            frames = await h.send("alice", MathQuestion(text="What is 2 + 40?"))
+            thread = child(frames[0], "thread")
+            (parked,) = h.pump.durable.parked.values()
+            h.pump.durable.decide(Decision(parked.id, False, "operator:ops-1", reason="no"))
+            await h.run_until_idle()
+            assert child(h.frames("alice", thread)[-1], "text") == "Refused: yes"
+        await platform.aclose()

@@ -37,7 +37,7 @@ def home(tmp_path: Path) -> Path:
 async def next_on(bus: BusClient, thread: str, kind: str, timeout: float = 30) -> bytes:
     while True:
         frame = await bus.recv(timeout=timeout)
-        sender, got, on = frame_kind(frame)
+        _, got, on = frame_kind(frame)
         if on == thread and got == kind:
             return frame
 
