@@ -332,6 +332,7 @@ async def test_the_end_of_a_conversation_denies_what_it_parked() -> None:
         assert h.pump.durable.parked == {}
         (closed,) = await h.kernel.approvals(state=None)  # type: ignore[union-attr]
         assert closed.state == "cancelled"
+        assert child(h.frames("alice", thread)[-1], "message") == "not approved"
 
 
 # ---- an agent's tool call into a gated listener ------------------------------------------

@@ -305,6 +305,9 @@ class DurableWaits:
         log.info("approval %s approval=%s listener=%s by=%s thread=%s", outcome.value,
                  row.id, row.listener, by, row.conversation)
         if frame is None or not alive:
+            if row.frame == row.conversation:  # the caller is the client: still told
+                pump._emit_core(row.owner, row.conversation, Huh.of(
+                    HuhCode.DENIED, NOT_APPROVED).to_bytes(), batch)
             return
         if outcome is not Outcome.APPROVED:
             pump._reenter_core(frame, Huh.of(HuhCode.DENIED, NOT_APPROVED).to_bytes(),
