@@ -6,6 +6,8 @@ parked under."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -14,13 +16,13 @@ from lxml import etree
 
 from agentd._envelope import build_envelope
 from agentd._schemas import NS_CORE
-from agentd._threads import ThreadEvent
 from agentd.config import load_config, load_config_text
 from agentd.durable import Decision, judge
 from agentd.kernel import ApprovalRow
 from agentd.testing import Harness
 from tests.organisms import durable
 from tests.organisms.durable import Count, Pay, PayOp, PayVia
+from tests.test_timers import end_conversation
 
 ORGANISM = Path(__file__).parent / "organisms" / "gates.yaml"
 CLIENTS = {"alice": "public", "bob": "public", "olga": "ops", "carl": "careful"}
@@ -323,12 +325,7 @@ async def test_a_reload_does_not_change_parked_rules(tmp_path: Path) -> None:
 async def test_the_end_of_a_conversation_denies_what_it_parked() -> None:
     async with harness(FakeClock()) as h:
         thread, _, _ = await park(h)
-        root = h.pump.registry.get(thread)
-        assert root is not None
-        batch = h.pump._open()
-        h.pump._end(root, ThreadEvent.ABANDONED, batch)
-        h.pump._close(batch, None)
-        await h.run_until_idle()
+        await end_conversation(h, thread)
         assert h.pump.durable.parked == {}
         (closed,) = await h.kernel.approvals(state=None)  # type: ignore[union-attr]
         assert closed.state == "cancelled"
@@ -338,16 +335,12 @@ async def test_the_end_of_a_conversation_denies_what_it_parked() -> None:
 # ---- an agent's tool call into a gated listener ------------------------------------------
 
 
-async def test_an_agents_tool_call_parks_and_the_outcome_is_its_tool_result() -> None:
+@asynccontextmanager
+async def gated_agent(script: Callable[[Any], str]) -> AsyncIterator[tuple[Harness, Any]]:
+    """The tutor agent of tests/llm_servers.py, on a fake model, with the calculator
+    behind an operator-only gate; yields the harness and the fake model server."""
     from agentd.platform import Platform, make_agent_handlers
-    from agentd.platform.demo import MathQuestion
-    from tests.llm_servers import FakeLLM, add_call, load, openai_backend, organism_yaml, values
-
-    def script(seen: Any) -> str:
-        got = values(seen.conversation().results)
-        if not got:
-            return f"Let me add.\n{add_call(2, 40)}"
-        return f"The sum is {got[0]}."
+    from tests.llm_servers import FakeLLM, load, openai_backend, organism_yaml
 
     async with FakeLLM("openai", script) as server:
         text = organism_yaml(openai_backend(server), agent=", max_iterations: 2").replace(
@@ -357,27 +350,42 @@ async def test_an_agents_tool_call_parks_and_the_outcome_is_its_tool_result() ->
         config = load(text)
         platform = Platform.from_config(config)
         handlers = make_agent_handlers(config, platform)
-        async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
-                           clock=FakeClock()) as h:
-            platform.bind_threads(h.pump.registry)
-            frames = await h.send("alice", MathQuestion(text="What is 2 + 40?"))
-            assert [tag(f) for f in frames] == ["accepted", "approval-required"]
-            assert len(server.requests) == 1  # the agent waits; no model turn is spent
-            thread = child(frames[0], "thread")
-            (parked,) = h.pump.durable.parked.values()
-            assert parked.listener == "calculator.add" and parked.sender == "tutor"
-            assert h.pump.durable.decide(Decision(parked.id, True, "operator:ops-1")) is None
-            await h.run_until_idle()
-            answer = h.frames("alice", thread)[-1]
-            assert tag(answer) == "answer" and child(answer, "text") == "The sum is 42."
-            assert len(server.requests) == 2  # within max_iterations: 2
-        await platform.aclose()
+        try:
+            async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
+                               clock=FakeClock()) as h:
+                platform.bind_threads(h.pump.registry)
+                yield h, server
+        finally:
+            await platform.aclose()
+
+
+async def test_an_agents_tool_call_parks_and_the_outcome_is_its_tool_result() -> None:
+    from agentd.platform.demo import MathQuestion
+    from tests.llm_servers import add_call, values
+
+    def script(seen: Any) -> str:
+        got = values(seen.conversation().results)
+        if not got:
+            return f"Let me add.\n{add_call(2, 40)}"
+        return f"The sum is {got[0]}."
+
+    async with gated_agent(script) as (h, server):
+        frames = await h.send("alice", MathQuestion(text="What is 2 + 40?"))
+        assert [tag(f) for f in frames] == ["accepted", "approval-required"]
+        assert len(server.requests) == 1  # the agent waits; no model turn is spent
+        thread = child(frames[0], "thread")
+        (parked,) = h.pump.durable.parked.values()
+        assert parked.listener == "calculator.add" and parked.sender == "tutor"
+        assert h.pump.durable.decide(Decision(parked.id, True, "operator:ops-1")) is None
+        await h.run_until_idle()
+        answer = h.frames("alice", thread)[-1]
+        assert tag(answer) == "answer" and child(answer, "text") == "The sum is 42."
+        assert len(server.requests) == 2  # within max_iterations: 2
 
 
 async def test_an_agent_is_told_not_approved_as_its_tool_result() -> None:
-    from agentd.platform import Platform, make_agent_handlers
     from agentd.platform.demo import MathQuestion
-    from tests.llm_servers import FakeLLM, add_call, load, openai_backend, organism_yaml
+    from tests.llm_servers import add_call
 
     def script(seen: Any) -> str:
         results = seen.conversation().results
@@ -385,21 +393,10 @@ async def test_an_agent_is_told_not_approved_as_its_tool_result() -> None:
             return f"Let me add.\n{add_call(2, 40)}"
         return "Refused: " + ("yes" if "not approved" in results[0].content else "no")
 
-    async with FakeLLM("openai", script) as server:
-        text = organism_yaml(openai_backend(server)).replace(
-            "    handler: agentd.tools.calculator:add\n",
-            "    handler: agentd.tools.calculator:add\n"
-            "    approval: {approvers: [operator]}\n", 1)
-        config = load(text)
-        platform = Platform.from_config(config)
-        handlers = make_agent_handlers(config, platform)
-        async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
-                           clock=FakeClock()) as h:
-            platform.bind_threads(h.pump.registry)
-            frames = await h.send("alice", MathQuestion(text="What is 2 + 40?"))
-            thread = child(frames[0], "thread")
-            (parked,) = h.pump.durable.parked.values()
-            h.pump.durable.decide(Decision(parked.id, False, "operator:ops-1", reason="no"))
-            await h.run_until_idle()
-            assert child(h.frames("alice", thread)[-1], "text") == "Refused: yes"
-        await platform.aclose()
+    async with gated_agent(script) as (h, _):
+        frames = await h.send("alice", MathQuestion(text="What is 2 + 40?"))
+        thread = child(frames[0], "thread")
+        (parked,) = h.pump.durable.parked.values()
+        h.pump.durable.decide(Decision(parked.id, False, "operator:ops-1", reason="no"))
+        await h.run_until_idle()
+        assert child(h.frames("alice", thread)[-1], "text") == "Refused: yes"
