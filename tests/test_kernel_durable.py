@@ -80,3 +80,15 @@ def test_decided_state_must_be_final(tmp_path: Path) -> None:
     tx = Transaction(TxContext(next_seq=1, next_outbox_id=1))
     with pytest.raises(ValueError):
         tx.approval_decide("a1", "pending", "x", "", 1.0)
+
+
+async def test_decided_approvals_are_collected_with_old_threads(tmp_path: Path) -> None:
+    now = time.time()
+    async with await Kernel.open(tmp_path / "s", clock=lambda: now + 10 * 86400) as k:
+        tx = k.transaction()
+        tx.approval_put(approval("old"))
+        tx.approval_decide("old", "denied", "ops", "", now)
+        tx.approval_put(approval("waiting"))
+        await k.commit(tx)
+        await k.sweep()
+        assert [a.id for a in await k.approvals(state=None)] == ["waiting"]

@@ -230,6 +230,10 @@ class Store:
             threads = conn.execute(
                 "DELETE FROM threads WHERE state IN ('completed', 'failed') AND updated < ?",
                 (thread_cutoff,)).rowcount
+            # Decided approvals go with the threads of their time (the journal keeps
+            # their audit entries); pending ones stay until decided or expired.
+            conn.execute("DELETE FROM approvals WHERE state != 'pending' AND decided_at < ?",
+                         (thread_cutoff,))
             if idle:
                 conn.executemany("DELETE FROM context WHERE thread = ?", idle)
             conn.execute("COMMIT")
