@@ -114,6 +114,21 @@ def test_judge(decision_: Decision, row_: ApprovalRow, why: str | None) -> None:
     assert judge(row_, decision_, 5.0) == why
 
 
+def test_the_approval_machine_walks_its_table() -> None:
+    from agentd._states import IllegalTransition
+    from agentd.durable.approvals import TRANSITIONS, ApprovalEvent, ApprovalState, close
+
+    for state in ApprovalState:
+        for event in ApprovalEvent:
+            allowed = TRANSITIONS[state].get(event)
+            if allowed is None:
+                with pytest.raises(IllegalTransition):
+                    close(state.value, event)
+            else:
+                assert close(state.value, event) is allowed
+    assert {s for s in ApprovalState if TRANSITIONS[s]} == {ApprovalState.PENDING}
+
+
 def test_judge_unknown_approval() -> None:
     assert judge(None, Decision("x", True, "ops-1"), 0.0) == "no such approval"
 

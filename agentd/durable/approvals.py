@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from enum import Enum
 
 from agentd._schemas import NS_CORE
+from agentd._states import step
 from agentd._xml import escape_text
 from agentd.kernel import ApprovalRow
 
@@ -42,11 +43,37 @@ class ApprovalRules:
     timeout_s: float
 
 
-class Outcome(Enum):
+class ApprovalState(Enum):
+    PENDING = "pending"
     APPROVED = "approved"
     DENIED = "denied"
     EXPIRED = "expired"
     CANCELLED = "cancelled"  # its thread ended first
+
+
+class ApprovalEvent(Enum):
+    APPROVE = "approve"
+    DENY = "deny"
+    EXPIRE = "expire"
+    THREAD_ENDED = "thread-ended"
+
+
+_S, _E = ApprovalState, ApprovalEvent
+# A parked message is decided once: every closed state is final.
+TRANSITIONS: dict[ApprovalState, dict[ApprovalEvent, ApprovalState]] = {
+    _S.PENDING: {_E.APPROVE: _S.APPROVED, _E.DENY: _S.DENIED, _E.EXPIRE: _S.EXPIRED,
+                 _E.THREAD_ENDED: _S.CANCELLED},
+    _S.APPROVED: {},
+    _S.DENIED: {},
+    _S.EXPIRED: {},
+    _S.CANCELLED: {},
+}
+
+
+def close(state: str, event: ApprovalEvent) -> ApprovalState:
+    """The state a parked message in `state` takes on `event`; raises
+    `IllegalTransition` for one already closed."""
+    return step("approval", TRANSITIONS, ApprovalState(state), event)
 
 
 @dataclass(frozen=True, slots=True)

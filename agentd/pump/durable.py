@@ -35,16 +35,18 @@ from agentd._xml import c14n
 from agentd._xmlify import spec_of
 from agentd.durable import (
     NOT_APPROVED,
+    ApprovalEvent,
     ApprovalRules,
+    ApprovalState,
     Deadline,
     DeadlineScheduler,
     Decision,
-    Outcome,
     StateBook,
     StateView,
     TimerRequest,
     Woke,
     approval_required,
+    close,
     is_late,
     judge,
     new_approval_id,
@@ -260,10 +262,10 @@ class DurableWaits:
                 "client": decision.client or ""})
             return why
         assert row is not None
-        outcome = Outcome.APPROVED if decision.approve else Outcome.DENIED
+        event = ApprovalEvent.APPROVE if decision.approve else ApprovalEvent.DENY
         pump = self._pump
         batch = pump._open()
-        self.settle(row, outcome, decision.by, decision.reason, batch)
+        self.settle(row, event, decision.by, decision.reason, batch)
         if decision.client is not None:
             # The decider is told its decision was taken, before what it causes.
             thread = decision.thread or row.conversation
@@ -281,7 +283,7 @@ class DurableWaits:
         pump._close(batch, None)
         return None
 
-    def settle(self, row: ApprovalRow, outcome: Outcome, by: str, reason: str,
+    def settle(self, row: ApprovalRow, event: ApprovalEvent, by: str, reason: str,
                batch: Batch | None) -> None:
         """Close a parked message: dispatch it once (approved) or tell its caller
         `huh denied` "not approved"."""
@@ -290,13 +292,14 @@ class DurableWaits:
         frame = pump.registry.get(row.frame)
         alive = (frame is not None and frame.state is _ACTIVE
                  and frame.root.state is _ACTIVE)
-        if not alive and outcome is Outcome.APPROVED:
-            outcome = Outcome.CANCELLED
+        if not alive and event is ApprovalEvent.APPROVE:
+            event = ApprovalEvent.THREAD_ENDED
+        outcome = close(row.state, event)
         metrics.approvals_total.labels(row.listener, outcome.value).inc()
         # An approval is its own transaction, and the message runs only once it has
         # committed: a crash before leaves it pending, after, the journal resumes it.
         kernel = pump.kernel
-        own = kernel.transaction() if outcome is Outcome.APPROVED and kernel else None
+        own = kernel.transaction() if outcome is ApprovalState.APPROVED and kernel else None
         tx = own if own is not None else (batch.tx if batch is not None else None)
         if tx is not None:
             tx.approval_decide(row.id, outcome.value, by, reason, self.clock())
@@ -309,7 +312,7 @@ class DurableWaits:
                 pump._emit_core(row.owner, row.conversation, Huh.of(
                     HuhCode.DENIED, NOT_APPROVED).to_bytes(), batch)
             return
-        if outcome is not Outcome.APPROVED:
+        if outcome is not ApprovalState.APPROVED:
             pump._reenter_core(frame, Huh.of(HuhCode.DENIED, NOT_APPROVED).to_bytes(),
                                row.hops, batch)
             return
@@ -365,7 +368,7 @@ class DurableWaits:
         if self.book.drop(conversation) and batch is not None:
             batch.tx.state_drop(conversation)
         for row in [r for r in self.parked.values() if r.conversation == conversation]:
-            self.settle(row, Outcome.CANCELLED, "thread-ended", "", batch)
+            self.settle(row, ApprovalEvent.THREAD_ENDED, "thread-ended", "", batch)
 
     async def recover(self, kernel: Kernel) -> None:
         """Load what was pending before the restart; timers whose call no longer
@@ -401,7 +404,7 @@ class DurableWaits:
             else:
                 row = self.parked.get(entry.id)
                 if row is not None:
-                    self.settle(row, Outcome.EXPIRED, "deadline", "", batch)
+                    self.settle(row, ApprovalEvent.EXPIRE, "deadline", "", batch)
         pump._close(batch, None)
 
     def _hold(self, frame: str) -> None:
