@@ -338,6 +338,45 @@ def introspect_route(ctx: click.Context, profile: str, text: str) -> None:
           unwrap="route")
 
 
+@introspect.command("timers")
+@click.pass_context
+def introspect_timers(ctx: click.Context) -> None:
+    """Pending timers: id, thread, listener, due time, note."""
+    _send(ctx, "introspect", {"what": "timers"})
+
+
+@main.command()
+@click.pass_context
+def approvals(ctx: click.Context) -> None:
+    """Messages parked at approval gates, waiting for a decision."""
+    _send(ctx, "approvals", {})
+
+
+@main.command()
+@click.argument("approval_id", metavar="ID")
+@click.option("--payload-sha256", "sha", metavar="HEX",
+              help="Approve only if the parked payload has this SHA-256.")
+@click.pass_context
+def approve(ctx: click.Context, approval_id: str, sha: str | None) -> None:
+    """Approve parked message ID: it is dispatched once, as if it had just arrived."""
+    args = {"id": approval_id}
+    if sha:
+        args["payload-sha256"] = sha
+    _send(ctx, "approve", args)
+
+
+@main.command()
+@click.argument("approval_id", metavar="ID")
+@click.option("--reason", metavar="TEXT", default="", help="Recorded in the journal.")
+@click.pass_context
+def deny(ctx: click.Context, approval_id: str, reason: str) -> None:
+    """Deny parked message ID: its caller gets `huh denied` "not approved"."""
+    args = {"id": approval_id}
+    if reason:
+        args["reason"] = reason
+    _send(ctx, "deny", args)
+
+
 @main.command()
 @click.option("--thread", type=click.UUID, metavar="UUID", help="Only this thread.")
 @click.option("--limit", type=click.IntRange(min=1), metavar="N",

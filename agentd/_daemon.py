@@ -57,7 +57,7 @@ log = logging.getLogger("agentd.daemon")
 # Pump and bus security events; the OOB channel's own kinds are added below.
 _PUMP_SECURITY_KINDS = frozenset(
     {"forged-from", "priv-on-bus", "priv-from-handler", "peer-violation", "lockout",
-     "tool-denied"}
+     "tool-denied", "approval-refused"}
 )
 
 
@@ -413,6 +413,8 @@ class Daemon:
             "isolation": self.isolation.status(),
             "gateways": self.federation.status() if self.federation is not None else [],
             **_mcp_status(),
+            "approvals_pending": len(self.pump.durable.parked),
+            "timers_pending": len(self.pump.durable.timers),
         }
 
     async def reload(self, dry_run: bool) -> dict[str, Any]:
@@ -467,6 +469,10 @@ class DaemonCommands:
                 return await self._memory(args)
             if name == "journal":
                 return await self._journal(args)
+            if name == "approvals":
+                return self._approvals()
+            if name in ("approve", "deny"):
+                return await self._decide(name == "approve", args)
             if name == "shutdown":
                 mode = args.get("mode", "graceful")
                 if mode not in ("graceful", "now"):
@@ -548,6 +554,12 @@ class DaemonCommands:
                     "state": frame.state.value,
                 },
             )
+        if what == "timers":
+            return result_element("timers", [
+                {"id": t.id, "thread": t.conversation, "listener": t.listener,
+                 "due": format_time(t.due), "note": t.note}
+                for t in sorted(d.pump.durable.timers.values(), key=lambda t: (t.due, t.id))
+            ])
         raise CommandFailed("invalid", f"unknown introspection {what!r}")
 
     async def _context(self, args: Mapping[str, str]) -> etree._Element:
@@ -621,6 +633,38 @@ class DaemonCommands:
             raise CommandFailed("invalid", "the intent text is empty")
         ranking = await d.router.rank(text, profile)
         return result_element("route", {"profile": name, **ranking.as_json()})
+
+    def _approvals(self) -> etree._Element:
+        d = self.daemon
+        assert d.pump is not None
+        return result_element("approvals", [
+            {"id": r.id, "listener": r.listener, "thread": r.conversation,
+             "payload_sha256": r.payload_sha256, "expires": format_time(r.deadline),
+             "approvers": list(r.approvers)}
+            for r in sorted(d.pump.durable.parked.values(), key=lambda r: (r.created, r.id))
+        ])
+
+    async def _decide(self, approve: bool, args: Mapping[str, str]) -> etree._Element:
+        """An operator's decision, recorded as the signing key's; a refusal is one
+        generic message (the reason is in the log and the security event)."""
+        from agentd.durable import Decision
+        from agentd.oob import CommandFailed, operator_key_id
+
+        d = self.daemon
+        assert d.pump is not None
+        approval = args.get("id", "")
+        reason = args.get("reason", "")[:1024]
+        sha = args.get("payload-sha256") or None
+        by = f"operator:{operator_key_id.get() or 'unknown'}"
+        why = d.pump.durable.decide(Decision(approval, approve, by, payload_sha256=sha,
+                                             reason=reason))
+        if why is not None:
+            raise CommandFailed("invalid", "no pending approval with that id that an "
+                                "operator may decide")
+        if d.kernel is not None:
+            await d.kernel.flush()  # answered once the decision is durable
+        return result_element("approve" if approve else "deny", {
+            "id": approval, "outcome": "approved" if approve else "denied"})
 
     async def _journal(self, args: Mapping[str, str]) -> etree._Element:
         d = self.daemon

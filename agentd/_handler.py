@@ -11,9 +11,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentd._errors import HuhCode
+
+if TYPE_CHECKING:
+    from agentd.durable.state import StateView
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,25 @@ class HandlerMetadata:
     own_name: str
     redelivered: bool = False  # True when replayed after a crash (at-least-once)
     usage_instructions: str = ""  # peers' tool-prompt fragments, for LLM prompts
+    # Behind `state`: the daemon's state book and the conversation this call serves
+    # (never shown to the handler), and the view, made on first use.
+    _book: Any = field(default=None, repr=False, compare=False)
+    _conversation: str = field(default="", repr=False, compare=False)
+    _view: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def state(self) -> StateView:
+        """This listener's storage for the conversation it serves: `get(key,
+        default=None)`, `set(key, value)`, `delete(key)`, strings only. Writes commit
+        with the handler's output, or not at all if the handler fails."""
+        view = self._view
+        if view is None:
+            from agentd.durable.state import StateBook, StateView
+
+            book = self._book if self._book is not None else StateBook()
+            view = StateView(book, self.own_name, self._conversation or self.thread_id)
+            object.__setattr__(self, "_view", view)
+        return view
 
 
 class ResponseKind(Enum):

@@ -103,3 +103,12 @@ mcp_server_restarts = Counter(
     "agentd_mcp_server_restarts", "Sessions with an MCP server started again after one ended",
     ["server"], registry=REGISTRY,
 )
+approvals_pending = Gauge(
+    "agentd_approvals_pending", "Messages parked at approval gates", registry=REGISTRY
+)
+approvals_total = Counter(
+    "agentd_approvals",
+    "Parked messages closed, by listener and outcome (approved, denied, expired, cancelled)",
+    ["listener", "outcome"],
+    registry=REGISTRY,
+)

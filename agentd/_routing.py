@@ -19,6 +19,7 @@ from agentd import _metrics as metrics
 from agentd._errors import ConfigError
 from agentd._waiters import WaiterQueue
 from agentd._xmlify import XmlSpec, spec_of
+from agentd.durable.approvals import ApprovalRules
 
 if TYPE_CHECKING:
     from agentd.config import ListenerConfig, OrganismConfig, SemanticRoutingConfig
@@ -82,6 +83,9 @@ class DispatchTable:
     routes: Mapping[Key, tuple[Listener, ...]]
     listeners: Mapping[str, Listener]
     specs: Mapping[Key, XmlSpec]  # the payload schema of every routed key
+    # Listeners behind an approval gate in this table, with the gate's rules. Empty
+    # (falsy) for a table without gates: the pump's whole check is one truth test.
+    gates: Mapping[str, ApprovalRules] = field(default_factory=lambda: _NO_GATES)
 
     def resolve(self, key: Key, to: str | None = None) -> tuple[Listener, ...]:
         """The listeners `key` reaches, narrowed by `to`; empty means unroutable."""
@@ -100,12 +104,20 @@ class Profile:
     semantic: SemanticRoutingConfig | None = None  # routing.semantic with its overrides
 
 
-def build_table(version: int, listeners: Iterable[Listener]) -> DispatchTable:
+_NO_GATES: Mapping[str, ApprovalRules] = MappingProxyType({})
+
+
+def build_table(version: int, listeners: Iterable[Listener],
+                profile_gate: Any = None) -> DispatchTable:
     routes: dict[Key, list[Listener]] = {}
     names: dict[str, Listener] = {}
     specs: dict[Key, XmlSpec] = {}
+    gates: dict[str, ApprovalRules] = {}
     for lst in listeners:
         names[lst.name] = lst
+        gate = getattr(lst.config, "approval", None) or profile_gate
+        if gate is not None and gate.required:
+            gates[lst.name] = ApprovalRules(tuple(gate.approvers), gate.timeout_s)
         for spec in lst.payload_specs:
             routes.setdefault(spec.clark, []).append(lst)
             specs[spec.clark] = spec
@@ -114,6 +126,7 @@ def build_table(version: int, listeners: Iterable[Listener]) -> DispatchTable:
         MappingProxyType({k: tuple(v) for k, v in routes.items()}),
         MappingProxyType(names),
         MappingProxyType(specs),
+        MappingProxyType(gates) if gates else _NO_GATES,
     )
 
 
@@ -208,8 +221,8 @@ class Routing:
             if pcfg.routing is not None:
                 semantic = pcfg.routing.semantic.over(semantic)
             profiles[pname] = Profile(
-                pname, build_table(version, chosen), pcfg.token_budget, pcfg.allow_intents,
-                semantic,
+                pname, build_table(version, chosen, pcfg.approval), pcfg.token_budget,
+                pcfg.allow_intents, semantic,
             )
         return cls(
             version,
@@ -235,4 +248,5 @@ def listener_signature(cfg: ListenerConfig | None) -> tuple[Any, ...]:
         cfg.timeout_s,
         cfg.tool,
         cfg.isolation,
+        cfg.approval,
     )

@@ -17,9 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import tempfile
+import time
 from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -63,6 +64,7 @@ class Harness:
         state_dir: Path | None = None,
         durable: bool = True,
         agent_handlers: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
         self.clients = dict(clients)
@@ -90,6 +92,7 @@ class Harness:
             config.pump,
             max_envelope_bytes=config.bus.max_envelope_bytes,
             shape=envelope_shape(config.bus),
+            clock=clock,
         )
         self.pump.meta_flags = config.meta
         from agentd.semantic import SemanticRouter  # late: numpy only when a harness runs
@@ -171,12 +174,24 @@ class Harness:
         client frame has been delivered)."""
         while True:
             await self.pump.join()
+            handled = self.pump.handled
             if self.kernel is not None:
                 # Storage failing: what was not written will not be delivered.
                 with contextlib.suppress(KernelUnavailable):
                     await self.kernel.flush()
-            if not self.pump.queue_depth and not self.pump.running:
+            # A commit may have released work (an approved message runs once its
+            # decision is durable), which may even have run meanwhile: go round again.
+            if (not self.pump.queue_depth and not self.pump.running
+                    and self.pump.handled == handled):
                 return
+
+    async def fire_due(self) -> int:
+        """Fire the timers and expire the approvals due by the harness's clock (a
+        fake one moves only when the test moves it), then run until idle. Returns
+        how many were due."""
+        fired = self.pump.durable.deadlines.run_due()
+        await self.run_until_idle()
+        return fired
 
     def frames(self, client: str, thread: str) -> list[bytes]:
         """Every frame delivered to `client` on `thread` so far, in order."""

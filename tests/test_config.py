@@ -913,7 +913,7 @@ def test_a_profile_is_named_by_its_key_only(tmp_path: Path) -> None:
         "name: admin",
         "profiles.public.name",
         "unknown key; expected one of: listeners, retention, synchronous, token_budget, "
-        "isolation, allow_intents, routing",
+        "isolation, allow_intents, routing, approval",
     )
 
 

@@ -77,6 +77,7 @@ class ListenerConfig:
     payload_refs: tuple[str, ...] = ()
     response_refs: tuple[str, ...] = ()
     tool: ToolConfig | None = None  # the `tool:` block as written, for reload diffs
+    approval: sections.ApprovalConfig | None = None  # a gate: decided before it runs
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,7 @@ def _listener(
         handler_ref="" if section.handler is None else section.handler.ref,
         payload_refs=tuple(i.ref for i in section.payload_class),
         response_refs=tuple(i.ref for i in section.response_class),
+        approval=section.approval,
     ),)
 
 
@@ -345,6 +347,7 @@ def _tool_listeners(
             location=location,
             handler_ref=one.ref or f"tool:{tool.kind}",
             tool=tool,
+            approval=section.approval,
         )
         for one in built
     )

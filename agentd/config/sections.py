@@ -196,6 +196,7 @@ class PumpConfig:
     max_queue: Positive = 10000
     max_fanout: Positive = 64
     thread_idle_s: Seconds = 86400.0  # conversations idle this long are ended and forgotten
+    max_state_bytes_per_thread: Positive = 65536  # handler state per listener and conversation
 
 
 _KERNEL = DEFAULT_KERNEL_OPTIONS  # the journal's defaults are the kernel's own
@@ -243,6 +244,16 @@ class IsolationConfig:
 
 
 @dataclass(frozen=True, config=SECTION)
+class ApprovalConfig:
+    """A gate: a message for the listener waits, parked, for a human's decision."""
+
+    required: Bool = True
+    approvers: Annotated[tuple[Literal["operator", "client"], ...],
+                         Field(min_length=1)] = ("operator",)
+    timeout_s: Seconds = 3600.0
+
+
+@dataclass(frozen=True, config=SECTION)
 class ProfileConfig:
     listeners: Members
     retention: RetentionValue | None = None  # overrides journal.retention
@@ -251,6 +262,7 @@ class ProfileConfig:
     isolation: IsolationConfig | None = None  # for its handler listeners without their own
     allow_intents: Bool = False  # may its clients send core `intent`? (agents always may)
     routing: ProfileRoutingConfig | None = None  # overrides routing.semantic's values
+    approval: ApprovalConfig | None = None  # a gate on every listener of the profile
     name: SkipJsonSchema[str] = ""  # its key in `profiles`, filled in by the loader
 
     _rules = rules(lambda data, _: _name_is_the_key(data), "profile")
@@ -346,6 +358,7 @@ class ListenerSection:
     max_concurrency: Positive | None = None  # None: pump.per_listener_concurrency
     timeout_s: Seconds | None = None  # None: pump.handler_timeout_s
     isolation: IsolationConfig | None = None  # wins over its profiles' isolation
+    approval: ApprovalConfig | None = None  # a human decides before it runs
 
     _rules = rules(lambda data, _: _kind_rules(data), "listener")
 

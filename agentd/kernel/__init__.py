@@ -1,5 +1,6 @@
 """The kernel: the one writer of durable state (threads, journal, outboxes, context
-buffers, audit events) in one SQLite database in WAL mode. See docs/kernel.md."""
+buffers, audit events, timers, handler state, parked approvals)
+in one SQLite database in WAL mode. See docs/kernel.md."""
 
 from agentd.kernel._errors import (
     ContextLimitExceeded,
@@ -17,10 +18,12 @@ from agentd.kernel._records import (
     RETAIN_DAYS_MODE,
     RETAIN_FOREVER,
     RETAIN_FOREVER_MODE,
+    ApprovalRow,
     JournalEntry,
     Retention,
     RetentionPolicy,
     ThreadRow,
+    TimerRow,
     retain_days,
 )
 from agentd.kernel._transaction import Transaction
@@ -33,6 +36,7 @@ __all__ = [
     "RETAIN_DAYS_MODE",
     "RETAIN_FOREVER",
     "RETAIN_FOREVER_MODE",
+    "ApprovalRow",
     "ContextLimitExceeded",
     "Health",
     "JournalEntry",
@@ -45,6 +49,7 @@ __all__ = [
     "StateLocked",
     "SweepReport",
     "ThreadRow",
+    "TimerRow",
     "Transaction",
     "TransactionRejected",
     "retain_days",

@@ -53,8 +53,10 @@ from agentd.kernel._lifecycle import Phase, PhaseEvent, next_phase
 from agentd.kernel._lock import StateDirLock
 from agentd.kernel._options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from agentd.kernel._records import (
+    ApprovalRow,
     JournalEntry,
     ThreadRow,
+    TimerRow,
 )
 from agentd.kernel._schema import code_version, read_version, too_new_message
 from agentd.kernel._store import (
@@ -415,6 +417,35 @@ class Kernel:
                 f"SELECT {MEMORY_COLUMNS} FROM memories WHERE agent = ? ORDER BY created, id",
                 (agent,))
         return [tuple(r) for r in rows]
+
+    async def timers(self) -> list[TimerRow]:
+        """Pending timers, soonest first."""
+        rows = await self._reader.execute_fetchall(
+            "SELECT id, conversation, frame, listener, due, note, hops, created FROM timers "
+            "ORDER BY due, id")
+        return [TimerRow(*r) for r in rows]
+
+    async def approvals(self, state: str | None = "pending") -> list[ApprovalRow]:
+        """Parked messages (pending ones by default), oldest first."""
+        clause = "" if state is None else "WHERE state = ?"
+        rows = await self._reader.execute_fetchall(
+            "SELECT id, conversation, frame, owner, listener, sender, hops, envelope, payload, "
+            "payload_sha256, approvers, created, deadline, state, decided_by, reason, "
+            f"decided_at FROM approvals {clause} ORDER BY created, id",
+            () if state is None else (state,))
+        out = []
+        for r in rows:
+            values = list(r)
+            values[10] = tuple(a for a in str(values[10]).split(",") if a)
+            out.append(ApprovalRow(*values))
+        return out
+
+    async def handler_state(self) -> list[tuple[str, str, str, str]]:
+        """Every handler-state entry: (listener, conversation, key, value)."""
+        rows = await self._reader.execute_fetchall(
+            "SELECT listener, conversation, key, value FROM handler_state "
+            "ORDER BY conversation, listener, key")
+        return [(r[0], r[1], r[2], r[3]) for r in rows]
 
     async def verify(self) -> tuple[bool, int | None, str]:
         """Walk the hash chain: (ok, first bad seq or None, message)."""

@@ -34,6 +34,46 @@ class ThreadRow(NamedTuple):
     hops: int = 0
 
 
+class TimerRow(NamedTuple):
+    """A pending timer: `frame` is the call it answers, `conversation` its client's
+    thread; `due` wall-clock seconds."""
+
+    id: str
+    conversation: str
+    frame: str
+    listener: str
+    due: float
+    note: str
+    hops: int
+    created: float
+
+
+APPROVAL_STATES = frozenset({"pending", "approved", "denied", "expired", "cancelled"})
+
+
+class ApprovalRow(NamedTuple):
+    """A message parked at an approval gate, with the rules it was parked under
+    (`approvers`, `deadline`): a reload does not change them."""
+
+    id: str
+    conversation: str
+    frame: str
+    owner: str
+    listener: str
+    sender: str
+    hops: int
+    envelope: bytes
+    payload: bytes
+    payload_sha256: str
+    approvers: tuple[str, ...]
+    created: float
+    deadline: float
+    state: str = "pending"
+    decided_by: str | None = None
+    reason: str | None = None
+    decided_at: float | None = None
+
+
 @dataclass(frozen=True)
 class JournalEntry:
     seq: int

@@ -113,8 +113,50 @@ _V2_CONTEXT = (
     "CREATE INDEX memories_agent ON memories (agent, created)",
 )
 
-MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1}
-MIGRATIONS[2] = _V2_CONTEXT
+# Durable waits: timers (a row per pending `wait`, deleted when it fires or is
+# cancelled), per-(listener, conversation) handler state, and approval gates (a row
+# per parked message; kept after the decision, so a replayed decision finds it
+# decided). IF NOT EXISTS: a database whose version was set back re-runs it.
+_V3_DURABLE = (
+    """CREATE TABLE IF NOT EXISTS timers (
+        id TEXT PRIMARY KEY,
+        conversation TEXT NOT NULL,
+        frame TEXT NOT NULL,
+        listener TEXT NOT NULL,
+        due REAL NOT NULL,
+        note TEXT NOT NULL,
+        hops INTEGER NOT NULL,
+        created REAL NOT NULL)""",
+    "CREATE INDEX IF NOT EXISTS timers_due ON timers (due)",
+    """CREATE TABLE IF NOT EXISTS handler_state (
+        listener TEXT NOT NULL,
+        conversation TEXT NOT NULL,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        PRIMARY KEY (conversation, listener, key))""",
+    """CREATE TABLE IF NOT EXISTS approvals (
+        id TEXT PRIMARY KEY,
+        conversation TEXT NOT NULL,
+        frame TEXT NOT NULL,
+        owner TEXT NOT NULL,
+        listener TEXT NOT NULL,
+        sender TEXT NOT NULL,
+        hops INTEGER NOT NULL,
+        envelope BLOB NOT NULL,
+        payload BLOB NOT NULL,
+        payload_sha256 TEXT NOT NULL,
+        approvers TEXT NOT NULL,
+        created REAL NOT NULL,
+        deadline REAL NOT NULL,
+        state TEXT NOT NULL CHECK (state IN ('pending', 'approved', 'denied', 'expired',
+                                             'cancelled')),
+        decided_by TEXT,
+        reason TEXT,
+        decided_at REAL)""",
+    "CREATE INDEX IF NOT EXISTS approvals_pending ON approvals (state, deadline)",
+)
+
+MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_CONTEXT, 3: _V3_DURABLE}
 
 
 def code_version() -> int:

@@ -175,6 +175,8 @@ class Store:
                                  "VALUES (?, ?, ?, ?)", plan.context_insert)
             for op in plan.memory_ops:
                 _write_memory_op(conn, op)
+            for statement, params in plan.durable:
+                conn.execute(statement, params)
             if new_head != head:
                 conn.execute("UPDATE head SET pos = ?, hash = ?, seq = ?, outbox_id = ? "
                              "WHERE id = 0",
@@ -240,6 +242,10 @@ class Store:
             threads = conn.execute(
                 "DELETE FROM threads WHERE state IN ('completed', 'failed') AND updated < ?",
                 (thread_cutoff,)).rowcount
+            # Decided approvals go with the threads of their time (the journal keeps
+            # their audit entries); pending ones stay until decided or expired.
+            conn.execute("DELETE FROM approvals WHERE state != 'pending' AND decided_at < ?",
+                         (thread_cutoff,))
             if idle:
                 conn.executemany("DELETE FROM context WHERE thread = ?", idle)
             conn.execute("COMMIT")

@@ -23,13 +23,16 @@ from dataclasses import dataclass, field
 from agentd.kernel._chain import SEP
 from agentd.kernel._errors import ContextLimitExceeded
 from agentd.kernel._records import (
+    APPROVAL_STATES,
     AUDIT_DIRECTIONS,
     DIRECTIONS,
     RETAIN_FOREVER,
     THREAD_STATES,
+    ApprovalRow,
     Retention,
     RetentionPolicy,
     ThreadRow,
+    TimerRow,
 )
 
 # Operation codes (first element of every op tuple).
@@ -44,6 +47,32 @@ OP_SEGMENT_PUT = 7  # (op, row of _store.SEGMENT_COLUMNS)
 OP_SEGMENT_MOVE = 8  # (op, thread, id, tier, relevance, summary)
 OP_MEMORY_PUT = 9  # (op, row of _store.MEMORY_COLUMNS)
 OP_MEMORY_FORGET = 10  # (op, agent, id)
+# Durable waits and handler state: applied in op order, one statement each.
+OP_TIMER_PUT = 11  # (op, TimerRow)
+OP_TIMER_DELETE = 12  # (op, id)
+OP_STATE_PUT = 13  # (op, listener, conversation, key, value)
+OP_STATE_DELETE = 14  # (op, listener, conversation, key)
+OP_STATE_DROP = 15  # (op, conversation)
+OP_APPROVAL_PUT = 16  # (op, ApprovalRow)
+OP_APPROVAL_DECIDE = 17  # (op, id, state, decided_by, reason, decided_at)
+
+_DURABLE_SQL = {
+    OP_TIMER_PUT: "INSERT OR REPLACE INTO timers (id, conversation, frame, listener, due, note, "
+                  "hops, created) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+    OP_TIMER_DELETE: "DELETE FROM timers WHERE id = ?",
+    OP_STATE_PUT: "INSERT OR REPLACE INTO handler_state (listener, conversation, key, value) "
+                  "VALUES (?, ?, ?, ?)",
+    OP_STATE_DELETE: "DELETE FROM handler_state WHERE listener = ? AND conversation = ? "
+                     "AND key = ?",
+    OP_STATE_DROP: "DELETE FROM handler_state WHERE conversation = ?",
+    OP_APPROVAL_PUT: "INSERT INTO approvals (id, conversation, frame, owner, listener, sender, "
+                     "hops, envelope, payload, payload_sha256, approvers, created, deadline, "
+                     "state, decided_by, reason, decided_at) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    # Only a pending approval can be decided: a second decision changes nothing.
+    OP_APPROVAL_DECIDE: "UPDATE approvals SET state = ?, decided_by = ?, reason = ?, "
+                        "decided_at = ? WHERE id = ? AND state = 'pending'",
+}
 
 # Journal base row: seq, ts, thread, direction, kind, handler, sender, tag, payload,
 # profile, expires, pending. The writer adds payload_hash, pos, prev_hash and hash (it
@@ -281,6 +310,47 @@ class Transaction:
         self.touches_context = True
         self.ops.append((OP_CONTEXT_APPEND, thread, role, content, self._ctx.clock()))
 
+    def timer_put(self, row: TimerRow) -> None:
+        """A pending timer (replaces one with the same id)."""
+        self._check_open()
+        self.ops.append((OP_TIMER_PUT, tuple(row)))
+
+    def timer_delete(self, timer_id: str) -> None:
+        """The timer fired or was cancelled."""
+        self._check_open()
+        self.ops.append((OP_TIMER_DELETE, (timer_id,)))
+
+    def state_put(self, listener: str, conversation: str, key: str, value: str) -> None:
+        self._check_open()
+        self.ops.append((OP_STATE_PUT, (listener, conversation, key, value)))
+
+    def state_delete(self, listener: str, conversation: str, key: str) -> None:
+        self._check_open()
+        self.ops.append((OP_STATE_DELETE, (listener, conversation, key)))
+
+    def state_drop(self, conversation: str) -> None:
+        """Every listener's state of a conversation that ended."""
+        self._check_open()
+        self.ops.append((OP_STATE_DROP, (conversation,)))
+
+    def approval_put(self, row: ApprovalRow) -> None:
+        """A message parked at an approval gate."""
+        self._check_open()
+        if row.state not in APPROVAL_STATES:
+            raise ValueError(f"approval state must be one of {sorted(APPROVAL_STATES)}")
+        values = list(row)
+        values[10] = ",".join(row.approvers)
+        self.ops.append((OP_APPROVAL_PUT, tuple(values)))
+
+    def approval_decide(self, approval_id: str, state: str, decided_by: str, reason: str,
+                        decided_at: float) -> None:
+        """Close a pending approval (no effect on one already decided)."""
+        self._check_open()
+        if state not in APPROVAL_STATES or state == "pending":
+            raise ValueError(f"not a decided approval state: {state!r}")
+        self.ops.append((OP_APPROVAL_DECIDE, (state, decided_by, reason, decided_at,
+                                              approval_id)))
+
     def context_drop(self, thread: str) -> None:
         """Delete `thread`'s context buffer."""
         self._check_open()
@@ -351,6 +421,8 @@ class BatchPlan:
     # Segment and memory writes, in submission order (they are rare next to journal
     # rows: one per model turn or operator command, so no per-table folding).
     memory_ops: list[tuple] = field(default_factory=list)
+    # Timers, handler state, approvals: (statement, parameters) in op order.
+    durable: list[tuple[str, tuple]] = field(default_factory=list)
     max_seq: int = 0
     max_outbox_id: int = 0
     ops: int = 0
@@ -423,6 +495,8 @@ def _apply_op(plan: BatchPlan, op: tuple) -> None:
         plan.context_delete.append((thread,))
     elif code in (OP_SEGMENT_PUT, OP_SEGMENT_MOVE, OP_MEMORY_PUT, OP_MEMORY_FORGET):
         plan.memory_ops.append(op)
+    elif code in _DURABLE_SQL:
+        plan.durable.append((_DURABLE_SQL[code], op[1]))
     else:  # pragma: no cover - ops are only built by Transaction
         raise AssertionError(f"unknown op {code}")
 

@@ -42,6 +42,7 @@ from agentd.oob._server import (
     OobSocketError,
     Peer,
     ServerState,
+    operator_key_id,
 )
 
 __all__ = [
@@ -73,6 +74,7 @@ __all__ = [
     "format_time",
     "load_authorized_keys",
     "load_private_key",
+    "operator_key_id",
     "parse_authorized_keys",
     "parse_response",
     "result_element",

@@ -52,7 +52,8 @@ from agentd._xml import c14n, parse_untrusted
 MAX_FRAME_BYTES = 1 << 20
 DEFAULT_SKEW_S = 60.0
 DEFAULT_MAX_NONCES = 65536
-COMMAND_NAMES = frozenset({"status", "reload", "introspect", "journal", "shutdown"})
+COMMAND_NAMES = frozenset({"status", "reload", "introspect", "journal", "shutdown",
+                           "approvals", "approve", "deny"})
 
 _Q = f"{{{NS_PRIV}}}"
 PRIVILEGED = _Q + "privileged"

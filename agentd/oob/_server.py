@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import os
@@ -81,13 +82,21 @@ class CommandFailed(AgentdError):
         self.message = message
 
 
+# The key id whose signed command is running: a command that records who decided
+# (an approval) reads it here rather than from its arguments, which the operator
+# writes.
+operator_key_id: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "agentd_oob_operator_key_id", default="")
+
+
 class Commands(Protocol):
     async def run(self, name: str, args: Mapping[str, str]) -> etree._Element | str:
         """The content of `<result>`: an element (appended inside it) or text.
 
         Names: status, reload (dry-run=true|false), introspect (what=capabilities|
-        schema|example|prompt|threads|thread, name=, thread=), journal (thread=,
-        limit=), shutdown (mode=graceful|now). Raises `CommandFailed`. `shutdown`
+        schema|example|prompt|threads|thread|timers, name=, thread=), journal (thread=,
+        limit=), approvals, approve (id=, payload-sha256=?), deny (id=, reason=?),
+        shutdown (mode=graceful|now). Raises `CommandFailed`. `shutdown`
         must schedule the shutdown and return, not await `OobServer.close()`, so that
         its answer can still be sent.
         """
@@ -412,6 +421,7 @@ class OobServer:
         started = time.perf_counter()
         outcome, message = "ok", ""
         try:
+            token = operator_key_id.set(cmd.key_id)
             try:
                 result = await self._commands.run(cmd.name, cmd.args)
             except CommandFailed as failed:
@@ -424,6 +434,8 @@ class OobServer:
                     message = (f"the result is {len(response)} bytes, over the "
                                f"{self.max_frame_bytes}-byte frame limit; narrow the request")
                     response = error_response(outcome, message)
+            finally:
+                operator_key_id.reset(token)
         except ValueError as exc:  # a result that XML cannot carry
             log.warning("oob: command %s returned a result XML cannot carry: %s", cmd.name, exc)
             outcome, message = ErrorCode.FAILED.value, "the result cannot be encoded as XML"

@@ -29,6 +29,7 @@ from agentd._schemas import NS_CORE, schema
 from agentd._threads import Frame, ThreadState
 from agentd._xmlify import XmlSpec
 from agentd.config import MetaConfig
+from agentd.durable import DECISIONS, Decision, decision_from
 from agentd.pump.message import CORE, Message, MsgKind
 
 _CORE_SCHEMA = schema(NS_CORE)
@@ -54,10 +55,10 @@ def admit_client(
     clients: Mapping[str, str],
     meta_flags: MetaConfig,
     max_bytes: int,
-) -> Message:
+) -> Message | Decision:
     """A client's envelope on the thread `frame` (None: a new conversation, under
     the profile `clients` names for the client). The message's frame is new iff
-    `frame` is None."""
+    `frame` is None. A core `approve`/`deny` is returned as a `Decision`."""
     if env.sender != client:
         raise Violation(HuhCode.INVALID_ENVELOPE, "from does not match the client",
                         "forged-from", {"client": client, "claimed": env.sender})
@@ -74,6 +75,10 @@ def admit_client(
     key = env.key
     if key in meta.QUESTIONS:
         return meta_answer(env, client, frame, meta_flags, max_bytes)
+    if key in DECISIONS:
+        # A decision on a parked message: judged by the pump against what it parked.
+        validate_core(env)
+        return decision_from(env.payload, client, frame.uuid)
     return route_request(env, key, data, client, None, frame)
 
 

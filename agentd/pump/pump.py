@@ -40,6 +40,7 @@ from agentd._routing import Listener, Routing
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
 from agentd._xml import DEFAULT_SHAPE, ShapeLimits
 from agentd.config import MetaConfig, PumpConfig
+from agentd.durable import TimerRequest
 from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.pump import admission, recovery
 from agentd.pump.admission import Violation
@@ -51,6 +52,7 @@ from agentd.pump.batch import (
     state_value,
     thread_row,
 )
+from agentd.pump.durable import DurableWaits
 from agentd.pump.invoker import CallFailed, Invoker
 from agentd.pump.message import (
     CORE,
@@ -83,6 +85,7 @@ class Pump:
         *,
         max_envelope_bytes: int = 256 * 1024,
         shape: ShapeLimits = DEFAULT_SHAPE,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.routing = routing
         self.clients = dict(clients)  # client id -> profile name
@@ -108,6 +111,9 @@ class Pump:
         self._seq = 0
         self._hard_cap = self.settings.max_queue * 2
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        # Timers, handler state and approval gates (pump/durable.py), with the
+        # daemon's one deadline scheduler; `clock` is the wall clock they run on.
+        self.durable = DurableWaits(self, clock)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -117,6 +123,7 @@ class Pump:
         self._loop = asyncio.get_running_loop()
         self._scheduler.start()
         self._invoker.start(self._loop)
+        self.durable.deadlines.start()
 
     def _tick(self) -> float:
         shortest = min(
@@ -126,6 +133,7 @@ class Pump:
         return min(1.0, max(0.005, shortest / 10))
 
     async def stop(self) -> None:
+        await self.durable.deadlines.stop()
         await self._scheduler.stop()
         await self._invoker.stop()
 
@@ -199,13 +207,19 @@ class Pump:
             log.info("rejected client=%s code=%s thread=%s detail=%s",
                      client, rej.code.value, thread, rej.detail)
             return self._refuse_client(client, thread, rej.code)
+        if msg.__class__ is not Message:  # a client's decision on a parked message
+            return self.durable.client_decision(client, env, data, msg)  # type: ignore[arg-type]
+        assert isinstance(msg, Message)
         frame = msg.frame
+        gate = self.durable.gate_of(msg) if frame.profile.table.gates else None
         if known is None:
             self.registry.add(frame)  # registered only once every check has passed
         else:
             frame.touched = time.monotonic()
             self.registry.wake(frame)
         meta_answer = msg.sender == CORE  # answered by the pump itself (agentd/_meta.py)
+        if gate is not None and not meta_answer:
+            return self.durable.admit_parked(client, msg, gate, known is None, wait)
         if self.kernel is None:
             self._seq += 1
             msg.seq = 0 if meta_answer else self._seq
@@ -301,8 +315,10 @@ class Pump:
         O(frames); run periodically, never on the hot path."""
         now = time.monotonic() if now is None else now
         busy = self._scheduler.has_inbox
+        held = self.durable.holds  # a pending timer or parked message keeps its frame
         stale = sorted(
-            (f for f in self.registry if now - f.touched > idle_s and not busy(f.uuid)),
+            (f for f in self.registry
+             if now - f.touched > idle_s and not busy(f.uuid) and f.uuid not in held),
             key=lambda f: len(f.path),
             reverse=True,
         )
@@ -326,6 +342,7 @@ class Pump:
         )
         for msg in resumed:
             self._enqueue(msg, None)
+        await self.durable.recover(self.kernel)
         return len(resumed)
 
     # ---- batches ---------------------------------------------------------------
@@ -369,6 +386,8 @@ class Pump:
         state = self.registry.end(frame, event)
         if batch is not None and frame.persisted:
             batch.tx.thread_state(frame.uuid, state_value(state))
+        if frame.parent is None and self.durable.conversations:
+            self.durable.conversation_ended(frame.uuid, batch)
 
     # ---- handling --------------------------------------------------------------
 
@@ -410,7 +429,8 @@ class Pump:
         payload: Any = (
             core_from_element(msg.payload) if spec is None else spec.from_element(msg.payload)
         )
-        meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered)
+        meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
+                               self.durable.book, frame.root.uuid)
         result = await self._invoker.call(listener, payload, meta, frame.root.uuid)
         batch = self._open()
         if result.__class__ is CallFailed:
@@ -418,7 +438,12 @@ class Pump:
                 self._security_event("tool-denied", {**result.event, "thread": frame.root.uuid})
             plan = plan_failure(msg, frame, result.code)
         else:
-            plan = plan_response(msg, listener, frame, result, self.settings.max_fanout)
+            if meta._view is not None:  # the handler used meta.state: commit it with the output
+                self.durable.commit_state(meta._view, batch)
+            if result.__class__ is TimerRequest:
+                plan = self.durable.set_timer(result, msg, listener, frame, hops, batch)
+            else:
+                plan = plan_response(msg, listener, frame, result, self.settings.max_fanout)
         # Carry out the plan: the notice, the envelopes, then the end of the frame
         # (only once every envelope was taken: a refused answer leaves it open).
         if plan.notice_to is not None:
@@ -511,6 +536,12 @@ class Pump:
                 msg = admission.to_holder(env, data, listener.name, frame, spec)
             else:
                 msg = admission.route_request(env, env.key, data, listener.name, listener, frame)
+                if frame.profile.table.gates:
+                    gate = self.durable.gate_of(msg)
+                    if gate is not None:
+                        msg.hops = hops
+                        self.durable.park(msg, gate, batch)
+                        return True
         except PrivilegedOnBus:
             self._security_event("priv-from-handler",
                                  {"listener": listener.name, "thread": frame.root.uuid})

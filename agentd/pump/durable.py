@@ -1,0 +1,438 @@
+"""The pump's durable waits: timers, handler state and approval gates, applied.
+
+The rules are pure (`agentd.durable`); this owner keeps what is pending in memory
+(mirrors of the kernel's `timers`, `handler_state` and pending `approvals` rows,
+loaded at recovery) and writes every change into the batch of the step that causes
+it, so a timer is set with the `wait` it answers, handler state commits with the
+handler's output, and a message is parked in the transaction that admits it.
+
+Invariants:
+- One deadline scheduler (`deadlines`) wakes both: timers that are due fire,
+  approvals whose deadline passed expire. Each entry fires once: it leaves the
+  pending maps (and `live`) before its batch is built.
+- A frame with a pending timer or parked message is held (`holds`): the idle
+  collector leaves it alone. When a conversation ends, its timers are cancelled,
+  its handler state dropped and its parked messages denied, in the same batch.
+- A parked message keeps the rules it was parked under; approval dispatches it
+  once, through the same routing checks as a message that has just arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from agentd import _metrics as metrics
+from agentd._core import Accepted, Huh
+from agentd._envelope import Envelope, build_envelope, parse_envelope
+from agentd._errors import HuhCode, Rejection
+from agentd._routing import Listener
+from agentd._threads import Frame, ThreadEvent, ThreadState
+from agentd._xml import c14n
+from agentd._xmlify import spec_of
+from agentd.durable import (
+    NOT_APPROVED,
+    ApprovalEvent,
+    ApprovalRules,
+    ApprovalState,
+    Deadline,
+    DeadlineScheduler,
+    Decision,
+    StateBook,
+    StateView,
+    TimerRequest,
+    Woke,
+    approval_required,
+    close,
+    is_late,
+    judge,
+    new_approval_id,
+    payload_sha256,
+)
+from agentd.kernel import ApprovalRow, Kernel, TimerRow, Transaction
+from agentd.pump import admission
+from agentd.pump.batch import Batch, journal_message, thread_row
+from agentd.pump.message import CORE, Message, SubmitResult
+from agentd.pump.response import ResponsePlan, plan_failure
+
+if TYPE_CHECKING:
+    from agentd.pump.pump import Pump
+
+log = logging.getLogger("agentd.pump")
+
+_ACTIVE = ThreadState.ACTIVE
+_WOKE = spec_of(Woke)
+TIMER, APPROVAL = "timer", "approval"
+_NOTHING = ResponsePlan((), None, False, None, b"", None, None)
+
+
+class DurableWaits:
+    def __init__(self, pump: Pump, clock: Callable[[], float] = time.time) -> None:
+        self._pump = pump
+        self.clock = clock
+        self.book = StateBook(pump.settings.max_state_bytes_per_thread)
+        self.timers: dict[str, TimerRow] = {}
+        self.parked: dict[str, ApprovalRow] = {}
+        self._timers_of: dict[str, set[str]] = {}  # conversation -> timer ids
+        self.live: set[tuple[str, str]] = set()  # (kind, id) still pending
+        self.holds: dict[str, int] = {}  # frame uuid -> pending timers and parked messages
+        self.deadlines = DeadlineScheduler(self._fire, self.live, clock)
+        metrics.approvals_pending.set_function(lambda: len(self.parked))
+
+    @property
+    def conversations(self) -> bool:
+        """Anything kept per conversation at all (the pump's cheap test at frame end)."""
+        return bool(self._timers_of or self.parked or self.book)
+
+    # ---- handler state ----------------------------------------------------------
+
+    def commit_state(self, view: StateView, batch: Batch | None) -> None:
+        if not view.overlay:
+            return
+        changes = self.book.apply(view)
+        if batch is None:
+            return
+        tx = batch.tx
+        for key, value in changes:
+            if value is None:
+                tx.state_delete(view.listener, view.conversation, key)
+            else:
+                tx.state_put(view.listener, view.conversation, key, value)
+
+    # ---- timers -----------------------------------------------------------------
+
+    def set_timer(self, req: TimerRequest, msg: Message, listener: Listener, frame: Frame,
+                  hops: int, batch: Batch | None) -> ResponsePlan:
+        """The timer tool answered `wait`: keep the call open, durable with this step."""
+        conversation = frame.root.uuid
+        if len(self._timers_of.get(conversation, ())) >= req.max_pending:
+            self._pump._security_event("tool-denied", {
+                "listener": listener.name, "cause": "too many pending timers on the thread",
+                "thread": conversation})
+            return plan_failure(msg, frame, HuhCode.DENIED)
+        now = self.clock()
+        row = TimerRow(new_approval_id(), conversation, frame.uuid, listener.name,
+                       now + req.seconds, req.note, hops, now)
+        self._add_timer(row)
+        if batch is not None:
+            batch.tx.timer_put(row)
+        return _NOTHING
+
+    def _add_timer(self, row: TimerRow) -> None:
+        self.timers[row.id] = row
+        self._timers_of.setdefault(row.conversation, set()).add(row.id)
+        self._hold(row.frame)
+        self.live.add((TIMER, row.id))
+        self.deadlines.schedule(row.due, TIMER, row.id)
+
+    def _drop_timer(self, timer_id: str, batch: Batch | None) -> TimerRow | None:
+        row = self.timers.pop(timer_id, None)
+        if row is None:
+            return None
+        self.live.discard((TIMER, timer_id))
+        ids = self._timers_of.get(row.conversation)
+        if ids is not None:
+            ids.discard(timer_id)
+            if not ids:
+                del self._timers_of[row.conversation]
+        self._release(row.frame)
+        if batch is not None:
+            batch.tx.timer_delete(timer_id)
+        return row
+
+    def _fire_timer(self, timer_id: str, now: float, batch: Batch | None) -> None:
+        row = self._drop_timer(timer_id, batch)
+        if row is None:
+            return
+        pump = self._pump
+        frame = pump.registry.get(row.frame)
+        caller = None if frame is None else frame.parent
+        listener = None if frame is None else frame.profile.table.listeners.get(row.listener)
+        if (frame is None or caller is None or listener is None or frame.state is not _ACTIVE
+                or frame.root.state is not _ACTIVE):
+            log.info("timer cancelled: its call ended timer=%s thread=%s", row.id,
+                     row.conversation)
+            return
+        body = _WOKE.to_bytes(Woke(note=row.note, late=is_late(row.due, now)))
+        data = build_envelope(listener.name, caller.uuid, body, to=caller.holder)
+        if pump._reenter(data, listener, caller, frame, True, row.hops, batch):
+            pump._end(frame, ThreadEvent.ANSWERED, batch)
+
+    # ---- approval gates ---------------------------------------------------------
+
+    def gate_of(self, msg: Message) -> ApprovalRules | None:
+        gates = msg.frame.profile.table.gates
+        for target in msg.targets:
+            gate = gates.get(target.name)
+            if gate is not None:
+                return gate
+        return None
+
+    def park(self, msg: Message, gate: ApprovalRules, batch: Batch | None) -> ApprovalRow:
+        """Park `msg` instead of dispatching it; its thread's owner is told."""
+        frame = msg.frame
+        root = frame.root
+        payload = c14n(msg.payload)
+        now = self.clock()
+        gated = next(t.name for t in msg.targets if t.name in frame.profile.table.gates)
+        row = ApprovalRow(new_approval_id(), root.uuid, frame.uuid, root.owner, gated,
+                          msg.sender, msg.hops, msg.envelope, payload,
+                          payload_sha256(payload), gate.approvers, now, now + gate.timeout_s)
+        self.parked[row.id] = row
+        self.live.add((APPROVAL, row.id))
+        self._hold(frame.uuid)
+        self.deadlines.schedule(row.deadline, APPROVAL, row.id)
+        if batch is not None:
+            tx = batch.tx
+            tx.approval_put(row)
+            self._audit(tx, "approval-request", row, {"sender": row.sender,
+                                                      "approvers": ",".join(row.approvers)})
+        self._to_owner(row, approval_required(row), batch)
+        log.info("message parked for approval approval=%s listener=%s %s", row.id,
+                 row.listener, frame.log_ids)
+        return row
+
+    def admit_parked(self, client: str, msg: Message, gate: ApprovalRules, new: bool,
+                     wait: bool) -> SubmitResult | Any:
+        """A client's envelope for a gated listener: journaled as received (not
+        pending: the approval row holds it) and parked, in one transaction; the
+        client gets `accepted`, then `approval-required`."""
+        pump = self._pump
+        frame = msg.frame
+        kernel = pump.kernel
+        if kernel is None:
+            pump._seq += 1
+            pump._emit_core(client, frame.uuid, Accepted(frame.uuid, pump._seq).to_bytes())
+            self.park(msg, gate, None)
+            return SubmitResult(frame.uuid, seq=pump._seq)
+        tx = kernel.transaction()
+        if new:
+            tx.thread_put(thread_row(frame))
+            frame.persisted = True
+        seq = tx.journal(thread=frame.uuid, direction="in", kind="parked", handler="",
+                         sender=client, tag=msg.payload.tag, payload=msg.envelope,
+                         profile=frame.profile.name)
+        batch = Batch(tx, pump.deliver)
+        row = self.park(msg, gate, batch)
+        accepted = build_envelope(CORE, frame.uuid, Accepted(frame.uuid, seq).to_bytes(),
+                                  to=client)
+        batch.post.insert(0, (client, frame.uuid, accepted, None))
+        loop = pump._loop
+        outcome = loop.create_future() if wait and loop is not None else None
+
+        def admitted(exc: BaseException | None) -> None:
+            result = SubmitResult(frame.uuid, seq=seq)
+            if exc is None:
+                batch.committed(None)
+            else:
+                log.error("journal unavailable, refusing client=%s: %s", client, exc)
+                self._unpark(row.id)
+                result = pump._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
+            if outcome is not None and not outcome.done():
+                outcome.set_result(result)
+
+        kernel.commit_then(tx, admitted)
+        return outcome if outcome is not None else SubmitResult(frame.uuid, seq=seq)
+
+    def client_decision(self, client: str, env: Envelope, data: bytes,
+                        decision: Decision) -> SubmitResult:
+        """A client's `approve`/`deny`: `accepted` and the outcome, or `huh
+        unroutable` (and a security event) if it may not stand."""
+        pump = self._pump
+        thread = env.thread
+        why = self.decide(decision, data)
+        if why is not None:
+            metrics.envelopes_rejected.labels(HuhCode.UNROUTABLE.value).inc()
+            pump._emit_core(client, thread, Huh.of(HuhCode.UNROUTABLE).to_bytes())
+            return SubmitResult(thread, code=HuhCode.UNROUTABLE)
+        return SubmitResult(thread, seq=0)
+
+    def decide(self, decision: Decision, envelope: bytes | None = None) -> str | None:
+        """Apply a decision (a client's, whose `envelope` is journaled, or an
+        operator's): None if it stood, else why not (logged; a security event)."""
+        row = self.parked.get(decision.approval)
+        why = judge(row, decision, self.clock())
+        if why is not None:
+            self._pump._security_event("approval-refused", {
+                "approval": decision.approval[:64], "by": decision.by, "cause": why,
+                "thread": decision.thread or (row.conversation if row is not None else ""),
+                "client": decision.client or ""})
+            return why
+        assert row is not None
+        event = ApprovalEvent.APPROVE if decision.approve else ApprovalEvent.DENY
+        pump = self._pump
+        batch = pump._open()
+        self.settle(row, event, decision.by, decision.reason, batch)
+        if decision.client is not None:
+            # The decider is told its decision was taken, before what it causes.
+            thread = decision.thread or row.conversation
+            seq = 0
+            if batch is not None and envelope is not None:
+                seq = batch.tx.journal(thread=thread, direction="in", kind="decision",
+                                       sender=decision.client, tag="decision",
+                                       payload=envelope)
+            note = build_envelope(CORE, thread, Accepted(thread, seq).to_bytes(),
+                                  to=decision.client)
+            if batch is None:
+                pump.deliver(decision.client, thread, note, None)
+            else:
+                batch.post.insert(0, (decision.client, thread, note, None))
+        pump._close(batch, None)
+        return None
+
+    def settle(self, row: ApprovalRow, event: ApprovalEvent, by: str, reason: str,
+               batch: Batch | None) -> None:
+        """Close a parked message: dispatch it once (approved) or tell its caller
+        `huh denied` "not approved"."""
+        self._unpark(row.id)
+        pump = self._pump
+        frame = pump.registry.get(row.frame)
+        alive = (frame is not None and frame.state is _ACTIVE
+                 and frame.root.state is _ACTIVE)
+        if not alive and event is ApprovalEvent.APPROVE:
+            event = ApprovalEvent.THREAD_ENDED
+        outcome = close(row.state, event)
+        metrics.approvals_total.labels(row.listener, outcome.value).inc()
+        # An approval is its own transaction, and the message runs only once it has
+        # committed: a crash before leaves it pending, after, the journal resumes it.
+        kernel = pump.kernel
+        own = kernel.transaction() if outcome is ApprovalState.APPROVED and kernel else None
+        tx = own if own is not None else (batch.tx if batch is not None else None)
+        if tx is not None:
+            tx.approval_decide(row.id, outcome.value, by, reason, self.clock())
+            self._audit(tx, "approval-decision", row, {
+                "outcome": outcome.value, "by": by, "reason": reason})
+        log.info("approval %s approval=%s listener=%s by=%s thread=%s", outcome.value,
+                 row.id, row.listener, by, row.conversation)
+        if frame is None or not alive:
+            if row.frame == row.conversation:  # the caller is the client: still told
+                pump._emit_core(row.owner, row.conversation, Huh.of(
+                    HuhCode.DENIED, NOT_APPROVED).to_bytes(), batch)
+            return
+        if outcome is not ApprovalState.APPROVED:
+            pump._reenter_core(frame, Huh.of(HuhCode.DENIED, NOT_APPROVED).to_bytes(),
+                               row.hops, batch)
+            return
+        msg = self._route_again(row, frame, batch)
+        if own is None or kernel is None:
+            if msg is not None:
+                pump._enqueue(msg, None)
+            return
+        if msg is not None:
+            msg.seq = journal_message(own, msg)
+
+        def decided(exc: BaseException | None) -> None:
+            if exc is not None:
+                log.error("approval not recorded (still pending in the kernel) approval=%s: "
+                          "%s", row.id, exc)
+            elif msg is not None:
+                pump._scheduler.put(msg)
+
+        kernel.commit_then(own, decided)
+
+    def _route_again(self, row: ApprovalRow, frame: Frame, batch: Batch | None
+                     ) -> Message | None:
+        """As if it had just arrived: routed again against the thread's table (and the
+        sender's peers); a refusal goes to the sender."""
+        pump = self._pump
+        from_client = frame.is_root and row.sender == frame.owner
+        sender = None if from_client else frame.profile.table.listeners.get(row.sender)
+        try:
+            if sender is None and not from_client:
+                raise Rejection(HuhCode.UNROUTABLE, "sender gone")
+            env = parse_envelope(row.envelope, max_bytes=max(len(row.envelope), 1))
+            msg = admission.route_request(env, env.key, row.envelope, row.sender, sender,
+                                          frame)
+        except Rejection as rej:
+            log.info("approved message no longer routable approval=%s detail=%s", row.id,
+                     rej.detail)
+            pump._huh_to(frame, rej.code, row.hops, batch)
+            return None
+        msg.hops = row.hops
+        return msg
+
+    def _unpark(self, approval_id: str) -> None:
+        row = self.parked.pop(approval_id, None)
+        if row is not None:
+            self.live.discard((APPROVAL, approval_id))
+            self._release(row.frame)
+
+    # ---- the end of a conversation, recovery, the scheduler -----------------------
+
+    def conversation_ended(self, conversation: str, batch: Batch | None) -> None:
+        for timer_id in list(self._timers_of.get(conversation, ())):
+            self._drop_timer(timer_id, batch)
+        if self.book.drop(conversation) and batch is not None:
+            batch.tx.state_drop(conversation)
+        for row in [r for r in self.parked.values() if r.conversation == conversation]:
+            self.settle(row, ApprovalEvent.THREAD_ENDED, "thread-ended", "", batch)
+
+    async def recover(self, kernel: Kernel) -> None:
+        """Load what was pending before the restart; timers whose call no longer
+        exists are cancelled, approvals due meanwhile expire at the first round."""
+        self.book.load(await kernel.handler_state())
+        registry = self._pump.registry
+        stale: list[str] = []
+        for timer in await kernel.timers():
+            if registry.get(timer.frame) is None:
+                stale.append(timer.id)
+            else:
+                self._add_timer(timer)
+        for row in await kernel.approvals():
+            self.parked[row.id] = row
+            self.live.add((APPROVAL, row.id))
+            self._hold(row.frame)
+            self.deadlines.schedule(row.deadline, APPROVAL, row.id)
+        if stale:
+            tx = kernel.transaction()
+            for timer_id in stale:
+                tx.timer_delete(timer_id)
+            await kernel.commit(tx)
+            log.info("timers of ended calls cancelled at recovery count=%d", len(stale))
+        if self.parked:
+            log.info("approvals pending at recovery count=%d", len(self.parked))
+
+    def _fire(self, due: list[Deadline], now: float) -> None:
+        pump = self._pump
+        batch = pump._open()
+        for entry in due:
+            if entry.kind == TIMER:
+                self._fire_timer(entry.id, now, batch)
+            else:
+                row = self.parked.get(entry.id)
+                if row is not None:
+                    self.settle(row, ApprovalEvent.EXPIRE, "deadline", "", batch)
+        pump._close(batch, None)
+
+    def _hold(self, frame: str) -> None:
+        self.holds[frame] = self.holds.get(frame, 0) + 1
+
+    def _release(self, frame: str) -> None:
+        n = self.holds.get(frame, 0) - 1
+        if n > 0:
+            self.holds[frame] = n
+        else:
+            self.holds.pop(frame, None)
+
+    def _to_owner(self, row: ApprovalRow, payload: bytes, batch: Batch | None) -> None:
+        """A core frame for the thread's owner, through the durable outbox."""
+        data = build_envelope(CORE, row.conversation, payload, to=row.owner)
+        if batch is None:
+            self._pump.deliver(row.owner, row.conversation, data, None)
+            return
+        tx = batch.tx
+        tx.journal(thread=row.conversation, direction="out", kind="reply", handler=row.owner,
+                   sender=CORE, tag="approval-required", payload=data)
+        oid = tx.outbox_put(row.owner, row.conversation, data)
+        batch.post.append((row.owner, row.conversation, data, oid))
+
+    @staticmethod
+    def _audit(tx: Transaction, kind: str, row: ApprovalRow, fields: dict[str, str]) -> None:
+        body = {"approval": row.id, "listener": row.listener, "thread": row.conversation,
+                "payload_sha256": row.payload_sha256, **fields}
+        tx.journal(thread=row.conversation, direction="audit", kind=kind,
+                   handler=row.listener, sender=fields.get("by", row.sender),
+                   payload=json.dumps(body, sort_keys=True).encode())

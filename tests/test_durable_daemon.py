@@ -1,0 +1,141 @@
+"""Timers and approval gates in a real `agentd run` process, killed with SIGKILL:
+a pending timer fires exactly once after the restart, a parked message is still
+parked, and a decision committed before the kill runs the gated handler once."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sqlite3
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentd.client import BusClient, frame_kind
+from agentd.durable import Wait
+from agentd.kernel import DB_NAME, verify_journal_main
+from tests.daemon_process import DaemonProcess, make_home
+from tests.organisms.durable import Pay
+
+EXTRA: list[dict[str, Any]] = [
+    {"name": "clock", "tool": {"kind": "timer", "max_delay_s": 600}},
+    {"name": "pay", "payload_class": "tests.organisms.durable:Pay",
+     "response_class": "tests.organisms.durable:Paid",
+     "handler": "tests.organisms.durable:pay", "description": "Pays.",
+     "approval": {"approvers": ["operator", "client"], "timeout_s": 600}},
+]
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    make_home(tmp_path / "home", EXTRA)
+    return tmp_path / "home"
+
+
+async def next_on(bus: BusClient, thread: str, kind: str, timeout: float = 30) -> bytes:
+    while True:
+        frame = await bus.recv(timeout=timeout)
+        _, got, on = frame_kind(frame)
+        if on == thread and got == kind:
+            return frame
+
+
+def out_frames(home: Path, thread: str, tag: str) -> int:
+    """Frames journaled to the client on `thread` whose payload tag ends with `tag`."""
+    conn = sqlite3.connect(f"file:{home / 'state' / DB_NAME}?mode=ro", uri=True)
+    try:
+        return conn.execute(
+            "SELECT count(*) FROM journal WHERE thread = ? AND direction = 'out' "
+            "AND tag LIKE ?", (thread, f"%}}{tag}")).fetchone()[0]
+    finally:
+        conn.close()
+
+
+async def ctl(d: DaemonProcess, *args: str) -> Any:
+    code, doc = await asyncio.to_thread(d.agentctl, *args)
+    assert code == 0 and doc["ok"], doc
+    return doc["result"]
+
+
+async def test_a_timer_fires_exactly_once_across_kill_9(home: Path) -> None:
+    d = await DaemonProcess(home).start()
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        thread = await bus.send(Wait(seconds=Decimal("1.5"), note="after the crash"))
+        await next_on(bus, thread, "accepted")
+        session = bus.session
+    listed = (await ctl(d, "introspect", "timers"))["timers"]
+    assert [(t["thread"], t["listener"], t["note"]) for t in listed] == [
+        (thread, "clock", "after the crash")]
+    assert listed[0]["due"].endswith("Z")
+    await d.stop(signal.SIGKILL)
+
+    d2 = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d2.url, "alice", session=session, cafile=d2.cafile) as bus:
+            woke = await next_on(bus, thread, "woke")
+            assert b"<note>after the crash</note>" in woke
+        assert (await ctl(d2, "introspect", "timers"))["timers"] == []
+    finally:
+        assert await d2.stop() == 0
+    assert out_frames(home, thread, "woke") == 1
+    assert verify_journal_main(home / "state") == 0
+
+
+async def test_a_parked_call_survives_kill_9_and_an_approval_runs_it_once(
+        home: Path, tmp_path: Path) -> None:
+    ledger = tmp_path / "ledger"
+    env = {"AGENTD_TEST_LEDGER": str(ledger), "AGENTD_TEST_PAY": "block"}
+    d = await DaemonProcess(home, env=env).start()
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        thread = await bus.send(Pay(amount=42))
+        await next_on(bus, thread, "accepted")
+        required = await next_on(bus, thread, "approval-required")
+        session = bus.session
+    (pending,) = (await ctl(d, "approvals"))["approvals"]
+    assert pending["thread"] == thread and pending["listener"] == "pay"
+    assert pending["approvers"] == ["operator", "client"]
+    assert f"<approval>{pending['id']}</approval>".encode() in required
+    assert (await ctl(d, "status"))["status"]["approvals_pending"] == 1
+    await d.stop(signal.SIGKILL)
+
+    # Still parked after the crash; approved, then killed again while the handler
+    # is running (it blocks): the decision had committed, so the restart runs it.
+    d = await DaemonProcess(home, env=env).start()
+    (again,) = (await ctl(d, "approvals"))["approvals"]
+    assert again["id"] == pending["id"]
+    decided = await ctl(d, "approve", pending["id"])
+    assert decided["approve"]["outcome"] == "approved"
+    assert (await ctl(d, "approvals"))["approvals"] == []
+    await d.stop(signal.SIGKILL)
+    assert not ledger.exists()  # it had not run
+
+    d = await DaemonProcess(home, env={"AGENTD_TEST_LEDGER": str(ledger)}).start()
+    try:
+        async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
+            paid = await next_on(bus, thread, "paid")
+            assert b"<amount>42</amount>" in paid
+        code, doc = await asyncio.to_thread(d.agentctl, "approve", pending["id"])
+        assert code == 1 and doc["error"]["code"] == "invalid"  # replayed: refused
+    finally:
+        assert await d.stop() == 0
+    assert ledger.read_text().split() == ["42"]
+    assert verify_journal_main(home / "state") == 0
+
+
+async def test_an_operator_denial_reaches_the_client(home: Path) -> None:
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            thread = await bus.send(Pay(amount=5))
+            await next_on(bus, thread, "approval-required")
+            (pending,) = (await ctl(d, "approvals"))["approvals"]
+            await ctl(d, "deny", pending["id"], "--reason", "not on a Friday")
+            huh = await next_on(bus, thread, "huh")
+            assert b"<code>denied</code>" in huh and b"not approved" in huh
+        journal = (await ctl(d, "journal", "--thread", thread))["journal"]
+        kinds = [e["kind"] for e in journal]
+        assert "approval-request" in kinds and "approval-decision" in kinds
+    finally:
+        assert await d.stop() == 0
