@@ -32,6 +32,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import _tools_timers
+import _tools_wasm
+
 from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd.config.tools import ExecTool, FileReadTool
 from agentd.confine import landlock_status
@@ -116,7 +119,9 @@ async def exec_spawn(quick: bool) -> dict[str, float]:
             "exec_python_start_p50_ms": round(python_ms, 2)}
 
 
-SECTIONS: list[Callable[[bool], Awaitable[dict[str, float]]]] = [file_read, exec_spawn]
+SECTIONS: list[Callable[[bool], Awaitable[dict[str, float]]]] = [
+    file_read, exec_spawn, _tools_wasm.measure, _tools_timers.measure,
+]
 
 
 async def main(quick: bool) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """WASM tool benchmark: per-call cost of a cached module against a plain Python
 handler doing the same work, and how fast a runaway module is stopped.
 
-    python benchmarks/wasm.py [--quick]
+    (a section of benchmarks/tools.py)
 
 `wasm_call_p50_us`: the tool's handler awaited on the event loop (the payload to
 C14N, a fresh store and instance from the pre-linked module, stdin and stdout, the
@@ -14,8 +14,6 @@ The last line is one JSON object.
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import json
 import logging
 import statistics
@@ -54,8 +52,8 @@ async def python_echo(payload: Blob, meta: HandlerMetadata) -> HandlerResponse:
 def handler(directory: Path, name: str, wat: str, **keys: object) -> object:
     module = directory / f"{name}.wasm"
     module.write_bytes(wasmtime.wat2wasm(wat))
-    block = {"kind": "wasm", "module": str(module), "payload_class": "wasm:Blob",
-             "response_class": "wasm:Blob", **keys}
+    block = {"kind": "wasm", "module": str(module), "payload_class": "_tools_wasm:Blob",
+             "response_class": "_tools_wasm:Blob", **keys}
     text = (f"organism: {{name: bench}}\npython_path: [{json.dumps(str(ROOT / 'benchmarks'))}]\n"
             f"listeners:\n  - name: {name}\n    tool: {json.dumps(block)}\n")
     return load_config_text(text, base_dir=directory).listener(name).handler
@@ -80,8 +78,8 @@ async def measure(quick: bool) -> dict[str, float]:
         directory = Path(tmp)
         echo = handler(directory, "echo", ECHO_WAT)
         spin = handler(directory, "spin", SPIN_WAT, timeout_ms=100, fuel=10**15,
-                       response_class="wasm:Blob")
-        sys.modules["wasm"] = sys.modules[__name__]
+                       response_class="_tools_wasm:Blob")
+        sys.modules["_tools_wasm"] = sys.modules[__name__]
         await p50_us(echo, payload, 20)  # warm-up: the pool's threads, the ticker
         wasm, python = [], []
         for i in range(rounds):
@@ -106,13 +104,3 @@ async def measure(quick: bool) -> dict[str, float]:
         "wasm_runaway_stop_ms": round(statistics.median(stops), 1),
     }
     return result
-
-
-async def main(quick: bool) -> None:
-    print(json.dumps(await measure(quick)))
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, for CI")
-    asyncio.run(main(parser.parse_args().quick))
