@@ -348,6 +348,9 @@ class Daemon:
         if self.pump is not None:
             await self.pump.stop()
         await self.isolation.stop()
+        mcp = sys.modules.get("agentd.mcp")  # loaded only by organisms with MCP tools
+        if mcp is not None:
+            await mcp.close_servers()
         if self.metrics_server is not None:
             await self.metrics_server.close()
         await self.platforms.aclose()

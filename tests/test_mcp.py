@@ -17,10 +17,10 @@ from agentd._routing import listener_signature
 from agentd._states import IllegalTransition, step
 from agentd.client import frame_kind
 from agentd.config import load_config_text
-from agentd.mcp import SERVERS
+from agentd.mcp import SERVERS, close_servers
 from agentd.mcp.client import SERVER_TRANSITIONS, ServerEvent, ServerState, backoff_s
 from agentd.testing import Harness
-from tests.mcp import close_servers, mcp_organism
+from tests.mcp import mcp_organism
 
 TESTS = Path(__file__).resolve().parent
 SERVER = TESTS / "mcp" / "fastmcp_server.py"
@@ -64,6 +64,27 @@ async def test_a_call_reaches_the_server_and_the_result_is_validated(tmp_path: P
         sender, kind, text = last(frames)
         assert (sender, kind) == ("calc.add", "mcp-result")
         assert "<text>42</text>" in text and "<is_error>false</is_error>" in text
+
+
+def _server_processes() -> list[int]:
+    """Pids of live processes running the test server."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if entry.name.isdigit() and str(SERVER).encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_closing_the_servers_ends_their_processes(tmp_path: Path) -> None:
+    async with harness(tmp_path, "good") as h:
+        await h.send("alice", add())
+        assert _server_processes()  # the session started a confined server
+        await close_servers()  # what the daemon does when it stops
+    assert not _server_processes() and not SERVERS
 
 
 async def test_a_tool_not_in_the_allowlist_is_invisible(tmp_path: Path) -> None:

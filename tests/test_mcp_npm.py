@@ -12,8 +12,9 @@ import pytest
 from agentd._envelope import build_envelope
 from agentd.client import frame_kind
 from agentd.config import load_config_text
+from agentd.mcp import close_servers
 from agentd.testing import Harness
-from tests.mcp import close_servers, mcp_organism
+from tests.mcp import mcp_organism
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / ".ci" / "node" / "node_modules" / "@modelcontextprotocol" / "server-filesystem"

@@ -44,9 +44,18 @@ __all__ = [
     "ServerFailed",
     "ServerState",
     "build",
+    "close_servers",
     "pin_of",
     "servers_status",
 ]
+
+async def close_servers() -> None:
+    """End every live server's session and process group (the daemon's stop)."""
+    servers = list(SERVERS.values())
+    SERVERS.clear()
+    for server in servers:
+        await server.aclose()
+
 
 def servers_status() -> list[dict[str, Any]]:
     return [server.status() for _, server in sorted(SERVERS.items())]

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import textwrap
 
-from agentd.mcp import SERVERS
-
 
 def mcp_organism(name: str, tool: dict[str, object], description: str = "") -> str:
     """An organism whose only listener is `name` with this `tool:` block (kind mcp),
@@ -23,7 +21,3 @@ def mcp_organism(name: str, tool: dict[str, object], description: str = "") -> s
         """) + f"  - name: {name}{said}\n    tool:\n      kind: mcp\n{keys}\n"
 
 
-async def close_servers() -> None:
-    for server in list(SERVERS.values()):
-        await server.aclose()
-    SERVERS.clear()
