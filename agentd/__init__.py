@@ -5,7 +5,7 @@ What listener authors use is exported here; everything else is internal.
 
 from agentd._errors import AgentdError, ConfigError, HuhCode, Rejection, ValidationError
 from agentd._handler import HandlerMetadata, HandlerResponse
-from agentd._xmlify import MaxLen, example_of, from_xml, to_xml, xmlify, xsd_of
+from agentd._xmlify import MaxLen, XmlName, example_of, from_xml, to_xml, xmlify, xsd_of
 
 __all__ = [
     "AgentdError",
@@ -16,6 +16,7 @@ __all__ = [
     "MaxLen",
     "Rejection",
     "ValidationError",
+    "XmlName",
     "example_of",
     "from_xml",
     "to_xml",

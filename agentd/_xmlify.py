@@ -114,6 +114,14 @@ class MaxLen:
             raise ValueError(f"MaxLen needs a positive int, got {self.n!r}")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class XmlName:
+    """`Annotated[int, XmlName("exit-code")]`: the field's element has this name, one a
+    Python identifier cannot spell (a hyphen), instead of the field's own name."""
+
+    name: str
+
+
 class Occurs(Enum):
     REQUIRED = "required"
     OPTIONAL = "optional"  # `X | None`: None <-> element absent
@@ -144,6 +152,7 @@ class XmlField:
     default_text: str  # the default as element text, for the prompt ("" if none)
     simple: _Simple | None = None
     nested: XmlSpec | None = None
+    tag: str = ""  # the element's name: the field's name unless XmlName says otherwise
 
     @property
     def min_occurs(self) -> int:
@@ -375,19 +384,20 @@ def _build_spec(
         has_default = (
             f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
         )
-        fields.append(
-            _analyse_field(
-                cls,
-                where,
-                f.name,
-                hints[f.name],
-                has_default=has_default,
-                default=f.default,
-                doc=field_docs.get(f.name, ""),
-                max_string_length=max_string_length,
-                max_list_length=max_list_length,
-            )
+        element = _element_name(hints[f.name], f.name)
+        _check_ncname(f"@xmlify {where}", element)
+        analysed = _analyse_field(
+            cls,
+            where,
+            f.name,
+            hints[f.name],
+            has_default=has_default,
+            default=f.default,
+            doc=field_docs.get(f.name, ""),
+            max_string_length=max_string_length,
+            max_list_length=max_list_length,
         )
+        fields.append(dataclasses.replace(analysed, tag=element))
     names = {f.name for f in fields}
     for p in inspect.signature(cls).parameters.values():
         if p.name not in names and p.default is inspect.Parameter.empty:
@@ -396,6 +406,16 @@ def _build_spec(
                 "field to come from"
             )
     return XmlSpec(cls, namespace, tag, description, tuple(fields))
+
+
+def _element_name(hint: Any, name: str) -> str:
+    """The field's element name: an `XmlName` in its outermost `Annotated`, else its
+    own name."""
+    if typing.get_origin(hint) is Annotated:
+        for meta in hint.__metadata__:
+            if isinstance(meta, XmlName):
+                return meta.name
+    return name
 
 
 def _strip_annotated(tp: Any, docs: list[str], maxlen: list[MaxLen]) -> Any:
@@ -692,7 +712,7 @@ def _enum_type(where: str, tp: type[Enum]) -> _Simple:
 
 def _field_writer(cls: type, f: XmlField) -> Callable[[Any], str]:
     get = attrgetter(f.name)
-    open_, close = f"<{f.name}>", f"</{f.name}>"
+    open_, close = f"<{f.tag}>", f"</{f.tag}>"
     where = f"{cls.__qualname__}.{f.name}"
     item: Callable[[Any], str]
     if f.nested is not None:
@@ -756,7 +776,7 @@ def _content_reader(
         else:
             assert f.simple is not None
             read_one = f.simple.read
-        table[f"{{{namespace}}}{f.name}"] = (f.name, read_one, f.occurs is Occurs.REPEATED)
+        table[f"{{{namespace}}}{f.tag}"] = (f.name, read_one, f.occurs is Occurs.REPEATED)
     optional = tuple(f.name for f in fields if f.occurs is Occurs.OPTIONAL)
     repeated = tuple(f.name for f in fields if f.occurs is Occurs.REPEATED)
     lookup = table.get
@@ -817,7 +837,7 @@ def _build_xsd(spec: XmlSpec) -> str:
             _annotate(ctype, s.description)
         sequence = etree.SubElement(ctype, _XS + "sequence")
         for f in s.fields:
-            el = etree.SubElement(sequence, _XS + "element", name=f.name)
+            el = etree.SubElement(sequence, _XS + "element", name=f.tag)
             if f.min_occurs == 0:
                 el.set("minOccurs", "0")
             if f.max_occurs != 1:
@@ -851,7 +871,7 @@ def _example_content(fields: tuple[XmlField, ...]) -> str:
         else:
             assert f.simple is not None
             text = f.simple.fmt(f.simple.sample)
-        parts.append(f"<{f.name}>{text}</{f.name}>")
+        parts.append(f"<{f.tag}>{text}</{f.tag}>")
     return "".join(parts)
 
 
@@ -879,7 +899,7 @@ def _prompt_fields(fields: tuple[XmlField, ...], lines: list[str], indent: str) 
             card = "required"
         kind = "element with children" if f.nested is not None else f.simple.label  # type: ignore[union-attr]
         doc = f" - {f.doc}" if f.doc else ""
-        lines.append(f"{indent}- <{f.name}> {kind}, {card}{doc}")
+        lines.append(f"{indent}- <{f.tag}> {kind}, {card}{doc}")
         if f.nested is not None:
             _prompt_fields(f.nested.fields, lines, indent + "  ")
 

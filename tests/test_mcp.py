@@ -63,7 +63,7 @@ async def test_a_call_reaches_the_server_and_the_result_is_validated(tmp_path: P
         frames = await h.send("alice", add())
         sender, kind, text = last(frames)
         assert (sender, kind) == ("calc.add", "mcp-result")
-        assert "<text>42</text>" in text and "<is_error>false</is_error>" in text
+        assert "<text>42</text>" in text and "<is-error>false</is-error>" in text
 
 
 def _server_processes() -> list[int]:

@@ -64,7 +64,7 @@ async def test_the_reference_filesystem_server_reads_inside_its_root_only(
         assert b"hello from the root" in frames[-1]
         frames = await h.send("alice", call("read_text_file", f"<path>{secret}</path>"))
         assert b"TOTP-SECRET" not in frames[-1]
-        assert b"<is_error>true</is_error>" in frames[-1] or b"huh" in frames[-1]
+        assert b"<is-error>true</is-error>" in frames[-1] or b"huh" in frames[-1]
         body = b'<write_file xmlns="https://xml-pipeline.org/ns/mcp/fs/write_file/v1"/>'
         frames = await h.send("alice", build_envelope("alice", str(uuid.uuid4()), body,
                                                       to="fs.write_file"))

@@ -77,7 +77,7 @@ def test_an_unmappable_schema_names_the_json_pointer(schema: dict, pointer: str)
 def test_the_result_class_caps_its_text() -> None:
     cls = result_class("notes", "search", 10)
     ok = (f'<mcp-result xmlns="{NS}"><content><type>text</type><text>short</text>'
-          "</content><is_error>false</is_error></mcp-result>").encode()
+          "</content><is-error>false</is-error></mcp-result>").encode()
     from_xml(cls, ok)
     with pytest.raises(ValidationError):
         from_xml(cls, ok.replace(b"short", b"far too long for the cap"))

@@ -811,3 +811,27 @@ def _xmlschema(cls: type) -> xmlschema.XMLSchema:
 
 
 _XMLSCHEMA_CACHE: dict[type, xmlschema.XMLSchema] = {}
+
+
+# ---- XmlName: element names a Python identifier cannot spell ----------------------
+
+
+def test_xml_name_gives_a_field_a_hyphenated_element_everywhere() -> None:
+    from agentd import XmlName
+
+    @xmlify(namespace="https://example.org/ns/named/v1", tag="run-result")
+    @dataclass
+    class Named:
+        """What a program did."""
+
+        exit_code: Annotated[int, "the exit status", XmlName("exit-code")]
+        mime_type: Annotated[str | None, XmlName("mime-type")] = None
+
+    data = to_xml(Named(exit_code=3, mime_type="text/plain"))
+    assert data == (b'<run-result xmlns="https://example.org/ns/named/v1"><exit-code>3</exit-code>'
+                    b"<mime-type>text/plain</mime-type></run-result>")
+    assert from_xml(Named, data) == Named(exit_code=3, mime_type="text/plain")
+    assert 'name="exit-code"' in xsd_of(Named) and b"<exit-code>" in example_of(Named)
+    with pytest.raises(ValidationError):  # the Python spelling is not the element
+        from_xml(Named, b'<run-result xmlns="https://example.org/ns/named/v1">'
+                        b"<exit_code>3</exit_code></run-result>")

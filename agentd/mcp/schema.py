@@ -26,7 +26,7 @@ from typing import Annotated, Any
 
 from lxml import etree
 
-from agentd._xmlify import MaxLen, xmlify
+from agentd._xmlify import MaxLen, XmlName, xmlify
 
 NS_BASE = "https://xml-pipeline.org/ns/mcp"
 MAX_DEPTH = 8  # nested objects; a deeper schema is refused, not truncated
@@ -204,7 +204,7 @@ def _json(value: Any) -> Any:
 
 def result_class(listener: str, tool: str, max_bytes: int) -> type:
     """The `mcp-result` class in `tool`'s namespace: `content`* {`type`, `text`? |
-    `data`? (base64) + `mime_type`?}, `is_error`. Strings are capped at `max_bytes`
+    `data`? (base64) + `mime-type`?}, `is-error`. Strings are capped at `max_bytes`
     (the tool's `max_result_bytes`) so the XSD refuses what the cap refuses."""
     namespace = namespace_of(listener, tool)
     cap = Annotated[str, MaxLen(max(1, max_bytes))]
@@ -217,7 +217,7 @@ def result_class(listener: str, tool: str, max_bytes: int) -> type:
         type: Annotated[str, MaxLen(64)]
         text: cap | None = None
         data: cap | None = None
-        mime_type: Annotated[str, MaxLen(255)] | None = None
+        mime_type: Annotated[Annotated[str, MaxLen(255)] | None, XmlName("mime-type")] = None
 
     @xmlify(namespace=namespace, tag="mcp-result")
     @dataclasses.dataclass(frozen=True)
@@ -226,6 +226,6 @@ def result_class(listener: str, tool: str, max_bytes: int) -> type:
         error."""
 
         content: list[McpContent]
-        is_error: bool = False
+        is_error: Annotated[bool, XmlName("is-error")] = False
 
     return McpResult

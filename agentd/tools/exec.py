@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from agentd._errors import Denied
 from agentd._handler import HandlerMetadata, HandlerResponse
-from agentd._xmlify import MaxLen, xmlify
+from agentd._xmlify import MaxLen, XmlName, xmlify
 from agentd.confine import (
     SHIM_FAILED,
     SYSTEM_READ_PATHS,
@@ -75,7 +75,8 @@ class Run:
 class RunResult:
     """How the program ended and what it wrote."""
 
-    exit_code: Annotated[int, "the exit status; negative: killed by that signal"]
+    exit_code: Annotated[int, "the exit status; negative: killed by that signal",
+                         XmlName("exit-code")]
     stdout: Annotated[str, MaxLen(_OUTPUT_CHARS)]
     stderr: Annotated[str, MaxLen(_OUTPUT_CHARS)]
     truncated: Annotated[bool, "true when output was cut at max_output_bytes"]

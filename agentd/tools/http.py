@@ -31,7 +31,7 @@ import httpx
 
 from agentd._errors import Denied
 from agentd._handler import HandlerMetadata, HandlerResponse
-from agentd._xmlify import MaxLen, xmlify
+from agentd._xmlify import MaxLen, XmlName, xmlify
 from agentd.tools.beneath import shown
 from agentd.tools.content import Encoding, as_base64, as_xml_text, xml_safe
 from agentd.tools.kinds import Tool
@@ -78,7 +78,7 @@ class Fetched:
     """The response: status, content type, and the body (text, or base64)."""
 
     status: int
-    content_type: Annotated[str, MaxLen(1024)]
+    content_type: Annotated[str, MaxLen(1024), XmlName("content-type")]
     encoding: Encoding
     body: Annotated[str, MaxLen(_BODY_CHARS)]
     truncated: Annotated[bool, "true when the body was cut at the tool's max_bytes"]
