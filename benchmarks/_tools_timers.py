@@ -7,7 +7,7 @@ handled it); lateness is the time from its due instant to the `woke` frame hande
 the client (after the commit of the step that fired it). Target: p99 <= 1,000 ms
 for 1,000 timers.
 
-Usage: python benchmarks/timers.py [--quick]. The last line is one JSON object.
+A section of benchmarks/tools.py (`python benchmarks/tools.py [--quick]`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """WASM tool benchmark: per-call cost of a cached module against a plain Python
 handler doing the same work, and how fast a runaway module is stopped.
 
-    (a section of benchmarks/tools.py)
+A section of benchmarks/tools.py (`python benchmarks/tools.py [--quick]`).
 
 `wasm_call_p50_us`: the tool's handler awaited on the event loop (the payload to
 C14N, a fresh store and instance from the pre-linked module, stdin and stdout, the
@@ -9,7 +9,6 @@ thread hop) echoing a 1 KiB payload. `python_call_p50_us`: an async Python handl
 that serialises the same payload and answers with it. `wasm_runaway_stop_ms`: a
 module in an infinite loop with `timeout_ms: 100`, from the call to its `timeout`
 answer (the target is the limit plus a tick or two). Both kinds alternate in rounds.
-The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -77,9 +76,7 @@ async def measure(quick: bool) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         echo = handler(directory, "echo", ECHO_WAT)
-        spin = handler(directory, "spin", SPIN_WAT, timeout_ms=100, fuel=10**15,
-                       response_class="_tools_wasm:Blob")
-        sys.modules["_tools_wasm"] = sys.modules[__name__]
+        spin = handler(directory, "spin", SPIN_WAT, timeout_ms=100, fuel=10**15)
         await p50_us(echo, payload, 20)  # warm-up: the pool's threads, the ticker
         wasm, python = [], []
         for i in range(rounds):
