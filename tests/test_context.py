@@ -126,6 +126,12 @@ def test_protected_segments_are_evicted_last_and_stubs_collapse_rather_than_over
     assert many.collapsed_stubs and many.fits and many.total_tokens == 74
     hopeless = plan_tiers(costs(1), LibrarianRules(10, 0.0, 0), 50)
     assert not hopeless.fits
+    # Segments no larger than their stubs are not evicted one by one, but they still
+    # go into the collapsed line when that is what makes the prompt fit.
+    tiny = Costs.of([1] * 30, [1] * 30, [1] * 30, [0.0] * 30, [False] * 30)
+    squeezed = plan_tiers(tiny, LibrarianRules(50, 0.0, 5), 26, 24)
+    assert squeezed.fits and squeezed.collapsed_stubs and squeezed.total_tokens == 50
+    assert set(squeezed.tiers) == {V}
 
 
 @settings(max_examples=300, deadline=None)

@@ -107,10 +107,15 @@ def plan_tiers(costs: Costs, rules: LibrarianRules, fixed_tokens: int,
         total = _evict(order, tier, cost, costs.stub, total, budget)
     collapsed = False
     if total > budget:
+        # The stubs collapse into one line. Segments no larger than their own stub
+        # were not worth evicting one by one, but inside the collapsed line they cost
+        # nothing: if the prompt still does not fit, every segment goes into it.
         evicted = tier == EVICTED
-        if evicted.any():
-            total = total - int(cost[evicted].sum()) + collapsed_stub_tokens
-            collapsed = True
+        total = total - int(cost[evicted].sum()) + collapsed_stub_tokens
+        collapsed = True
+        if total > budget:
+            tier[:] = EVICTED
+            total = fixed_tokens + collapsed_stub_tokens
     return Plan(tier, total, collapsed, total <= budget)
 
 
