@@ -1,6 +1,6 @@
 """The daemon: one process that ties the kernel, the pump, the main bus, the
-out-of-band channel and the metrics listener together, and runs the privileged
-commands.
+out-of-band channel and the metrics listener together; the operator commands it
+answers live in `agentd._operator`.
 
 Start order: preflight (every check on the configuration and the files it names,
 the same as `check-config`) -> kernel (lock, recover) -> routing -> pump (recover,
@@ -13,7 +13,6 @@ Invariants kept here:
   entries of their own kinds (`audit`, `security`).
 - A reload (`agentd._reload`) validates the whole new configuration before changing
   anything, and threads that exist keep the dispatch table they were created with.
-- `introspect thread UUID` is the only place a private call-chain path is revealed.
 """
 
 from __future__ import annotations
@@ -30,22 +29,18 @@ from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lxml import etree
-
 from agentd import _metrics as metrics
 from agentd._errors import ConfigError
 from agentd._observability import sd_notify, watchdog_interval, watchdog_pinger
+from agentd._operator import DaemonCommands, mcp_status
 from agentd._preflight import CheckedConfig, preflight
 from agentd._reload import AgentPlatforms, build_agent_handlers, live_table_versions, reload_daemon
 from agentd._routing import Routing
 from agentd._runtime import tune_gc
-from agentd._threads import ThreadState
 from agentd._wiring import envelope_shape, kernel_options
-from agentd._xmlify import spec_of
 from agentd.config import OrganismConfig, load_config
 from agentd.isolation import IsolationPools
 from agentd.kernel import Kernel
-from agentd.oob import format_time, result_element
 from agentd.pump import Pump
 from agentd.semantic import SemanticRouter
 
@@ -415,7 +410,7 @@ class Daemon:
             "bus_connections": self.bus.connections if self.bus is not None else 0,
             "isolation": self.isolation.status(),
             "gateways": self.federation.status() if self.federation is not None else [],
-            **_mcp_status(),
+            **mcp_status(),
             "approvals_pending": len(self.pump.durable.parked),
             "timers_pending": len(self.pump.durable.timers),
         }
@@ -424,275 +419,6 @@ class Daemon:
         """Check the configuration file fully, then apply the difference (see
         `agentd._reload`); a dry run only reports it."""
         return await reload_daemon(self, dry_run)
-
-
-def _mcp_status() -> dict[str, Any]:
-    """MCP servers' states and restarts, when an organism declares any (imported
-    only then: an organism without MCP tools does not load the SDK)."""
-    mcp = sys.modules.get("agentd.mcp")
-    return {"mcp_servers": mcp.servers_status()} if mcp is not None and mcp.SERVERS else {}
-
-
-def _mcp_pin(lst: Any) -> dict[str, Any]:
-    """An MCP tool's server and pin, for `introspect capabilities`."""
-    ref = getattr(lst.config, "handler_ref", "")
-    if not ref.startswith("tool:mcp:"):
-        return {}
-    server, _, tool = lst.name.rpartition(".")
-    return {"mcp": {"server": server, "tool": tool, "pin_sha256": ref.removeprefix("tool:mcp:")}}
-
-
-class DaemonCommands:
-    """The `Commands` the OOB server runs: results as XML elements."""
-
-    def __init__(self, daemon: Daemon) -> None:
-        self.daemon = daemon
-
-    async def run(self, name: str, args: Mapping[str, str]) -> etree._Element | str:
-        from agentd.oob import CommandFailed
-
-        d = self.daemon
-        try:
-            if name == "status":
-                return result_element("status", d.status())
-            if name == "reload":
-                dry = args.get("dry-run", "false") == "true"
-                try:
-                    diff = await d.reload(dry)
-                except ConfigError as exc:
-                    raise CommandFailed("invalid", "\n".join(exc.issues)) from None
-                return result_element("reload", diff)
-            if name == "introspect" and args.get("what") == "context":
-                return await self._context(args)
-            if name == "introspect" and args.get("what") == "route":
-                return await self._route(args)
-            if name == "introspect":
-                return self._introspect(args)
-            if name == "memory":
-                return await self._memory(args)
-            if name == "journal":
-                return await self._journal(args)
-            if name == "approvals":
-                return self._approvals()
-            if name in ("approve", "deny"):
-                return await self._decide(name == "approve", args)
-            if name == "shutdown":
-                mode = args.get("mode", "graceful")
-                if mode not in ("graceful", "now"):
-                    raise CommandFailed("invalid", "mode must be graceful or now")
-                asyncio.get_running_loop().call_soon(d.request_stop, mode)
-                return result_element("shutdown", {"mode": mode})
-        except CommandFailed:
-            raise
-        except (KeyError, ValueError) as exc:
-            raise CommandFailed("invalid", str(exc)) from None
-        raise CommandFailed("unknown-command", f"unknown command {name!r}")
-
-    def _introspect(self, args: Mapping[str, str]) -> etree._Element | str:
-        from agentd.oob import CommandFailed
-
-        d = self.daemon
-        assert d.routing is not None and d.pump is not None
-        what = args.get("what", "")
-        if what == "capabilities":
-            return result_element(
-                "capabilities",
-                [
-                    {
-                        "name": lst.name,
-                        "kind": "agent" if lst.is_agent else "tool",
-                        "description": lst.description,
-                        "accepts": [spec.clark for spec in lst.payload_specs],
-                        "peers": sorted(lst.peers),
-                        **_mcp_pin(lst),
-                    }
-                    for lst in sorted(d.routing.listeners.values(), key=lambda x: x.name)
-                ],
-            )
-        if what in ("schema", "example", "prompt"):
-            name = args.get("name", "")
-            named = d.routing.listeners.get(name)
-            if named is None:
-                raise CommandFailed("invalid", f"no listener named {name!r}")
-            spec = named.payload_specs[0]
-            if what == "schema":
-                return spec.xsd
-            if what == "example":
-                return spec.example.decode()
-            if named.is_agent and d.agents is not None:
-                # Operators only: the assembled system prompt and its hash.
-                prompt = d.agents.platform.prompt(name)
-                return f"sha256 {prompt.sha256}\n\n{prompt.system_prompt}"
-            return "\n\n".join(spec_of(s.cls).prompt for s in named.payload_specs)
-        if what == "threads":
-            return result_element(
-                "threads",
-                [
-                    {
-                        "uuid": frame.uuid,
-                        "owner": frame.owner,
-                        "profile": frame.profile.name,
-                        "root": frame.is_root,
-                    }
-                    for frame in d.pump.registry
-                    if frame.state is ThreadState.ACTIVE
-                ],
-            )
-        if what == "thread":
-            uuid = args.get("thread", "")
-            found = d.pump.registry.get(uuid)
-            if found is None:
-                raise CommandFailed("invalid", f"no live thread {uuid!r}")
-            frame = found
-            # The one place a private call-chain path is ever revealed.
-            return result_element(
-                "thread",
-                {
-                    "uuid": frame.uuid,
-                    "path": ".".join(frame.path),
-                    "owner": frame.owner,
-                    "profile": frame.profile.name,
-                    "table_version": frame.profile.table.version,
-                    "parent": frame.parent.uuid if frame.parent else "",
-                    "state": frame.state.value,
-                },
-            )
-        if what == "timers":
-            return result_element("timers", [
-                {"id": t.id, "thread": t.conversation, "listener": t.listener,
-                 "due": format_time(t.due), "note": t.note}
-                for t in sorted(d.pump.durable.timers.values(), key=lambda t: (t.due, t.id))
-            ])
-        raise CommandFailed("invalid", f"unknown introspection {what!r}")
-
-    async def _context(self, args: Mapping[str, str]) -> etree._Element:
-        """A thread's context segments: live tasks from the platform, ended ones (kept
-        while their frames' rows live) from the kernel. `thread` may be the client's
-        thread or a task's own frame."""
-        d = self.daemon
-        assert d.kernel is not None
-        uuid = args.get("thread", "")
-        live: dict[str, list[Any]] = {}
-        if d.agents is not None:
-            platform = d.agents.platform
-            for frame in platform.tasks_of(uuid):
-                live[frame] = platform.task_segments(frame) or []
-        rows = await d.kernel.segments(conversation=uuid) + await d.kernel.segments(thread=uuid)
-        segments: dict[tuple[str, int], dict[str, Any]] = {}
-        for row in rows:
-            frame, sid, kind, tier, relevance, nbytes, tokens = (
-                row[0], row[1], row[4], row[5], row[6], row[7], row[8])
-            if frame not in live:
-                segments[(frame, sid)] = {"id": sid, "kind": kind, "tier": tier,
-                                          "relevance": relevance, "bytes": nbytes,
-                                          "tokens": tokens, "frame": frame}
-        for frame, segs in live.items():
-            for seg in segs:
-                segments[(frame, seg.id)] = {
-                    "id": seg.id, "kind": seg.kind, "tier": seg.tier.value,
-                    "relevance": float(seg.relevance), "bytes": seg.nbytes,
-                    "tokens": seg.tokens, "frame": frame}
-        return result_element("context", {
-            "thread": uuid, "segments": [segments[k] for k in sorted(segments)]})
-
-    async def _memory(self, args: Mapping[str, str]) -> etree._Element:
-        """Long-term memory of an agent: add, list, forget (operators only)."""
-        from agentd.oob import CommandFailed
-
-        d = self.daemon
-        if d.agents is None:
-            raise CommandFailed("invalid", "this organism has no LLM agents")
-        platform = d.agents.platform
-        action, agent = args.get("action", ""), args.get("agent", "")
-        if action == "add":
-            record = await platform.remember(agent, args.get("text", ""),
-                                             args.get("key") or None)
-            return result_element("memory", {
-                "agent": agent, "id": record.id, "key": record.key,
-                "created": format_time(record.created)})
-        if action == "list":
-            return result_element("memory", {"agent": agent, "memories": [
-                {"id": m.id, "key": m.key, "text": m.text, "created": format_time(m.created)}
-                for m in await platform.memories(agent)]})
-        if action == "forget":
-            memory_id = args.get("id", "")
-            if not await platform.forget(agent, memory_id):
-                raise CommandFailed("invalid", f"agent {agent} has no memory {memory_id!r}")
-            return result_element("memory", {"agent": agent, "id": memory_id, "forgotten": True})
-        raise CommandFailed("invalid", "action must be add, list or forget")
-
-    async def _route(self, args: Mapping[str, str]) -> etree._Element:
-        """The permitted ranking of TEXT in PROFILE, with scores: only listeners the
-        profile's table holds are ever scored (what operators tune thresholds with)."""
-        from agentd.oob import CommandFailed
-
-        d = self.daemon
-        assert d.routing is not None and d.router is not None
-        name, text = args.get("profile", ""), args.get("text", "")
-        profile = d.routing.profiles.get(name)
-        if profile is None:
-            raise CommandFailed("invalid", f"no profile named {name!r}")
-        if not text.strip():
-            raise CommandFailed("invalid", "the intent text is empty")
-        ranking = await d.router.rank(text, profile)
-        return result_element("route", {"profile": name, **ranking.as_json()})
-
-    def _approvals(self) -> etree._Element:
-        d = self.daemon
-        assert d.pump is not None
-        return result_element("approvals", [
-            {"id": r.id, "listener": r.listener, "thread": r.conversation,
-             "payload_sha256": r.payload_sha256, "expires": format_time(r.deadline),
-             "approvers": list(r.approvers)}
-            for r in sorted(d.pump.durable.parked.values(), key=lambda r: (r.created, r.id))
-        ])
-
-    async def _decide(self, approve: bool, args: Mapping[str, str]) -> etree._Element:
-        """An operator's decision, recorded as the signing key's; a refusal is one
-        generic message (the reason is in the log and the security event)."""
-        from agentd.durable import Decision
-        from agentd.oob import CommandFailed, operator_key_id
-
-        d = self.daemon
-        assert d.pump is not None
-        approval = args.get("id", "")
-        reason = args.get("reason", "")[:1024]
-        sha = args.get("payload-sha256") or None
-        by = f"operator:{operator_key_id.get() or 'unknown'}"
-        why = d.pump.durable.decide(Decision(approval, approve, by, payload_sha256=sha,
-                                             reason=reason))
-        if why is not None:
-            raise CommandFailed("invalid", "no pending approval with that id that an "
-                                "operator may decide")
-        if d.kernel is not None:
-            await d.kernel.flush()  # answered once the decision is durable
-        return result_element("approve" if approve else "deny", {
-            "id": approval, "outcome": "approved" if approve else "denied"})
-
-    async def _journal(self, args: Mapping[str, str]) -> etree._Element:
-        d = self.daemon
-        assert d.kernel is not None
-        limit = int(args.get("limit", "100"))
-        if not 0 < limit <= 10_000:
-            raise ValueError("limit must be between 1 and 10000")
-        entries = await d.kernel.journal(thread=args.get("thread") or None, limit=limit)
-        return result_element(
-            "journal",
-            [
-                {
-                    "seq": e.seq,
-                    "ts": format_time(e.ts),
-                    "thread": e.thread,
-                    "direction": e.direction,
-                    "kind": e.kind,
-                    "handler": e.handler,
-                    "sender": e.sender,
-                    "tag": e.tag,
-                    "hash": e.payload_hash,
-                }
-                for e in entries
-            ],
-        )
 
 
 def unserved(config: OrganismConfig) -> list[str]:

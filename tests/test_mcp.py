@@ -225,7 +225,8 @@ def test_the_server_state_machine_walks_its_table() -> None:
 
 async def test_status_shows_servers_and_restarts_and_introspection_shows_pins(
         tmp_path: Path) -> None:
-    from agentd._daemon import _mcp_pin, _mcp_status
+    from agentd._operator import mcp_pin as _mcp_pin
+    from agentd._operator import mcp_status as _mcp_status
 
     async with harness(tmp_path, "good") as h:
         await h.send("alice", add())
