@@ -92,6 +92,14 @@ def test_the_manifesto_is_first_and_variables_are_resolved() -> None:
     assert dict(prompt.facts) == {"refund_limit": "500 USD"}
 
 
+def test_an_agent_with_tools_is_told_how_to_send_an_intent_one_without_is_not() -> None:
+    with_tools = PromptRegistry.build(load(organism_yaml(REPLAY))).get("tutor")
+    assert '<intent xmlns="https://xml-pipeline.org/ns/core/v1"><text>' in with_tools.core
+    alone = PromptRegistry.build(load(organism_yaml(REPLAY, peers="[]"))).get("tutor")
+    assert "<intent" not in alone.system_prompt
+    assert "(no tools: answer directly)" in alone.core
+
+
 def test_the_manifesto_comes_first_even_when_listed_later() -> None:
     text = organism_yaml(REPLAY)
     text = text.replace('"no_paperclippers & tutor_base"', '"tutor_base & no_paperclippers"')
