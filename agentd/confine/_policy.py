@@ -54,7 +54,7 @@ class Policy:
     require_filesystem: bool = False
 
     def to_shim(self) -> dict:
-        """The dict form `_shim.apply` takes (JSON-safe)."""
+        """The dict form `_shim.apply` takes (plain values only: it crosses as marshal data)."""
         return {
             "memory_mb": self.memory_mb, "cpu_s": self.cpu_s,
             "open_files": self.open_files, "processes": self.processes,

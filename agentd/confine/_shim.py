@@ -9,7 +9,9 @@ the first instruction of the untrusted program runs, without `preexec_fn` in a
 threaded parent.
 
 Invariants: it imports only the standard library (it runs with ``-I -S``, no
-site-packages, and must start fast); any failure to apply a required restriction
+site-packages, and must start fast: the request is `marshal` data, not JSON, because
+importing `json` pulls in `re` and `enum` and doubled the shim's start-up; marshal is
+safe here since the only writer is the daemon, on a pipe it created); any failure to apply a required restriction
 ends the process with exit code `SHIM_FAILED` and a one-line reason on stderr,
 never a target that runs less confined than asked. Only what the policy marks as
 best-effort (filesystem rules on a kernel without Landlock) may be skipped, and the
@@ -19,7 +21,7 @@ skip is reported in the returned `Applied` value.
 from __future__ import annotations
 
 import ctypes
-import json
+import marshal
 import os
 import resource
 import struct
@@ -255,7 +257,7 @@ def _main(argv: list[str]) -> int:
         while chunk := os.read(fd, 65536):
             chunks.append(chunk)
         os.close(fd)
-        request = json.loads(b"".join(chunks))
+        request = marshal.loads(b"".join(chunks))
         apply(request["policy"])
         os.execve(request["executable"], request["argv"], request["env"])
     except BaseException as exc:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import marshal
 import os
 import shutil
 import signal
@@ -47,12 +47,12 @@ def shim_command(argv: list[str], policy: Policy) -> tuple[list[str], bytes]:
     if not argv:
         raise ValueError("empty argv")
     env = dict(policy.env)
-    request = json.dumps({
+    request = marshal.dumps({
         "policy": policy.to_shim(),
         "executable": resolve_executable(argv[0], env),
         "argv": list(argv),
         "env": env,
-    }).encode()
+    })
     if len(request) > _PIPE_MAX:
         raise ValueError("confinement policy too large")
     return [sys.executable, "-I", "-S", SHIM_PATH, "{fd}"], request
