@@ -43,6 +43,7 @@ from agentd._threads import ThreadState
 from agentd._wiring import envelope_shape, kernel_options
 from agentd._xmlify import spec_of
 from agentd.config import OrganismConfig, load_config
+from agentd.durable import END_THREAD, end_thread
 from agentd.isolation import IsolationPools
 from agentd.kernel import Kernel
 from agentd.oob import format_time, result_element
@@ -476,6 +477,8 @@ class DaemonCommands:
                 return self._approvals()
             if name in ("approve", "deny"):
                 return await self._decide(name == "approve", args)
+            if name == END_THREAD and d.pump is not None:
+                return await end_thread(d.pump, d.kernel, args)
             if name == "shutdown":
                 mode = args.get("mode", "graceful")
                 if mode not in ("graceful", "now"):

@@ -139,3 +139,148 @@ async def test_an_operator_denial_reaches_the_client(home: Path) -> None:
         assert "approval-request" in kinds and "approval-decision" in kinds
     finally:
         assert await d.stop() == 0
+
+
+# ---- an agent's parked call across kill -9 ------------------------------------------------
+
+
+def gate_the_calculator(home: Path, server: Any) -> None:
+    """The tutor on the fake model, with the timer among its peers; calculator.add
+    behind an operator-only gate."""
+    from tests.daemon_process import edit_config
+
+    def edit(doc: dict[str, Any]) -> None:
+        tutor = next(lst for lst in doc["listeners"] if lst["name"] == "tutor")
+        tutor["peers"].append("clock")
+        doc["llm"]["retries"] = 0
+        doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
+                                   "base_url": server.base_url, "model": "fake-1"}]
+        add = next(lst for lst in doc["listeners"] if lst["name"] == "calculator.add")
+        add["approval"] = {"approvers": ["operator"], "timeout_s": 600}
+
+    edit_config(home, edit)
+
+
+async def test_an_agents_parked_call_approved_after_kill_9_resumes_its_task(
+        home: Path) -> None:
+    from agentd.platform.demo import MathQuestion
+    from tests.llm_servers import FakeLLM, add_call, values
+
+    def script(seen: Any) -> str:
+        got = values(seen.conversation().results)
+        if not got:
+            return f"Let me add.\n{add_call(2, 40)}"
+        return f"The sum is {got[0]}."
+
+    async with FakeLLM("openai", script) as server:
+        gate_the_calculator(home, server)
+        d = await DaemonProcess(home).start()
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            thread = await bus.send(MathQuestion(text="What is 2 + 40?"))
+            await next_on(bus, thread, "approval-required")
+            session = bus.session
+        (pending,) = (await ctl(d, "approvals"))["approvals"]
+        assert pending["listener"] == "calculator.add" and pending["thread"] == thread
+        await d.stop(signal.SIGKILL)
+        assert len(server.requests) == 1
+
+        d = await DaemonProcess(home).start()
+        try:
+            async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
+                decided = await ctl(d, "approve", pending["id"])
+                assert decided["approve"]["outcome"] == "approved"
+                answer = await next_on(bus, thread, "answer")
+            assert b"The sum is 42." in answer
+            # The restarted process rebuilt the task from its durable history.
+            await d.wait_for_line(r"agent tutor: task restored .* iterations=1 pending=1")
+        finally:
+            assert await d.stop() == 0
+    # One model turn before the crash, one after the tool result: the history the
+    # second turn saw holds the first reply and the gated call's result, once.
+    assert len(server.requests) == 2
+    second = server.requests[1].conversation()
+    assert len(second.replies) == 1 and values(second.results) == [42]
+    assert out_frames(home, thread, "answer") == 1
+    assert verify_journal_main(home / "state") == 0
+
+
+async def test_a_timer_an_agent_set_fires_after_kill_9_and_its_task_finishes(
+        home: Path) -> None:
+    """The agent's `wait` is answered by a `woke` from the restarted daemon: the task
+    is rebuilt from its durable history and the model's next turn sees the note."""
+    from agentd.durable.timers import NAMESPACE
+    from agentd.platform.demo import MathQuestion
+    from tests.llm_servers import FakeLLM
+
+    wait = f'<wait xmlns="{NAMESPACE}"><seconds>3</seconds><note>ring</note></wait>'
+
+    def script(seen: Any) -> str:
+        results = seen.conversation().results
+        if not results:
+            return f"I will wait.\n{wait}"
+        return "Woken: " + ("ring" if "<note>ring</note>" in results[0].content else "?")
+
+    async with FakeLLM("openai", script) as server:
+        gate_the_calculator(home, server)
+        d = await DaemonProcess(home).start()
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            thread = await bus.send(MathQuestion(text="Wait, then answer."))
+            await next_on(bus, thread, "accepted")
+            session = bus.session
+            async with asyncio.timeout(60):  # each look is an agentctl round trip
+                while not (await ctl(d, "introspect", "timers"))["timers"]:
+                    pass
+        await d.stop(signal.SIGKILL)
+
+        d = await DaemonProcess(home).start()
+        try:
+            async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
+                answer = await next_on(bus, thread, "answer")
+            assert b"Woken: ring" in answer
+        finally:
+            assert await d.stop() == 0
+    assert len(server.requests) == 2
+    assert len(server.requests[1].conversation().replies) == 1
+    assert out_frames(home, thread, "answer") == 1
+
+
+# ---- the operator ends a conversation ------------------------------------------------------
+
+
+async def test_agentctl_end_thread_cancels_timers_and_denies_parked_calls(home: Path) -> None:
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            paying = await bus.send(Pay(amount=9))
+            await next_on(bus, paying, "approval-required")
+            waiting = await bus.send(Wait(seconds=Decimal("600"), note="never"))
+            await next_on(bus, waiting, "accepted")
+            assert len((await ctl(d, "introspect", "timers"))["timers"]) == 1
+
+            ended = await ctl(d, "end-thread", paying)
+            assert ended["end-thread"] == {"thread": paying, "ended": True}
+            huh = await next_on(bus, paying, "huh")
+            assert b"<code>denied</code>" in huh and b"not approved" in huh
+            assert (await ctl(d, "approvals"))["approvals"] == []
+            await ctl(d, "end-thread", waiting)
+            assert (await ctl(d, "introspect", "timers"))["timers"] == []
+    finally:
+        assert await d.stop() == 0
+
+
+async def test_end_thread_refuses_unknown_ended_and_malformed_threads_alike(
+        home: Path) -> None:
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            thread = await bus.send(Wait(seconds=Decimal("600"), note="kept"))
+            await next_on(bus, thread, "accepted")
+        await ctl(d, "end-thread", thread)
+        for bad in (thread, "7b5d3495-945c-42ec-97e6-1954d4969896", "../../etc/passwd",
+                    thread.upper(), ""):
+            code, doc = await asyncio.to_thread(d.agentctl, "end-thread", bad)
+            assert code == 1, doc
+            assert doc["error"] == {"code": "invalid",
+                                    "message": "no active conversation with that thread"}
+    finally:
+        assert await d.stop() == 0
