@@ -195,6 +195,39 @@ async def test_a_server_cannot_read_the_daemons_secrets_or_connect_out(
     assert "connect-refused" in text
 
 
+async def test_isolation_limits_reach_the_server_process(tmp_path: Path) -> None:
+    async with harness(tmp_path, "good", tools="[limits]",
+                       extra={"isolation": {"memory_mb": 1536, "open_files": 64}}) as h:
+        body = b'<limits xmlns="https://xml-pipeline.org/ns/mcp/calc/limits/v1"/>'
+        frames = await h.send("alice", build_envelope("alice", str(uuid.uuid4()), body,
+                                                      to="calc.limits"))
+    assert f"as={1536 * 1024 * 1024} nofile=64" in frames[-1].decode()
+
+
+@pytest.mark.parametrize(("block", "says"), [
+    ({"memory_mb": 4096, "isolation": {"memory_mb": 1024}},
+     "contradicts the tool's own memory_mb"),
+    ({"network": True, "isolation": {"network": False}}, "contradicts the tool's own network"),
+    ({"isolation": {"cpu_s": 5}}, "would count its whole life"),
+    ({"isolation": {"workers": 4}}, "one process with one session"),
+    ({"isolation": {"process": False}}, "always runs in a process of its own"),
+    ({"isolation": {"env": {"A": "b"}}}, "as tool `env`"),
+])
+def test_contradictory_or_inapplicable_isolation_is_a_configuration_error(
+        tmp_path: Path, block: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config_text(organism(tmp_path, "good", extra=block), base_dir=tmp_path)
+    assert says in str(info.value)
+
+
+def test_isolation_for_a_url_server_is_a_configuration_error(tmp_path: Path) -> None:
+    text = mcp_organism("calc", {"url": "https://mcp.example/mcp", "tools": ["add"],
+                                 "isolation": {"memory_mb": 256}})
+    with pytest.raises(ConfigError) as info:
+        load_config_text(text, base_dir=tmp_path)
+    assert "a `url` server is not a process of this daemon" in str(info.value)
+
+
 async def test_a_result_over_the_cap_is_refused(tmp_path: Path) -> None:
     async with harness(tmp_path, "good", "5000", tools="[big]",
                        extra={"max_result_bytes": 1000}) as h:

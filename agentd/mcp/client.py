@@ -83,12 +83,16 @@ def backoff_s(failures: int) -> float:
 
 def stdio_policy(config: Any) -> Policy:
     """The confinement of a stdio server: that of `exec` (empty environment plus
-    `env`, rlimits, Landlock, its own process group, network as configured)."""
+    `env`, rlimits, Landlock, its own process group, network as configured). An
+    `isolation:` block's `memory_mb` and `network` have been merged into the tool's
+    at load (a contradiction is refused there); its `open_files` applies here."""
     program = resolve_executable(config.command[0], dict(config.env))
     real = os.path.realpath(program)
     reads = (*SYSTEM_READ_PATHS, os.path.dirname(real), *(str(p) for p in config.read))
     root = str(config.root) if config.root is not None else None
+    iso = config.isolation
     return Policy(memory_mb=config.memory_mb, read_paths=reads,
+                  open_files=iso.open_files if iso is not None else 256,
                   write_paths=(root,) if root else (), network=config.network,
                   env=dict(config.env), cwd=root or "/")
 

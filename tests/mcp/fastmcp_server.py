@@ -70,6 +70,14 @@ def snoop() -> str:
     return " ".join(out)
 
 
+@app.tool(name="limits", description="The server's own address-space and open-files limits.")
+def limits() -> str:
+    import resource
+
+    return " ".join(f"{name}={resource.getrlimit(which)[0]}" for name, which in (
+        ("as", resource.RLIMIT_AS), ("nofile", resource.RLIMIT_NOFILE)))
+
+
 @app.tool(name="big", description="A large answer.")
 def big() -> str:
     return "y" * int(sys.argv[2])
