@@ -4,6 +4,7 @@ confined child, behind the pump, and misbehaves in every way the tool must conta
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import sys
 import uuid
@@ -309,3 +310,70 @@ async def test_a_url_server_the_configuration_allows_answers(http_server: str,
     async with Harness(config, {"alice": "public"}) as h:
         frames = await h.send("alice", add())
         assert frame_kind(frames[-1])[1] == "mcp-result" and b"<text>42</text>" in frames[-1]
+
+
+async def test_a_url_server_is_connected_at_the_address_checked_once(http_server: str,
+                                                                     tmp_path: Path) -> None:
+    """DNS rebinding: the name is resolved once, when the session starts; every request
+    goes to that address with the name in `Host` (the server's own Host check passes).
+    A second answer, a metadata address, is never asked for."""
+    import functools
+    from dataclasses import replace
+
+    from agentd.mcp.client import McpServer, http_connection
+
+    port = int(http_server.rsplit(":", 1)[1].split("/")[0])
+    answers = iter(["127.0.0.1", "169.254.169.254"])
+    asked: list[tuple[str, int]] = []
+
+    async def resolver(host: str, port: int) -> list[str]:
+        asked.append((host, port))
+        return [next(answers)]
+
+    config = load_config_text(url_organism(http_server, ["127.0.0.0/8"]), base_dir=tmp_path)
+    tool = replace(config.listeners[0].tool, url=f"http://mcp.test:{port}/mcp")
+    server = McpServer("calc", tool, {}, functools.partial(http_connection, resolver=resolver))
+    try:
+        for a in (2, 5):
+            result = await server.call("add", {"a": a, "b": 40})
+            assert [c.text for c in result.content] == [str(a + 40)]  # type: ignore[union-attr]
+    finally:
+        await server.aclose()
+    assert asked == [("mcp.test", port)]
+
+
+@pytest.mark.parametrize("answers", [["169.254.169.254"], ["8.8.8.8", "10.0.0.7"], []])
+async def test_a_url_server_resolving_to_a_refused_address_is_never_connected(
+        answers: list[str]) -> None:
+    from agentd._errors import Denied
+    from agentd.mcp.address import check_url
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return answers
+
+    with pytest.raises(Denied):
+        await check_url("https://mcp.test/mcp", (), resolver)
+
+
+async def test_a_request_outside_the_checked_origin_is_refused() -> None:
+    import httpx
+
+    from agentd.mcp.address import CheckedHost, PinnedTransport
+
+    sent: list[httpx.Request] = []
+
+    async def record(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200)
+
+    checked = CheckedHost("https", "mcp.test", 443, ipaddress.ip_address("127.0.0.1"))
+    transport = PinnedTransport(checked, httpx.MockTransport(record))
+    async with httpx.AsyncClient(transport=transport) as client:
+        await client.get("https://mcp.test/mcp")
+        for elsewhere in ("https://evil.test/mcp", "http://mcp.test/mcp",
+                          "https://mcp.test:8443/mcp"):
+            with pytest.raises(httpx.ConnectError):
+                await client.get(elsewhere)
+    (request,) = sent
+    assert request.url.host == "127.0.0.1" and request.headers["host"] == "mcp.test"
+    assert request.extensions["sni_hostname"] == "mcp.test"
