@@ -377,3 +377,16 @@ async def test_a_request_outside_the_checked_origin_is_refused() -> None:
     (request,) = sent
     assert request.url.host == "127.0.0.1" and request.headers["host"] == "mcp.test"
     assert request.extensions["sni_hostname"] == "mcp.test"
+
+
+def test_check_config_says_which_mcp_servers_it_started(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    from agentd.config import check_config_main
+
+    path = tmp_path / "organism.yaml"
+    path.write_text(organism(tmp_path, "good"))
+    assert check_config_main(path) == 0
+    out = capsys.readouterr().out
+    assert "mcp servers asked for their tools" in out
+    assert f"calc (started: {sys.executable})" in out
