@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sqlite3
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -161,6 +162,33 @@ def gate_the_calculator(home: Path, server: Any) -> None:
     edit_config(home, edit)
 
 
+async def ask_then_kill_9(home: Path, question: Any, kind: str,
+                          before_kill: Callable[[DaemonProcess, str], Awaitable[Any]]
+                          ) -> tuple[str, str, Any]:
+    """Ask the tutor `question`, wait for a frame of `kind` on its thread, run
+    `before_kill`, then SIGKILL the daemon: (thread, bus session, what it returned)."""
+    d = await DaemonProcess(home).start()
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        thread = await bus.send(question)
+        await next_on(bus, thread, kind)
+        session = bus.session
+        seen = await before_kill(d, thread)
+    await d.stop(signal.SIGKILL)
+    return thread, session, seen
+
+
+async def answer_after_restart(home: Path, thread: str, session: str,
+                               act: Callable[[DaemonProcess], Awaitable[Any]]) -> bytes:
+    """Restart the daemon, resume the bus session, run `act`, return the answer."""
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
+            await act(d)
+            return await next_on(bus, thread, "answer")
+    finally:
+        assert await d.stop() == 0
+
+
 async def test_an_agents_parked_call_approved_after_kill_9_resumes_its_task(
         home: Path) -> None:
     from agentd.platform.demo import MathQuestion
@@ -172,29 +200,25 @@ async def test_an_agents_parked_call_approved_after_kill_9_resumes_its_task(
             return f"Let me add.\n{add_call(2, 40)}"
         return f"The sum is {got[0]}."
 
-    async with FakeLLM("openai", script) as server:
-        gate_the_calculator(home, server)
-        d = await DaemonProcess(home).start()
-        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
-            thread = await bus.send(MathQuestion(text="What is 2 + 40?"))
-            await next_on(bus, thread, "approval-required")
-            session = bus.session
+    async def parked(d: DaemonProcess, thread: str) -> Any:
         (pending,) = (await ctl(d, "approvals"))["approvals"]
         assert pending["listener"] == "calculator.add" and pending["thread"] == thread
-        await d.stop(signal.SIGKILL)
+        return pending
+
+    async with FakeLLM("openai", script) as server:
+        gate_the_calculator(home, server)
+        thread, session, pending = await ask_then_kill_9(
+            home, MathQuestion(text="What is 2 + 40?"), "approval-required", parked)
         assert len(server.requests) == 1
 
-        d = await DaemonProcess(home).start()
-        try:
-            async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
-                decided = await ctl(d, "approve", pending["id"])
-                assert decided["approve"]["outcome"] == "approved"
-                answer = await next_on(bus, thread, "answer")
-            assert b"The sum is 42." in answer
+        async def approve(d: DaemonProcess) -> None:
+            decided = await ctl(d, "approve", pending["id"])
+            assert decided["approve"]["outcome"] == "approved"
             # The restarted process rebuilt the task from its durable history.
             await d.wait_for_line(r"agent tutor: task restored .* iterations=1 pending=1")
-        finally:
-            assert await d.stop() == 0
+
+        answer = await answer_after_restart(home, thread, session, approve)
+        assert b"The sum is 42." in answer
     # One model turn before the crash, one after the tool result: the history the
     # second turn saw holds the first reply and the gated call's result, once.
     assert len(server.requests) == 2
@@ -220,25 +244,20 @@ async def test_a_timer_an_agent_set_fires_after_kill_9_and_its_task_finishes(
             return f"I will wait.\n{wait}"
         return "Woken: " + ("ring" if "<note>ring</note>" in results[0].content else "?")
 
+    async def timer_set(d: DaemonProcess, thread: str) -> None:
+        async with asyncio.timeout(60):  # each look is an agentctl round trip
+            while not (await ctl(d, "introspect", "timers"))["timers"]:
+                pass
+
+    async def nothing(d: DaemonProcess) -> None:
+        return None
+
     async with FakeLLM("openai", script) as server:
         gate_the_calculator(home, server)
-        d = await DaemonProcess(home).start()
-        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
-            thread = await bus.send(MathQuestion(text="Wait, then answer."))
-            await next_on(bus, thread, "accepted")
-            session = bus.session
-            async with asyncio.timeout(60):  # each look is an agentctl round trip
-                while not (await ctl(d, "introspect", "timers"))["timers"]:
-                    pass
-        await d.stop(signal.SIGKILL)
-
-        d = await DaemonProcess(home).start()
-        try:
-            async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
-                answer = await next_on(bus, thread, "answer")
-            assert b"Woken: ring" in answer
-        finally:
-            assert await d.stop() == 0
+        thread, session, _ = await ask_then_kill_9(
+            home, MathQuestion(text="Wait, then answer."), "accepted", timer_set)
+        answer = await answer_after_restart(home, thread, session, nothing)
+        assert b"Woken: ring" in answer
     assert len(server.requests) == 2
     assert len(server.requests[1].conversation().replies) == 1
     assert out_frames(home, thread, "answer") == 1
