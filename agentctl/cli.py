@@ -365,6 +365,15 @@ def approve(ctx: click.Context, approval_id: str, sha: str | None) -> None:
     _send(ctx, "approve", args)
 
 
+@main.command("end-thread")
+@click.argument("thread")
+@click.pass_context
+def end_thread(ctx: click.Context, thread: str) -> None:
+    """End client conversation THREAD now: its timers are cancelled, its handler
+    state dropped and its parked messages denied (the client is told)."""
+    _send(ctx, "end-thread", {"thread": thread})
+
+
 @main.command()
 @click.argument("approval_id", metavar="ID")
 @click.option("--reason", metavar="TEXT", default="", help="Recorded in the journal.")

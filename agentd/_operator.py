@@ -21,6 +21,7 @@ from lxml import etree
 from agentd._errors import ConfigError
 from agentd._threads import ThreadState
 from agentd._xmlify import spec_of
+from agentd.durable import END_THREAD, end_thread
 from agentd.oob import format_time, result_element
 
 if TYPE_CHECKING:
@@ -77,6 +78,8 @@ class DaemonCommands:
                 return self._approvals()
             if name in ("approve", "deny"):
                 return await self._decide(name == "approve", args)
+            if name == END_THREAD and d.pump is not None:
+                return await end_thread(d.pump, d.kernel, args)
             if name == "shutdown":
                 mode = args.get("mode", "graceful")
                 if mode not in ("graceful", "now"):

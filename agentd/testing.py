@@ -193,6 +193,13 @@ class Harness:
         await self.run_until_idle()
         return fired
 
+    async def end_conversation(self, thread: str) -> bool:
+        """End client conversation `thread` as the operator's `end-thread` does, then
+        run until idle. False if it was not an active conversation."""
+        ended = self.pump.end_conversation(thread)
+        await self.run_until_idle()
+        return ended
+
     def frames(self, client: str, thread: str) -> list[bytes]:
         """Every frame delivered to `client` on `thread` so far, in order."""
         filed = self._frames.get((client, thread))

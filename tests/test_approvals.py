@@ -22,7 +22,6 @@ from agentd.kernel import ApprovalRow
 from agentd.testing import Harness
 from tests.organisms import durable
 from tests.organisms.durable import Count, Pay, PayOp, PayVia
-from tests.test_timers import end_conversation
 
 ORGANISM = Path(__file__).parent / "organisms" / "gates.yaml"
 CLIENTS = {"alice": "public", "bob": "public", "olga": "ops", "carl": "careful"}
@@ -340,7 +339,7 @@ async def test_a_reload_does_not_change_parked_rules(tmp_path: Path) -> None:
 async def test_the_end_of_a_conversation_denies_what_it_parked() -> None:
     async with harness(FakeClock()) as h:
         thread, _, _ = await park(h)
-        await end_conversation(h, thread)
+        assert await h.end_conversation(thread)
         assert h.pump.durable.parked == {}
         (closed,) = await h.kernel.approvals(state=None)  # type: ignore[union-attr]
         assert closed.state == "cancelled"

@@ -43,8 +43,8 @@ async def rig(tmp_path: Path):
 async def test_client_sends_objects_payload_bytes_and_envelopes(rig: Rig) -> None:
     async with rig.client("alice") as c:
         assert c.session
-        by_object = await c.exchange(Add(a=1, b=2), timeout=5)
-        by_payload = await c.exchange(ADD, timeout=5)
+        by_object = await c.exchange(Add(a=1, b=2), timeout=30)
+        by_payload = await c.exchange(ADD, timeout=30)
         thread = "6f1c2a9e-8d4b-4c1e-9a57-2b1f0c3d4e5f"
         envelope = (
             '<message xmlns="https://xml-pipeline.org/ns/envelope/v1"><meta>'
@@ -52,7 +52,7 @@ async def test_client_sends_objects_payload_bytes_and_envelopes(rig: Rig) -> Non
             '<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>5</a><b>5</b></add>'
             "</message>"
         )
-        by_envelope = await c.exchange(envelope, timeout=5)
+        by_envelope = await c.exchange(envelope, timeout=30)
     assert [frame_kind(f[-1])[1] for f in (by_object, by_payload, by_envelope)] == ["sum"] * 3
     assert frame_kind(by_envelope[-1])[2] == thread
 
@@ -60,7 +60,7 @@ async def test_client_sends_objects_payload_bytes_and_envelopes(rig: Rig) -> Non
 async def test_client_iterates_frames_and_keeps_other_threads_for_recv(rig: Rig) -> None:
     async with rig.client("alice") as c:
         t1 = await c.send(Add(a=1, b=1))
-        frames = await c.exchange(Add(a=2, b=2), timeout=5)
+        frames = await c.exchange(Add(a=2, b=2), timeout=30)
         assert frame_kind(frames[-1])[1] == "sum"
         seen = []
         async for frame in c:

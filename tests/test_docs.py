@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,6 +102,33 @@ class Session:
         self.env = env
         self.env_file.write_text("")
         self.daemons: list[Daemon] = []
+        self.holder: subprocess.Popen[bytes] | None = None
+        self.prefix = self._own_network()
+
+    def _own_network(self) -> list[str]:
+        """The documents name fixed ports (8765, 9464...): where it may (root, with
+        unshare, nsenter and ip), the session runs in a network namespace of its own,
+        with only loopback, so a port in use elsewhere on the machine (another test
+        run, a daemon) cannot clash with it. Elsewhere it runs as a newcomer would."""
+        tools = ("unshare", "nsenter", "ip")
+        if os.geteuid() != 0 or not all(shutil.which(t) for t in tools):
+            return []
+        holder = subprocess.Popen(
+            ["unshare", "--net", "--", "sh", "-c",
+             "ip link set lo up && echo up && exec sleep 86400"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != b"up":
+            holder.kill()
+            holder.wait()
+            return []
+        self.holder = holder
+        return ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"]
+
+    def close(self) -> None:
+        if self.holder is not None:
+            self.holder.kill()
+            self.holder.wait()
 
     def script(self, block: Block) -> str:
         body = block.text.replace(INSTALL_PREFIX, "")
@@ -109,14 +137,16 @@ class Session:
 
     def run(self, block: Block) -> None:
         self.wait_for_daemons()
-        proc = subprocess.run(["bash", "-c", self.script(block)], cwd=self.folder, env=self.env,
+        proc = subprocess.run([*self.prefix, "bash", "-c", self.script(block)],
+                              cwd=self.folder, env=self.env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, f"{block} failed:\n{block.text}\n{proc.stdout}{proc.stderr}"
 
     def start(self, block: Block) -> None:
         command = block.text.replace(INSTALL_PREFIX, "").strip()
         assert "\n" not in command and "&&" not in command, f"{block}: one command to exec"
-        proc = subprocess.Popen(["bash", "-c", f"source {self.env_file}\nexec {command}"],
+        proc = subprocess.Popen([*self.prefix, "bash", "-c",
+                                 f"source {self.env_file}\nexec {command}"],
                                 cwd=self.folder,
                                 env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         daemon = Daemon(block, proc)
@@ -171,6 +201,7 @@ def session(folder: Path) -> Iterator[Session]:
         for daemon in s.daemons:
             if daemon.proc.poll() is None:
                 daemon.proc.kill()
+        s.close()
 
 
 def check_text(block: Block) -> None:

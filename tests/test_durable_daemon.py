@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sqlite3
+from collections.abc import Awaitable, Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -137,5 +138,168 @@ async def test_an_operator_denial_reaches_the_client(home: Path) -> None:
         journal = (await ctl(d, "journal", "--thread", thread))["journal"]
         kinds = [e["kind"] for e in journal]
         assert "approval-request" in kinds and "approval-decision" in kinds
+    finally:
+        assert await d.stop() == 0
+
+
+# ---- an agent's parked call across kill -9 ------------------------------------------------
+
+
+def gate_the_calculator(home: Path, server: Any) -> None:
+    """The tutor on the fake model, with the timer among its peers; calculator.add
+    behind an operator-only gate."""
+    from tests.daemon_process import edit_config
+
+    def edit(doc: dict[str, Any]) -> None:
+        tutor = next(lst for lst in doc["listeners"] if lst["name"] == "tutor")
+        tutor["peers"].append("clock")
+        doc["llm"]["retries"] = 0
+        doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
+                                   "base_url": server.base_url, "model": "fake-1"}]
+        add = next(lst for lst in doc["listeners"] if lst["name"] == "calculator.add")
+        add["approval"] = {"approvers": ["operator"], "timeout_s": 600}
+
+    edit_config(home, edit)
+
+
+async def ask_then_kill_9(home: Path, question: Any, kind: str,
+                          before_kill: Callable[[DaemonProcess, str], Awaitable[Any]]
+                          ) -> tuple[str, str, Any]:
+    """Ask the tutor `question`, wait for a frame of `kind` on its thread, run
+    `before_kill`, then SIGKILL the daemon: (thread, bus session, what it returned)."""
+    d = await DaemonProcess(home).start()
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        thread = await bus.send(question)
+        await next_on(bus, thread, kind)
+        session = bus.session
+        seen = await before_kill(d, thread)
+    await d.stop(signal.SIGKILL)
+    return thread, session, seen
+
+
+async def answer_after_restart(home: Path, thread: str, session: str,
+                               act: Callable[[DaemonProcess], Awaitable[Any]]) -> bytes:
+    """Restart the daemon, resume the bus session, run `act`, return the answer."""
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
+            await act(d)
+            return await next_on(bus, thread, "answer")
+    finally:
+        assert await d.stop() == 0
+
+
+async def test_an_agents_parked_call_approved_after_kill_9_resumes_its_task(
+        home: Path) -> None:
+    from agentd.platform.demo import MathQuestion
+    from tests.llm_servers import FakeLLM, add_call, values
+
+    def script(seen: Any) -> str:
+        got = values(seen.conversation().results)
+        if not got:
+            return f"Let me add.\n{add_call(2, 40)}"
+        return f"The sum is {got[0]}."
+
+    async def parked(d: DaemonProcess, thread: str) -> Any:
+        (pending,) = (await ctl(d, "approvals"))["approvals"]
+        assert pending["listener"] == "calculator.add" and pending["thread"] == thread
+        return pending
+
+    async with FakeLLM("openai", script) as server:
+        gate_the_calculator(home, server)
+        thread, session, pending = await ask_then_kill_9(
+            home, MathQuestion(text="What is 2 + 40?"), "approval-required", parked)
+        assert len(server.requests) == 1
+
+        async def approve(d: DaemonProcess) -> None:
+            decided = await ctl(d, "approve", pending["id"])
+            assert decided["approve"]["outcome"] == "approved"
+            # The restarted process rebuilt the task from its durable history.
+            await d.wait_for_line(r"agent tutor: task restored .* iterations=1 pending=1")
+
+        answer = await answer_after_restart(home, thread, session, approve)
+        assert b"The sum is 42." in answer
+    # One model turn before the crash, one after the tool result: the history the
+    # second turn saw holds the first reply and the gated call's result, once.
+    assert len(server.requests) == 2
+    second = server.requests[1].conversation()
+    assert len(second.replies) == 1 and values(second.results) == [42]
+    assert out_frames(home, thread, "answer") == 1
+    assert verify_journal_main(home / "state") == 0
+
+
+async def test_a_timer_an_agent_set_fires_after_kill_9_and_its_task_finishes(
+        home: Path) -> None:
+    """The agent's `wait` is answered by a `woke` from the restarted daemon: the task
+    is rebuilt from its durable history and the model's next turn sees the note."""
+    from agentd.durable.timers import NAMESPACE
+    from agentd.platform.demo import MathQuestion
+    from tests.llm_servers import FakeLLM
+
+    wait = f'<wait xmlns="{NAMESPACE}"><seconds>3</seconds><note>ring</note></wait>'
+
+    def script(seen: Any) -> str:
+        results = seen.conversation().results
+        if not results:
+            return f"I will wait.\n{wait}"
+        return "Woken: " + ("ring" if "<note>ring</note>" in results[0].content else "?")
+
+    async def timer_set(d: DaemonProcess, thread: str) -> None:
+        async with asyncio.timeout(60):  # each look is an agentctl round trip
+            while not (await ctl(d, "introspect", "timers"))["timers"]:
+                pass
+
+    async def nothing(d: DaemonProcess) -> None:
+        return None
+
+    async with FakeLLM("openai", script) as server:
+        gate_the_calculator(home, server)
+        thread, session, _ = await ask_then_kill_9(
+            home, MathQuestion(text="Wait, then answer."), "accepted", timer_set)
+        answer = await answer_after_restart(home, thread, session, nothing)
+        assert b"Woken: ring" in answer
+    assert len(server.requests) == 2
+    assert len(server.requests[1].conversation().replies) == 1
+    assert out_frames(home, thread, "answer") == 1
+
+
+# ---- the operator ends a conversation ------------------------------------------------------
+
+
+async def test_agentctl_end_thread_cancels_timers_and_denies_parked_calls(home: Path) -> None:
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            paying = await bus.send(Pay(amount=9))
+            await next_on(bus, paying, "approval-required")
+            waiting = await bus.send(Wait(seconds=Decimal("600"), note="never"))
+            await next_on(bus, waiting, "accepted")
+            assert len((await ctl(d, "introspect", "timers"))["timers"]) == 1
+
+            ended = await ctl(d, "end-thread", paying)
+            assert ended["end-thread"] == {"thread": paying, "ended": True}
+            huh = await next_on(bus, paying, "huh")
+            assert b"<code>denied</code>" in huh and b"not approved" in huh
+            assert (await ctl(d, "approvals"))["approvals"] == []
+            await ctl(d, "end-thread", waiting)
+            assert (await ctl(d, "introspect", "timers"))["timers"] == []
+    finally:
+        assert await d.stop() == 0
+
+
+async def test_end_thread_refuses_unknown_ended_and_malformed_threads_alike(
+        home: Path) -> None:
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            thread = await bus.send(Wait(seconds=Decimal("600"), note="kept"))
+            await next_on(bus, thread, "accepted")
+        await ctl(d, "end-thread", thread)
+        for bad in (thread, "7b5d3495-945c-42ec-97e6-1954d4969896", "../../etc/passwd",
+                    thread.upper(), ""):
+            code, doc = await asyncio.to_thread(d.agentctl, "end-thread", bad)
+            assert code == 1, doc
+            assert doc["error"] == {"code": "invalid",
+                                    "message": "no active conversation with that thread"}
     finally:
         assert await d.stop() == 0

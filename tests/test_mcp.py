@@ -4,6 +4,7 @@ confined child, behind the pump, and misbehaves in every way the tool must conta
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import socket
 import sys
 import uuid
@@ -195,6 +196,39 @@ async def test_a_server_cannot_read_the_daemons_secrets_or_connect_out(
     assert "connect-refused" in text
 
 
+async def test_isolation_limits_reach_the_server_process(tmp_path: Path) -> None:
+    async with harness(tmp_path, "good", tools="[limits]",
+                       extra={"isolation": {"memory_mb": 1536, "open_files": 64}}) as h:
+        body = b'<limits xmlns="https://xml-pipeline.org/ns/mcp/calc/limits/v1"/>'
+        frames = await h.send("alice", build_envelope("alice", str(uuid.uuid4()), body,
+                                                      to="calc.limits"))
+    assert f"as={1536 * 1024 * 1024} nofile=64" in frames[-1].decode()
+
+
+@pytest.mark.parametrize(("block", "says"), [
+    ({"memory_mb": 4096, "isolation": {"memory_mb": 1024}},
+     "contradicts the tool's own memory_mb"),
+    ({"network": True, "isolation": {"network": False}}, "contradicts the tool's own network"),
+    ({"isolation": {"cpu_s": 5}}, "would count its whole life"),
+    ({"isolation": {"workers": 4}}, "one process with one session"),
+    ({"isolation": {"process": False}}, "always runs in a process of its own"),
+    ({"isolation": {"env": {"A": "b"}}}, "as tool `env`"),
+])
+def test_contradictory_or_inapplicable_isolation_is_a_configuration_error(
+        tmp_path: Path, block: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config_text(organism(tmp_path, "good", extra=block), base_dir=tmp_path)
+    assert says in str(info.value)
+
+
+def test_isolation_for_a_url_server_is_a_configuration_error(tmp_path: Path) -> None:
+    text = mcp_organism("calc", {"url": "https://mcp.example/mcp", "tools": ["add"],
+                                 "isolation": {"memory_mb": 256}})
+    with pytest.raises(ConfigError) as info:
+        load_config_text(text, base_dir=tmp_path)
+    assert "a `url` server is not a process of this daemon" in str(info.value)
+
+
 async def test_a_result_over_the_cap_is_refused(tmp_path: Path) -> None:
     async with harness(tmp_path, "good", "5000", tools="[big]",
                        extra={"max_result_bytes": 1000}) as h:
@@ -277,3 +311,83 @@ async def test_a_url_server_the_configuration_allows_answers(http_server: str,
     async with Harness(config, {"alice": "public"}) as h:
         frames = await h.send("alice", add())
         assert frame_kind(frames[-1])[1] == "mcp-result" and b"<text>42</text>" in frames[-1]
+
+
+async def test_a_url_server_is_connected_at_the_address_checked_once(http_server: str,
+                                                                     tmp_path: Path) -> None:
+    """DNS rebinding: the name is resolved once, when the session starts; every request
+    goes to that address with the name in `Host` (the server's own Host check passes).
+    A second answer, a metadata address, is never asked for."""
+    import functools
+    from dataclasses import replace
+
+    from agentd.mcp.client import McpServer, http_connection
+
+    port = int(http_server.rsplit(":", 1)[1].split("/")[0])
+    answers = iter(["127.0.0.1", "169.254.169.254"])
+    asked: list[tuple[str, int]] = []
+
+    async def resolver(host: str, port: int) -> list[str]:
+        asked.append((host, port))
+        return [next(answers)]
+
+    config = load_config_text(url_organism(http_server, ["127.0.0.0/8"]), base_dir=tmp_path)
+    tool = replace(config.listeners[0].tool, url=f"http://mcp.test:{port}/mcp")
+    server = McpServer("calc", tool, {}, functools.partial(http_connection, resolver=resolver))
+    try:
+        for a in (2, 5):
+            result = await server.call("add", {"a": a, "b": 40})
+            assert [c.text for c in result.content] == [str(a + 40)]  # type: ignore[union-attr]
+    finally:
+        await server.aclose()
+    assert asked == [("mcp.test", port)]
+
+
+@pytest.mark.parametrize("answers", [["169.254.169.254"], ["8.8.8.8", "10.0.0.7"], []])
+async def test_a_url_server_resolving_to_a_refused_address_is_never_connected(
+        answers: list[str]) -> None:
+    from agentd._errors import Denied
+    from agentd.mcp.address import check_url
+
+    async def resolver(host: str, port: int) -> list[str]:
+        return answers
+
+    with pytest.raises(Denied):
+        await check_url("https://mcp.test/mcp", (), resolver)
+
+
+async def test_a_request_outside_the_checked_origin_is_refused() -> None:
+    import httpx
+
+    from agentd.mcp.address import CheckedHost, PinnedTransport
+
+    sent: list[httpx.Request] = []
+
+    async def record(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(200)
+
+    checked = CheckedHost("https", "mcp.test", 443, ipaddress.ip_address("127.0.0.1"))
+    transport = PinnedTransport(checked, httpx.MockTransport(record))
+    async with httpx.AsyncClient(transport=transport) as client:
+        await client.get("https://mcp.test/mcp")
+        for elsewhere in ("https://evil.test/mcp", "http://mcp.test/mcp",
+                          "https://mcp.test:8443/mcp"):
+            with pytest.raises(httpx.ConnectError):
+                await client.get(elsewhere)
+    (request,) = sent
+    assert request.url.host == "127.0.0.1" and request.headers["host"] == "mcp.test"
+    assert request.extensions["sni_hostname"] == "mcp.test"
+
+
+def test_check_config_says_which_mcp_servers_it_started(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    from agentd.config import check_config_main
+
+    path = tmp_path / "organism.yaml"
+    path.write_text(organism(tmp_path, "good"))
+    assert check_config_main(path) == 0
+    out = capsys.readouterr().out
+    assert "mcp servers asked for their tools" in out
+    assert f"calc (started: {sys.executable})" in out

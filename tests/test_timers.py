@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from agentd._threads import ThreadEvent
 from agentd.config import load_config
 from agentd.durable import Deadline, Wait, is_late, sleep_for, take_due
 from agentd.durable.deadlines import MAX_SLEEP_S
@@ -103,17 +102,6 @@ async def test_a_timer_wakes_its_caller_on_its_own_frame() -> None:
         assert await h.kernel.timers() == []  # type: ignore[union-attr]
 
 
-async def end_conversation(h: Harness, thread: str) -> None:
-    """End a conversation as the idle collector or the rest set would (the collector
-    itself leaves alone a conversation that holds a timer or a parked message)."""
-    root = h.pump.registry.get(thread)
-    assert root is not None
-    batch = h.pump._open()
-    h.pump._end(root, ThreadEvent.ABANDONED, batch)
-    h.pump._close(batch, None)
-    await h.run_until_idle()
-
-
 def _thread(frames: list[bytes]) -> str:
     return text_of(frames[0], "thread")
 
@@ -176,11 +164,21 @@ async def test_a_timer_of_an_ended_conversation_is_cancelled() -> None:
     async with harness(clock) as h:
         frames = await h.send("alice", Nap(seconds=Decimal("5"), note="x"))
         thread = _thread(frames)
-        await end_conversation(h, thread)
+        assert await h.end_conversation(thread)
         assert h.pump.durable.timers == {}
         assert await h.kernel.timers() == []  # type: ignore[union-attr]
         clock.now += 10
         assert await h.fire_due() == 0
+
+
+async def test_ending_a_call_frame_instead_of_its_conversation_is_refused() -> None:
+    async with harness(FakeClock()) as h:
+        frames = await h.send("alice", Nap(seconds=Decimal("5"), note="x"))
+        (timer,) = h.pump.durable.timers.values()
+        assert timer.frame != _thread(frames)
+        assert not await h.end_conversation(timer.frame)  # a call, not a conversation
+        assert not await h.end_conversation("no-such-thread")
+        assert list(h.pump.durable.timers.values()) == [timer]
 
 
 async def test_a_frame_holding_a_timer_is_not_collected_as_idle() -> None:

@@ -170,7 +170,29 @@ def check_config_main(
         return 1
     print(f"ok: {config.name}, {_counted(len(config.listeners), 'listener')}, "
           f"{_counted(len(config.profiles), 'profile')}")
+    servers = mcp_servers_listed(config)
+    if servers:
+        # Said aloud: a check that runs programs must not surprise its operator.
+        print("mcp servers asked for their tools (their schemas make the listeners' "
+              "classes): " + ", ".join(servers))
     return 0
+
+
+def mcp_servers_listed(config: OrganismConfig) -> list[str]:
+    """`NAME (started: PROGRAM)` or `NAME (connected: URL)` for each MCP server that
+    loading `config` asked for its tools."""
+    from agentd.config.tools import McpTool
+
+    seen: dict[str, str] = {}
+    for lst in config.listeners:
+        tool = lst.tool
+        if not isinstance(tool, McpTool):
+            continue
+        server = lst.name.rpartition(".")[0]
+        how = (f"started: {tool.command[0]}" if tool.command is not None
+               else f"connected: {tool.url}")
+        seen.setdefault(server, f"{server} ({how})")
+    return list(seen.values())
 
 
 def _counted(n: int, noun: str) -> str:

@@ -129,7 +129,7 @@ def _kind_rules(data: dict[str, Any]) -> list[Problem]:
         problems.append(Problem(("payload_class",), "missing", data))
     if "isolation" in data and "handler" not in data:
         message = ("isolation is for handler listeners; an agent runs the platform's own "
-                   "loop, and a tool confines itself")
+                   "loop, and a tool confines itself (an mcp server: `isolation` under `tool:`)")
         problems.append(Problem(("isolation",), message, data["isolation"]))
     if kinds == ["handler"] and data.get("description") is None:
         problems.append(Problem(("description",), "missing", data))

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field, Strict
 from pydantic.dataclasses import dataclass
@@ -26,10 +26,12 @@ from agentd.config.values import (
     EnvName,
     FilePath,
     Positive,
+    Problem,
     Seconds,
     Text,
     Url,
     problem,
+    rules,
 )
 
 SECTION = ConfigDict(extra="forbid")
@@ -141,6 +143,60 @@ class TimerTool:
     max_pending_per_thread: Positive = 16
 
 
+# Keys of a handler's `isolation:` that have no meaning for an MCP server, and why.
+_MCP_NOT_ISOLATION = {
+    "process": "a stdio MCP server always runs in a process of its own",
+    "cpu_s": "cpu_s bounds one call; a server's RLIMIT_CPU would count its whole life",
+    "workers": "a server is one process with one session; it is restarted when it ends",
+    "max_calls": "a server is one process with one session; it is restarted when it ends",
+    "max_rss_mb": "a server is one process with one session; it is restarted when it ends",
+    "env": "give a server's environment as tool `env`",
+}
+# The isolation keys that also exist on the tool: one value each, given once or equal.
+_MCP_SHARED = ("memory_mb", "network")
+
+
+def _mcp_rules(data: dict[str, Any]) -> list[Problem]:
+    """`isolation:` confines a stdio server's process: refused for a `url` server,
+    for keys that cannot apply to a server, and where it contradicts the tool's own
+    `memory_mb` or `network`."""
+    iso = data.get("isolation")
+    if not isinstance(iso, dict):
+        return []
+    if data.get("url") is not None:
+        return [Problem(("isolation",), "isolation confines a stdio server's process; a "
+                        "`url` server is not a process of this daemon", iso)]
+    problems = [Problem(("isolation", key), why, iso[key])
+                for key, why in _MCP_NOT_ISOLATION.items() if key in iso]
+    for key in _MCP_SHARED:
+        if key in iso and key in data and iso[key] != data[key]:
+            problems.append(Problem(("isolation", key), f"contradicts the tool's own {key} "
+                                    f"({data[key]!r}); give it once", iso[key]))
+    return problems
+
+
+def _mcp_shared(data: Any) -> Any:
+    """The tool's `memory_mb` and `network` take the isolation's values when only the
+    isolation gives them (one value each, read by the confinement)."""
+    iso = data.get("isolation") if isinstance(data, dict) else None
+    if not isinstance(iso, dict):
+        return data
+    shared = {k: iso[k] for k in _MCP_SHARED if iso.get(k) is not None and k not in data}
+    # The keys refused above are reported once, by the rule, not again as unknown.
+    kept = {k: v for k, v in iso.items() if k not in _MCP_NOT_ISOLATION}
+    return {**data, **shared, "isolation": kept}
+
+
+@dataclass(frozen=True, config=SECTION)
+class McpIsolation:
+    """A stdio MCP server confined like an isolated handler's worker (the keys that
+    apply to one long-lived process)."""
+
+    memory_mb: Megabytes | None = None  # RLIMIT_AS of the server (None: the tool's)
+    network: Bool | None = None  # None: the tool's `network`
+    open_files: Positive = 256
+
+
 @dataclass(frozen=True, config=SECTION)
 class McpTool:
     kind: Literal["mcp"]
@@ -155,6 +211,9 @@ class McpTool:
     read: tuple[Directory, ...] = ()  # and read beneath these (its code, its packages)
     memory_mb: Megabytes = 512
     allow_private: tuple[Cidr, ...] = ()  # for `url`: as http-fetch's
+    isolation: McpIsolation | None = None  # stdio: limits as an isolated worker's
+
+    _rules = rules(lambda data, _: _mcp_rules(data), "tool", _mcp_shared)
 
 
 ToolConfig = Annotated[

@@ -22,6 +22,7 @@ from agentd.durable.approvals import (
     payload_sha256,
 )
 from agentd.durable.deadlines import Deadline, DeadlineScheduler, is_late, sleep_for, take_due
+from agentd.durable.operator import END_THREAD, end_thread
 from agentd.durable.state import StateBook, StateLimitExceeded, StateView
 from agentd.durable.timers import NAMESPACE as TIMER_NAMESPACE
 from agentd.durable.timers import TimerRequest, Wait, Woke
@@ -31,6 +32,7 @@ __all__ = [
     "CLIENT",
     "DECISIONS",
     "DENY",
+    "END_THREAD",
     "NOT_APPROVED",
     "OPERATOR",
     "TIMER_NAMESPACE",
@@ -49,6 +51,7 @@ __all__ = [
     "approval_required",
     "close",
     "decision_from",
+    "end_thread",
     "is_late",
     "iso_time",
     "judge",

@@ -32,6 +32,7 @@ from agentd._errors import AgentdError, Denied, HuhCode
 from agentd._states import step
 from agentd.confine import SYSTEM_READ_PATHS, Policy, resolve_executable
 from agentd.mcp._stdio import Ending, confined_stdio
+from agentd.tools.http import Resolver, system_resolver
 
 log = logging.getLogger("agentd.mcp")
 
@@ -83,12 +84,16 @@ def backoff_s(failures: int) -> float:
 
 def stdio_policy(config: Any) -> Policy:
     """The confinement of a stdio server: that of `exec` (empty environment plus
-    `env`, rlimits, Landlock, its own process group, network as configured)."""
+    `env`, rlimits, Landlock, its own process group, network as configured). An
+    `isolation:` block's `memory_mb` and `network` have been merged into the tool's
+    at load (a contradiction is refused there); its `open_files` applies here."""
     program = resolve_executable(config.command[0], dict(config.env))
     real = os.path.realpath(program)
     reads = (*SYSTEM_READ_PATHS, os.path.dirname(real), *(str(p) for p in config.read))
     root = str(config.root) if config.root is not None else None
+    iso = config.isolation
     return Policy(memory_mb=config.memory_mb, read_paths=reads,
+                  open_files=iso.open_files if iso is not None else 256,
                   write_paths=(root,) if root else (), network=config.network,
                   env=dict(config.env), cwd=root or "/")
 
@@ -247,17 +252,21 @@ async def stdio_connection(config: Any) -> AsyncIterator[Any]:
 
 
 @contextlib.asynccontextmanager
-async def http_connection(config: Any) -> AsyncIterator[Any]:
+async def http_connection(config: Any, resolver: Resolver = system_resolver
+                          ) -> AsyncIterator[Any]:
+    """A Streamable HTTP session to the address checked when it starts (`resolver`,
+    the system's by default, is asked once; see `agentd.mcp.address`)."""
     import httpx
     from mcp.client.streamable_http import streamable_http_client
 
-    from agentd.mcp.address import check_url
+    from agentd.mcp.address import PinnedTransport, check_url
 
-    await asyncio.to_thread(check_url, str(config.url), config.allow_private)
+    checked = await check_url(str(config.url), config.allow_private, resolver)
     ending = Ending()
-    # No proxy from the environment and no redirects: the checked host is the one used.
-    async with httpx.AsyncClient(timeout=config.timeout_s, trust_env=False,
-                                 follow_redirects=False) as http, \
+    # No proxy from the environment and no redirects: the checked address is the one used.
+    transport = PinnedTransport(checked, httpx.AsyncHTTPTransport(trust_env=False, retries=0))
+    async with httpx.AsyncClient(transport=transport, timeout=config.timeout_s,
+                                 trust_env=False, follow_redirects=False) as http, \
             streamable_http_client(str(config.url), http_client=http) as (read, write, _):
         yield read, write, ending
 

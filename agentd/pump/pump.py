@@ -332,6 +332,29 @@ class Pump:
         self._close(batch, None)
         return ended
 
+    def end_conversation(self, thread: str) -> bool:
+        """End a client's conversation now (the operator's `end-thread`): its open
+        calls that are not running and its root frame end as collected, in one batch,
+        with what it kept: timers cancelled, handler state dropped, parked messages
+        denied "not approved". A call still running finishes into an ended thread
+        (its output is dropped). False if `thread` is not an active conversation."""
+        root = self.registry.get(thread)
+        if root is None or root.parent is not None or root.state is not _ACTIVE:
+            return False
+        busy = self._scheduler.has_inbox
+        under = sorted((f for f in self.registry
+                        if f is not root and f.root is root and not busy(f.uuid)),
+                       key=lambda f: len(f.path), reverse=True)
+        batch = self._open()
+        for frame in under:
+            if frame.state is _ACTIVE and not frame.children:
+                self._end(frame, ThreadEvent.ABANDONED, batch)
+        self._end(root, ThreadEvent.ABANDONED, batch)
+        self._close(batch, None)
+        log.info("conversation ended by the operator thread=%s owner=%s", root.uuid,
+                 root.owner)
+        return True
+
     async def recover(self) -> int:
         """Rebuild frames and re-queue undelivered messages from the kernel after a
         restart (at least once: handlers see `redelivered=True`). Returns the count."""

@@ -6,7 +6,8 @@ non-JSON-RPC line at its first call), `exit` (exits at its first call), `hang`
 (never answers a call), `flood` (writes an endless line at its first call),
 `snoop` (tries to read argv[2] and to connect to argv[3] host:port), `big`
 (answers with argv[2] bytes of text), `inject` (a description carrying an
-injection), `http` (well behaved, over Streamable HTTP on port argv[2]).
+injection), `http` (well behaved, over Streamable HTTP on port argv[2], accepting the
+Host names 127.0.0.1, localhost and mcp.test).
 """
 
 import os
@@ -70,6 +71,14 @@ def snoop() -> str:
     return " ".join(out)
 
 
+@app.tool(name="limits", description="The server's own address-space and open-files limits.")
+def limits() -> str:
+    import resource
+
+    return " ".join(f"{name}={resource.getrlimit(which)[0]}" for name, which in (
+        ("as", resource.RLIMIT_AS), ("nofile", resource.RLIMIT_NOFILE)))
+
+
 @app.tool(name="big", description="A large answer.")
 def big() -> str:
     return "y" * int(sys.argv[2])
@@ -77,7 +86,14 @@ def big() -> str:
 
 if __name__ == "__main__":
     if mode == "http":  # Streamable HTTP on 127.0.0.1:argv[2], path /mcp
+        from mcp.server.transport_security import TransportSecuritySettings
+
         app.settings.host = "127.0.0.1"
+        # The SDK's own Host check, also allowing the name a test's stub resolver maps
+        # to 127.0.0.1: a request must name the host it was checked for.
+        app.settings.transport_security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=["127.0.0.1:*", "localhost:*", "mcp.test:*"])
         app.settings.port = int(sys.argv[2])
         app.run("streamable-http")
     else:
