@@ -216,6 +216,30 @@ async def test_bad_output_from_a_worker_is_refused_like_in_process_output(h: Har
     assert await ask(h, "echo", "ok") == ("outcome", "ok")
 
 
+async def test_a_worker_dead_while_idle_does_not_fail_the_next_call(tmp_path: Path) -> None:
+    import select
+
+    from agentd._handler import HandlerMetadata
+
+    config = load_config(organism(tmp_path, "{workers: 1}"))
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        pool = h.isolation.pools["prober"]
+        (idle,) = list(pool._idle)
+        pidfd = os.pidfd_open(idle.pid)
+        try:
+            os.kill(idle.pid, signal.SIGKILL)
+            # Block (without letting the event loop run, so the pool has not yet
+            # noticed) until the worker has really exited.
+            assert select.select([pidfd], [], [], 30)[0]
+        finally:
+            os.close(pidfd)
+        meta = HandlerMetadata("0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f", "alice", "prober")
+        answer = await pool.call(Probe("echo", "served"), meta)
+        assert answer is not None and b"served" in bytes(answer.payload)
+        await settled(h, 1)
+
+
 async def test_worker_is_recycled_after_max_calls(tmp_path: Path) -> None:
     config = load_config(organism(tmp_path, "{workers: 1, max_calls: 2}"))
     (tmp_path / "state").mkdir()

@@ -11,11 +11,11 @@ threaded parent.
 Invariants: it imports only the standard library (it runs with ``-I -S``, no
 site-packages, and must start fast: the request is `marshal` data, not JSON, because
 importing `json` pulls in `re` and `enum` and doubled the shim's start-up; marshal is
-safe here since the only writer is the daemon, on a pipe it created); any failure to apply a required restriction
-ends the process with exit code `SHIM_FAILED` and a one-line reason on stderr,
-never a target that runs less confined than asked. Only what the policy marks as
-best-effort (filesystem rules on a kernel without Landlock) may be skipped, and the
-skip is reported in the returned `Applied` value.
+safe here since the only writer is the daemon, on a pipe it created); any failure
+to apply a required restriction ends the process with exit code `SHIM_FAILED` and a
+one-line reason on stderr, never a target that runs less confined than asked. Only
+what the policy marks as best-effort (filesystem rules on a kernel without Landlock)
+may be skipped, and the skip is reported in the returned `Applied` value.
 """
 
 from __future__ import annotations

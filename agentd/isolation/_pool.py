@@ -189,13 +189,10 @@ class WorkerPool:
         else:  # a core payload (ack, huh, answer) coming back to the listener
             key, body = None, payload.to_bytes()
         frame = p.encode_call(meta, key, body)
-        worker = await self._acquire()
-        self._set(worker, WorkerEvent.CALL)
+        worker = await self._deliver(frame)
         try:
-            stdin, stdout = worker.proc.stdin, worker.proc.stdout
-            assert stdin is not None and stdout is not None
-            stdin.write(frame)
-            await stdin.drain()
+            stdout = worker.proc.stdout
+            assert stdout is not None
             size = p.frame_length(await stdout.readexactly(4))
             kind, header, rest = p.decode(await stdout.readexactly(size))
             if kind == p.ANSWER:
@@ -225,6 +222,33 @@ class WorkerPool:
             raise WorkerFailed("died") from None
         self._release(worker)
         return result
+
+    async def _deliver(self, frame: bytes) -> Worker:
+        """Write the call to an idle worker; returns the worker now serving it.
+
+        A worker that died while idle (its exit not yet noticed through the pidfd)
+        refuses the write with a broken pipe: it never read the call, so the call
+        goes to the next idle worker, once, instead of failing."""
+        for attempt in range(2):
+            worker = await self._acquire()
+            self._set(worker, WorkerEvent.CALL)
+            stdin = worker.proc.stdin
+            assert stdin is not None
+            try:
+                stdin.write(frame)
+                await stdin.drain()
+                if stdin.is_closing():  # the write met a broken pipe; asyncio reports it
+                    raise BrokenPipeError  # only a few loop turns later, if ever
+            except asyncio.CancelledError:
+                self._retire(worker, "timeout")
+                raise
+            except (ConnectionError, BrokenPipeError):
+                self._retire(worker, None)
+                if attempt:
+                    raise WorkerFailed("died") from None
+                continue
+            return worker
+        raise AssertionError("unreachable")
 
     async def _acquire(self) -> Worker:
         while True:
