@@ -265,6 +265,7 @@ class Daemon:
             metrics.threads_active.set(len(self.pump.registry))
             metrics.db_size_bytes.set(self.kernel.db_size_bytes())
             await self.platforms.close_unused(lambda: live_table_versions(self))
+            await self.isolation.close_unused(lambda: live_table_versions(self))
             if self.bus is not None:
                 metrics.bus_connections.set(self.bus.connections)
 

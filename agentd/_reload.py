@@ -244,7 +244,7 @@ async def reload_daemon(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
     handlers = build_agent_handlers(new.config, daemon.kernel, daemon.audit) if (
         plan.new_platform) else None
     try:
-        isolated = await daemon.isolation.apply(new.config)
+        isolated = await daemon.isolation.apply(new.config, daemon.routing.version)
         rebuild = [cfg.name for cfg in new.config.listeners if cfg.agent] if handlers else []
         # A listener whose pool changed (or that moved in or out of a worker) gets a
         # new runtime object; threads on older tables keep theirs.
@@ -272,6 +272,7 @@ async def reload_daemon(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
         "reload", {k: ",".join(v) if isinstance(v, list) else str(v) for k, v in result.items()}
     )
     await daemon.platforms.close_unused(lambda: live_table_versions(daemon))
+    await daemon.isolation.close_unused(lambda: live_table_versions(daemon))
     return result
 
 

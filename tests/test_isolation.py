@@ -282,3 +282,34 @@ async def test_daemon_survives_a_segfaulting_worker_and_reports_its_pool(tmp_pat
     finally:
         await d.stop()
     assert secret not in "".join(d.log)
+
+
+async def test_a_reload_retires_an_old_pool_until_no_live_table_reaches_it(
+        tmp_path: Path) -> None:
+    from agentd._handler import HandlerMetadata
+    from agentd.isolation import IsolationPools, WorkerFailed
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    before = load_config(organism(tmp_path / "a", "{workers: 1, memory_mb: 1024}"))
+    after = load_config(organism(tmp_path / "b", "{workers: 1, memory_mb: 768}"))
+    meta = HandlerMetadata("0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f", "alice", "prober")
+    pools = IsolationPools()
+    try:
+        old_call = (await pools.apply(before))["prober"]
+        new_call = (await pools.apply(after, last_version=1))["prober"]
+        assert new_call != old_call
+        # A thread created before the reload (table version 1) still routes to the
+        # old pool: it must still serve.
+        answer = await old_call(Probe("echo", "old table"), meta)
+        assert answer is not None and b"old table" in bytes(answer.payload)
+        assert pools.status()["retired_pools"] == 1
+        assert await pools.close_unused(lambda: {1, 2}) == 0
+        assert await pools.close_unused(lambda: {2}) == 1
+        assert pools.status()["retired_pools"] == 0
+        with pytest.raises(WorkerFailed):
+            await old_call(Probe("echo", "too late"), meta)
+        answer = await new_call(Probe("echo", "new table"), meta)
+        assert answer is not None and b"new table" in bytes(answer.payload)
+    finally:
+        await pools.stop()

@@ -3,14 +3,17 @@
 Built from the configuration (`effective_isolation`), started before the bus
 accepts anything, and passed to routing as the handlers of those listeners. On a
 reload, a listener whose declaration is unchanged keeps its pool; changed and new
-ones get new pools; pools no longer used are stopped.
+ones get new pools. A pool the new configuration no longer uses is *retired*, not
+stopped: threads created before the reload keep routing with their own dispatch
+table, which still names it. It is stopped once no live thread's table is that
+old (`close_unused`, asked at each reload and by the daemon's maintenance loop).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from agentd.config import OrganismConfig
@@ -30,6 +33,8 @@ log = logging.getLogger("agentd.isolation")
 class IsolationPools:
     def __init__(self) -> None:
         self.pools: dict[str, WorkerPool] = {}
+        # (pool, the last dispatch-table version that routes to it)
+        self.retired: list[tuple[WorkerPool, int]] = []
 
     @staticmethod
     def specs(config: OrganismConfig) -> dict[str, WorkerSpec]:
@@ -49,9 +54,13 @@ class IsolationPools:
                 max_calls=iso.max_calls, max_rss_mb=iso.max_rss_mb)
         return specs
 
-    async def apply(self, config: OrganismConfig) -> dict[str, Callable[..., Any]]:
+    async def apply(
+        self, config: OrganismConfig, last_version: int | None = None
+    ) -> dict[str, Callable[..., Any]]:
         """Start the pools `config` needs (keeping unchanged ones); returns the
-        handler of each isolated listener. Pools no longer needed are stopped."""
+        handler of each isolated listener. Pools no longer needed are retired with
+        `last_version`, the newest table that routes to them (None: stopped now,
+        as nothing routes yet)."""
         specs = self.specs(config)
         if specs and not landlock_status().filesystem:
             log.warning("isolation: Landlock unavailable: workers keep the filesystem "
@@ -70,15 +79,35 @@ class IsolationPools:
         old = [pool for n, pool in self.pools.items() if n not in keep]
         self.pools = {**keep, **fresh}
         for pool in old:
-            await pool.stop()
+            if last_version is None:
+                await pool.stop()
+            else:
+                self.retired.append((pool, last_version))
         return {name: pool.call for name, pool in self.pools.items()}
 
+    async def close_unused(self, live_versions: Callable[[], Collection[int]]) -> int:
+        """Stop the retired pools that no live table reaches; `live_versions` is
+        asked only when a pool is retired (it walks every live thread)."""
+        if not self.retired:
+            return 0
+        live = live_versions()
+        gone = [(pool, last) for pool, last in self.retired
+                if not any(v <= last for v in live)]
+        for entry in gone:
+            self.retired.remove(entry)
+            await entry[0].stop()
+        if gone:
+            log.info("isolation pools of older configurations stopped count=%d", len(gone))
+        return len(gone)
+
     async def stop(self) -> None:
-        for pool in self.pools.values():
+        for pool in [*self.pools.values(), *(pool for pool, _ in self.retired)]:
             await pool.stop()
         self.pools = {}
+        self.retired = []
 
     def status(self) -> Mapping[str, Any]:
         return {"confinement": landlock_status().as_dict(),
                 "pools": [{"listener": name, **pool.status()}
-                          for name, pool in sorted(self.pools.items())]}
+                          for name, pool in sorted(self.pools.items())],
+                "retired_pools": len(self.retired)}
