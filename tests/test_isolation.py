@@ -313,3 +313,30 @@ async def test_a_reload_retires_an_old_pool_until_no_live_table_reaches_it(
         assert answer is not None and b"new table" in bytes(answer.payload)
     finally:
         await pools.stop()
+
+
+async def test_a_call_queued_behind_one_whose_worker_dies_runs_on_another(
+        tmp_path: Path) -> None:
+    from agentd._handler import HandlerMetadata
+    from agentd.isolation import WorkerFailed
+
+    config = load_config(organism(tmp_path, "{workers: 1}"))
+    (tmp_path / "state").mkdir()
+    meta = HandlerMetadata("0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f", "alice", "prober")
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        pool = h.isolation.pools["prober"]
+        running = asyncio.create_task(pool.call(Probe("sleep", "600"), meta))
+        queued = asyncio.create_task(pool.call(Probe("pid"), meta))
+        for _ in range(10_000):  # both written to the one worker (loop turns, no clock)
+            busy = [w for w in pool._workers if len(w.inflight) == 2]
+            if busy:
+                break
+            await asyncio.sleep(0)
+        (worker,) = busy
+        os.kill(worker.pid, signal.SIGKILL)
+        with pytest.raises(WorkerFailed):
+            await running
+        answer = await queued  # never started there: served by the replacement
+        assert answer is not None
+        pid = int(bytes(answer.payload).split(b"<text>")[1].split(b"</text>")[0])
+        assert pid != worker.pid and pid in pool_pids(h)

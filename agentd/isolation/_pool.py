@@ -7,7 +7,13 @@ watchdog, outcome counting) and the pump's checks of the output are the same as
 in process.
 
 Invariants:
-- A worker serves one call at a time; a call waits for an idle worker.
+- A worker runs one call at a time, in the order the calls were written to it. A
+  call goes to an idle worker; when none is idle, it is queued behind the call of
+  a busy worker (at most `PIPELINE` calls written to one worker), so a worker
+  under load finds its next call waiting instead of sleeping until the daemon
+  wakes it (on a virtual machine a wake-up costs about as much as the call).
+- A call queued behind another has not started: when its worker dies, it goes to
+  another worker; only the call that was running fails.
 - A worker that dies, breaks the protocol, runs out of memory, is cancelled by the
   timeout watchdog or goes over its call or RSS mark is killed with its whole
   process group and replaced; only the call it was serving fails.
@@ -41,6 +47,8 @@ _STDERR_LINE_MAX = 512
 _START_TIMEOUT_S = 60.0
 _RESTART_BACKOFF_MAX_S = 5.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
+PIPELINE = 2  # calls written to one worker at most (1 running, the rest queued)
+_MAX_REDISPATCH = 4  # a call whose worker died before starting it: tries elsewhere
 
 
 class WorkerState(enum.Enum):
@@ -63,6 +71,10 @@ TRANSITIONS: Mapping[WorkerState, Mapping[WorkerEvent, WorkerState]] = {
     WorkerState.BUSY: {WorkerEvent.DONE: WorkerState.IDLE, WorkerEvent.DIE: WorkerState.DEAD},
     WorkerState.DEAD: {WorkerEvent.DIE: WorkerState.DEAD},
 }
+
+
+class _NotStarted(Exception):
+    """The call was queued in a worker that died before it started it."""
 
 
 class WorkerFailed(Exception):
@@ -106,6 +118,10 @@ class Worker:
     killed_for: str | None = None
     pidfd: int = -1
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
+    # the answers awaited, in the order the calls were written (the head is running)
+    inflight: deque[asyncio.Future[tuple[bytes, dict[str, Any], bytes]]] = field(
+        default_factory=deque)
+    worn_out: bool = False  # takes no new call; retired once its queue is empty
 
     @property
     def pid(self) -> int:
@@ -129,6 +145,15 @@ class Worker:
             return (int(fields[11]) + int(fields[12])) / _CLK_TCK
         except (OSError, ValueError, IndexError):
             return 0.0
+
+
+def _fail_calls(worker: Worker, reason: str | None) -> None:
+    """The worker is gone: its running call fails, the calls queued behind it (never
+    started) go elsewhere."""
+    for i, answer in enumerate(worker.inflight):
+        if not answer.done():
+            answer.set_exception(WorkerFailed(reason or "died") if i == 0 else _NotStarted())
+    worker.inflight.clear()
 
 
 class WorkerPool:
@@ -189,49 +214,54 @@ class WorkerPool:
         else:  # a core payload (ack, huh, answer) coming back to the listener
             key, body = None, payload.to_bytes()
         frame = p.encode_call(meta, key, body)
-        worker = await self._deliver(frame)
+        for _ in range(_MAX_REDISPATCH):
+            worker, answer = await self._deliver(frame)
+            try:
+                kind, header, rest = await answer
+            except _NotStarted:
+                continue  # its worker died before starting it: another one runs it
+            except asyncio.CancelledError:
+                # Cancelling the wait cancels `answer` too; unless its answer had come,
+                # the call is running or queued, and nothing may run it later.
+                if answer.cancelled() or not answer.done():
+                    self._retire(worker, "timeout")
+                raise
+            return self._decoded(worker, kind, header, rest)
+        raise WorkerFailed("died")
+
+    def _decoded(
+        self, worker: Worker, kind: bytes, header: dict[str, Any], rest: bytes
+    ) -> HandlerResponse | None:
         try:
-            stdout = worker.proc.stdout
-            assert stdout is not None
-            size = p.frame_length(await stdout.readexactly(4))
-            kind, header, rest = p.decode(await stdout.readexactly(size))
             if kind == p.ANSWER:
-                result = p.decode_answer(header, rest)
-            elif kind == p.FAILED:
-                error = header.get("error")
-                if error == "MemoryError":
+                return p.decode_answer(header, rest)
+            if kind == p.FAILED:
+                if header.get("error") == "MemoryError":
+                    self._retire(worker, "memory")
                     raise WorkerFailed("memory")
-                self._release(worker)
                 raise WorkerFailed("raised")
-            else:
-                raise p.ProtocolError("unexpected frame kind")
-        except asyncio.CancelledError:
-            self._retire(worker, "timeout")  # or the pump is stopping: either way, gone
-            raise
-        except WorkerFailed as exc:
-            if worker.state is WorkerState.BUSY:
-                self._retire(worker, exc.reason)
-            raise
+            raise p.ProtocolError("unexpected frame kind")
         except p.ProtocolError as exc:
             log.warning("isolated worker broke the protocol listener=%s pid=%s: %s",
                         self.spec.listener, worker.pid, exc)
             self._retire(worker, "protocol")
             raise WorkerFailed("protocol") from None
-        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError):
-            self._retire(worker, None)
-            raise WorkerFailed("died") from None
-        self._release(worker)
-        return result
 
-    async def _deliver(self, frame: bytes) -> Worker:
-        """Write the call to an idle worker; returns the worker now serving it.
+    async def _deliver(
+        self, frame: bytes
+    ) -> tuple[Worker, asyncio.Future[tuple[bytes, dict[str, Any], bytes]]]:
+        """Write the call to a worker; returns it and the future of its answer.
 
         A worker that died while idle (its exit not yet noticed through the pidfd)
         refuses the write with a broken pipe: it never read the call, so the call
-        goes to the next idle worker, once, instead of failing."""
-        for attempt in range(2):
+        goes to the next worker instead of failing."""
+        loop = asyncio.get_running_loop()
+        for _ in range(_MAX_REDISPATCH):
             worker = await self._acquire()
-            self._set(worker, WorkerEvent.CALL)
+            if worker.state is WorkerState.IDLE:
+                self._set(worker, WorkerEvent.CALL)
+            answer: asyncio.Future[tuple[bytes, dict[str, Any], bytes]] = loop.create_future()
+            worker.inflight.append(answer)
             stdin = worker.proc.stdin
             assert stdin is not None
             try:
@@ -243,19 +273,48 @@ class WorkerPool:
                 self._retire(worker, "timeout")
                 raise
             except (ConnectionError, BrokenPipeError):
+                # The worker's end was closed before it had the whole frame: it
+                # cannot have started the call.
                 self._retire(worker, None)
-                if attempt:
-                    raise WorkerFailed("died") from None
+                if answer.done():
+                    answer.exception()  # retrieved: it is this call's, and answered here
                 continue
-            return worker
-        raise AssertionError("unreachable")
+            return worker, answer
+        raise WorkerFailed("died")
+
+    async def _read_answers(self, worker: Worker) -> None:
+        """The worker's answers, in order, to the calls waiting for them."""
+        stdout = worker.proc.stdout
+        assert stdout is not None
+        try:
+            while True:
+                size = p.frame_length(await stdout.readexactly(4))
+                frame = p.decode(await stdout.readexactly(size))
+                if not worker.inflight:
+                    raise p.ProtocolError("an answer nobody asked for")
+                answer = worker.inflight.popleft()
+                if not answer.done():
+                    answer.set_result(frame)
+                self._answered(worker)
+        except p.ProtocolError as exc:
+            log.warning("isolated worker broke the protocol listener=%s pid=%s: %s",
+                        self.spec.listener, worker.pid, exc)
+            self._retire(worker, "protocol")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self._retire(worker, None)
 
     async def _acquire(self) -> Worker:
+        """An idle worker, else a busy one with room in its queue, else wait."""
         while True:
             while self._idle:
                 worker = self._idle.popleft()
-                if worker.state is WorkerState.IDLE:
+                if worker.state is WorkerState.IDLE and not worker.worn_out:
                     return worker
+            queued = [w for w in self._workers
+                      if w.state is WorkerState.BUSY and not w.worn_out
+                      and len(w.inflight) < PIPELINE and w is not self._spare]
+            if queued:
+                return min(queued, key=lambda w: len(w.inflight))
             if self._stopping:
                 raise WorkerFailed("stopped")
             waiter = asyncio.get_running_loop().create_future()
@@ -266,12 +325,17 @@ class WorkerPool:
                 with contextlib.suppress(ValueError):
                     self._waiters.remove(waiter)
 
-    def _release(self, worker: Worker) -> None:
+    def _answered(self, worker: Worker) -> None:
         worker.calls += 1
-        self._set(worker, WorkerEvent.DONE)
-        if self._worn_out(worker):
+        if not worker.worn_out and self._worn_out(worker):
+            worker.worn_out = True
+        if worker.inflight:
+            self._wake()  # room in its queue again
+            return
+        if worker.worn_out:
             self._retire(worker, "recycle")
             return
+        self._set(worker, WorkerEvent.DONE)
         self._idle.append(worker)
         self._wake()
 
@@ -325,6 +389,7 @@ class WorkerPool:
             raise WorkerFailed(f"worker for {spec.listener} did not start "
                                f"(exit {proc.returncode})") from None
         self._set(worker, WorkerEvent.READY)
+        worker.tasks.append(asyncio.create_task(self._read_answers(worker)))
         self._watch(worker)
         if spare:
             self._spare = worker
@@ -370,6 +435,7 @@ class WorkerPool:
             return
         worker.killed_for = reason
         self._set(worker, WorkerEvent.DIE)
+        _fail_calls(worker, reason)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(worker.pid, signal.SIGKILL)
         task = asyncio.get_running_loop().create_task(self._replace(worker))
@@ -379,6 +445,7 @@ class WorkerPool:
     async def _kill(self, worker: Worker) -> None:
         if worker.state is not WorkerState.DEAD:
             self._set(worker, WorkerEvent.DIE)
+        _fail_calls(worker, "stopped")
         if worker.pidfd >= 0:
             asyncio.get_running_loop().remove_reader(worker.pidfd)
             os.close(worker.pidfd)
