@@ -1,7 +1,7 @@
 """The kernel: the one writer of durable state.
 
 Everything durable (threads, journal, outboxes, context buffers, audit events) is
-written here, by one writer thread holding one SQLite connection in WAL mode, in a
+written here, by one writer process holding one SQLite connection in WAL mode, in a
 state directory held by an exclusive lock. Callers build a `Transaction` (no I/O),
 `commit` it and, when they must not acknowledge anything before it is durable, await
 the returned future.
@@ -40,7 +40,7 @@ import sqlite3
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -52,22 +52,11 @@ from agentd.kernel._health import BACKOFF_START_S, Health, HealthEvent, WriteHea
 from agentd.kernel._lifecycle import Phase, PhaseEvent, next_phase
 from agentd.kernel._lock import StateDirLock
 from agentd.kernel._options import DEFAULT_KERNEL_OPTIONS, KernelOptions
-from agentd.kernel._records import (
-    ApprovalRow,
-    JournalEntry,
-    ThreadRow,
-    TimerRow,
-)
+from agentd.kernel._reads import KernelReads
 from agentd.kernel._schema import code_version, read_version, too_new_message
 from agentd.kernel._store import (
-    JOURNAL_COLUMNS,
-    MEMORY_COLUMNS,
-    SEGMENT_COLUMNS,
-    THREAD_COLUMNS,
-    entry_from_row,
     is_storage_error,
     readonly_uri,
-    thread_from_row,
     verify_file,
 )
 from agentd.kernel._transaction import OnCommit, Transaction, TxContext
@@ -92,7 +81,7 @@ class SweepReport:
     outbox_deleted: int = 0
 
 
-class Kernel:
+class Kernel(KernelReads):
     """Use `await Kernel.open(state_dir)`; `async with` closes it."""
 
     def __init__(self, *, state_dir: Path, lock: StateDirLock, writer: WriterProcess,
@@ -337,120 +326,6 @@ class Kernel:
             with contextlib.suppress(OSError):
                 total += os.stat(f"{self.db_path}{suffix}").st_size
         return total
-
-    # -- reading (committed state only: `await flush()` first to read your writes) ----
-
-    async def pending_messages(self) -> list[JournalEntry]:
-        """Pending journal entries not yet delivered, by seq (what to redeliver)."""
-        cols = ", ".join(f"j.{c.strip()}" for c in JOURNAL_COLUMNS.split(","))
-        rows = await self._reader.execute_fetchall(
-            f"SELECT {cols} FROM inflight i JOIN journal j ON j.pos = i.pos ORDER BY i.seq")
-        return [entry_from_row(tuple(r)) for r in rows]
-
-    async def threads(self, state: str | None = "active") -> list[ThreadRow]:
-        if state is None:
-            rows = await self._reader.execute_fetchall(
-                f"SELECT {THREAD_COLUMNS} FROM threads ORDER BY created, uuid")
-        else:
-            rows = await self._reader.execute_fetchall(
-                f"SELECT {THREAD_COLUMNS} FROM threads WHERE state = ? ORDER BY created, uuid",
-                (state,))
-        return [thread_from_row(tuple(r)) for r in rows]
-
-    async def thread(self, uuid: str) -> ThreadRow | None:
-        rows = list(await self._reader.execute_fetchall(
-            f"SELECT {THREAD_COLUMNS} FROM threads WHERE uuid = ?", (uuid,)))
-        return thread_from_row(tuple(rows[0])) if rows else None
-
-    async def outbox(self, client: str, limit: int = 1000) -> list[tuple[int, str, bytes]]:
-        """Undelivered envelopes for `client`: (id, thread, data), in id order."""
-        rows = await self._reader.execute_fetchall(
-            "SELECT id, thread, data FROM outbox WHERE client = ? ORDER BY id LIMIT ?",
-            (client, limit))
-        return [(r[0], r[1], r[2]) for r in rows]
-
-    async def journal(self, *, thread: str | None = None, limit: int = 100,
-                      kinds: Iterable[str] | None = None) -> list[JournalEntry]:
-        """The newest `limit` entries (optionally of one thread / some kinds), oldest
-        first. Filtering by thread scans the journal (no thread index: it would halve
-        append throughput)."""
-        where: list[str] = []
-        args: list[Any] = []
-        if thread is not None:
-            where.append("thread = ?")
-            args.append(thread)
-        if kinds is not None:
-            kinds = list(kinds)
-            where.append(f"kind IN ({', '.join('?' * len(kinds))})")
-            args.extend(kinds)
-        clause = f"WHERE {' AND '.join(where)}" if where else ""
-        rows = await self._reader.execute_fetchall(
-            f"SELECT {JOURNAL_COLUMNS} FROM journal {clause} ORDER BY pos DESC LIMIT ?",
-            (*args, limit))
-        return [entry_from_row(tuple(r)) for r in reversed(list(rows))]
-
-    async def context(self, thread: str) -> list[tuple[int, str, bytes]]:
-        """`thread`'s context buffer: (index, role, content), oldest first."""
-        rows = await self._reader.execute_fetchall(
-            "SELECT role, content FROM context WHERE thread = ? ORDER BY id", (thread,))
-        return [(i, r[0], r[1]) for i, r in enumerate(rows)]
-
-    async def segments(self, *, thread: str | None = None, conversation: str | None = None
-                       ) -> list[tuple[Any, ...]]:
-        """Context segments of a task's frame (`thread`) or of every task serving a
-        client's thread (`conversation`), as rows of `SEGMENT_COLUMNS`, in order."""
-        column, value = ("thread", thread) if thread is not None else ("conversation",
-                                                                        conversation)
-        rows = await self._reader.execute_fetchall(
-            f"SELECT {SEGMENT_COLUMNS} FROM segments WHERE {column} = ? ORDER BY thread, id",
-            (value,))
-        return [tuple(r) for r in rows]
-
-    async def memories(self, agent: str | None = None) -> list[tuple[Any, ...]]:
-        """Long-term memories (of one agent, or all), oldest first, as rows of
-        `MEMORY_COLUMNS`."""
-        if agent is None:
-            rows = await self._reader.execute_fetchall(
-                f"SELECT {MEMORY_COLUMNS} FROM memories ORDER BY created, id")
-        else:
-            rows = await self._reader.execute_fetchall(
-                f"SELECT {MEMORY_COLUMNS} FROM memories WHERE agent = ? ORDER BY created, id",
-                (agent,))
-        return [tuple(r) for r in rows]
-
-    async def timers(self) -> list[TimerRow]:
-        """Pending timers, soonest first."""
-        rows = await self._reader.execute_fetchall(
-            "SELECT id, conversation, frame, listener, due, note, hops, created FROM timers "
-            "ORDER BY due, id")
-        return [TimerRow(*r) for r in rows]
-
-    async def approvals(self, state: str | None = "pending") -> list[ApprovalRow]:
-        """Parked messages (pending ones by default), oldest first."""
-        clause = "" if state is None else "WHERE state = ?"
-        rows = await self._reader.execute_fetchall(
-            "SELECT id, conversation, frame, owner, listener, sender, hops, envelope, payload, "
-            "payload_sha256, approvers, created, deadline, state, decided_by, reason, "
-            f"decided_at FROM approvals {clause} ORDER BY created, id",
-            () if state is None else (state,))
-        out = []
-        for r in rows:
-            values = list(r)
-            values[10] = tuple(a for a in str(values[10]).split(",") if a)
-            out.append(ApprovalRow(*values))
-        return out
-
-    async def handler_state(self) -> list[tuple[str, str, str, str]]:
-        """Every handler-state entry: (listener, conversation, key, value)."""
-        rows = await self._reader.execute_fetchall(
-            "SELECT listener, conversation, key, value FROM handler_state "
-            "ORDER BY conversation, listener, key")
-        return [(r[0], r[1], r[2], r[3]) for r in rows]
-
-    async def verify(self) -> tuple[bool, int | None, str]:
-        """Walk the hash chain: (ok, first bad seq or None, message)."""
-        verdict = await asyncio.to_thread(verify_file, self.db_path)
-        return verdict.as_tuple()
 
     # -- the writer ---------------------------------------------------------------------
 
