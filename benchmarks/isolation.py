@@ -2,7 +2,8 @@
 
 (a) throughput: request/response pairs through the pump (no kernel, so the
     handler path dominates), the same echo handler in process and in a pool of
-    two confined workers (`isolated_ratio` = isolated / in process);
+    two confined workers, in alternating rounds (`isolated_ratio`: the median of
+    the per-round ratios isolated / in process; the rates are medians);
 (b) overhead: one 1 KiB round trip through a worker (`WorkerPool.call`) against
     the same handler awaited in process, sequential, p50 of the difference;
 (c) replacement: a worker killed with SIGKILL, then the time until the next call
@@ -115,16 +116,21 @@ async def main(quick: bool) -> dict[str, float]:
     n = 2_000 if quick else 20_000
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        inproc, _ = await pairs_per_s(organism(folder, None), n)
-        print(f"in process: {inproc:,.0f} pairs/s ({n} requests)")
-        isolated, _ = await pairs_per_s(organism(folder, "{workers: 2}"), n)
-        print(f"isolated (2 workers): {isolated:,.0f} pairs/s ({n} requests)")
+        inprocs, isolateds = [], []
+        for i in range(3 if quick else 5):  # alternating rounds: this machine drifts
+            inprocs.append((await pairs_per_s(organism(folder, None), n))[0])
+            isolateds.append((await pairs_per_s(organism(folder, "{workers: 2}"), n))[0])
+            print(f"round {i + 1}: in process {inprocs[-1]:,.0f} pairs/s, isolated "
+                  f"(2 workers) {isolateds[-1]:,.0f} pairs/s ({n} requests each)")
+        ratios = [iso / inp for iso, inp in zip(isolateds, inprocs, strict=True)]
+        inproc, isolated = statistics.median(inprocs), statistics.median(isolateds)
+        print("isolated/in-process per round: " + ", ".join(f"{r:.3f}" for r in ratios))
         overhead, replace = await overhead_and_replace(folder, 500 if quick else 5_000,
                                                        3 if quick else 10)
     return {
         "isolated_pairs_per_s": round(isolated, 1),
         "inprocess_pairs_per_s": round(inproc, 1),
-        "isolated_ratio": round(isolated / inproc, 3),
+        "isolated_ratio": round(statistics.median(ratios), 3),
         "isolated_overhead_p50_us": round(overhead, 1),
         "worker_replace_ms": round(replace, 1),
     }
