@@ -25,7 +25,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,9 +88,23 @@ class FederationHost(KernelOutbox):
     """What the federation needs to serve a peer's calls: the pump, where a gateway
     is a client under its own name, and the kernel's outbox of its replies."""
 
-    def __init__(self, kernel: Kernel, pump: Pump) -> None:
+    def __init__(self, kernel: Kernel, pump: Pump, config: Callable[[], OrganismConfig]) -> None:
         super().__init__(kernel)
         self.pump = pump
+        self.config = config  # the configuration in force (a reload replaces it)
+
+    def offers(self, names: list[str]) -> list[Any]:
+        from agentd.federation._remote import offer_of
+
+        config = self.config()
+        return [offer_of(config.listener(n)) for n in names
+                if ":" not in n and n in {lst.name for lst in config.listeners}]
+
+    def local_classes(self) -> dict[tuple[str, str], type]:
+        from agentd._xmlify import spec_of
+
+        return {spec_of(c).key: c for lst in self.config().listeners if ":" not in lst.name
+                for c in (*lst.payload_classes, *lst.response_classes)}
 
     async def submit(self, client: str, data: bytes) -> Any:
         return await self.pump.submit(client, data)
@@ -126,6 +140,8 @@ class Daemon:
         self._stop_mode = "graceful"
         self._watchdog: asyncio.Task[None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
+        self._reloading = asyncio.Lock()  # one reload at a time (operator's or automatic)
+        self._background: set[asyncio.Task[None]] = set()
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -227,9 +243,12 @@ class Daemon:
             self.federation = Federation(self.checked.identity, config.federation,
                                          config.gateways, self.audit,
                                          server_ssl=self.checked.federation_tls,
-                                         host=FederationHost(self.kernel, self.pump),
+                                         host=FederationHost(self.kernel, self.pump,
+                                                             lambda: self.config),
                                          allow_meta=config.meta.allow_remote,
-                                         max_envelope_bytes=config.bus.max_envelope_bytes)
+                                         max_envelope_bytes=config.bus.max_envelope_bytes,
+                                         state_dir=config.state_dir,
+                                         on_pinned=self._pinned)
             await _bind("federation.listen", config.federation.listen, self.federation.start())
         if config.oob.authorized_keys is not None:
             from agentd.oob import OobServer
@@ -418,8 +437,29 @@ class Daemon:
 
     async def reload(self, dry_run: bool) -> dict[str, Any]:
         """Check the configuration file fully, then apply the difference (see
-        `agentd._reload`); a dry run only reports it."""
-        return await reload_daemon(self, dry_run)
+        `agentd._reload`); a dry run only reports it. A reload also accepts the
+        schemas peers changed since their pins."""
+        async with self._reloading:
+            accepted = [] if dry_run or self.federation is None else (
+                self.federation.accept_offers())
+            result = await reload_daemon(self, dry_run)
+            if accepted:
+                result["accepted_schemas"] = accepted
+            return result
+
+    def _pinned(self) -> None:
+        """A peer's listener was pinned for the first time: reload to route to it."""
+        async def reload() -> None:
+            try:
+                result = await self.reload(False)
+                log.info("reloaded for newly pinned peer schemas: version=%s",
+                         result.get("version"))
+            except Exception:
+                log.exception("reload for newly pinned peer schemas failed")
+
+        task = asyncio.get_running_loop().create_task(reload(), name="federation-pinned")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
 def unserved(config: OrganismConfig) -> list[str]:

@@ -31,6 +31,10 @@ class HandlerMetadata:
     _book: Any = field(default=None, repr=False, compare=False)
     _conversation: str = field(default="", repr=False, compare=False)
     _view: Any = field(default=None, repr=False, compare=False)
+    # Platform handlers only: the journal seq of the message (stable across a
+    # redelivery), and a callable run once the handler's output has committed.
+    _seq: int = field(default=0, repr=False, compare=False)
+    _after_commit: Any = field(default=None, repr=False, compare=False)
 
     @property
     def state(self) -> StateView:

@@ -212,10 +212,12 @@ class Routing:
             raise ConfigError(issues)
         profiles: dict[str, Profile] = {}
         for pname, pcfg in config.profiles.items():
+            # `all` never includes a peer's listeners (GATEWAY:LISTENER); a named one
+            # is absent until its schema is pinned at the first link-up.
             chosen = (
-                list(listeners.values())
+                [lst for name, lst in listeners.items() if ":" not in name]
                 if pcfg.listeners == "all"
-                else [listeners[n] for n in pcfg.listeners]
+                else [listeners[n] for n in pcfg.listeners if n in listeners or ":" not in n]
             )
             semantic = config.routing.semantic
             if pcfg.routing is not None:

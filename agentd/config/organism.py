@@ -11,6 +11,7 @@ before touching anything. Relative paths are resolved against the file's folder.
 from __future__ import annotations
 
 import hashlib
+import logging
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -27,6 +28,8 @@ from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.reader import Document, Issues, nulls_as_empty, read_document
 from agentd.config.routing import RoutingConfig
 from agentd.config.tools import ToolConfig
+
+log = logging.getLogger("agentd.config")
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -267,6 +270,14 @@ def _load(
         for i, section in enumerate(document.listeners)
         for one in _listener(section, issues, doc, ("listeners", i))
     )
+    if document.gateways:
+        from agentd.federation._remote import remote_listeners  # late: imports the schema layer
+
+        remote, problems = remote_listeners(document.organism.name, document.gateways, state_dir,
+                                            listeners, document.bus.max_envelope_bytes)
+        listeners += remote
+        for problem in problems:  # the peer's doing: logged, never a reason not to start
+            log.warning("%s (the listener is left out)", problem)
     issues.raise_if_any()
     return OrganismConfig(
         name=document.organism.name,

@@ -15,7 +15,7 @@ from typing import Any
 from agentd.config import imports
 from agentd.config.embeddings import embeddings_references
 from agentd.config.routing import routing_references
-from agentd.config.values import NAME_PATTERN, Problem
+from agentd.config.values import NAME_PATTERN, REMOTE_PATTERN, Problem
 
 LineOf = Callable[[tuple[str | int, ...]], int]
 
@@ -39,6 +39,9 @@ def cross_references(data: dict[str, Any], line_of: LineOf) -> list[Problem]:
         names[name] = i
         for tool in _mcp_tools(entry):  # one `tool: {kind: mcp}` block names several
             names.setdefault(f"{name}.{tool}", i)
+    for _, gateway in _entries(data.get("gateways")):  # GATEWAY:LISTENER for each import
+        for _, remote in _strings(gateway.get("import")):
+            names.setdefault(f"{gateway.get('name')}:{remote}", -1)
     problems += _peers(listeners, names)
     problems += _agents(listeners, data)
     problems += _members(data.get("profiles"), names)
@@ -70,22 +73,33 @@ def _strings(value: Any) -> list[tuple[int, str]]:
 
 def _peers(listeners: list[tuple[int, dict[str, Any]]], names: dict[str, int]) -> list[Problem]:
     return [
-        Problem(("listeners", i, "peers", j), f"no listener is named {peer!r}", peer)
+        Problem(("listeners", i, "peers", j), _unknown(peer), peer)
         for i, entry in listeners
         for j, peer in _strings(entry.get("peers"))
-        if NAME_PATTERN.fullmatch(peer) and peer not in names
+        if _is_ref(peer) and peer not in names
     ]
+
+
+def _is_ref(name: str) -> bool:
+    return bool(NAME_PATTERN.fullmatch(name) or REMOTE_PATTERN.fullmatch(name))
+
+
+def _unknown(name: str) -> str:
+    if REMOTE_PATTERN.fullmatch(name):
+        gateway, _, remote = name.partition(":")
+        return f"no gateway {gateway!r} imports {remote!r}"
+    return f"no listener is named {name!r}"
 
 
 def _members(profiles: Any, names: dict[str, int]) -> list[Problem]:
     if not isinstance(profiles, dict):
         return []
     return [
-        Problem(("profiles", key, "listeners", j), f"no listener is named {member!r}", member)
+        Problem(("profiles", key, "listeners", j), _unknown(member), member)
         for key, body in profiles.items()
         if isinstance(body, dict)
         for j, member in _strings(body.get("listeners"))
-        if NAME_PATTERN.fullmatch(member) and member not in names
+        if _is_ref(member) and member not in names
     ]
 
 
@@ -237,6 +251,12 @@ def _gateways(data: dict[str, Any], names: dict[str, int]) -> list[Problem]:
                 for j, member in _strings(entry.get("export"))
                 if member in names and member not in members
             ]
+        problems += [
+            Problem(("gateways", i, key, j), f"{member!r}: a local listener name here", member)
+            for key in ("export", "import")
+            for j, member in _strings(entry.get(key))
+            if ":" in member
+        ]
         if entry.get("export") and profile is None:
             message = "a gateway that exports listeners needs a profile"
             problems.append(Problem(("gateways", i, "profile"), message, entry))

@@ -392,6 +392,7 @@ class GatewayConfig:
     profile: ProfileName | None = None  # what the peer's requests may reach here
     export: Names = ()  # local listeners the peer may call
     import_: Names = Field(default=(), alias="import")  # remote listeners callable here
+    call_timeout_s: Seconds = 300.0  # a call to an imported listener, the peer's downtime included
 
 
 @dataclass(frozen=True, config=SECTION)

@@ -40,6 +40,8 @@ from agentd.kernel import (
 )
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
+# A peer organism's listener, in `peers` and profile members: GATEWAY:LISTENER.
+REMOTE_PATTERN = re.compile(rf"(?:{NAME_PATTERN.pattern}):(?:{NAME_PATTERN.pattern})")
 _NAME_RULE = "use letters, digits, '_', '.', '-' (not first), at most 128 characters"
 _BUILTIN_ERRORS = frozenset(typing.get_args(ErrorType))
 
@@ -345,7 +347,8 @@ def unique_names(items: Iterable[Any]) -> tuple[tuple[str, ...], list[Problem]]:
             problems.append(Problem((i,), "string_type", item))
             continue
         try:
-            _name(item)
+            if not REMOTE_PATTERN.fullmatch(item):
+                _name(item)
         except PydanticCustomError as exc:
             problems.append(Problem((i,), exc.message(), item))
             continue

@@ -87,8 +87,7 @@ def keeps_link(local: str, peer: str, dialed_by_local: bool) -> bool:
 
 
 def check_gateways(config: OrganismConfig) -> list[str]:
-    """What the loader cannot see: each declared key parses, and nothing asks for
-    what is not built (calling remote listeners)."""
+    """What the loader cannot see: each declared key parses."""
     from agentd.federation._identity import IdentityError, parse_public_line
 
     issues: list[str] = []
@@ -97,8 +96,4 @@ def check_gateways(config: OrganismConfig) -> list[str]:
             parse_public_line(gateway.public_key)
         except IdentityError as exc:
             issues.append(f"gateways[{i}].public_key: {exc}")
-        if gateway.import_:
-            issues.append(
-                f"gateways[{i}].import: calling a peer's listeners is not built in this "
-                "version (the link, its handshake and its status are)")
     return issues

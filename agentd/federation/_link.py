@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any, Protocol
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -43,6 +44,17 @@ from agentd.federation._calls import CallRefused, admit_call, call_id_of
 from agentd.federation._gateway import Backoff, LinkEvent, LinkState, keeps_link, transition
 from agentd.federation._handshake import HANDSHAKE_FAILED, Handshake, HandshakeFailed, Role
 from agentd.federation._identity import Identity, fingerprint, parse_public_line
+from agentd.federation._remote import (
+    MAX_OFFERS,
+    OUTGOING,
+    Offer,
+    OfferError,
+    RemoteCalls,
+    class_of_xsd,
+    load_pins,
+    save_pins,
+    sweep_forever,
+)
 from agentd.federation._replies import ReplyWindow
 
 log = logging.getLogger("agentd.federation")
@@ -52,7 +64,8 @@ CLOSE_POLICY = 1008
 MAX_PENDING_HANDSHAKES = 16
 SECURITY_KINDS = frozenset({
     "federation-handshake-failed", "federation-unexpected-frame", "federation-forged-from",
-    "federation-priv-from-peer", "federation-not-exported",
+    "federation-priv-from-peer", "federation-not-exported", "federation-schema-changed",
+    "federation-reply-refused", "federation-bad-offer",
 })
 MAX_PENDING_REPLIES = 10_000  # replies sent and not yet acknowledged, per link
 
@@ -70,6 +83,10 @@ class CallHost(Protocol):
     async def pending(self, client: str) -> list[tuple[int, str, bytes]]: ...
 
     def delivered(self, client: str, outbox_id: int) -> None: ...
+
+    def offers(self, names: list[str]) -> list[Offer]: ...  # local listeners, as offered
+
+    def local_classes(self) -> Mapping[tuple[str, str], type]: ...  # payload roots here
 
 
 @dataclass
@@ -96,8 +113,9 @@ class GatewayLink:
             self.state, self.since = new, time.time()
         self.changed.set()
 
-    def status(self) -> dict[str, Any]:
+    def status(self, imports: Mapping[str, str] | None = None) -> dict[str, Any]:
         return {
+            "imports": dict(imports or {}),
             "name": self.config.name,
             "state": self.state.value,
             "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
@@ -140,7 +158,11 @@ class Federation:
         host: CallHost | None = None,
         allow_meta: bool = False,
         max_envelope_bytes: int = 262144,
+        state_dir: Path | None = None,
+        on_pinned: Callable[[], None] | None = None,
     ) -> None:
+        self.state_dir = state_dir
+        self.on_pinned = on_pinned  # a first pin: the routing is to be reloaded
         self.host = host
         self.allow_meta = allow_meta
         self.max_envelope_bytes = max_envelope_bytes
@@ -163,6 +185,17 @@ class Federation:
         self._held: dict[str, dict[int, tuple[str, bytes]]] = {}
         # Calls being admitted, by thread: a duplicate waits for the first's outcome.
         self._admitting: dict[str, asyncio.Future[tuple[bool, HuhCode | None]]] = {}
+        # Calling the peer's listeners: calls in flight, pins, offers not yet accepted.
+        self.outgoing = {
+            name: RemoteCalls(name, self._sender(link), audit)
+            for name, link in self.links.items() if link.config.import_
+        }
+        self.pins = load_pins(state_dir) if state_dir is not None and self.outgoing else {}
+        self.offered: dict[str, dict[str, Offer]] = {}  # changed offers, for a reload
+        for name, calls in self.outgoing.items():
+            for remote in self.links[name].config.import_:
+                pinned = remote in self.pins.get(name, {})
+                calls.imports[remote] = "pinned" if pinned else "unpinned"
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -181,6 +214,10 @@ class Federation:
             logger=logging.getLogger("agentd.federation.websockets"),
         )
         log.info("federation listening url=wss://%s:%d%s", host, self.port, FEDERATION_PATH)
+        OUTGOING.update(self.outgoing)
+        if self.outgoing:
+            self._tasks.add(asyncio.create_task(sweep_forever(self._stopping),
+                                                name="federation-sweep"))
         for link in self.links.values():
             if link.config.url is not None:
                 self._dialers.append(asyncio.create_task(
@@ -193,6 +230,9 @@ class Federation:
 
     async def close(self) -> None:
         self._stopping.set()
+        for name, calls in self.outgoing.items():
+            if OUTGOING.get(name) is calls:
+                del OUTGOING[name]
         for call in list(self._tasks):
             call.cancel()
         for task in self._dialers:
@@ -210,7 +250,8 @@ class Federation:
             self._server = None
 
     def status(self) -> list[dict[str, Any]]:
-        return [link.status() for link in self.links.values()]
+        return [link.status(self.outgoing[name].imports if name in self.outgoing else None)
+                for name, link in self.links.items()]
 
     # ---- accepting -------------------------------------------------------------
 
@@ -334,6 +375,10 @@ class Federation:
         link.replies = ReplyWindow(MAX_PENDING_REPLIES)
         writer = asyncio.create_task(self._write(ws, queue),
                                      name=f"federation-write-{link.config.name}")
+        calls = self.outgoing.get(link.config.name)
+        if calls is not None:  # what we import: its schemas first, then our calls again
+            self._send(link, {"t": "schemas", "names": list(link.config.import_)})
+            calls.link_up()
         try:
             await self._load_outbox(link)
             with contextlib.suppress(ConnectionClosed):
@@ -367,6 +412,16 @@ class Federation:
             return True
         if kind == "ack" and isinstance(msg, dict) and isinstance(msg.get("id"), int):
             self._acknowledged(link, msg["id"])
+            return True
+        if kind == "schemas" and isinstance(msg, dict) and self.host is not None:
+            names = msg.get("names")
+            if isinstance(names, list) and len(names) <= MAX_OFFERS:
+                asked = [n for n in names if isinstance(n, str) and n in link.config.export]
+                offers = self.host.offers(asked)
+                self._send(link, {"t": "offer", "listeners": [o.to_json() for o in offers]})
+                return True
+        calls = self.outgoing.get(peer)
+        if calls is not None and isinstance(msg, dict) and self._answer_frame(link, calls, msg):
             return True
         self.audit("federation-unexpected-frame", {"peer": peer, "kind": str(kind)[:32]})
         await ws.close(CLOSE_POLICY, "unexpected frame")
@@ -441,9 +496,84 @@ class Federation:
             self._send(link, {"t": "refused", "id": call.call_id, "code": code.value,
                               "message": GENERIC_MESSAGES[code]})
 
-    def _send(self, link: GatewayLink, frame: dict[str, object]) -> None:
-        if link.sending is not None:
-            link.sending.put_nowait(json.dumps(frame, separators=(",", ":")).encode())
+    def _send(self, link: GatewayLink, frame: dict[str, object]) -> bool:
+        if link.sending is None:
+            return False
+        link.sending.put_nowait(json.dumps(frame, separators=(",", ":")).encode())
+        return True
+
+    def _sender(self, link: GatewayLink) -> Callable[[dict[str, object]], bool]:
+        return lambda frame: self._send(link, frame)
+
+    # ---- calling the peer's listeners ------------------------------------------------
+
+    def _answer_frame(self, link: GatewayLink, calls: RemoteCalls, msg: dict[str, Any]) -> bool:
+        """A frame answering our calls (or our schema request); False: not one."""
+        kind, call_id, thread = msg.get("t"), msg.get("id"), msg.get("thread")
+        if kind == "accepted" and isinstance(call_id, str) and isinstance(thread, str):
+            calls.accepted(call_id, thread)
+        elif kind == "refused" and isinstance(call_id, str):
+            calls.refused(call_id, str(msg.get("code")))
+        elif (kind == "reply" and isinstance(call_id, int) and isinstance(thread, str)
+              and isinstance(msg.get("envelope"), str)):
+            calls.reply(call_id, thread, msg["envelope"])
+        elif kind == "offer" and isinstance(msg.get("listeners"), list):
+            self._offers(link, calls, msg["listeners"])
+        else:
+            return False
+        return True
+
+    def _offers(self, link: GatewayLink, calls: RemoteCalls, items: list[Any]) -> None:
+        """The peer's schemas for what we import: pin what is new (and ask for the
+        routing to be reloaded), block what differs from its pin."""
+        peer = link.config.name
+        offers: dict[str, Offer] = {}
+        local = self.host.local_classes() if self.host is not None else {}
+        for item in items[:MAX_OFFERS]:
+            try:
+                one = Offer.from_json(item)
+                if one.name in link.config.import_:
+                    for xsd in (*one.payloads, *one.responses):
+                        class_of_xsd(xsd, local)  # usable here, or refused before pinning
+                    offers[one.name] = one
+            except OfferError as exc:
+                self.audit("federation-bad-offer", {"peer": peer, "detail": str(exc)[:300]})
+        pins = self.pins.setdefault(peer, {})
+        new = False
+        for name in link.config.import_:
+            offer, pinned = offers.get(name), pins.get(name)
+            if offer is None:
+                calls.imports[name] = "not-offered"
+            elif pinned is None:
+                pins[name], new = offer, True
+                calls.imports[name] = "pinned"
+                log.info("federation gateway=%s: pinned %s sha256=%s", peer, name, offer.digest)
+            elif pinned.digest == offer.digest:
+                calls.imports[name] = "pinned"
+            else:
+                calls.imports[name] = "changed"
+                self.offered.setdefault(peer, {})[name] = offer
+                self.audit("federation-schema-changed", {
+                    "peer": peer, "listener": name, "pinned": pinned.digest,
+                    "offered": offer.digest})
+        if new and self.state_dir is not None:
+            save_pins(self.state_dir, self.pins)
+            if self.on_pinned is not None:
+                self.on_pinned()
+
+    def accept_offers(self) -> list[str]:
+        """A reload accepts the changed schemas offered since the last one: they
+        become the pins. Returns `GATEWAY:LISTENER` of each."""
+        accepted = [f"{peer}:{name}" for peer, offers in self.offered.items() for name in offers]
+        if not accepted or self.state_dir is None:
+            return []
+        for peer, offers in self.offered.items():
+            self.pins.setdefault(peer, {}).update(offers)
+            for name in offers:
+                self.outgoing[peer].imports[name] = "pinned"
+        self.offered = {}
+        save_pins(self.state_dir, self.pins)
+        return accepted
 
     async def _load_outbox(self, link: GatewayLink) -> None:
         """Send the gateway's outbox rows, and the live replies held meanwhile."""

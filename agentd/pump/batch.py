@@ -43,12 +43,13 @@ _STATE_VALUES = {state: state.value for state in ThreadState}  # Enum.value is s
 
 
 class Batch:
-    __slots__ = ("deliver", "post", "tx")
+    __slots__ = ("after", "deliver", "post", "tx")
 
     def __init__(self, tx: Transaction, deliver: DeliverFn) -> None:
         self.tx = tx
         self.deliver = deliver
         self.post: list[tuple[str, str, bytes, int | None]] = []
+        self.after: list[Callable[[], None]] | None = None  # run once committed
 
     def committed(self, exc: BaseException | None) -> None:
         """The kernel's callback: hand the batch's client frames to `deliver`."""
@@ -60,6 +61,9 @@ class Batch:
         deliver = self.deliver
         for client, thread, data, oid in self.post:
             deliver(client, thread, data, oid)
+        if self.after is not None:
+            for callback in self.after:
+                callback()
 
 
 def journal_message(tx: Transaction, msg: Message) -> int:

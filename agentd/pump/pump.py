@@ -453,9 +453,14 @@ class Pump:
             core_from_element(msg.payload) if spec is None else spec.from_element(msg.payload)
         )
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
-                               self.durable.book, frame.root.uuid)
+                               self.durable.book, frame.root.uuid, None, msg.seq)
         result = await self._invoker.call(listener, payload, meta, frame.root.uuid)
         batch = self._open()
+        if meta._after_commit is not None:  # a platform handler acts once its output is durable
+            if batch is None:
+                meta._after_commit()
+            else:
+                batch.after = [*(batch.after or ()), meta._after_commit]
         if result.__class__ is CallFailed:
             if result.event is not None:
                 self._security_event("tool-denied", {**result.event, "thread": frame.root.uuid})

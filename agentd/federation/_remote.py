@@ -1,0 +1,429 @@
+"""Calling a peer's listeners: offers, pins, remote listeners and their calls.
+
+A gateway's `import:` names listeners of the peer. Each becomes a local listener
+`GATEWAY:LISTENER` whose handler is a `RemoteCall`: the message to it is committed
+in this organism's journal like any other (so it survives `kill -9` and is
+redelivered), and the handler carries it across the link and waits for the answer.
+
+- **Offers and pins.** At every link-up the caller asks for the schemas of what it
+  imports; the callee answers with an `Offer` per exported listener (its payload
+  and response XSDs and its description). The first offer of a listener is pinned
+  (`federation-pins.json` in the state directory, by SHA-256) and the routing is
+  reloaded to use it; an offer that differs from its pin blocks calls to that
+  listener until an operator's reload accepts it.
+- **Local classes.** A remote listener's payload and response classes are made from
+  the pinned XSDs (the shapes `@xmlify` emits), or are the local class with the same
+  root when its XSD is the same text. The pinned XSDs themselves check what
+  crosses: the payload before it leaves, the reply when it arrives.
+- **Exactly one run, at least one delivery.** The call id is the caller's
+  conversation and the message's journal seq, so a redelivered message sends the
+  same id and the callee recognises it. A reply is acknowledged only once the
+  handler's output (the reply, now a local message) is committed here; a reply
+  nobody waits for is held for `HOLD_S` (a redelivered call may still come for it),
+  then acknowledged and dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lxml import etree
+
+from agentd._envelope import build_envelope, parse_envelope
+from agentd._errors import HuhCode, Rejection
+from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._schemas import NS_CORE
+from agentd._xml import c14n, parse_untrusted
+from agentd._xmlify import spec_of, xsd_of
+from agentd.federation._calls import call_thread
+
+if TYPE_CHECKING:
+    from agentd.config import ListenerConfig
+    from agentd.config.sections import GatewayConfig
+
+log = logging.getLogger("agentd.federation")
+
+PINS_FILE = "federation-pins.json"
+HOLD_S = 120.0  # how long a reply nobody waits for is kept before it is acknowledged
+MAX_HELD = 1024  # replies held per gateway; beyond, the oldest is acknowledged
+MAX_XSD_CHARS = 65536
+MAX_OFFERS = 256
+_OWN_PARSER = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False)
+_HUH = "{" + NS_CORE + "}huh"
+
+
+class OfferError(ValueError):
+    """An offer frame or a pin file entry that is not a valid offer."""
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One exported listener as its organism describes it to a peer."""
+
+    name: str
+    description: str
+    payloads: tuple[str, ...]  # XSD texts
+    responses: tuple[str, ...]
+
+    @property
+    def digest(self) -> str:
+        text = json.dumps([self.name, self.description, self.payloads, self.responses],
+                          separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "description": self.description,
+                "payloads": list(self.payloads), "responses": list(self.responses)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Offer:
+        if not isinstance(data, dict):
+            raise OfferError("an offer is not an object")
+        name, description = data.get("name"), data.get("description")
+        payloads, responses = data.get("payloads"), data.get("responses")
+        if not isinstance(name, str) or not isinstance(description, str):
+            raise OfferError("an offer needs a name and a description")
+        for xsds in (payloads, responses):
+            if (not isinstance(xsds, list) or not 0 < len(xsds) <= 8
+                    or not all(isinstance(x, str) and len(x) <= MAX_XSD_CHARS for x in xsds)):
+                raise OfferError(f"offer {name[:64]!r}: payloads and responses must be "
+                                 "1 to 8 XSD texts")
+        return cls(name, description[:4096], tuple(payloads), tuple(responses))  # type: ignore[arg-type]
+
+
+def offer_of(cfg: ListenerConfig) -> Offer:
+    return Offer(cfg.name, cfg.description, tuple(xsd_of(c) for c in cfg.payload_classes),
+                 tuple(xsd_of(c) for c in cfg.response_classes))
+
+
+# ---- pins ----------------------------------------------------------------------------
+
+
+def load_pins(state_dir: Path) -> dict[str, dict[str, Offer]]:
+    """The pinned offers by gateway and listener; empty if none were pinned yet."""
+    path = state_dir / PINS_FILE
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise OfferError(f"{path}: unreadable ({exc})") from None
+    if not isinstance(doc, dict):
+        raise OfferError(f"{path}: not an object")
+    return {gw: {name: Offer.from_json(offer) for name, offer in listeners.items()}
+            for gw, listeners in doc.items() if isinstance(listeners, dict)}
+
+
+def save_pins(state_dir: Path, pins: Mapping[str, Mapping[str, Offer]]) -> None:
+    """Written whole, to a new file renamed over the old one (never half a file)."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / PINS_FILE
+    tmp = path.with_suffix(".tmp")
+    doc = {gw: {n: o.to_json() for n, o in sorted(ls.items())} for gw, ls in sorted(pins.items())}
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# ---- remote listeners, from the pins --------------------------------------------------
+
+
+def class_of_xsd(xsd: str, local: Mapping[tuple[str, str], type]) -> type:
+    """A payload class for a pinned XSD: the local class with the same root when its
+    XSD is this very text, else one made from the XSD's shape."""
+    from agentd.mcp.schema import Unmappable, _object_class
+    from agentd.mcp.serve import input_schema, shape_of_xsd
+
+    try:
+        shape = shape_of_xsd(xsd)
+    except (ValueError, KeyError, etree.XMLSyntaxError) as exc:
+        raise OfferError(f"schema not understood: {exc}") from None
+    same = local.get((shape.namespace, shape.tag))
+    if same is not None:
+        if xsd_of(same) != xsd:
+            raise OfferError(f"root {{{shape.namespace}}}{shape.tag} is also a local payload "
+                             "with a different schema")
+        return same
+    name = "".join(p.capitalize() for p in shape.tag.replace("-", "_").split("_") if p) or "T"
+    schema = input_schema(shape)
+    if shape.description:
+        schema["description"] = shape.description
+    try:
+        return _object_class(schema, "", shape.namespace, shape.tag, name, depth=0)
+    except Unmappable as exc:
+        raise OfferError(f"schema not usable here: {exc}") from None
+
+
+def remote_listeners(
+    organism: str,
+    gateways: Iterable[GatewayConfig],
+    state_dir: Path,
+    local: Iterable[ListenerConfig],
+    max_envelope_bytes: int,
+) -> tuple[tuple[ListenerConfig, ...], list[str]]:
+    """The `GATEWAY:LISTENER` listeners of the pinned imports, and a message per
+    import that cannot be built (an unpinned one is simply absent: it is pinned at
+    the first link-up)."""
+    from agentd.config import ListenerConfig
+
+    imports = [g for g in gateways if g.import_]
+    if not imports:
+        return (), []
+    try:
+        pins = load_pins(state_dir)
+    except OfferError as exc:
+        return (), [str(exc)]
+    classes: dict[tuple[str, str], type] = {}
+    for cfg in local:
+        for cls in (*cfg.payload_classes, *cfg.response_classes):
+            classes.setdefault(spec_of(cls).key, cls)
+    built: list[ListenerConfig] = []
+    issues: list[str] = []
+    for gateway in imports:
+        for name in gateway.import_:
+            offer = pins.get(gateway.name, {}).get(name)
+            if offer is None:
+                continue
+            full = f"{gateway.name}:{name}"
+            try:
+                payloads = tuple(class_of_xsd(x, classes) for x in offer.payloads)
+                responses = tuple(class_of_xsd(x, classes) for x in offer.responses)
+            except OfferError as exc:
+                issues.append(f"gateways: {gateway.name}: import {name}: {exc}")
+                continue
+            for cls in (*payloads, *responses):
+                classes.setdefault(spec_of(cls).key, cls)
+            built.append(ListenerConfig(
+                name=full,
+                payload_classes=payloads,
+                response_classes=responses,
+                handler=RemoteCall(organism, gateway.name, name, offer, max_envelope_bytes),
+                description=f"{offer.description} (on the peer organism {gateway.name})",
+                timeout_s=gateway.call_timeout_s,
+                handler_ref=f"federation:{gateway.name}:{name}:{offer.digest}",
+            ))
+    return tuple(built), issues
+
+
+# ---- calls in flight, per gateway ----------------------------------------------------
+
+
+class CallRefusedByPeer(Exception):
+    def __init__(self, code: HuhCode) -> None:
+        super().__init__(code.value)
+        self.code = code
+
+
+@dataclass
+class _Pending:
+    call_id: str
+    thread: str
+    envelope: str
+    answer: asyncio.Future[tuple[int, str]]
+    accepted: bool = False
+
+
+@dataclass
+class RemoteCalls:
+    """The calls this organism has in flight to one gateway's peer. `send` puts a
+    frame on the up link and says whether there was one."""
+
+    gateway: str
+    send: Callable[[dict[str, object]], bool]
+    audit: Callable[[str, Mapping[str, str]], None]
+    clock: Callable[[], float] = time.monotonic
+    imports: dict[str, str] = field(default_factory=dict)  # remote name -> state
+    _by_thread: dict[str, _Pending] = field(default_factory=dict)
+    _by_id: dict[str, _Pending] = field(default_factory=dict)
+    _held: dict[str, tuple[int, str, float]] = field(default_factory=dict)
+
+    def blocked(self, name: str) -> bool:
+        return self.imports.get(name, "pinned") != "pinned"
+
+    async def call(self, call_id: str, thread: str, envelope: str) -> tuple[int, str]:
+        """The peer's reply (its outbox id and envelope) to one call; raises
+        `CallRefusedByPeer`. Sent now if the link is up, else at the next link-up."""
+        answer: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
+        pending = _Pending(call_id, thread, envelope, answer)
+        self._by_thread[thread], self._by_id[call_id] = pending, pending
+        try:
+            held = self._held.pop(thread, None)
+            if held is not None:
+                answer.set_result(held[:2])
+            else:
+                self._send_call(pending)
+            return await answer
+        finally:
+            self._by_thread.pop(thread, None)
+            self._by_id.pop(call_id, None)
+
+    def _send_call(self, pending: _Pending) -> None:
+        self.send({"t": "call", "id": pending.call_id, "envelope": pending.envelope})
+
+    def link_up(self) -> None:
+        """Calls not yet accepted go (again) on the new link; accepted ones are the
+        peer's to answer from its outbox."""
+        for pending in list(self._by_id.values()):
+            if not pending.accepted:
+                self._send_call(pending)
+
+    def accepted(self, call_id: str, thread: str) -> None:
+        pending = self._by_id.get(call_id)
+        if pending is not None and pending.thread == thread:
+            pending.accepted = True
+
+    def refused(self, call_id: str, code: str) -> None:
+        pending = self._by_id.get(call_id)
+        if pending is None or pending.answer.done():
+            return
+        try:
+            huh = HuhCode(code)
+        except ValueError:
+            huh = HuhCode.INTERNAL
+        pending.answer.set_exception(CallRefusedByPeer(huh))
+
+    def reply(self, reply_id: int, thread: str, envelope: str) -> None:
+        pending = self._by_thread.get(thread)
+        if pending is not None and not pending.answer.done():
+            pending.answer.set_result((reply_id, envelope))
+            return
+        if pending is not None:  # a second reply to one call: only the first is used
+            self.ack(reply_id)
+            return
+        if len(self._held) >= MAX_HELD:
+            oldest = min(self._held, key=lambda t: self._held[t][2])
+            self.ack(self._held.pop(oldest)[0])
+        self._held[thread] = (reply_id, envelope, self.clock())
+
+    def ack(self, reply_id: int) -> None:
+        self.send({"t": "ack", "id": reply_id})
+
+    def sweep(self) -> int:
+        """Acknowledge and drop replies held longer than `HOLD_S`."""
+        cutoff = self.clock() - HOLD_S
+        stale = [t for t, (_, _, at) in self._held.items() if at < cutoff]
+        for thread in stale:
+            reply_id, _, _ = self._held.pop(thread)
+            log.warning("federation gateway=%s: reply %d for no call in flight; "
+                        "acknowledged and dropped", self.gateway, reply_id)
+            self.ack(reply_id)
+        return len(stale)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._by_id)
+
+
+# The running federation's calls, by gateway (set by `Federation.start`): remote
+# listeners' handlers are built at configuration load, before the link exists.
+OUTGOING: dict[str, RemoteCalls] = {}
+
+
+class RemoteCall:
+    """The handler of `GATEWAY:LISTENER`: the payload, checked against the pinned
+    XSD, crosses as a call; the reply, checked against the pinned response XSDs,
+    comes back as this listener's answer."""
+
+    def __init__(self, organism: str, gateway: str, remote: str, offer: Offer,
+                 max_bytes: int) -> None:
+        self.organism = organism
+        self.gateway = gateway
+        self.remote = remote
+        self.offer = offer
+        self.max_bytes = max_bytes
+        self._schemas: dict[str, etree.XMLSchema] | None = None
+
+    def _schema(self, xsd: str) -> etree.XMLSchema:
+        return etree.XMLSchema(etree.fromstring(xsd.encode(), _OWN_PARSER))
+
+    @property
+    def schemas(self) -> dict[str, etree.XMLSchema]:
+        """The pinned schemas by root (clark name), payloads and responses."""
+        if self._schemas is None:
+            self._schemas = {}
+            for xsd in (*self.offer.payloads, *self.offer.responses):
+                root = etree.fromstring(xsd.encode(), _OWN_PARSER)
+                ns = root.get("targetNamespace", "")
+                for el in root.findall("{http://www.w3.org/2001/XMLSchema}element"):
+                    self._schemas[f"{{{ns}}}{el.get('name')}"] = self._schema(xsd)
+        return self._schemas
+
+    def _responses(self) -> set[str]:
+        out = set()
+        for xsd in self.offer.responses:
+            root = etree.fromstring(xsd.encode(), _OWN_PARSER)
+            ns = root.get("targetNamespace", "")
+            out |= {f"{{{ns}}}{el.get('name')}"
+                    for el in root.findall("{http://www.w3.org/2001/XMLSchema}element")}
+        return out
+
+    async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
+        calls = OUTGOING.get(self.gateway)
+        if calls is None or calls.blocked(self.remote):
+            log.warning("federation call to %s:%s refused: %s", self.gateway, self.remote,
+                        "the federation is not running" if calls is None
+                        else f"import is {calls.imports.get(self.remote)}")
+            return HandlerResponse.error(HuhCode.UNROUTABLE)
+        body = parse_untrusted(spec_of(payload).to_bytes(payload))
+        schema = self.schemas.get(body.tag)
+        if schema is None or not schema.validate(body):
+            return HandlerResponse.error(HuhCode.INVALID_PAYLOAD)
+        # Stable across a redelivery of this message; unique without a journal too.
+        call_id = (f"{meta._conversation or meta.thread_id}.{meta._seq}" if meta._seq
+                   else uuid.uuid4().hex)
+        thread = call_thread(self.organism, call_id)
+        envelope = build_envelope(self.organism, thread, c14n(body), to=self.remote)
+        try:
+            reply_id, text = await calls.call(call_id, thread, envelope.decode())
+        except CallRefusedByPeer as exc:
+            return HandlerResponse.error(exc.code)
+        object.__setattr__(meta, "_after_commit", lambda: calls.ack(reply_id))
+        return self._answer(calls, text, thread)
+
+    def _answer(self, calls: RemoteCalls, text: str, thread: str) -> HandlerResponse:
+        """The peer's reply as this listener's output, or a `huh` if it is not one
+        the pinned schemas allow (a security event: the peer sent it)."""
+        try:
+            env = parse_envelope(text.encode("utf-8"), max_bytes=self.max_bytes)
+            if env.thread != thread or env.sender != self.remote:
+                raise Rejection(HuhCode.INVALID_ENVELOPE, "reply for another thread or sender")
+            payload = env.payload
+            if payload.tag == _HUH:
+                code = payload.get("code") or payload.findtext("{" + NS_CORE + "}code") or ""
+                try:
+                    return HandlerResponse.error(HuhCode(code))
+                except ValueError:
+                    return HandlerResponse.error(HuhCode.INTERNAL)
+            if payload.tag not in self._responses():
+                raise Rejection(HuhCode.INVALID_PAYLOAD, f"reply root {payload.tag} not pinned")
+            schema = self.schemas[payload.tag]
+            if not schema.validate(payload):
+                raise Rejection(HuhCode.INVALID_PAYLOAD,
+                                f"reply fails the pinned schema: {schema.error_log.last_error}")
+        except Rejection as exc:
+            calls.audit("federation-reply-refused", {
+                "peer": self.gateway, "listener": self.remote, "detail": str(exc)[:300]})
+            return HandlerResponse.error(HuhCode.INVALID_PAYLOAD)
+        return HandlerResponse.respond(c14n(payload))
+
+
+async def sweep_forever(stopping: asyncio.Event, every_s: float = 5.0) -> None:
+    while not stopping.is_set():
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), every_s)
+        for calls in list(OUTGOING.values()):
+            calls.sweep()
