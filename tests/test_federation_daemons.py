@@ -1,7 +1,7 @@
 """Federation between real `agentd run` processes on loopback: links come up,
 `agentctl status` shows them, a wrong key is refused as a security event, a peer
-killed with SIGKILL is redialed once it is back, and what is not built (calling a
-peer's listeners from here) is refused by check-config with a clear message."""
+killed with SIGKILL is redialed once it is back, and check-config checks imported
+listeners against the gateways that import them."""
 
 from __future__ import annotations
 
@@ -9,11 +9,9 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agentd.federation import Identity, load_identity
@@ -57,15 +55,6 @@ def federation_port(daemon: DaemonProcess) -> int:
         if m:
             return int(m.group(1))
     raise AssertionError("no federation listening line")
-
-
-@pytest.fixture
-async def daemons() -> AsyncIterator[list[DaemonProcess]]:
-    started: list[DaemonProcess] = []
-    yield started
-    for d in started:
-        if d.proc is not None and d.proc.returncode is None:
-            await d.stop(signal.SIGKILL)
 
 
 async def start(daemons: list[DaemonProcess], home: Path) -> DaemonProcess:
@@ -140,20 +129,29 @@ def check_config(home: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_calling_a_peers_listeners_is_refused_as_not_built(tmp_path: Path) -> None:
+def test_imports_are_checked_against_gateways_and_profiles(tmp_path: Path) -> None:
     alpha = organism(tmp_path, "alpha")
     key = Identity("beta", Ed25519PrivateKey.generate()).public_line
 
     def edit(doc: dict[str, Any]) -> None:
         doc["gateways"] = [{"name": "beta", "public_key": key, "profile": "public",
                             "export": ["echo"], "import": ["calculator"]}]
+        doc["profiles"]["public"]["listeners"].append("beta:calculator")
 
     edit_config(alpha, edit)
     done = check_config(alpha)
+    assert done.returncode == 0, done.stdout + done.stderr  # not pinned yet: not a listener
+
+    def wrong(doc: dict[str, Any]) -> None:
+        doc["profiles"]["public"]["listeners"].append("beta:echo")  # not imported
+        doc["gateways"][0]["import"].append("gamma:x")  # a local name here
+
+    edit_config(alpha, wrong)
+    done = check_config(alpha)
     out = done.stdout + done.stderr
     assert done.returncode == 1
-    assert "gateways[0].import: calling a peer's listeners is not built" in out
-    assert "export" not in out  # serving is built
+    assert "no gateway 'beta' imports 'echo'" in out
+    assert "gateways[0].import[1]: 'gamma:x': a local listener name here" in out
 
 
 def test_a_bad_declared_key_is_a_config_error(tmp_path: Path) -> None:

@@ -46,10 +46,10 @@ from agentd.federation._handshake import HANDSHAKE_FAILED, Handshake, HandshakeF
 from agentd.federation._identity import Identity, fingerprint, parse_public_line
 from agentd.federation._remote import (
     MAX_OFFERS,
-    OUTGOING,
     Offer,
     OfferError,
     RemoteCalls,
+    calls_for,
     class_of_xsd,
     load_pins,
     save_pins,
@@ -186,10 +186,8 @@ class Federation:
         # Calls being admitted, by thread: a duplicate waits for the first's outcome.
         self._admitting: dict[str, asyncio.Future[tuple[bool, HuhCode | None]]] = {}
         # Calling the peer's listeners: calls in flight, pins, offers not yet accepted.
-        self.outgoing = {
-            name: RemoteCalls(name, self._sender(link), audit)
-            for name, link in self.links.items() if link.config.import_
-        }
+        self.outgoing = {name: calls_for(name) for name, link in self.links.items()
+                         if link.config.import_}
         self.pins = load_pins(state_dir) if state_dir is not None and self.outgoing else {}
         self.offered: dict[str, dict[str, Offer]] = {}  # changed offers, for a reload
         for name, calls in self.outgoing.items():
@@ -214,7 +212,8 @@ class Federation:
             logger=logging.getLogger("agentd.federation.websockets"),
         )
         log.info("federation listening url=wss://%s:%d%s", host, self.port, FEDERATION_PATH)
-        OUTGOING.update(self.outgoing)
+        for name, calls in self.outgoing.items():
+            calls.adopt(self._sender(self.links[name]), self.audit)
         if self.outgoing:
             self._tasks.add(asyncio.create_task(sweep_forever(self._stopping),
                                                 name="federation-sweep"))
@@ -230,9 +229,8 @@ class Federation:
 
     async def close(self) -> None:
         self._stopping.set()
-        for name, calls in self.outgoing.items():
-            if OUTGOING.get(name) is calls:
-                del OUTGOING[name]
+        for calls in self.outgoing.values():
+            calls.release()
         for call in list(self._tasks):
             call.cancel()
         for task in self._dialers:

@@ -251,6 +251,14 @@ class RemoteCalls:
     _by_id: dict[str, _Pending] = field(default_factory=dict)
     _held: dict[str, tuple[int, str, float]] = field(default_factory=dict)
 
+    def adopt(self, send: Callable[[dict[str, object]], bool],
+              audit: Callable[[str, Mapping[str, str]], None]) -> None:
+        """A running federation sends this gateway's frames from now on."""
+        self.send, self.audit = send, audit
+
+    def release(self) -> None:
+        self.send, self.audit = _unsent, _unaudited
+
     def blocked(self, name: str) -> bool:
         return self.imports.get(name, "pinned") != "pinned"
 
@@ -328,9 +336,27 @@ class RemoteCalls:
         return len(self._by_id)
 
 
-# The running federation's calls, by gateway (set by `Federation.start`): remote
-# listeners' handlers are built at configuration load, before the link exists.
+# The calls in flight, by gateway. Remote listeners' handlers are built at
+# configuration load, and redelivered messages may run before the federation is
+# up: a call made then waits, and goes once the federation adopts its gateway
+# (`calls_for(...).adopt`) and the link is up.
 OUTGOING: dict[str, RemoteCalls] = {}
+
+
+def _unsent(frame: dict[str, object]) -> bool:
+    del frame
+    return False
+
+
+def _unaudited(kind: str, fields: Mapping[str, str]) -> None:
+    log.warning("security kind=%s %s (no federation running)", kind, dict(fields))
+
+
+def calls_for(gateway: str) -> RemoteCalls:
+    calls = OUTGOING.get(gateway)
+    if calls is None:
+        calls = OUTGOING[gateway] = RemoteCalls(gateway, _unsent, _unaudited)
+    return calls
 
 
 class RemoteCall:
@@ -372,11 +398,10 @@ class RemoteCall:
         return out
 
     async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
-        calls = OUTGOING.get(self.gateway)
-        if calls is None or calls.blocked(self.remote):
-            log.warning("federation call to %s:%s refused: %s", self.gateway, self.remote,
-                        "the federation is not running" if calls is None
-                        else f"import is {calls.imports.get(self.remote)}")
+        calls = calls_for(self.gateway)
+        if calls.blocked(self.remote):
+            log.warning("federation call to %s:%s refused: import is %s", self.gateway,
+                        self.remote, calls.imports.get(self.remote))
             return HandlerResponse.error(HuhCode.UNROUTABLE)
         body = parse_untrusted(spec_of(payload).to_bytes(payload))
         schema = self.schemas.get(body.tag)

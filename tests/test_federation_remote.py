@@ -1,0 +1,225 @@
+"""Calling a peer organism's listeners, between real `agentd run` processes: alpha
+imports beta's `echo` and `hold` and its client calls them as `beta:echo` and
+`beta:hold`. The schemas are pinned at the first link-up; a changed schema is
+refused until a reload accepts it; a listener beta does not export is never
+callable; either side killed with SIGKILL mid-call still answers once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import uuid
+from pathlib import Path
+from typing import Any
+
+from agentd._envelope import build_envelope, parse_envelope
+from agentd._xml import c14n
+from agentd._xmlify import from_xml, to_xml
+from agentd.client import BusClient, frame_kind, is_answer
+from agentd.tools.echo import Echo, EchoReply
+from tests.daemon_process import DaemonProcess, edit_config
+from tests.organisms.listeners import Done, Hold
+from tests.test_federation_daemons import (
+    declare,
+    federation_port,
+    gateway_states,
+    organism,
+    public_line,
+    start,
+)
+
+IMPORTS = ["echo", "hold"]
+
+
+def link_pair(tmp: Path, imports: list[str] = IMPORTS,
+              exports: list[str] = IMPORTS) -> tuple[Path, Path]:
+    """beta exports to alpha; alpha imports from beta and lets its client call them."""
+    alpha, beta = organism(tmp, "alpha"), organism(tmp, "beta")
+
+    def serve(doc: dict[str, Any]) -> None:
+        doc["gateways"] = [{"name": "alpha", "public_key": public_line(alpha, "alpha"),
+                            "profile": "public", "export": exports}]
+
+    edit_config(beta, serve)
+    return alpha, beta
+
+
+def dial(alpha: Path, beta_daemon: DaemonProcess, imports: list[str] = IMPORTS) -> None:
+    declare(alpha, "beta", public_line(beta_daemon.home, "beta"),
+            f"wss://127.0.0.1:{federation_port(beta_daemon)}/federation")
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["gateways"][0]["import"] = imports
+        doc["gateways"][0]["call_timeout_s"] = 60
+        doc["profiles"]["public"]["listeners"] += [f"beta:{n}" for n in imports]
+
+    edit_config(alpha, edit)
+
+
+async def linked(tmp: Path, daemons: list[DaemonProcess], beta_env: dict[str, str] | None = None,
+                 ) -> tuple[DaemonProcess, DaemonProcess]:
+    alpha, beta = link_pair(tmp)
+    b = DaemonProcess(beta, env=beta_env)
+    daemons.append(b)
+    await b.start()
+    dial(alpha, b)
+    a = await start(daemons, alpha)
+    await a.wait_for_line(r"reloaded for newly pinned peer schemas")
+    return a, b
+
+
+def envelope(payload: Any, to: str, thread: str | None = None) -> bytes:
+    return build_envelope("alice", thread or str(uuid.uuid4()), to_xml(payload), to=to)
+
+
+async def answer_of(bus: BusClient, payload: Any, to: str) -> bytes:
+    frames = await bus.exchange(envelope(payload, to), timeout=60)
+    return frames[-1]
+
+
+async def answer_on(bus: BusClient, thread: str) -> bytes:
+    while True:
+        frame = await bus.recv(timeout=60)
+        if frame_kind(frame)[2] == thread and is_answer(frame):
+            return frame
+
+
+async def committed_at(d: DaemonProcess, sender: str) -> None:
+    """Until `d`'s journal holds a message from `sender`. A handler may start before
+    its message's commit (its output waits for it), so its log line is not enough."""
+    async with asyncio.timeout(30):
+        while True:
+            _, doc = d.agentctl("journal", "--limit", "20")
+            if any(e.get("sender") == sender for e in doc["result"]["journal"]):
+                return
+            await asyncio.sleep(0.05)  # a poll of committed state, bounded above
+
+
+def payload_bytes(frame: bytes) -> bytes:
+    return c14n(parse_envelope(frame).payload)
+
+
+def pins(home: Path) -> dict[str, Any]:
+    return dict(json.loads((home / "state" / "federation-pins.json").read_text()))
+
+
+async def test_a_client_calls_a_peers_listener_through_its_organism(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    a, b = await linked(tmp_path, daemons)
+    assert sorted(pins(a.home)["beta"]) == ["echo", "hold"]
+    _, doc = a.agentctl("status")
+    gateway = doc["result"]["status"]["gateways"][0]
+    assert gateway["imports"] == {"echo": "pinned", "hold": "pinned"}
+    async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
+        answer = await answer_of(bus, Echo(text="across"), "beta:echo")
+        assert from_xml(EchoReply, payload_bytes(answer)).text == "across"
+        assert parse_envelope(answer).sender == "beta:echo"
+    # Beta saw the call from "alpha", on a thread of its own.
+    _, doc = b.agentctl("journal", "--limit", "50")
+    senders = {e.get("sender") for e in doc["result"]["journal"]}
+    assert "alpha" in senders
+
+
+async def test_a_listener_the_peer_does_not_export_is_never_callable(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    alpha, beta = link_pair(tmp_path, exports=["echo"])
+    b = await start(daemons, beta)
+    dial(alpha, b)
+    a = await start(daemons, alpha)
+    await a.wait_for_line(r"reloaded for newly pinned peer schemas")
+    _, doc = a.agentctl("status")
+    assert doc["result"]["status"]["gateways"][0]["imports"] == {
+        "echo": "pinned", "hold": "not-offered"}
+    async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
+        answer = await answer_of(bus, Hold(n=1), "beta:hold")
+        assert frame_kind(answer)[1] == "huh"
+        assert b"unroutable" in answer
+        answer = await answer_of(bus, Echo(text="ok"), "beta:echo")
+        assert from_xml(EchoReply, payload_bytes(answer)).text == "ok"
+
+
+async def test_a_changed_schema_is_refused_until_a_reload_accepts_it(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    a, b = await linked(tmp_path, daemons)
+    pinned = pins(a.home)
+    # Tamper with alpha's pin of `echo` as if beta had changed it since: the
+    # next link-up offers something else than what is pinned.
+    doc = pinned["beta"]["echo"]
+    doc["description"] = "an older description"
+    (a.home / "state" / "federation-pins.json").write_text(json.dumps(pinned))
+    port, mark = federation_port(b), len(a.log)
+    await b.stop(signal.SIGKILL)
+    await a.stop(signal.SIGKILL)
+    edit_config(b.home, lambda d: d["federation"].update(listen=f"127.0.0.1:{port}"))
+    b = await start(daemons, b.home)
+    a = await start(daemons, a.home)
+    await a.wait_for_line(r"security kind=federation-schema-changed .*listener=echo")
+    code, doc = a.agentctl("status")
+    assert doc["result"]["status"]["gateways"][0]["imports"]["echo"] == "changed"
+    async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
+        answer = await answer_of(bus, Echo(text="blocked"), "beta:echo")
+        assert frame_kind(answer)[1] == "huh"
+        code, doc = a.agentctl("reload")
+        assert code == 0, doc
+        assert doc["result"]["reload"]["accepted_schemas"] == ["beta:echo"]
+        answer = await answer_of(bus, Echo(text="accepted"), "beta:echo")
+        assert from_xml(EchoReply, payload_bytes(answer)).text == "accepted"
+    assert pins(a.home)["beta"]["echo"]["description"] != "an older description"
+    del mark
+
+
+async def test_callee_killed_mid_call_runs_once_and_answers_once(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    a, b = await linked(tmp_path, daemons, beta_env={"AGENTD_TEST_HOLD": "block"})
+    port = federation_port(b)
+    async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
+        thread = await bus.send(envelope(Hold(n=5), "beta:hold"))
+        await b.wait_for_line(r"hold: n=5 blocking")
+        await committed_at(b, "alpha")
+        await b.stop(signal.SIGKILL)
+        edit_config(b.home, lambda d: d["federation"].update(listen=f"127.0.0.1:{port}"))
+        b = await start(daemons, b.home)  # hold answers now: the recovered call
+        done = from_xml(Done, payload_bytes(await answer_on(bus, thread)))
+        assert (done.seq, done.by) == (5, "redelivered")
+        # A barrier: a later call answered means no second answer was on its way.
+        answer = await answer_of(bus, Echo(text="barrier"), "beta:echo")
+        assert from_xml(EchoReply, payload_bytes(answer)).text == "barrier"
+        extra = [f for f in bus._backlog if frame_kind(f)[2] == thread]
+        assert not extra
+    assert gateway_states(a) == {"beta": "up"}
+
+
+async def test_both_sides_killed_mid_call_the_call_runs_once_and_is_answered_once(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    """alpha (the caller) and beta are both killed while beta's handler runs; beta
+    comes back first and answers into its outbox while alpha is down; alpha comes
+    back, redelivers its message to `beta:hold`, which sends the same call id: beta
+    recognises it, and its stored reply answers alpha's client once."""
+    a, b = await linked(tmp_path, daemons, beta_env={"AGENTD_TEST_HOLD": "block"})
+    port = federation_port(b)
+    async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
+        thread = await bus.send(envelope(Hold(n=9), "beta:hold"))
+        await b.wait_for_line(r"hold: n=9 blocking")
+        await committed_at(b, "alpha")
+        session = bus.session
+    await a.stop(signal.SIGKILL)
+    await b.stop(signal.SIGKILL)
+    edit_config(b.home, lambda d: d["federation"].update(listen=f"127.0.0.1:{port}"))
+    b = await start(daemons, b.home)  # the recovered call runs and answers (outbox)
+    a = await start(daemons, a.home)
+    async with BusClient(a.url, "alice", session=session, cafile=a.cafile) as bus:
+        done = from_xml(Done, payload_bytes(await answer_on(bus, thread)))
+        assert (done.seq, done.by) == (9, "redelivered")
+        answer = await answer_of(bus, Echo(text="barrier"), "beta:echo")
+        assert from_xml(EchoReply, payload_bytes(answer)).text == "barrier"
+        assert not [f for f in bus._backlog if frame_kind(f)[2] == thread]
+    _, doc = b.agentctl("journal", "--limit", "200")
+    holds = [(e["direction"], e["kind"]) for e in doc["result"]["journal"]
+             if e["thread"] and "hold" in (e["handler"], e["sender"])]
+    assert holds == [("in", "request/0"), ("out", "reply")]  # delivered once, answered once
