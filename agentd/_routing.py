@@ -45,6 +45,7 @@ class Listener:
     timeout_s: float
     max_concurrency: int
     config: Any = None
+    answers_text: bool = False  # may answer with core `answer` (agents, a peer's agent)
     retired: bool = False
     active: int = 0  # handler calls running now (bounded by max_concurrency)
     _slot_waiters: WaiterQueue = field(default_factory=WaiterQueue, repr=False)
@@ -146,6 +147,7 @@ def listener_from_config(
         timeout_s=cfg.timeout_s if cfg.timeout_s is not None else default_timeout_s,
         max_concurrency=cfg.max_concurrency or default_conc,
         config=cfg,
+        answers_text=cfg.agent is not None or cfg.answers_text,
     )
 
 

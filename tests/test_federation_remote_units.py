@@ -272,3 +272,22 @@ async def test_a_changed_or_missing_import_is_unroutable_without_a_call(gateway:
     response = await handler(Add(a=1, b=2), meta())
     assert response.error_code is HuhCode.UNROUTABLE
     assert link.frames == []
+
+
+async def test_a_peers_agent_may_answer_with_text_and_nothing_else_may(gateway: Any) -> None:
+    """A callable organism: the peer exported an agent, whose final answer is core
+    `answer` text. Only an offer that says so lets that root through."""
+    answer = b'<answer xmlns="https://xml-pipeline.org/ns/core/v1"><text>five</text></answer>'
+    _, response, _ = await answer_with(gateway, answer)
+    assert response.error_code is HuhCode.INVALID_PAYLOAD  # `calculator.add` is no agent
+    agent = Offer("tutor", "Answers questions.", (xsd_of(Add),), (), answers=True)
+    assert Offer.from_json(agent.to_json()) == agent
+    link, calls = gateway
+    calls.imports["tutor"] = "pinned"
+    handler = RemoteCall("alpha", "beta-units", "tutor", agent, 262144)
+    task = asyncio.create_task(handler(Add(a=2, b=3), meta()))
+    await asyncio.sleep(0)
+    thread = call_thread("alpha", str(link.frames[-1]["id"]))
+    calls.reply(12, thread, build_envelope("tutor", thread, answer).decode())
+    response = await task
+    assert response.kind is ResponseKind.RESPOND and b"<text>five</text>" in response.payload

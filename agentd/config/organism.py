@@ -81,6 +81,7 @@ class ListenerConfig:
     response_refs: tuple[str, ...] = ()
     tool: ToolConfig | None = None  # the `tool:` block as written, for reload diffs
     approval: sections.ApprovalConfig | None = None  # a gate: decided before it runs
+    answers_text: bool = False  # a peer's agent (GATEWAY:LISTENER): its answer is text
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,13 @@ MAX_XSD_CHARS = 65536
 MAX_OFFERS = 256
 _OWN_PARSER = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False)
 _HUH = "{" + NS_CORE + "}huh"
+_ANSWER = "{" + NS_CORE + "}answer"
+
+
+def core_schema() -> etree.XMLSchema:
+    from agentd._schemas import schema
+
+    return schema(NS_CORE)
 
 
 class OfferError(ValueError):
@@ -75,16 +82,18 @@ class Offer:
     description: str
     payloads: tuple[str, ...]  # XSD texts
     responses: tuple[str, ...]
+    answers: bool = False  # an agent: its final answer is core `answer` text
 
     @property
     def digest(self) -> str:
-        text = json.dumps([self.name, self.description, self.payloads, self.responses],
-                          separators=(",", ":"))
+        text = json.dumps([self.name, self.description, self.payloads, self.responses,
+                           self.answers], separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "description": self.description,
-                "payloads": list(self.payloads), "responses": list(self.responses)}
+                "payloads": list(self.payloads), "responses": list(self.responses),
+                "answers": self.answers}
 
     @classmethod
     def from_json(cls, data: Any) -> Offer:
@@ -92,19 +101,22 @@ class Offer:
             raise OfferError("an offer is not an object")
         name, description = data.get("name"), data.get("description")
         payloads, responses = data.get("payloads"), data.get("responses")
+        answers = data.get("answers", False)
         if not isinstance(name, str) or not isinstance(description, str):
             raise OfferError("an offer needs a name and a description")
-        for xsds in (payloads, responses):
-            if (not isinstance(xsds, list) or not 0 < len(xsds) <= 8
+        if not isinstance(answers, bool):
+            raise OfferError(f"offer {name[:64]!r}: `answers` is not a boolean")
+        for xsds, least in ((payloads, 1), (responses, 0 if answers else 1)):
+            if (not isinstance(xsds, list) or not least <= len(xsds) <= 8
                     or not all(isinstance(x, str) and len(x) <= MAX_XSD_CHARS for x in xsds)):
                 raise OfferError(f"offer {name[:64]!r}: payloads and responses must be "
-                                 "1 to 8 XSD texts")
-        return cls(name, description[:4096], tuple(payloads), tuple(responses))  # type: ignore[arg-type]
+                                 "up to 8 XSD texts (a payload, and a response or `answers`)")
+        return cls(name, description[:4096], tuple(payloads), tuple(responses), answers)  # type: ignore[arg-type]
 
 
 def offer_of(cfg: ListenerConfig) -> Offer:
     return Offer(cfg.name, cfg.description, tuple(xsd_of(c) for c in cfg.payload_classes),
-                 tuple(xsd_of(c) for c in cfg.response_classes))
+                 tuple(xsd_of(c) for c in cfg.response_classes), cfg.agent is not None)
 
 
 # ---- pins ----------------------------------------------------------------------------
@@ -215,6 +227,7 @@ def remote_listeners(
                 description=f"{offer.description} (on the peer organism {gateway.name})",
                 timeout_s=gateway.call_timeout_s,
                 handler_ref=f"federation:{gateway.name}:{name}:{offer.digest}",
+                answers_text=offer.answers,
             ))
     return tuple(built), issues
 
@@ -433,9 +446,12 @@ class RemoteCall:
                     return HandlerResponse.error(HuhCode(code))
                 except ValueError:
                     return HandlerResponse.error(HuhCode.INTERNAL)
-            if payload.tag not in self._responses():
+            if payload.tag == _ANSWER and self.offer.answers:  # a peer's agent: its text
+                schema = core_schema()
+            elif payload.tag not in self._responses():
                 raise Rejection(HuhCode.INVALID_PAYLOAD, f"reply root {payload.tag} not pinned")
-            schema = self.schemas[payload.tag]
+            else:
+                schema = self.schemas[payload.tag]
             if not schema.validate(payload):
                 raise Rejection(HuhCode.INVALID_PAYLOAD,
                                 f"reply fails the pinned schema: {schema.error_log.last_error}")

@@ -155,9 +155,10 @@ def meta_answer(
 def response_spec(listener: Listener, env: Envelope) -> XmlSpec | None:
     """The schema `listener` may answer `env`'s payload with: one of its declared
     response classes, or None for core `answer`, which an LLM agent may always give
-    (its final text). Anything else is refused."""
+    (its final text), as may a peer organism's agent called here. Anything else is
+    refused."""
     spec = listener.response_specs.get(env.key)
-    if spec is None and not (listener.is_agent and env.key == _ANSWER):
+    if spec is None and not (listener.answers_text and env.key == _ANSWER):
         raise Rejection(HuhCode.INVALID_PAYLOAD, "not a declared response class")
     return spec
 

@@ -95,7 +95,7 @@ def plan_response(
                        None, ThreadEvent.FAILED if active else None)
     try:
         bodies = serialise_all(result.payload, max_fanout,
-                               listener.is_agent and kind is ResponseKind.RESPOND)
+                               listener.answers_text and kind is ResponseKind.RESPOND)
     except Rejection as rej:
         log.warning("bad handler output listener=%s detail=%s", listener.name, rej.detail)
         return _huh(frame, rej.code)
