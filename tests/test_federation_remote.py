@@ -223,3 +223,37 @@ async def test_both_sides_killed_mid_call_the_call_runs_once_and_is_answered_onc
     holds = [(e["direction"], e["kind"]) for e in doc["result"]["journal"]
              if e["thread"] and "hold" in (e["handler"], e["sender"])]
     assert holds == [("in", "request/0"), ("out", "reply")]  # delivered once, answered once
+
+
+async def test_three_organisms_two_callers_each_get_only_their_own_answers(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    """beta serves alpha and gamma; both call beta's echo at once, on the same call
+    ids of their own (thread 1, 2, …): beta keeps them apart by caller."""
+    alpha, beta = link_pair(tmp_path)
+    gamma = organism(tmp_path, "gamma")
+    edit_config(beta, lambda doc: doc["gateways"].append(
+        {"name": "gamma", "public_key": public_line(gamma, "gamma"), "profile": "public",
+         "export": ["echo"]}))
+    b = await start(daemons, beta)
+    dial(alpha, b)
+    dial(gamma, b, imports=["echo"])
+    a, g = await start(daemons, alpha), await start(daemons, gamma)
+    for d in (a, g):
+        await d.wait_for_line(r"reloaded for newly pinned peer schemas")
+
+    async def ask(d: DaemonProcess, who: str) -> list[str]:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            threads = {await bus.send(envelope(Echo(text=f"{who}-{i}"), "beta:echo"))
+                       for i in range(5)}
+            answers = []
+            while len(answers) < 5:
+                frame = await bus.recv(timeout=60)
+                if is_answer(frame):
+                    assert frame_kind(frame)[2] in threads
+                    answers.append(from_xml(EchoReply, payload_bytes(frame)).text)
+        return sorted(answers)
+
+    got_a, got_g = await asyncio.gather(ask(a, "alpha"), ask(g, "gamma"))
+    assert got_a == [f"alpha-{i}" for i in range(5)]
+    assert got_g == [f"gamma-{i}" for i in range(5)]
