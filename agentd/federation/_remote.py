@@ -35,6 +35,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -401,14 +402,16 @@ class RemoteCall:
                     self._schemas[f"{{{ns}}}{el.get('name')}"] = self._schema(xsd)
         return self._schemas
 
-    def _responses(self) -> set[str]:
-        out = set()
+    @cached_property
+    def _responses(self) -> frozenset[str]:
+        """The roots of the pinned response XSDs (clark names)."""
+        out: set[str] = set()
         for xsd in self.offer.responses:
             root = etree.fromstring(xsd.encode(), _OWN_PARSER)
             ns = root.get("targetNamespace", "")
             out |= {f"{{{ns}}}{el.get('name')}"
                     for el in root.findall("{http://www.w3.org/2001/XMLSchema}element")}
-        return out
+        return frozenset(out)
 
     async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
         calls = calls_for(self.gateway)
@@ -448,7 +451,7 @@ class RemoteCall:
                     return HandlerResponse.error(HuhCode.INTERNAL)
             if payload.tag == _ANSWER and self.offer.answers:  # a peer's agent: its text
                 schema = core_schema()
-            elif payload.tag not in self._responses():
+            elif payload.tag not in self._responses:
                 raise Rejection(HuhCode.INVALID_PAYLOAD, f"reply root {payload.tag} not pinned")
             else:
                 schema = self.schemas[payload.tag]
