@@ -112,6 +112,9 @@ async def test_a_client_calls_a_peers_listener_through_its_organism(
     _, doc = a.agentctl("status")
     gateway = doc["result"]["status"]["gateways"][0]
     assert gateway["imports"] == {"echo": "pinned", "hold": "pinned"}
+    code, doc = a.agentctl("introspect", "schema", "beta:echo")  # the pinned XSD, here
+    assert code == 0, doc
+    assert 'targetNamespace="https://xml-pipeline.org/ns/echo/v1"' in doc["result"]
     async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
         answer = await answer_of(bus, Echo(text="across"), "beta:echo")
         assert from_xml(EchoReply, payload_bytes(answer)).text == "across"

@@ -291,3 +291,30 @@ async def test_a_peers_agent_may_answer_with_text_and_nothing_else_may(gateway: 
     calls.reply(12, thread, build_envelope("tutor", thread, answer).decode())
     response = await task
     assert response.kind is ResponseKind.RESPOND and b"<text>five</text>" in response.payload
+
+
+def test_a_pinned_peer_listener_is_in_an_agents_tool_definitions(tmp_path: Path) -> None:
+    """A callable organism's listener is a tool like a local one: its pinned
+    payload's example and description reach the agent's `{tool_definitions}`."""
+    from agentd.platform import PromptRegistry
+    from tests.fixtures_config import Greeting, Relay
+    from tests.llm_servers import load, organism_yaml
+    from tests.test_platform import REPLAY
+
+    offer = Offer("greeter", "Greets someone by name.", (xsd_of(Greeting),), (xsd_of(Relay),))
+    save_pins(tmp_path, {"beta": {"greeter": offer}})
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGx2dW1teWtleWR1bW15a2V5ZHVtbXlrZXlkdW0x beta"
+    text = organism_yaml(REPLAY, peers='[calculator.add, "beta:greeter"]') + f"""
+state_dir: {tmp_path}
+identity: {{key: identity.key}}
+federation: {{listen: "127.0.0.1:0", tls: {{cert: cert.pem, key: key.pem}}}}
+gateways:
+  - {{name: beta, public_key: "{key}", url: "wss://127.0.0.1:1/federation",
+      import: [greeter]}}
+"""
+    config = load(text)
+    remote = config.listener("beta:greeter")
+    assert remote.handler_ref == f"federation:beta:greeter:{offer.digest}"
+    core = PromptRegistry.build(config).get("tutor").core
+    assert "### beta:greeter: Greets someone by name. (on the peer organism beta)" in core
+    assert f'<greeting xmlns="{spec_of(Greeting).namespace}">' in core
