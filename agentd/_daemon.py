@@ -109,9 +109,9 @@ class FederationHost(KernelOutbox):
     async def submit(self, client: str, data: bytes) -> Any:
         return await self.pump.submit(client, data)
 
-    async def thread_exists(self, thread: str) -> bool:
+    async def thread_exists(self, thread: str, durable: bool) -> bool:
         return self.pump.registry.get(thread) is not None or (
-            await self.kernel.thread(thread) is not None)
+            durable and await self.kernel.thread(thread) is not None)
 
 
 def _log_failure(fut: asyncio.Future[Any]) -> None:

@@ -68,9 +68,11 @@ class RawPeer:
         await self.ws.send(json.dumps(frame))
 
     async def call(self, call_id: str, payload: Any, to: str | None,
-                   sender: str | None = None) -> None:
-        await self.send({"t": "call", "id": call_id,
-                         "envelope": self.envelope(payload, to, sender)})
+                   sender: str | None = None, again: bool = False) -> None:
+        """`again`: this call id may have been sent before (as an honest peer marks
+        every resend), so the daemon checks its journal for it."""
+        frame = {"t": "call", "id": call_id, "envelope": self.envelope(payload, to, sender)}
+        await self.send({**frame, "again": True} if again else frame)
 
     async def next(self, kind: str, timeout: float = 30.0, **match: Any) -> dict[str, Any]:
         """The first frame of `kind` (with fields equal to `match`) not returned yet,

@@ -134,7 +134,7 @@ async def test_a_flooding_peer_meets_its_own_rate_limit(tmp_path: Path) -> None:
 async def test_the_same_call_twice_runs_once(beta: DaemonProcess) -> None:
     peer = await peer_of(beta)
     await peer.call("dup", Echo(text="once"), to="echo")
-    await peer.call("dup", Echo(text="once"), to="echo")
+    await peer.call("dup", Echo(text="once"), to="echo", again=True)
     first = await peer.next("accepted", id="dup")
     second = await peer.next("accepted", id="dup")
     assert first["thread"] == second["thread"]
@@ -162,7 +162,7 @@ async def test_callee_killed_mid_call_answers_once_after_restart(tmp_path: Path)
         await d.start()
         peer = await peer_of(d)
         # The caller did not see `accepted` (as far as it knows): it sends again.
-        await peer.call("k1", Hold(n=7), to="hold")
+        await peer.call("k1", Hold(n=7), to="hold", again=True)
         again = await peer.next("accepted", id="k1")
         assert again["thread"] == accepted["thread"]
         reply = await peer.next("reply", thread=accepted["thread"])

@@ -146,8 +146,9 @@ async def test_a_call_made_while_the_link_is_down_goes_at_the_next_link_up() -> 
     assert link.frames == []
     link.up = True
     calls.link_up()
-    calls.link_up()  # not accepted yet: sent again on every new link
+    calls.link_up()  # not accepted yet: sent again on every new link, marked so
     assert link.kinds() == ["call", "call"]
+    assert "again" not in link.frames[0] and link.frames[1]["again"] is True
     calls.refused("c1", "unroutable")
     with pytest.raises(Exception, match="unroutable"):
         await task

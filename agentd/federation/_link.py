@@ -78,7 +78,7 @@ class CallHost(Protocol):
 
     async def submit(self, client: str, data: bytes) -> Any: ...  # a pump SubmitResult
 
-    async def thread_exists(self, thread: str) -> bool: ...
+    async def thread_exists(self, thread: str, durable: bool) -> bool: ...
 
     async def pending(self, client: str) -> list[tuple[int, str, bytes]]: ...
 
@@ -477,7 +477,9 @@ class Federation:
             self._admitting[call.thread] = future
             accepted, code = False, HuhCode.INTERNAL
             try:
-                if await host.thread_exists(call.thread):  # admitted before (a crash?)
+                # Admitted before? In memory, or (for a call the peer marks as a
+                # resend: after a lost link or a crash) in the journal.
+                if await host.thread_exists(call.thread, msg.get("again") is True):
                     accepted, code = True, None
                 else:
                     result = await host.submit(peer, call.envelope)

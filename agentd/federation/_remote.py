@@ -248,6 +248,7 @@ class _Pending:
     thread: str
     envelope: str
     answer: asyncio.Future[tuple[int, str]]
+    again: bool = False  # may have been sent before: the peer checks its journal
     accepted: bool = False
 
 
@@ -276,11 +277,13 @@ class RemoteCalls:
     def blocked(self, name: str) -> bool:
         return self.imports.get(name, "pinned") != "pinned"
 
-    async def call(self, call_id: str, thread: str, envelope: str) -> tuple[int, str]:
+    async def call(self, call_id: str, thread: str, envelope: str,
+                   again: bool = False) -> tuple[int, str]:
         """The peer's reply (its outbox id and envelope) to one call; raises
-        `CallRefusedByPeer`. Sent now if the link is up, else at the next link-up."""
+        `CallRefusedByPeer`. Sent now if the link is up, else at the next link-up.
+        `again`: the call may have been sent before (a redelivered message)."""
         answer: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
-        pending = _Pending(call_id, thread, envelope, answer)
+        pending = _Pending(call_id, thread, envelope, answer, again)
         self._by_thread[thread], self._by_id[call_id] = pending, pending
         try:
             held = self._held.pop(thread, None)
@@ -294,7 +297,12 @@ class RemoteCalls:
             self._by_id.pop(call_id, None)
 
     def _send_call(self, pending: _Pending) -> None:
-        self.send({"t": "call", "id": pending.call_id, "envelope": pending.envelope})
+        frame: dict[str, object] = {"t": "call", "id": pending.call_id,
+                                    "envelope": pending.envelope}
+        if pending.again:
+            frame["again"] = True
+        if self.send(frame):
+            pending.again = True  # any later send of it is a resend
 
     def link_up(self) -> None:
         """Calls not yet accepted go (again) on the new link; accepted ones are the
@@ -429,7 +437,8 @@ class RemoteCall:
         thread = call_thread(self.organism, call_id)
         envelope = build_envelope(self.organism, thread, c14n(body), to=self.remote)
         try:
-            reply_id, text = await calls.call(call_id, thread, envelope.decode())
+            reply_id, text = await calls.call(call_id, thread, envelope.decode(),
+                                              again=meta.redelivered)
         except CallRefusedByPeer as exc:
             return HandlerResponse.error(exc.code)
         object.__setattr__(meta, "_after_commit", lambda: calls.ack(reply_id))
