@@ -260,3 +260,50 @@ async def test_three_organisms_two_callers_each_get_only_their_own_answers(
     got_a, got_g = await asyncio.gather(ask(a, "alpha"), ask(g, "gamma"))
     assert got_a == [f"alpha-{i}" for i in range(5)]
     assert got_g == [f"gamma-{i}" for i in range(5)]
+
+
+async def test_a_hostile_callee_reply_outside_the_pin_and_an_unsolicited_offer(
+    tmp_path: Path,
+) -> None:
+    """beta imports `echo` from a peer the test plays (as alpha). The peer offers the
+    schema beta asked for, then answers beta's call with a reply its pinned schema
+    refuses, then sends an offer nobody asked for."""
+    from agentd._xmlify import xsd_of
+    from agentd.federation import load_identity
+    from agentd.federation._remote import Offer
+    from tests.federation_peer import RawPeer
+    from tests.test_federation_calls import ALPHA, serving_beta
+
+    home = serving_beta(tmp_path)
+
+    def imports(doc: dict[str, Any]) -> None:
+        doc["gateways"][0]["import"] = ["echo"]
+        doc["profiles"]["public"]["listeners"].append("alpha:echo")
+
+    edit_config(home, imports)
+    b = DaemonProcess(home)
+    await b.start()
+    try:
+        key = load_identity(home / "identity.key", "beta").key.public_key()
+        peer = await RawPeer(ALPHA, "beta", key).connect(federation_port(b))
+        asked = await peer.next("schemas")
+        assert asked["names"] == ["echo"]
+        offer = Offer("echo", "Echoes text back.", (xsd_of(Echo),), (xsd_of(EchoReply),))
+        await peer.send({"t": "offer", "listeners": [offer.to_json()]})
+        await b.wait_for_line(r"reloaded for newly pinned peer schemas")
+        async with BusClient(b.url, "alice", secret=b.secret, cafile=b.cafile) as bus:
+            thread = await bus.send(envelope(Echo(text="hi"), "alpha:echo"))
+            call = await peer.next("call")
+            env = parse_envelope(call["envelope"].encode())
+            assert env.sender == "beta" and env.to == "echo"
+            bad = b'<echoreply xmlns="https://xml-pipeline.org/ns/echo/reply/v1"><x/></echoreply>'
+            await peer.send({"t": "reply", "id": 1, "thread": env.thread,
+                             "envelope": build_envelope("echo", env.thread, bad).decode()})
+            answer = await answer_on(bus, thread)
+            assert frame_kind(answer)[1] == "huh" and b"invalid-payload" in answer
+            await b.wait_for_line(r"security kind=federation-reply-refused .*peer=alpha")
+            assert (await peer.next("ack"))["id"] == 1  # not sent again forever
+        await peer.send({"t": "offer", "listeners": [offer.to_json()]})  # unsolicited
+        await b.wait_for_line(r"security kind=federation-unexpected-frame .*kind=offer")
+    finally:
+        await b.stop(signal.SIGKILL)

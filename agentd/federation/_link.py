@@ -106,6 +106,7 @@ class GatewayLink:
     admitting: int = 0  # the peer's calls being admitted now
     replies: ReplyWindow = field(default_factory=lambda: ReplyWindow(MAX_PENDING_REPLIES))
     sending: asyncio.Queue[bytes] | None = None  # frames for the up link's writer
+    offer_expected: bool = False  # our schema request is unanswered on the up link
 
     def apply(self, event: LinkEvent) -> None:
         new = transition(self.state, event)
@@ -376,6 +377,7 @@ class Federation:
         calls = self.outgoing.get(link.config.name)
         if calls is not None:  # what we import: its schemas first, then our calls again
             self._send(link, {"t": "schemas", "names": list(link.config.import_)})
+            link.offer_expected = True
             calls.link_up()
         try:
             await self._load_outbox(link)
@@ -413,7 +415,9 @@ class Federation:
             return True
         if kind == "schemas" and isinstance(msg, dict) and self.host is not None:
             names = msg.get("names")
-            if isinstance(names, list) and len(names) <= MAX_OFFERS:
+            assert link.bucket is not None  # a schema request costs a call's token
+            if (isinstance(names, list) and len(names) <= MAX_OFFERS
+                    and link.bucket.take(time.monotonic())):
                 asked = [n for n in names if isinstance(n, str) and n in link.config.export]
                 offers = self.host.offers(asked)
                 self._send(link, {"t": "offer", "listeners": [o.to_json() for o in offers]})
@@ -517,7 +521,8 @@ class Federation:
         elif (kind == "reply" and isinstance(call_id, int) and isinstance(thread, str)
               and isinstance(msg.get("envelope"), str)):
             calls.reply(call_id, thread, msg["envelope"])
-        elif kind == "offer" and isinstance(msg.get("listeners"), list):
+        elif kind == "offer" and isinstance(msg.get("listeners"), list) and link.offer_expected:
+            link.offer_expected = False  # one offer per request: never unsolicited
             self._offers(link, calls, msg["listeners"])
         else:
             return False
