@@ -96,6 +96,20 @@ async def committed_at(d: DaemonProcess, sender: str) -> None:
             await asyncio.sleep(0.05)  # a poll of committed state, bounded above
 
 
+async def held_call(bus: BusClient, b: DaemonProcess, n: int) -> str:
+    """A call to `beta:hold`, committed at beta and blocked in its handler."""
+    thread = await bus.send(envelope(Hold(n=n), "beta:hold"))
+    await b.wait_for_line(rf"hold: n={n} blocking")
+    await committed_at(b, "alpha")
+    return thread
+
+
+async def restart(daemons: list[DaemonProcess], d: DaemonProcess, port: int) -> DaemonProcess:
+    """`d` again, on the federation port its peer dials."""
+    edit_config(d.home, lambda doc: doc["federation"].update(listen=f"127.0.0.1:{port}"))
+    return await start(daemons, d.home)
+
+
 def payload_bytes(frame: bytes) -> bytes:
     return c14n(parse_envelope(frame).payload)
 
@@ -154,11 +168,10 @@ async def test_a_changed_schema_is_refused_until_a_reload_accepts_it(
     doc = pinned["beta"]["echo"]
     doc["description"] = "an older description"
     (a.home / "state" / "federation-pins.json").write_text(json.dumps(pinned))
-    port, mark = federation_port(b), len(a.log)
+    port = federation_port(b)
     await b.stop(signal.SIGKILL)
     await a.stop(signal.SIGKILL)
-    edit_config(b.home, lambda d: d["federation"].update(listen=f"127.0.0.1:{port}"))
-    b = await start(daemons, b.home)
+    b = await restart(daemons, b, port)
     a = await start(daemons, a.home)
     await a.wait_for_line(r"security kind=federation-schema-changed .*listener=echo")
     code, doc = a.agentctl("status")
@@ -172,7 +185,6 @@ async def test_a_changed_schema_is_refused_until_a_reload_accepts_it(
         answer = await answer_of(bus, Echo(text="accepted"), "beta:echo")
         assert from_xml(EchoReply, payload_bytes(answer)).text == "accepted"
     assert pins(a.home)["beta"]["echo"]["description"] != "an older description"
-    del mark
 
 
 async def test_callee_killed_mid_call_runs_once_and_answers_once(
@@ -181,12 +193,9 @@ async def test_callee_killed_mid_call_runs_once_and_answers_once(
     a, b = await linked(tmp_path, daemons, beta_env={"AGENTD_TEST_HOLD": "block"})
     port = federation_port(b)
     async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
-        thread = await bus.send(envelope(Hold(n=5), "beta:hold"))
-        await b.wait_for_line(r"hold: n=5 blocking")
-        await committed_at(b, "alpha")
+        thread = await held_call(bus, b, 5)
         await b.stop(signal.SIGKILL)
-        edit_config(b.home, lambda d: d["federation"].update(listen=f"127.0.0.1:{port}"))
-        b = await start(daemons, b.home)  # hold answers now: the recovered call
+        b = await restart(daemons, b, port)  # hold answers now: the recovered call
         done = from_xml(Done, payload_bytes(await answer_on(bus, thread)))
         assert (done.seq, done.by) == (5, "redelivered")
         # A barrier: a later call answered means no second answer was on its way.
@@ -207,14 +216,11 @@ async def test_both_sides_killed_mid_call_the_call_runs_once_and_is_answered_onc
     a, b = await linked(tmp_path, daemons, beta_env={"AGENTD_TEST_HOLD": "block"})
     port = federation_port(b)
     async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
-        thread = await bus.send(envelope(Hold(n=9), "beta:hold"))
-        await b.wait_for_line(r"hold: n=9 blocking")
-        await committed_at(b, "alpha")
+        thread = await held_call(bus, b, 9)
         session = bus.session
     await a.stop(signal.SIGKILL)
     await b.stop(signal.SIGKILL)
-    edit_config(b.home, lambda d: d["federation"].update(listen=f"127.0.0.1:{port}"))
-    b = await start(daemons, b.home)  # the recovered call runs and answers (outbox)
+    b = await restart(daemons, b, port)  # the recovered call runs and answers (outbox)
     a = await start(daemons, a.home)
     async with BusClient(a.url, "alice", session=session, cafile=a.cafile) as bus:
         done = from_xml(Done, payload_bytes(await answer_on(bus, thread)))
