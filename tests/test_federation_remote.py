@@ -313,3 +313,33 @@ async def test_a_hostile_callee_reply_outside_the_pin_and_an_unsolicited_offer(
         await b.wait_for_line(r"security kind=federation-unexpected-frame .*kind=offer")
     finally:
         await b.stop(signal.SIGKILL)
+
+
+async def test_a_callable_organism_its_agent_answers_a_peers_client(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    """beta exports its LLM agent `tutor` (its model a fake OpenAI server on loopback;
+    it asks beta's own calculator, under beta's budgets); alpha imports it and its
+    client asks `beta:tutor`, getting the agent's final text as the answer."""
+    from agentd.platform.demo import MathQuestion
+    from tests.llm_servers import FakeLLM, tutor_script
+
+    alpha, beta = link_pair(tmp_path, imports=["tutor"], exports=["tutor"])
+    async with FakeLLM("openai", tutor_script) as server:  # beta's model, on loopback
+        def live(doc: dict[str, Any]) -> None:
+            backend = doc["llm"]["backends"][0]
+            backend.pop("cassette", None)
+            backend.update(provider="openai", base_url=server.base_url, model="fake-1")
+
+        edit_config(beta, live)
+        b = await start(daemons, beta)
+        dial(alpha, b, imports=["tutor"])
+        a = await start(daemons, alpha)
+        await a.wait_for_line(r"reloaded for newly pinned peer schemas")
+        async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
+            answer = await answer_of(bus, MathQuestion(text="What is (2 + 3) * 7?"),
+                                     "beta:tutor")
+    env = parse_envelope(answer)
+    assert env.sender == "beta:tutor", answer
+    assert env.payload.tag == "{https://xml-pipeline.org/ns/core/v1}answer", answer
+    assert "35" in (env.payload.findtext("{https://xml-pipeline.org/ns/core/v1}text") or "")

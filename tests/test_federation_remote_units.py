@@ -262,6 +262,10 @@ async def test_a_peers_huh_and_refusal_become_the_same_huh_here(gateway: Any) ->
            b"<message>x</message><retry-allowed>false</retry-allowed></huh>")
     _, response, _ = await answer_with(gateway, huh)
     assert response.error_code is HuhCode.BUDGET_EXCEEDED
+    _, response, _ = await answer_with(gateway, huh, sender="core")  # the peer's platform
+    assert response.error_code is HuhCode.BUDGET_EXCEEDED
+    _, response, _ = await answer_with(gateway, to_xml(Sum(value=1)), sender="core")
+    assert response.error_code is HuhCode.INVALID_PAYLOAD  # only a huh may come from core
     _, response, _ = await answer_with(gateway, None, code="denied")
     assert response.error_code is HuhCode.DENIED
 

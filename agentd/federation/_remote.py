@@ -449,9 +449,11 @@ class RemoteCall:
         the pinned schemas allow (a security event: the peer sent it)."""
         try:
             env = parse_envelope(text.encode("utf-8"), max_bytes=self.max_bytes)
-            if env.thread != thread or env.sender != self.remote:
-                raise Rejection(HuhCode.INVALID_ENVELOPE, "reply for another thread or sender")
             payload = env.payload
+            # The called listener answers; a `huh` comes from the peer's platform.
+            senders = (self.remote, "core") if payload.tag == _HUH else (self.remote,)
+            if env.thread != thread or env.sender not in senders:
+                raise Rejection(HuhCode.INVALID_ENVELOPE, "reply for another thread or sender")
             if payload.tag == _HUH:
                 code = payload.get("code") or payload.findtext("{" + NS_CORE + "}code") or ""
                 try:
