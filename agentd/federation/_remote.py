@@ -192,6 +192,7 @@ def remote_listeners(
     import that cannot be built (an unpinned one is simply absent: it is pinned at
     the first link-up)."""
     from agentd.config import ListenerConfig
+    from agentd.config.organism import spotlit
 
     imports = [g for g in gateways if g.import_]
     if not imports:
@@ -225,7 +226,9 @@ def remote_listeners(
                 payload_classes=payloads,
                 response_classes=responses,
                 handler=RemoteCall(organism, gateway.name, name, offer, max_envelope_bytes),
-                description=f"{offer.description} (on the peer organism {gateway.name})",
+                # The peer wrote the description: an agent reads it marked as such.
+                description=spotlit(f"Listener {name} of the peer organism {gateway.name}.",
+                                    " ".join(offer.description.split())),
                 timeout_s=gateway.call_timeout_s,
                 handler_ref=f"federation:{gateway.name}:{name}:{offer.digest}",
                 answers_text=offer.answers,
