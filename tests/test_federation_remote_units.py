@@ -325,3 +325,17 @@ gateways:
     assert "[Third-party text from the tool's server" in core  # the peer's own words
     assert "<<<Greets someone by name.>>>" in core
     assert f'<greeting xmlns="{spec_of(Greeting).namespace}">' in core
+
+
+def test_a_peer_flooding_stray_replies_is_held_to_a_bound() -> None:
+    """Replies for no call in flight are held (a redelivered call may claim one) up
+    to `MAX_HELD`; past it the oldest is acknowledged and dropped."""
+    from agentd.federation._remote import MAX_HELD
+
+    link, clock = Link(), Clock()
+    calls = RemoteCalls("beta", link.send, link.audit, clock=clock)
+    for i in range(MAX_HELD + 3):
+        clock.now += 0.001
+        calls.reply(i, f"t{i}", "<stray/>")
+    assert link.frames == [{"t": "ack", "id": i} for i in range(3)]
+    assert len(calls._held) == MAX_HELD
