@@ -97,14 +97,13 @@ class FederationHost(KernelOutbox):
         from agentd.federation._remote import offer_of
 
         config = self.config()
-        return [offer_of(config.listener(n)) for n in names
-                if ":" not in n and n in {lst.name for lst in config.listeners}]
+        known = {lst.name for lst in config.listeners if ":" not in lst.name}
+        return [offer_of(config.listener(n)) for n in names if n in known]
 
     def local_classes(self) -> dict[tuple[str, str], type]:
-        from agentd._xmlify import spec_of
+        from agentd.federation._remote import classes_by_root
 
-        return {spec_of(c).key: c for lst in self.config().listeners if ":" not in lst.name
-                for c in (*lst.payload_classes, *lst.response_classes)}
+        return classes_by_root(self.config().listeners)
 
     async def submit(self, client: str, data: bytes) -> Any:
         return await self.pump.submit(client, data)

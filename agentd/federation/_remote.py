@@ -158,7 +158,7 @@ def save_pins(state_dir: Path, pins: Mapping[str, Mapping[str, Offer]]) -> None:
 def class_of_xsd(xsd: str, local: Mapping[tuple[str, str], type]) -> type:
     """A payload class for a pinned XSD: the local class with the same root when its
     XSD is this very text, else one made from the XSD's shape."""
-    from agentd.mcp.schema import Unmappable, _object_class
+    from agentd.mcp.schema import Unmappable, _class_name, _object_class
     from agentd.mcp.serve import input_schema, shape_of_xsd
 
     try:
@@ -171,14 +171,25 @@ def class_of_xsd(xsd: str, local: Mapping[tuple[str, str], type]) -> type:
             raise OfferError(f"root {{{shape.namespace}}}{shape.tag} is also a local payload "
                              "with a different schema")
         return same
-    name = "".join(p.capitalize() for p in shape.tag.replace("-", "_").split("_") if p) or "T"
     schema = input_schema(shape)
     if shape.description:
         schema["description"] = shape.description
     try:
-        return _object_class(schema, "", shape.namespace, shape.tag, name, depth=0)
+        return _object_class(schema, "", shape.namespace, shape.tag, _class_name(shape.tag),
+                             depth=0)
     except Unmappable as exc:
         raise OfferError(f"schema not usable here: {exc}") from None
+
+
+def classes_by_root(listeners: Iterable[ListenerConfig]) -> dict[tuple[str, str], type]:
+    """The payload and response classes of this organism's own listeners, by root
+    (a peer's `GATEWAY:LISTENER` ones left out)."""
+    classes: dict[tuple[str, str], type] = {}
+    for cfg in listeners:
+        if ":" not in cfg.name:
+            for cls in (*cfg.payload_classes, *cfg.response_classes):
+                classes.setdefault(spec_of(cls).key, cls)
+    return classes
 
 
 def remote_listeners(
@@ -201,10 +212,7 @@ def remote_listeners(
         pins = load_pins(state_dir)
     except OfferError as exc:
         return (), [str(exc)]
-    classes: dict[tuple[str, str], type] = {}
-    for cfg in local:
-        for cls in (*cfg.payload_classes, *cfg.response_classes):
-            classes.setdefault(spec_of(cls).key, cls)
+    classes = classes_by_root(local)
     built: list[ListenerConfig] = []
     issues: list[str] = []
     for gateway in imports:
@@ -396,33 +404,23 @@ class RemoteCall:
         self.remote = remote
         self.offer = offer
         self.max_bytes = max_bytes
-        self._schemas: dict[str, etree.XMLSchema] | None = None
 
-    def _schema(self, xsd: str) -> etree.XMLSchema:
-        return etree.XMLSchema(etree.fromstring(xsd.encode(), _OWN_PARSER))
-
-    @property
+    @cached_property
     def schemas(self) -> dict[str, etree.XMLSchema]:
-        """The pinned schemas by root (clark name), payloads and responses."""
-        if self._schemas is None:
-            self._schemas = {}
-            for xsd in (*self.offer.payloads, *self.offer.responses):
-                root = etree.fromstring(xsd.encode(), _OWN_PARSER)
-                ns = root.get("targetNamespace", "")
-                for el in root.findall("{http://www.w3.org/2001/XMLSchema}element"):
-                    self._schemas[f"{{{ns}}}{el.get('name')}"] = self._schema(xsd)
-        return self._schemas
+        """The pinned schemas by root (clark name), payloads and responses; each XSD
+        compiled once."""
+        out: dict[str, etree.XMLSchema] = {}
+        for xsd in (*self.offer.payloads, *self.offer.responses):
+            doc = etree.fromstring(xsd.encode(), _OWN_PARSER)
+            schema = etree.XMLSchema(doc)
+            out.update(dict.fromkeys(_roots(doc), schema))
+        return out
 
     @cached_property
     def _responses(self) -> frozenset[str]:
         """The roots of the pinned response XSDs (clark names)."""
-        out: set[str] = set()
-        for xsd in self.offer.responses:
-            root = etree.fromstring(xsd.encode(), _OWN_PARSER)
-            ns = root.get("targetNamespace", "")
-            out |= {f"{{{ns}}}{el.get('name')}"
-                    for el in root.findall("{http://www.w3.org/2001/XMLSchema}element")}
-        return frozenset(out)
+        return frozenset(root for xsd in self.offer.responses
+                         for root in _roots(etree.fromstring(xsd.encode(), _OWN_PARSER)))
 
     async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
         calls = calls_for(self.gateway)
@@ -458,7 +456,7 @@ class RemoteCall:
             if env.thread != thread or env.sender not in senders:
                 raise Rejection(HuhCode.INVALID_ENVELOPE, "reply for another thread or sender")
             if payload.tag == _HUH:
-                code = payload.get("code") or payload.findtext("{" + NS_CORE + "}code") or ""
+                code = payload.findtext("{" + NS_CORE + "}code") or ""
                 try:
                     return HandlerResponse.error(HuhCode(code))
                 except ValueError:
@@ -477,6 +475,13 @@ class RemoteCall:
                 "peer": self.gateway, "listener": self.remote, "detail": str(exc)[:300]})
             return HandlerResponse.error(HuhCode.INVALID_PAYLOAD)
         return HandlerResponse.respond(c14n(payload))
+
+
+def _roots(xsd: etree._Element) -> list[str]:
+    """The top-level elements an XSD declares, as clark names."""
+    ns = xsd.get("targetNamespace", "")
+    return [f"{{{ns}}}{el.get('name')}"
+            for el in xsd.findall("{http://www.w3.org/2001/XMLSchema}element")]
 
 
 async def sweep_forever(stopping: asyncio.Event, every_s: float = 5.0) -> None:
