@@ -31,9 +31,10 @@ from agentd.federation._remote import (
     save_pins,
 )
 from agentd.tools.calculator import Add, Sum
-from agentd.tools.echo import EchoReply
+from agentd.tools.echo import Echo, EchoReply
 
 ADD = Offer("calculator.add", "Adds two integers.", (xsd_of(Add),), (xsd_of(Sum),))
+ECHO = Offer("echo", "Echoes text back.", (xsd_of(Echo),), (xsd_of(EchoReply),))
 
 
 class Link:
@@ -339,3 +340,19 @@ def test_a_peer_flooding_stray_replies_is_held_to_a_bound() -> None:
         calls.reply(i, f"t{i}", "<stray/>")
     assert link.frames == [{"t": "ack", "id": i} for i in range(3)]
     assert len(calls._held) == MAX_HELD
+
+
+def test_offers_are_weighed_against_the_pins() -> None:
+    from agentd.federation._remote import weigh_offers
+
+    changed = Offer(ADD.name, "Adds, differently.", ADD.payloads, ADD.responses)
+    shadow = Offer("other", "", (xsd_of(Add).replace('name="b"', 'name="c"'),), ADD.responses)
+    weighed = weigh_offers(
+        ["calculator.add", "echo", "missing", "other"],
+        [changed.to_json(), ECHO.to_json(), shadow.to_json(), {"not": "an offer"}],
+        {"calculator.add": ADD}, {spec_of(Add).key: Add})
+    assert weighed.states == {"calculator.add": "changed", "echo": "pinned",
+                              "missing": "not-offered", "other": "not-offered"}
+    assert weighed.changed == {"calculator.add": changed}
+    assert weighed.new == {"echo": ECHO}
+    assert len(weighed.bad) == 2  # the shadowing schema and the malformed item

@@ -47,13 +47,12 @@ from agentd.federation._identity import Identity, fingerprint, parse_public_line
 from agentd.federation._remote import (
     MAX_OFFERS,
     Offer,
-    OfferError,
     RemoteCalls,
     calls_for,
-    class_of_xsd,
     load_pins,
     save_pins,
     sweep_forever,
+    weigh_offers,
 )
 from agentd.federation._replies import ReplyWindow
 
@@ -532,36 +531,21 @@ class Federation:
         """The peer's schemas for what we import: pin what is new (and ask for the
         routing to be reloaded), block what differs from its pin."""
         peer = link.config.name
-        offers: dict[str, Offer] = {}
         local = self.host.local_classes() if self.host is not None else {}
-        for item in items[:MAX_OFFERS]:
-            try:
-                one = Offer.from_json(item)
-                if one.name in link.config.import_:
-                    for xsd in (*one.payloads, *one.responses):
-                        class_of_xsd(xsd, local)  # usable here, or refused before pinning
-                    offers[one.name] = one
-            except OfferError as exc:
-                self.audit("federation-bad-offer", {"peer": peer, "detail": str(exc)[:300]})
         pins = self.pins.setdefault(peer, {})
-        new = False
-        for name in link.config.import_:
-            offer, pinned = offers.get(name), pins.get(name)
-            if offer is None:
-                calls.imports[name] = "not-offered"
-            elif pinned is None:
-                pins[name], new = offer, True
-                calls.imports[name] = "pinned"
-                log.info("federation gateway=%s: pinned %s sha256=%s", peer, name, offer.digest)
-            elif pinned.digest == offer.digest:
-                calls.imports[name] = "pinned"
-            else:
-                calls.imports[name] = "changed"
-                self.offered.setdefault(peer, {})[name] = offer
-                self.audit("federation-schema-changed", {
-                    "peer": peer, "listener": name, "pinned": pinned.digest,
-                    "offered": offer.digest})
-        if new and self.state_dir is not None:
+        weighed = weigh_offers(link.config.import_, items, pins, local)
+        for detail in weighed.bad:
+            self.audit("federation-bad-offer", {"peer": peer, "detail": detail})
+        calls.imports.update(weighed.states)
+        for name, offer in weighed.changed.items():
+            self.offered.setdefault(peer, {})[name] = offer
+            self.audit("federation-schema-changed", {
+                "peer": peer, "listener": name, "pinned": pins[name].digest,
+                "offered": offer.digest})
+        for name, offer in weighed.new.items():
+            log.info("federation gateway=%s: pinned %s sha256=%s", peer, name, offer.digest)
+        pins.update(weighed.new)
+        if weighed.new and self.state_dir is not None:
             save_pins(self.state_dir, self.pins)
             if self.on_pinned is not None:
                 self.on_pinned()

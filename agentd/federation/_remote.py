@@ -152,6 +152,46 @@ def save_pins(state_dir: Path, pins: Mapping[str, Mapping[str, Offer]]) -> None:
     os.replace(tmp, path)
 
 
+@dataclass
+class Weighed:
+    """What one offer frame means for one gateway's imports (see `weigh_offers`)."""
+
+    states: dict[str, str]  # import name -> pinned | not-offered | changed
+    new: dict[str, Offer]  # first offers: to pin now
+    changed: dict[str, Offer]  # offers that differ from their pin: for a reload
+    bad: list[str]  # why an offered item was refused
+
+
+def weigh_offers(imports: Iterable[str], items: list[Any], pins: Mapping[str, Offer],
+                 local: Mapping[tuple[str, str], type]) -> Weighed:
+    """The peer's answer to our schema request, against our pins. An offer we cannot
+    use (malformed, or shadowing one of our own payload roots with another XSD) is
+    refused before it could be pinned. Pure: the caller pins, audits and saves."""
+    offers: dict[str, Offer] = {}
+    wanted = set(imports)
+    out = Weighed({}, {}, {}, [])
+    for item in items[:MAX_OFFERS]:
+        try:
+            one = Offer.from_json(item)
+            if one.name in wanted:
+                for xsd in (*one.payloads, *one.responses):
+                    class_of_xsd(xsd, local)
+                offers[one.name] = one
+        except OfferError as exc:
+            out.bad.append(str(exc)[:300])
+    for name in imports:
+        offer, pinned = offers.get(name), pins.get(name)
+        if offer is None:
+            out.states[name] = "not-offered"
+        elif pinned is not None and pinned.digest != offer.digest:
+            out.states[name], out.changed[name] = "changed", offer
+        else:
+            out.states[name] = "pinned"
+            if pinned is None:
+                out.new[name] = offer
+    return out
+
+
 # ---- remote listeners, from the pins --------------------------------------------------
 
 
