@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -117,6 +119,27 @@ async def test_writing_outside_write_paths_is_denied(tmp_path) -> None:
     code, _, _ = await run_python(f"open({str(target)!r}, 'w').write('x')",
                                   python_policy(write_paths=(str(tmp_path),)))
     assert code == 0 and target.read_text() == "x"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+async def test_another_user_cannot_read_what_the_policy_grants() -> None:
+    # Landlock grants the folder (one any user may enter); the uid switch still keeps
+    # a 0600 file in it out of reach.
+    with tempfile.TemporaryDirectory(dir="/tmp") as folder:
+        os.chmod(folder, 0o755)
+        secret = os.path.join(folder, "secret")
+        with open(secret, "w") as f:
+            f.write("s3cret")
+        os.chmod(secret, 0o600)
+        policy = Policy(read_paths=(*SYSTEM_READ_PATHS, folder))
+        seen = {}
+        for uid in (None, 65534):
+            proc = await spawn(["/bin/sh", "-c", f"id -u; id -G; cat {secret}"],
+                               dataclasses.replace(policy, uid=uid, gid=uid))
+            out, _ = await asyncio.wait_for(proc.communicate(), 30)
+            seen[uid] = out.decode().split()
+    assert seen[None] == ["0", "0", "s3cret"]
+    assert seen[65534] == ["65534", "65534"]  # no supplementary groups, nothing read
 
 
 @needs_landlock

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import signal
+import sys
 import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,9 +16,11 @@ from pathlib import Path
 import pytest
 
 from agentd._envelope import parse_envelope
+from agentd._errors import ConfigError
 from agentd.client import frame_kind
 from agentd.config import load_config
 from agentd.confine import landlock_status
+from agentd.isolation import IsolationPools, WorkerFailed
 from agentd.testing import Harness
 from agentd.tools.calculator import Add
 from tests.isolated.handlers import Probe
@@ -193,6 +197,52 @@ async def test_worker_environment_holds_only_what_the_listener_declares(
     assert "GREETING" in names.split(",") and "AGENTD_DAEMON_SECRET" not in names
 
 
+def _others_may_enter(path: str) -> bool:
+    """Every folder down to `path` is searchable by any user (o+x)."""
+    parts = Path(os.path.realpath(path)).parents
+    return all(os.stat(d).st_mode & 0o001 for d in parts)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching the workers' user needs root")
+@pytest.mark.skipif(not all(_others_may_enter(p) for p in (sys.base_prefix, sys.prefix, __file__)),
+                    reason="this Python installation or checkout is not readable by other "
+                           "users (the switch itself is tested in test_confine)")
+async def test_workers_run_as_the_declared_user_and_cannot_signal_the_daemon(
+        tmp_path: Path) -> None:
+    config = load_config(organism(tmp_path, "{workers: 1, user: nobody}"))
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        nobody = pwd.getpwnam("nobody")
+        assert await ask(h, "ids") == ("outcome", f"{nobody.pw_uid},{nobody.pw_gid},")
+        assert await ask(h, "signal-parent") == ("huh", "internal")
+        await other_conversation_completes(h)
+
+
+async def test_a_worker_that_cannot_start_says_why(tmp_path: Path) -> None:
+    # A `user` that cannot read the installation: the shim's reason reaches the error.
+    config = load_config(organism(tmp_path, "{workers: 1, user: nobody}"))
+    if all(_others_may_enter(p) for p in (sys.base_prefix, sys.prefix, __file__)):
+        pytest.skip("this installation is readable by nobody: the worker starts")
+    if os.geteuid() != 0:
+        pytest.skip("switching the workers' user needs root")
+    pools = IsolationPools()
+    with pytest.raises(WorkerFailed, match=r"did not start \(exit 125\): confine: PermissionError"):
+        await pools.apply(config)
+
+
+def test_another_user_without_root_is_refused_at_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = load_config(organism(tmp_path, "{workers: 1, user: nobody}"))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(ConfigError, match="only when the daemon runs as root"):
+        IsolationPools.specs(config)
+
+
+def test_an_unknown_user_is_a_configuration_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such user: no-such-user-here"):
+        load_config(organism(tmp_path, "{workers: 1, user: no-such-user-here}"))
+
+
 async def test_network_false_refuses_a_loopback_connection(h: Harness) -> None:
     async with recording_server() as (port, accepted):
         assert await ask(h, "connect", f"127.0.0.1:{port}") == ("huh", "internal")
@@ -287,7 +337,6 @@ async def test_daemon_survives_a_segfaulting_worker_and_reports_its_pool(tmp_pat
 async def test_a_reload_retires_an_old_pool_until_no_live_table_reaches_it(
         tmp_path: Path) -> None:
     from agentd._handler import HandlerMetadata
-    from agentd.isolation import IsolationPools, WorkerFailed
 
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -318,7 +367,6 @@ async def test_a_reload_retires_an_old_pool_until_no_live_table_reaches_it(
 async def test_a_call_queued_behind_one_whose_worker_dies_runs_on_another(
         tmp_path: Path) -> None:
     from agentd._handler import HandlerMetadata
-    from agentd.isolation import WorkerFailed
 
     config = load_config(organism(tmp_path, "{workers: 1}"))
     (tmp_path / "state").mkdir()

@@ -213,17 +213,34 @@ class JournalConfig:
     max_outbox_per_client: Positive = _KERNEL.max_outbox_per_client
 
 
+def user_ids(user: str) -> tuple[int, int]:
+    """(uid, gid) of a user name or numeric uid (its primary group); KeyError if unknown."""
+    import pwd
+
+    entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    return entry.pw_uid, entry.pw_gid
+
+
 def _isolation_rules(data: dict[str, Any]) -> list[Problem]:
-    """`network: false` is never degraded: refused where nothing can enforce it."""
+    """`network: false` is never degraded: refused where nothing can enforce it. A
+    `user` must exist here (whether the daemon may switch to it is checked at start)."""
     from agentd.confine import landlock_status  # late: only files that use isolation
 
+    problems = []
+    user = data.get("user")
+    if isinstance(user, str):
+        try:
+            user_ids(user)
+        except (KeyError, ValueError, OverflowError):
+            problems.append(Problem(("user",), f"no such user: {user}", user, at_entry=True))
     if data.get("process", True) is not True or data.get("network", False) is not False:
-        return []
+        return problems
     if landlock_status().network_denial:
-        return []
+        return problems
     message = ("network: false cannot be enforced on this kernel (no Landlock TCP rules "
                "and no permission to create a network namespace)")
-    return [Problem(("network",), message, data.get("network", False), at_entry=True)]
+    return [*problems,
+            Problem(("network",), message, data.get("network", False), at_entry=True)]
 
 
 @dataclass(frozen=True, config=SECTION)
@@ -239,6 +256,8 @@ class IsolationConfig:
     max_rss_mb: Positive | None = None  # recycle a worker whose RSS is above this
     open_files: Positive = 256
     env: dict[EnvName, AnyText] = Field(default_factory=dict)  # the worker's whole environment
+    # run the workers as this user (name or uid; the daemon must run as root)
+    user: AnyText | None = None
 
     _rules = rules(lambda data, _: _isolation_rules(data), "isolation")
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from agentd._errors import ConfigError
 from agentd.config import IsolationConfig, ListenerConfig, OrganismConfig
+from agentd.config.sections import user_ids
 from agentd.confine import SYSTEM_READ_PATHS, Policy
 
 WORKER_ARGV = (sys.executable, "-E", "-s", "-P", "-m", "agentd.isolation.worker")
@@ -97,14 +98,29 @@ def worker_policy(lst: ListenerConfig, iso: IsolationConfig, secrets: Iterable[P
                     f"{lst.location}: listeners: {lst.name}: isolation: the worker would be "
                     f"able to read {secret} (beneath {grant}); move the handler's code or "
                     "the secret"])
+    uid, gid = worker_ids(iso, lst)
     hidden = set(secrets)
     listing = tuple(p for p in (os.path.abspath(x) for x in sys_path if x)
                     if os.path.isdir(p) and Path(p) not in hidden)
     return Policy(
         memory_mb=iso.memory_mb, cpu_s=iso.cpu_s, open_files=iso.open_files,
         read_paths=tuple(sorted(grants)), list_paths=listing, network=iso.network,
-        env=dict(iso.env), cwd="/",
+        env=dict(iso.env), cwd="/", uid=uid, gid=gid,
     )
+
+
+def worker_ids(iso: IsolationConfig, lst: ListenerConfig) -> tuple[int | None, int | None]:
+    """The (uid, gid) the workers switch to: None, None without `user` (the daemon's
+    own). Another user needs the daemon to run as root; that is refused here rather
+    than ignored, since the operator asked for the separation."""
+    if iso.user is None:
+        return None, None
+    uid, gid = user_ids(iso.user)
+    if os.geteuid() != 0 and (uid, gid) != (os.geteuid(), os.getegid()):
+        raise ConfigError([
+            f"{lst.location}: listeners: {lst.name}: isolation: user: {iso.user}: workers "
+            "can run as another user only when the daemon runs as root"])
+    return uid, gid
 
 
 def worker_init(lst: ListenerConfig, sys_path: Iterable[str]) -> Mapping[str, object]:

@@ -122,6 +122,7 @@ class Worker:
     inflight: deque[asyncio.Future[tuple[bytes, dict[str, Any], bytes]]] = field(
         default_factory=deque)
     worn_out: bool = False  # takes no new call; retired once its queue is empty
+    last_words: str = ""  # its last stderr line (why a confinement failed, at start)
 
     @property
     def pid(self) -> int:
@@ -383,11 +384,15 @@ class WorkerPool:
             if kind != p.READY:
                 raise p.ProtocolError("expected READY")
         except (Exception, asyncio.CancelledError) as exc:
+            if isinstance(exc, asyncio.IncompleteReadError):  # it exited: hear why
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(worker.tasks[0]), 1.0)
             await self._kill(worker)
             if isinstance(exc, asyncio.CancelledError):
                 raise
+            why = f": {worker.last_words}" if worker.last_words else ""
             raise WorkerFailed(f"worker for {spec.listener} did not start "
-                               f"(exit {proc.returncode})") from None
+                               f"(exit {proc.returncode}){why}") from None
         self._set(worker, WorkerEvent.READY)
         worker.tasks.append(asyncio.create_task(self._read_answers(worker)))
         self._watch(worker)
@@ -409,6 +414,7 @@ class WorkerPool:
             if not line:
                 return
             text = line[:_STDERR_LINE_MAX].decode("utf-8", "replace").rstrip()
+            worker.last_words = text
             log.info("worker stderr listener=%s pid=%s: %s", self.spec.listener,
                      worker.pid, text)
 

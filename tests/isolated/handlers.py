@@ -80,6 +80,11 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
         print(forged, flush=True)
         os.write(1, forged.encode())
         text = "forged"
+    elif action == "ids":
+        text = f"{os.getuid()},{os.getgid()},{','.join(map(str, os.getgroups()))}"
+    elif action == "signal-parent":  # the daemon: signal 0 only asks whether we may
+        os.kill(os.getppid(), 0)
+        text = "allowed"
     elif action == "environ":
         text = ",".join(sorted(os.environ))
     elif action == "bad-xml":
