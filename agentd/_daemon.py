@@ -191,7 +191,7 @@ class Daemon:
         clients = self.client_profiles()
         handlers = build_agent_handlers(config, self.kernel, self.audit)
         self.platforms.adopt(handlers, 1)  # adopted first, so a failed start closes it
-        isolated = await self.isolation.apply(config)
+        isolated = await self.isolation.apply(config, agents=handlers)
         self.routing = Routing.build(config, agent_handlers=handlers, isolated_handlers=isolated)
         self.pump = Pump(
             self.routing,

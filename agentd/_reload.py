@@ -244,14 +244,17 @@ async def reload_daemon(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
     handlers = build_agent_handlers(new.config, daemon.kernel, daemon.audit) if (
         plan.new_platform) else None
     try:
-        isolated = await daemon.isolation.apply(new.config, daemon.routing.version)
+        isolated = await daemon.isolation.apply(new.config, daemon.routing.version,
+                                                agents=handlers or daemon.agents)
         rebuild = [cfg.name for cfg in new.config.listeners if cfg.agent] if handlers else []
         # A listener whose pool changed (or that moved in or out of a worker) gets a
         # new runtime object; threads on older tables keep theirs.
+        agents: Mapping[str, Any] = handlers or daemon.agents or {}
         for cfg in new.config.listeners:
             old = daemon.routing.listeners.get(cfg.name)
-            if cfg.agent is None and old is not None and (
-                    old.handler != isolated.get(cfg.name, cfg.handler)):
+            now = isolated.get(cfg.name) or (
+                cfg.handler if cfg.agent is None else agents.get(cfg.name))
+            if old is not None and old.handler != now and cfg.name not in rebuild:
                 rebuild.append(cfg.name)
         new_routing = Routing.build(
             new.config,

@@ -193,7 +193,9 @@ class Routing:
                 cfg, config.pump.handler_timeout_s, config.pump.per_listener_concurrency
             )
             if lst.is_agent:
-                handler = (agent_handlers or {}).get(lst.name)
+                # An isolated agent runs the platform's loop in its pool's workers.
+                handler = (isolated_handlers or {}).get(lst.name) or (
+                    agent_handlers or {}).get(lst.name)
                 if handler is None:
                     issues.append(
                         f"{cfg.location}: listeners: {cfg.name}: no handler for this LLM "

@@ -84,6 +84,7 @@ class Harness:
 
             agent_handlers = built = make_agent_handlers(config)
             self._own_platform = built.platform
+        self._agent_handlers = agent_handlers
         self.routing = Routing.build(config, agent_handlers=agent_handlers)
         self.pump = Pump(
             self.routing,
@@ -109,7 +110,8 @@ class Harness:
 
     async def __aenter__(self) -> Harness:
         # Listeners with `isolation:` run in worker processes, as in the daemon.
-        for name, handler in (await self.isolation.apply(self.config)).items():
+        isolated = await self.isolation.apply(self.config, agents=self._agent_handlers)
+        for name, handler in isolated.items():
             self.routing.listeners[name].handler = handler
         if self.durable:
             self.kernel = await Kernel.open(self.state_dir, kernel_options(self.config))

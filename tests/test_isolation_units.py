@@ -188,16 +188,25 @@ def test_profiles_that_disagree_about_a_listener_are_a_configuration_error(
         load_config_text(text, base_dir=tmp_path)
 
 
-def test_isolation_on_an_agent_is_a_configuration_error(tmp_path: Path) -> None:
+def test_isolation_applies_to_agents_and_never_to_tools(tmp_path: Path) -> None:
     text = textwrap.dedent("""
         organism: {name: t}
         prompts: {p: "hi"}
         llm: {backends: [{name: m, provider: openai, base_url: "http://127.0.0.1:1/v1", model: x}]}
+        profiles: {public: {listeners: all, isolation: {memory_mb: 128}}}
         listeners:
           - name: greeter
             payload_class: agentd.tools.calculator:Add
             agent: {prompt: p, model: m}
             isolation: {memory_mb: 64}
+          - name: helper
+            payload_class: agentd.tools.calculator:Multiply
+            agent: {prompt: p, model: m}
+          - name: clock
+            tool: {kind: timer}
     """)
-    with pytest.raises(ConfigError, match="isolation is for handler listeners"):
-        load_config_text(text, base_dir=tmp_path)
+    chosen = effective_isolation(load_config_text(text, base_dir=tmp_path))
+    assert {name: iso.memory_mb for name, iso in chosen.items()} == {"greeter": 64, "helper": 128}
+    bad = text.replace("tool: {kind: timer}", "tool: {kind: timer}\n    isolation: {}")
+    with pytest.raises(ConfigError, match="a tool confines itself"):
+        load_config_text(bad, base_dir=tmp_path)

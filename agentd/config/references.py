@@ -183,14 +183,14 @@ def _payload_keys(listeners: list[tuple[int, dict[str, Any]]]) -> list[Problem]:
 
 
 def _isolation(listeners: list[tuple[int, dict[str, Any]]], profiles: Any) -> list[Problem]:
-    """A handler listener without `isolation:` of its own takes its profiles'; two
-    profiles that list it must then agree."""
+    """A handler or agent listener without `isolation:` of its own takes its
+    profiles'; two profiles that list it must then agree."""
     if not isinstance(profiles, dict):
         return []
     problems: list[Problem] = []
     for i, entry in listeners:
         name = entry.get("name")
-        if "isolation" in entry or "agent" in entry or "tool" in entry or not isinstance(name, str):
+        if "isolation" in entry or "tool" in entry or not isinstance(name, str):
             continue
         seen: dict[str, Any] = {}
         for key, body in profiles.items():

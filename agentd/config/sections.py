@@ -127,9 +127,9 @@ def _kind_rules(data: dict[str, Any]) -> list[Problem]:
                 problems.append(Problem((key,), message, data[key]))
     elif "payload_class" not in data:
         problems.append(Problem(("payload_class",), "missing", data))
-    if "isolation" in data and "handler" not in data:
-        message = ("isolation is for handler listeners; an agent runs the platform's own "
-                   "loop, and a tool confines itself (an mcp server: `isolation` under `tool:`)")
+    if "isolation" in data and "handler" not in data and "agent" not in data:
+        message = ("isolation is for handler and agent listeners; a tool confines itself "
+                   "(an mcp server: `isolation` under `tool:`)")
         problems.append(Problem(("isolation",), message, data["isolation"]))
     if kinds == ["handler"] and data.get("description") is None:
         problems.append(Problem(("description",), "missing", data))

@@ -1,9 +1,10 @@
 """Which listeners run isolated, and the confinement of their workers: pure decisions.
 
-- `effective_isolation`: a handler listener's own `isolation:` wins; otherwise the
-  `isolation:` of the profiles that list it (the configuration refuses profiles
-  that disagree). Agent listeners run the platform's own loop in the daemon and
-  are never isolated. `process: false` means in the daemon.
+- `effective_isolation`: a handler's or an agent's own `isolation:` wins;
+  otherwise the `isolation:` of the profiles that list it (the configuration
+  refuses profiles that disagree). An isolated agent's worker runs the platform's
+  agent loop and asks the daemon for every model call (`_agent.py`). Tools confine
+  themselves. `process: false` means in the daemon.
 - `worker_policy`: what a worker may read. Read and execute: the Python
   installation, the system libraries, the agentd package and exactly the
   packages (or single module files) that hold the listener's handler and payload
@@ -19,6 +20,7 @@ import os
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from agentd._errors import ConfigError
 from agentd.config import IsolationConfig, ListenerConfig, OrganismConfig
@@ -32,8 +34,8 @@ def effective_isolation(config: OrganismConfig) -> dict[str, IsolationConfig]:
     """Listener name -> its isolation, for the listeners that run in workers."""
     chosen: dict[str, IsolationConfig] = {}
     for lst in config.listeners:
-        if lst.agent is not None or lst.handler is None or lst.tool is not None:
-            continue  # agents run the platform's loop; tools confine themselves
+        if lst.tool is not None or (lst.handler is None and lst.agent is None):
+            continue  # tools confine themselves
         iso = lst.isolation
         if iso is None:
             for profile in config.profiles.values():
@@ -82,13 +84,12 @@ def python_read_paths() -> tuple[str, ...]:
 
 
 def worker_policy(lst: ListenerConfig, iso: IsolationConfig, secrets: Iterable[Path],
-                  sys_path: Iterable[str]) -> Policy:
+                  sys_path: Iterable[str], reply_refs: Iterable[str] = ()) -> Policy:
     import agentd
 
     grants = {*SYSTEM_READ_PATHS, *python_read_paths(), os.path.dirname(agentd.__file__)}
-    refs = [lst.handler_ref, *lst.payload_refs, *lst.response_refs]
-    for ref in refs:
-        grant = _module_grant(ref.partition(":")[0])
+    for ref in (lst.handler_ref, *lst.payload_refs, *lst.response_refs, *reply_refs):
+        grant = _module_grant(ref.partition(":")[0]) if ref else None
         if grant is not None:
             grants.add(grant)
     for secret in secrets:
@@ -123,6 +124,29 @@ def worker_ids(iso: IsolationConfig, lst: ListenerConfig) -> tuple[int | None, i
     return uid, gid
 
 
-def worker_init(lst: ListenerConfig, sys_path: Iterable[str]) -> Mapping[str, object]:
+def reply_refs(config: OrganismConfig, lst: ListenerConfig) -> tuple[str, ...]:
+    """The classes of what `lst`'s peers answer with (what comes back to it), as
+    `module:attribute`; a peer's generated classes (tools) have none."""
+    refs = dict.fromkeys(ref for peer in lst.peers
+                         for other in config.listeners if other.name == peer
+                         for ref in other.response_refs if ref not in lst.payload_refs)
+    return tuple(refs)
+
+
+def worker_init(lst: ListenerConfig, sys_path: Iterable[str], replies: Iterable[str] = (),
+                agent: Mapping[str, object] | None = None) -> Mapping[str, object]:
+    """The INIT header. `replies`: more classes the worker decodes (its peers'
+    answers); `agent`: an isolated agent's loop settings and tool catalogue."""
     return {"sys_path": list(sys_path), "listener": lst.name, "handler": lst.handler_ref,
-            "payload_classes": list(lst.payload_refs)}
+            "payload_classes": [*lst.payload_refs, *replies], "agent": agent}
+
+
+def agent_init(lst: ListenerConfig, platform: Any, max_fanout: int) -> Mapping[str, object]:
+    """What an isolated agent's worker needs to run the agent loop: its limits and its
+    tool catalogue (the peers' public schemas, from the platform's prompt registry)."""
+    from agentd.isolation._agent import catalogue_wire  # the platform: agents only
+
+    assert lst.agent is not None
+    return {"name": lst.name, "max_iterations": lst.agent.max_iterations,
+            "max_fanout": max_fanout,
+            "catalogue": catalogue_wire(platform.prompt(lst.name).catalogue)}

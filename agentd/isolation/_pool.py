@@ -110,6 +110,15 @@ class WorkerSpec:
     spare: bool = True  # keep one more worker ready, to replace a dead one at once
 
 
+Frame = tuple[bytes, dict[str, Any], bytes]
+
+
+@dataclass(eq=False)
+class _Call:
+    answer: asyncio.Future[Frame]  # the worker's ANSWER or FAILED frame
+    context: Any = None  # an isolated agent's `CallContext` (its requests' scope)
+
+
 @dataclass(eq=False)
 class Worker:
     proc: asyncio.subprocess.Process
@@ -118,11 +127,11 @@ class Worker:
     killed_for: str | None = None
     pidfd: int = -1
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
-    # the answers awaited, in the order the calls were written (the head is running)
-    inflight: deque[asyncio.Future[tuple[bytes, dict[str, Any], bytes]]] = field(
-        default_factory=deque)
+    # the calls written, in order (the head is running)
+    inflight: deque[_Call] = field(default_factory=deque)
     worn_out: bool = False  # takes no new call; retired once its queue is empty
     last_words: str = ""  # its last stderr line (why a confinement failed, at start)
+    asking: asyncio.Future[Any] | None = None  # an agent's request being answered
 
     @property
     def pid(self) -> int:
@@ -151,15 +160,20 @@ class Worker:
 def _fail_calls(worker: Worker, reason: str | None) -> None:
     """The worker is gone: its running call fails, the calls queued behind it (never
     started) go elsewhere."""
-    for i, answer in enumerate(worker.inflight):
+    for i, call in enumerate(worker.inflight):
+        answer = call.answer
         if not answer.done():
             answer.set_exception(WorkerFailed(reason or "died") if i == 0 else _NotStarted())
     worker.inflight.clear()
 
 
 class WorkerPool:
-    def __init__(self, spec: WorkerSpec) -> None:
+    def __init__(self, spec: WorkerSpec, bridge: Any = None) -> None:
+        """`bridge`: an isolated agent's `AgentBridge`, which answers its workers'
+        requests to the platform (None: a handler's pool; a request is then a
+        protocol error)."""
         self.spec = spec
+        self.bridge = bridge
         self.restarts = 0
         self._workers: set[Worker] = set()
         self._idle: deque[Worker] = deque()
@@ -214,9 +228,15 @@ class WorkerPool:
             body = spec.to_bytes(payload)
         else:  # a core payload (ack, huh, answer) coming back to the listener
             key, body = None, payload.to_bytes()
-        frame = p.encode_call(meta, key, body)
+        bridge, context = self.bridge, None
+        if bridge is not None:
+            from agentd.isolation._agent import CallContext
+
+            context = CallContext(meta, key, body, payload)
+        frame = p.encode_call(meta, key, body,
+                              bridge.call_fields(context) if bridge is not None else None)
         for _ in range(_MAX_REDISPATCH):
-            worker, answer = await self._deliver(frame)
+            worker, answer = await self._deliver(frame, context)
             try:
                 kind, header, rest = await answer
             except _NotStarted:
@@ -227,14 +247,16 @@ class WorkerPool:
                 if answer.cancelled() or not answer.done():
                     self._retire(worker, "timeout")
                 raise
-            return self._decoded(worker, kind, header, rest)
+            return self._decoded(worker, kind, header, rest, context)
         raise WorkerFailed("died")
 
     def _decoded(
-        self, worker: Worker, kind: bytes, header: dict[str, Any], rest: bytes
+        self, worker: Worker, kind: bytes, header: dict[str, Any], rest: bytes, context: Any
     ) -> HandlerResponse | None:
         try:
             if kind == p.ANSWER:
+                if self.bridge is not None:
+                    self.bridge.answered(context, header)
                 return p.decode_answer(header, rest)
             if kind == p.FAILED:
                 if header.get("error") == "MemoryError":
@@ -248,9 +270,7 @@ class WorkerPool:
             self._retire(worker, "protocol")
             raise WorkerFailed("protocol") from None
 
-    async def _deliver(
-        self, frame: bytes
-    ) -> tuple[Worker, asyncio.Future[tuple[bytes, dict[str, Any], bytes]]]:
+    async def _deliver(self, frame: bytes, context: Any) -> tuple[Worker, asyncio.Future[Frame]]:
         """Write the call to a worker; returns it and the future of its answer.
 
         A worker that died while idle (its exit not yet noticed through the pidfd)
@@ -261,8 +281,8 @@ class WorkerPool:
             worker = await self._acquire()
             if worker.state is WorkerState.IDLE:
                 self._set(worker, WorkerEvent.CALL)
-            answer: asyncio.Future[tuple[bytes, dict[str, Any], bytes]] = loop.create_future()
-            worker.inflight.append(answer)
+            answer: asyncio.Future[Frame] = loop.create_future()
+            worker.inflight.append(_Call(answer, context))
             stdin = worker.proc.stdin
             assert stdin is not None
             try:
@@ -284,7 +304,8 @@ class WorkerPool:
         raise WorkerFailed("died")
 
     async def _read_answers(self, worker: Worker) -> None:
-        """The worker's answers, in order, to the calls waiting for them."""
+        """The worker's answers, in order, to the calls waiting for them; an
+        isolated agent's requests, answered for the call it is running."""
         stdout = worker.proc.stdout
         assert stdout is not None
         try:
@@ -292,8 +313,11 @@ class WorkerPool:
                 size = p.frame_length(await stdout.readexactly(4))
                 frame = p.decode(await stdout.readexactly(size))
                 if not worker.inflight:
-                    raise p.ProtocolError("an answer nobody asked for")
-                answer = worker.inflight.popleft()
+                    raise p.ProtocolError("a frame outside any call")
+                if frame[0] == p.ASK:
+                    await self._answer_request(worker, frame)
+                    continue
+                answer = worker.inflight.popleft().answer
                 if not answer.done():
                     answer.set_result(frame)
                 self._answered(worker)
@@ -303,6 +327,23 @@ class WorkerPool:
             self._retire(worker, "protocol")
         except (asyncio.IncompleteReadError, ConnectionError):
             self._retire(worker, None)
+
+    async def _answer_request(self, worker: Worker, frame: Frame) -> None:
+        """The running call's request to the platform (its worker waits for the reply:
+        reading its next frame can wait too)."""
+        if self.bridge is None:
+            raise p.ProtocolError("a request from a handler's worker")
+        _, header, body = frame
+        worker.asking = asyncio.ensure_future(
+            self.bridge.ask(worker.inflight[0].context, header, body))
+        try:
+            reply, rest = await worker.asking
+        finally:
+            worker.asking = None
+        stdin = worker.proc.stdin
+        assert stdin is not None
+        stdin.write(p.encode(p.REPLY, reply, rest))
+        await stdin.drain()
 
     async def _acquire(self) -> Worker:
         """An idle worker, else a busy one with room in its queue, else wait."""
@@ -442,6 +483,8 @@ class WorkerPool:
         worker.killed_for = reason
         self._set(worker, WorkerEvent.DIE)
         _fail_calls(worker, reason)
+        if worker.asking is not None:  # a model call for it: abandoned now, not later
+            worker.asking.cancel()
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(worker.pid, signal.SIGKILL)
         task = asyncio.get_running_loop().create_task(self._replace(worker))

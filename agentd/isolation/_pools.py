@@ -1,4 +1,5 @@
-"""The daemon's isolation pools: one `WorkerPool` per isolated listener.
+"""The daemon's isolation pools: one `WorkerPool` per isolated listener (handler
+or agent).
 
 Built from the configuration (`effective_isolation`), started before the bus
 accepts anything, and passed to routing as the handlers of those listeners. On a
@@ -16,11 +17,14 @@ import sys
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+from agentd._errors import ConfigError
 from agentd.config import OrganismConfig
 from agentd.confine import landlock_status
 from agentd.isolation._plan import (
     WORKER_ARGV,
+    agent_init,
     effective_isolation,
+    reply_refs,
     secret_paths,
     worker_init,
     worker_policy,
@@ -37,8 +41,10 @@ class IsolationPools:
         self.retired: list[tuple[WorkerPool, int]] = []
 
     @staticmethod
-    def specs(config: OrganismConfig) -> dict[str, WorkerSpec]:
-        """The worker spec of every isolated listener (raises ConfigError)."""
+    def specs(config: OrganismConfig, agents: Any = None) -> dict[str, WorkerSpec]:
+        """The worker spec of every isolated listener (raises ConfigError).
+        `agents`: the agents' handlers (`AgentHandlers`), needed when an agent is
+        isolated (its worker gets its tool catalogue)."""
         chosen = effective_isolation(config)
         if not chosen:
             return {}
@@ -47,26 +53,40 @@ class IsolationPools:
         specs = {}
         for name, iso in chosen.items():
             lst = config.listener(name)
+            agent = replies = None
+            if lst.agent is not None:
+                platform = getattr(agents, "platform", None)
+                if platform is None:
+                    raise ConfigError([f"{lst.location}: listeners: {name}: an isolated "
+                                       "agent needs the platform (agent handlers)"])
+                agent = agent_init(lst, platform, config.pump.max_fanout)
+            else:
+                replies = reply_refs(config, lst)
             specs[name] = WorkerSpec(
                 listener=name, argv=WORKER_ARGV,
-                policy=worker_policy(lst, iso, secrets, sys_path),
-                init=worker_init(lst, sys_path), workers=iso.workers,
+                policy=worker_policy(lst, iso, secrets, sys_path, replies or ()),
+                init=worker_init(lst, sys_path, replies or (), agent), workers=iso.workers,
                 max_calls=iso.max_calls, max_rss_mb=iso.max_rss_mb)
         return specs
 
     async def apply(
-        self, config: OrganismConfig, last_version: int | None = None
+        self, config: OrganismConfig, last_version: int | None = None, agents: Any = None
     ) -> dict[str, Callable[..., Any]]:
         """Start the pools `config` needs (keeping unchanged ones); returns the
         handler of each isolated listener. Pools no longer needed are retired with
         `last_version`, the newest table that routes to them (None: stopped now,
-        as nothing routes yet)."""
-        specs = self.specs(config)
+        as nothing routes yet). An isolated agent's pool answers its worker's
+        requests with `agents`' platform; a pool bound to another platform is
+        replaced like a changed one."""
+        specs = self.specs(config, agents)
         if specs and not landlock_status().filesystem:
             log.warning("isolation: Landlock unavailable: workers keep the filesystem "
                         "access of the daemon's uid (see agentctl status)")
-        keep = {n: pool for n, pool in self.pools.items() if specs.get(n) == pool.spec}
-        fresh = {n: WorkerPool(s) for n, s in specs.items() if n not in keep}
+        platform = getattr(agents, "platform", None)
+        keep = {n: pool for n, pool in self.pools.items() if specs.get(n) == pool.spec
+                and (pool.bridge is None or pool.bridge.platform is platform)}
+        fresh = {n: WorkerPool(s, self._bridge(config, n, platform))
+                 for n, s in specs.items() if n not in keep}
         started: list[WorkerPool] = []
         try:
             for pool in fresh.values():
@@ -84,6 +104,17 @@ class IsolationPools:
             else:
                 self.retired.append((pool, last_version))
         return {name: pool.call for name, pool in self.pools.items()}
+
+    @staticmethod
+    def _bridge(config: OrganismConfig, name: str, platform: Any) -> Any:
+        lst = config.listener(name)
+        if lst.agent is None:
+            return None
+        from agentd._xmlify import spec_of
+        from agentd.isolation._agent import AgentBridge  # the platform: agents only
+
+        return AgentBridge(platform.session(name), platform, lst.agent.max_iterations,
+                           {spec_of(c).clark for c in lst.payload_classes})
 
     async def close_unused(self, live_versions: Callable[[], Collection[int]]) -> int:
         """Stop the retired pools that no live table reaches; `live_versions` is

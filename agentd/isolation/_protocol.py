@@ -4,16 +4,22 @@ A frame is a 4-byte big-endian length N (N <= `MAX_FRAME`), then N bytes: one
 kind byte, a 4-byte big-endian header length H, H bytes of a JSON object, and the
 rest is opaque bytes (a payload's XML).
 
-    daemon -> worker   INIT    {"sys_path", "listener", "handler", "payload_classes"}
-                       CALL    {"thread_id", "from_id", "own_name", "redelivered", "key"}
-                               + payload XML
+    daemon -> worker   INIT    {"sys_path", "listener", "handler", "payload_classes",
+                                "agent"?}
+                       CALL    {"thread_id", "from_id", "own_name", "redelivered", "key",
+                                "state"?} + payload XML
+                       REPLY   {"error"?, ...} + bytes   (to an ASK)
     worker -> daemon   READY   {"pid"}
-                       ANSWER  {"kind", "to", "targets", "code", "message", "retry"} + payload XML
+                       ANSWER  {"kind", "to", "targets", "code", "message", "retry",
+                                "state"?} + payload XML
                        FAILED  {"error"}  (the handler raised; the error's class name only)
+                       ASK     {"op", ...} + bytes  (an agent's request to the platform,
+                               for the call it is running; see `_agent.py`)
 
-Invariants: only JSON objects of strings, booleans, null and lists of strings
-cross, never pickle; everything the worker sends is decoded by `decode_answer`,
-which checks every field's type and bound and raises `ProtocolError` otherwise.
+Invariants: only JSON objects of strings, numbers, booleans, null and lists cross,
+never pickle; everything the worker sends is decoded by `decode_answer` or the
+agent bridge, which check every field's type and bound and raise `ProtocolError`
+otherwise.
 The payload bytes it returns are handed to the pump as raw handler output, which
 parses and validates them like any handler's output.
 """
@@ -34,7 +40,8 @@ MAX_NAME = 256
 MAX_MESSAGE = 1024
 
 INIT, CALL, READY, ANSWER, FAILED = b"I", b"C", b"R", b"A", b"F"
-KINDS = frozenset({INIT, CALL, READY, ANSWER, FAILED})
+ASK, REPLY = b"Q", b"P"
+KINDS = frozenset({INIT, CALL, READY, ANSWER, FAILED, ASK, REPLY})
 
 _LEN = struct.Struct(">I")
 _KINDS_BY_NAME = {k.value: k for k in ResponseKind}
@@ -80,7 +87,14 @@ def decode(frame: bytes) -> tuple[bytes, dict[str, Any], bytes]:
     return kind, header, frame[5 + hlen :]
 
 
-def _opt_str(header: dict[str, Any], key: str, limit: int) -> str | None:
+def opt_bool(header: dict[str, Any], key: str) -> bool:
+    value = header.get(key, False)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{key}: not a boolean")
+    return value
+
+
+def opt_str(header: dict[str, Any], key: str, limit: int) -> str | None:
     value = header.get(key)
     if value is None:
         return None
@@ -89,11 +103,12 @@ def _opt_str(header: dict[str, Any], key: str, limit: int) -> str | None:
     return value
 
 
-def encode_call(meta: HandlerMetadata, key: str | None, payload_xml: bytes) -> bytes:
+def encode_call(meta: HandlerMetadata, key: str | None, payload_xml: bytes,
+                extra: dict[str, Any] | None = None) -> bytes:
     """`key`: the payload's `{namespace}tag` (None: a core payload)."""
     return encode(CALL, {"thread_id": meta.thread_id, "from_id": meta.from_id,
                          "own_name": meta.own_name, "redelivered": meta.redelivered,
-                         "key": key}, payload_xml)
+                         "key": key, **(extra or {})}, payload_xml)
 
 
 def decode_call(header: dict[str, Any]) -> HandlerMetadata:
@@ -102,13 +117,14 @@ def decode_call(header: dict[str, Any]) -> HandlerMetadata:
                            str(header["own_name"]), bool(header["redelivered"]))
 
 
-def encode_answer(result: HandlerResponse | None, payload_xml: bytes) -> bytes:
+def encode_answer(result: HandlerResponse | None, payload_xml: bytes,
+                  extra: dict[str, Any] | None = None) -> bytes:
     if result is None:
-        return encode(ANSWER, {"kind": None})
+        return encode(ANSWER, {"kind": None, **(extra or {})})
     return encode(ANSWER, {
         "kind": result.kind.value, "to": result.to, "targets": list(result.targets),
         "code": result.error_code.value if result.error_code is not None else None,
-        "message": result.error_message, "retry": result.retry_allowed,
+        "message": result.error_message, "retry": result.retry_allowed, **(extra or {}),
     }, payload_xml)
 
 
@@ -122,7 +138,7 @@ def decode_answer(header: dict[str, Any], body: bytes) -> HandlerResponse | None
     kind = _KINDS_BY_NAME.get(kind_name) if isinstance(kind_name, str) else None
     if kind is None:
         raise ProtocolError("unknown response kind")
-    to = _opt_str(header, "to", MAX_NAME)
+    to = opt_str(header, "to", MAX_NAME)
     targets = header.get("targets", [])
     if (not isinstance(targets, list) or len(targets) > MAX_TARGETS
             or not all(isinstance(t, str) and len(t) <= MAX_NAME for t in targets)):
@@ -131,7 +147,7 @@ def decode_answer(header: dict[str, Any], body: bytes) -> HandlerResponse | None
     if retry is not None and not isinstance(retry, bool):
         raise ProtocolError("retry: not a boolean")
     if kind is ResponseKind.ERROR:
-        code_name = _opt_str(header, "code", MAX_NAME)
+        code_name = opt_str(header, "code", MAX_NAME)
         code = _CODES.get(code_name) if code_name is not None else HuhCode.INTERNAL
         if code is None:
             raise ProtocolError("unknown huh code")

@@ -8,7 +8,9 @@ first: the handler's `print` (or a forged envelope written to stdout) goes to
 stderr, which the daemon only logs, never parses.
 
 One call at a time. The worker is as untrusted as the handler it runs: the daemon
-checks everything it sends back.
+checks everything it sends back. An isolated LLM agent's worker runs the
+platform's agent loop instead of a handler; its session calls go to the daemon as
+requests in the middle of a call (`_agent.py`).
 """
 
 from __future__ import annotations
@@ -103,8 +105,21 @@ def serve(fd_in: int, fd_out: int) -> None:
     if kind != p.INIT:
         raise p.ProtocolError("expected INIT")
     sys.path[:] = [str(x) for x in init["sys_path"]]
-    handler = _resolve(init["handler"])
     classes = {spec_of(c).clark: c for c in map(_resolve, init["payload_classes"])}
+    agent = None
+    if init.get("agent") is not None:
+        from agentd.isolation._agent import WorkerAgent  # the platform's loop: agents only
+
+        def ask(header: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes]:
+            _write(fd_out, p.encode(p.ASK, header, body))
+            kind, reply, rest = _read_frame(fd_in)
+            if kind != p.REPLY:
+                raise p.ProtocolError("expected REPLY")
+            return reply, rest
+
+        handler = agent = WorkerAgent(init["agent"], tuple(classes.values()), ask)
+    else:
+        handler = _resolve(init["handler"])
     _write(fd_out, p.encode(p.READY, {"pid": os.getpid()}))
     loop = asyncio.new_event_loop()
     while True:
@@ -114,14 +129,24 @@ def serve(fd_in: int, fd_out: int) -> None:
             return
         meta = p.decode_call(header)
         key = header.get("key")
+        extra = None
         try:
             cls = classes.get(key) if isinstance(key, str) else None
-            payload = (from_xml(cls, body) if cls is not None
-                       else core_from_element(parse_untrusted(body)))
+            if cls is not None:
+                payload: Any = from_xml(cls, body)
+            elif key is None:
+                payload = core_from_element(parse_untrusted(body))
+            else:  # a peer's result for an agent: the daemon records it, not us
+                payload = body
+            if agent is not None:
+                agent.enter(meta.thread_id, header.get("state"))
             result = run_handler(loop, handler(payload, meta))
             if result is not None and not isinstance(result, HandlerResponse):
                 raise TypeError(f"handler returned {type(result).__name__}")
-            frame = p.encode_answer(result, _payload_bytes(result.payload if result else None))
+            if agent is not None:
+                extra = {"state": agent.leave(meta.thread_id)}
+            frame = p.encode_answer(result, _payload_bytes(result.payload if result else None),
+                                    extra)
         except MemoryError:
             frame = p.encode(p.FAILED, {"error": "MemoryError"})  # the daemon replaces us
         except Exception as exc:

@@ -111,15 +111,22 @@ class AgentLoop:
     """The handler of one agent listener (callable). Per-task state is keyed by the
     frame UUID; the pump runs one message per frame at a time, so no locking."""
 
-    def __init__(self, listener: ListenerConfig, session: AgentSession, max_fanout: int = 64):
-        assert listener.agent is not None
-        self.name = listener.name
+    def __init__(self, name: str, session: AgentSession, *, max_iterations: int,
+                 own_classes: tuple[type, ...], max_fanout: int = 64) -> None:
+        self.name = name
         self.session = session
-        self.max_iterations = listener.agent.max_iterations
+        self.max_iterations = max_iterations
         self.max_fanout = max_fanout
-        self.own_classes = tuple(listener.payload_classes)
+        self.own_classes = own_classes
         self.tasks: dict[str, TaskState] = {}
         session.on_task_end(self._forget)
+
+    @classmethod
+    def of(cls, listener: ListenerConfig, session: AgentSession, max_fanout: int = 64
+           ) -> AgentLoop:
+        assert listener.agent is not None
+        return cls(listener.name, session, max_iterations=listener.agent.max_iterations,
+                   own_classes=tuple(listener.payload_classes), max_fanout=max_fanout)
 
     async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse | None:
         thread = meta.thread_id
@@ -273,7 +280,7 @@ def make_agent_handlers(
             platform_options.setdefault("audit", _two_argument_audit(audit))
         platform = Platform.from_config(config, **platform_options)
     handlers: dict[str, Handler] = {
-        lst.name: AgentLoop(lst, platform.session(lst.name), config.pump.max_fanout)
+        lst.name: AgentLoop.of(lst, platform.session(lst.name), config.pump.max_fanout)
         for lst in config.listeners
         if lst.agent is not None
     }

@@ -85,6 +85,10 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
     elif action == "signal-parent":  # the daemon: signal 0 only asks whether we may
         os.kill(os.getppid(), 0)
         text = "allowed"
+    elif action == "ask-platform":  # forge an agent's request on the protocol pipe
+        _forge_request()
+        time.sleep(60)  # the daemon kills us first
+        text = "not refused"
     elif action == "environ":
         text = ",".join(sorted(os.environ))
     elif action == "bad-xml":
@@ -92,3 +96,19 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
     else:
         raise ValueError(action)
     return HandlerResponse.respond(Outcome(text))
+
+
+def _forge_request() -> None:
+    """Write an ASK frame (a request to the LLM platform) on every pipe we hold: one
+    of them is the worker's protocol pipe to the daemon."""
+    import stat
+
+    from agentd.isolation import _protocol as p
+
+    frame = p.encode(p.ASK, {"op": "complete"})
+    for fd in range(3, 64):
+        try:
+            if stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.write(fd, frame)
+        except OSError:
+            continue
