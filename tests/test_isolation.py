@@ -23,7 +23,7 @@ from agentd.confine import landlock_status
 from agentd.isolation import IsolationPools, WorkerFailed
 from agentd.testing import Harness
 from agentd.tools.calculator import Add
-from tests.isolated.handlers import Probe
+from tests.isolated.handlers import Probe, Relay
 from tests.isolated.watch import alive, gone, recording_server
 
 CLIENTS = {"alice": "public"}
@@ -54,6 +54,13 @@ def organism(tmp: Path, isolation: str = "{memory_mb: 1024, cpu_s: 20, workers: 
             description: Runs probes.
             timeout_s: {timeout_s}
             isolation: {isolation}
+          - name: relay
+            payload_class: tests.isolated.handlers:Relay
+            response_class: tests.isolated.handlers:Outcome
+            handler: tests.isolated.handlers:relay
+            description: Adds through its peer.
+            peers: [calculator.add]
+            isolation: {{workers: 1}}
           - name: calculator.add
             payload_class: agentd.tools.calculator:Add
             response_class: agentd.tools.calculator:Sum
@@ -108,6 +115,11 @@ async def test_isolated_handler_answers_like_in_process(h: Harness) -> None:
     assert await ask(h, "await", "0.01") == ("outcome", "awaited")
     pid = int((await ask(h, "pid"))[1])
     assert pid != os.getpid() and pid in pool_pids(h)
+
+
+async def test_an_isolated_handler_gets_its_peers_reply_as_an_object(h: Harness) -> None:
+    frames = await h.send("alice", Relay(a=2, b=40))
+    assert outcome(frames) == ("outcome", "sum=42")
 
 
 async def other_conversation_completes(h: Harness) -> None:

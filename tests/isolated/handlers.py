@@ -31,6 +31,25 @@ class Outcome:
     text: str
 
 
+@xmlify(namespace=f"{NS}/relay/v1")
+@dataclass
+class Relay:
+    """Asks calculator.add for a + b and answers with the sum as text."""
+
+    a: int
+    b: int
+
+
+async def relay(payload: object, meta: HandlerMetadata) -> HandlerResponse:
+    """Run in a worker, it gets its peer's reply (a `Sum`) as an object too."""
+    from agentd.tools.calculator import Add, Sum
+
+    if isinstance(payload, Relay):
+        return HandlerResponse(Add(a=payload.a, b=payload.b), to="calculator.add")
+    assert isinstance(payload, Sum), type(payload).__name__
+    return HandlerResponse.respond(Outcome(f"sum={payload.value}"))
+
+
 def _grandchild() -> str:
     pid = os.fork()
     if pid == 0:
