@@ -9,7 +9,10 @@
 (c) 500 concurrent agent conversations through the pump (task -> model -> tool call
     -> calculator -> model -> answer), each with its own numbers; the fake provider
     checks that no request ever carries another conversation's data, and every
-    answer is checked: `isolation_errors` counts both.
+    answer is checked: `isolation_errors` counts both;
+(d) the same with the agent isolated (`isolation: {workers: 2}`): its loop in two
+    worker processes, every model call a request to the daemon
+    (`isolated_agent_ratio` = isolated calls/s over in-process calls/s).
 
 Usage: python benchmarks/agents.py [--quick]. The last line is one JSON object.
 """
@@ -22,9 +25,11 @@ import json
 import re
 import statistics
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -102,9 +107,9 @@ async def call_overhead(n: int) -> tuple[list[float], float]:
     return overheads[min(20, n):], calls / elapsed  # the first calls warm caches up
 
 
-async def conversations(n: int) -> tuple[float, int, int]:
+async def conversations(n: int, isolated: bool = False) -> tuple[float, int, int]:
     """`n` concurrent agent conversations: (LLM calls per second, isolation errors,
-    LLM calls)."""
+    LLM calls). `isolated`: the tutor's loop runs in two worker processes."""
     contaminated = 0
 
     def script(seen: Seen) -> str:
@@ -118,8 +123,17 @@ async def conversations(n: int) -> tuple[float, int, int]:
         got = values(conv.results)
         return add_call(k, k) if not got else f"{k} doubled is {got[0]}."
 
+    with tempfile.TemporaryDirectory(prefix="agentd-bench-") as state:
+        return await _conversations(n, isolated, state, script, lambda: contaminated)
+
+
+async def _conversations(n: int, isolated: bool, state: str, script: Any,
+                         contaminated: Any) -> tuple[float, int, int]:
     async with FakeLLM("openai", script) as server:
-        config = load(organism_yaml(backend(server)))
+        extra = "\n    isolation: {workers: 2, memory_mb: 2048}" if isolated else ""
+        # the state folder apart from the code a worker may read
+        config = load(f"state_dir: {state}\n"
+                      + organism_yaml(backend(server), tutor_extra=extra))
         handlers = make_agent_handlers(config)
         async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
                            durable=False) as h:
@@ -137,7 +151,7 @@ async def conversations(n: int) -> tuple[float, int, int]:
         if env.sender != "tutor" or text != f"{k} doubled is {2 * k}.":
             wrong += 1
     calls = len(server.requests)
-    return calls / elapsed, contaminated + wrong, calls
+    return calls / elapsed, contaminated() + wrong, calls
 
 
 def main() -> None:
@@ -158,6 +172,8 @@ def main() -> None:
     hop = min(asyncio.run(pump_hop_us(hops)), asyncio.run(pump_hop_us(hops)))
     overheads, seq_rate = asyncio.run(call_overhead(samples))
     rate, isolation_errors, calls = asyncio.run(conversations(concurrent))
+    iso_rate, iso_errors, iso_calls = asyncio.run(conversations(concurrent, isolated=True))
+    isolation_errors += iso_errors
     ordered = sorted(overheads)
     p50 = statistics.median(ordered)
     p99 = ordered[max(0, int(len(ordered) * 0.99) - 1)]
@@ -168,9 +184,13 @@ def main() -> None:
           f"= {p50 / hop:.1f} pump hops ({len(ordered)} calls; {seq_rate:,.0f} calls/s "
           "sequential, loopback HTTP included)")
     print(f"{concurrent} concurrent agent conversations: {calls} LLM calls at "
-          f"{rate:,.0f} calls/s; isolation errors: {isolation_errors}")
+          f"{rate:,.0f} calls/s; the same with the agent in 2 workers: {iso_calls} calls "
+          f"at {iso_rate:,.0f} calls/s ({iso_rate / rate:.2f} of in process); "
+          f"isolation errors: {isolation_errors}")
     print(json.dumps({
         "calls_per_s": round(rate),
+        "isolated_agent_calls_per_s": round(iso_rate),
+        "isolated_agent_ratio": round(iso_rate / rate, 3),
         "overhead_p50_us": round(p50),
         "overhead_p99_us": round(p99),
         "overhead_vs_hop": round(p50 / hop, 2),

@@ -124,6 +124,24 @@ async def test_parallel_calls_and_notices_cross_workers() -> None:
         assert clean(h, hs)
 
 
+async def test_concurrent_tasks_queue_for_one_worker_without_mixing() -> None:
+    # More tasks than workers: calls wait for the worker; none is written behind a
+    # running one (its pipe carries the replies to the running call's requests).
+    def script(seen: Seen, got: list[int]) -> str:
+        (k,) = numbers(seen.conversation().task)[:1]
+        return add_call(k, k) if not got else f"{k} doubled is {got[0]}."
+
+    async with FakeLLM("openai", scripted(script)) as server, \
+            organism(organism_yaml(openai_backend(server),
+                                   tutor_extra="\n    isolation: {workers: 1, memory_mb: 2048}")
+                     ) as (h, hs):
+        results = await asyncio.gather(*(
+            h.send("alice", MathQuestion(text=f"What is {k} doubled?")) for k in range(12)))
+        assert [answered(f) for f in results] == [f"{k} doubled is {2 * k}." for k in range(12)]
+        assert h.isolation.pools["tutor"].restarts == 0
+        assert clean(h, hs)
+
+
 async def test_the_iteration_cap_holds_in_a_worker() -> None:
     async with FakeLLM("openai", [add_call(1, 1)]) as server, \
             organism(organism_yaml(openai_backend(server), agent=", max_iterations: 3",

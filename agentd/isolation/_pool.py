@@ -9,7 +9,8 @@ in process.
 Invariants:
 - A worker runs one call at a time, in the order the calls were written to it. A
   call goes to an idle worker; when none is idle, it is queued behind the call of
-  a busy worker (at most `PIPELINE` calls written to one worker), so a worker
+  a busy worker (at most `PIPELINE` calls written to one worker; one for an
+  agent's worker, whose pipe also carries the replies to its requests), so a worker
   under load finds its next call waiting instead of sleeping until the daemon
   wakes it (on a virtual machine a wake-up costs about as much as the call).
 - A call queued behind another has not started: when its worker dies, it goes to
@@ -174,6 +175,9 @@ class WorkerPool:
         protocol error)."""
         self.spec = spec
         self.bridge = bridge
+        # An agent's worker reads the daemon's replies to its requests from the pipe
+        # its calls come on: a call queued there would come between; none is.
+        self.pipeline = 1 if bridge is not None else PIPELINE
         self.restarts = 0
         self._workers: set[Worker] = set()
         self._idle: deque[Worker] = deque()
@@ -354,7 +358,7 @@ class WorkerPool:
                     return worker
             queued = [w for w in self._workers
                       if w.state is WorkerState.BUSY and not w.worn_out
-                      and len(w.inflight) < PIPELINE and w is not self._spare]
+                      and len(w.inflight) < self.pipeline and w is not self._spare]
             if queued:
                 return min(queued, key=lambda w: len(w.inflight))
             if self._stopping:
