@@ -9,13 +9,16 @@ import os
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from agentd._handler import HandlerMetadata
+from agentd._handler import HandlerMetadata, ResponseKind
+from agentd.isolation import IsolationPools
 from agentd.isolation._agent import AgentBridge, CallContext, checked_state
 from agentd.isolation._protocol import ProtocolError
+from agentd.kernel import Kernel
 from agentd.platform import AgentHandlers, Platform, make_agent_handlers
 from agentd.platform.demo import MathQuestion
 from agentd.testing import Harness
@@ -201,6 +204,37 @@ async def test_a_handler_that_forges_a_platform_request_is_replaced() -> None:
         assert _metrics.worker_restarts.labels("prober", "protocol")._value.get() >= 1
         frames = await h.send("alice", Probe("echo", "still here"))
         assert frames[-1].count(b"still here") == 1
+
+
+async def test_a_task_is_restored_in_a_worker_after_a_restart(tmp_path: Path) -> None:
+    # The daemon restarts between the tool call and its result: the new bridge knows
+    # nothing of the task, so the worker asks for the durable history and goes on.
+    thread = "5b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f"
+    async with FakeLLM("openai", [add_call(2, 3), "It is 5."]) as server:
+        config = load(f"state_dir: {tmp_path}\n" + organism_yaml(
+            openai_backend(server), tutor_extra=ISOLATED))
+        async with await Kernel.open(tmp_path) as kernel:
+            outs = []
+            for payload, meta in (
+                    (MathQuestion(text="2 + 3?"), HandlerMetadata(thread, "alice", "tutor")),
+                    (Sum(value=5), HandlerMetadata(thread, "calculator.add", "tutor",
+                                                   redelivered=True))):
+                agents = make_agent_handlers(config, kernel=kernel)
+                pools = IsolationPools()
+                try:
+                    outs.append(await (await pools.apply(config, agents=agents))["tutor"](
+                        payload, meta))
+                    bridge = pools.pools["tutor"].bridge
+                finally:
+                    await pools.stop()
+                    await agents.platform.aclose()
+                await kernel.flush()
+    first, second = outs
+    assert first is not None and first.kind is ResponseKind.SEND
+    assert second is not None and second.kind is ResponseKind.RESPOND
+    assert isinstance(second.payload, bytes) and b"<text>It is 5.</text>" in second.payload
+    assert server.requests[1].conversation().replies == [add_call(2, 3)]
+    assert bridge.open_tasks() == 0
 
 
 # ---- the bridge, attacked directly (a real platform, no worker) ----------------------
