@@ -5,12 +5,16 @@
     two confined workers, in alternating rounds (`isolated_ratio`: the median of
     the per-round ratios isolated / in process; the rates are medians);
 (b) overhead: one 1 KiB round trip through a worker (`WorkerPool.call`) against
-    the same handler awaited in process, sequential, p50 of the difference;
+    the same handler awaited in process, sequential, p50 of the difference; and the
+    floor of any worker design on this machine, measured alongside: the same bytes
+    through a pipe pair to a bare child process that only echoes them
+    (`pipe_floor_p50_us`; `overhead_over_floor` = the isolated round trip over it);
 (c) replacement: a worker killed with SIGKILL, then the time until the next call
     is served by its replacement, the pool's ready spare (`worker_replace_ms`,
     median of a few).
 
-Usage: python benchmarks/isolation.py [--quick]. The last line is one JSON object.
+Both sides run on uvloop, as the daemon does. Usage: python benchmarks/isolation.py
+[--quick]. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -39,6 +43,35 @@ from agentd.testing import Harness  # noqa: E402
 from tests.isolated.handlers import Probe, probe  # noqa: E402
 
 TEXT = "x" * 1024
+# A child that echoes length-prefixed frames: a round trip with no work at all.
+ECHO = """
+import os, struct
+def read(n):
+    b = b""
+    while len(b) < n:
+        c = os.read(0, n - len(b))
+        if not c:
+            raise SystemExit
+        b += c
+    return b
+while True:
+    head = read(4)
+    body = read(struct.unpack(">I", head)[0])
+    os.write(1, head + body)
+"""
+
+
+async def floor_child() -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        sys.executable, "-I", "-S", "-c", ECHO, stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE)
+
+
+async def floor_round_trip(proc: asyncio.subprocess.Process, frame: bytes) -> None:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(frame)
+    await proc.stdin.drain()
+    await proc.stdout.readexactly(len(frame))
 
 
 def organism(folder: Path, isolation: str | None) -> Path:
@@ -75,26 +108,37 @@ async def pairs_per_s(config_path: Path, n: int) -> tuple[float, Harness | None]
     return n / elapsed, None
 
 
-async def overhead_and_replace(folder: Path, rounds: int, replaces: int) -> tuple[float, float]:
+async def overhead_and_replace(folder: Path, rounds: int, replaces: int
+                               ) -> tuple[float, float, float, float]:
     config = load_config(organism(folder, "{workers: 1}"))
     meta = HandlerMetadata(str(uuid.uuid4()), "alice", "prober")
     payload = Probe("echo", TEXT)
+    echo = await floor_child()
+    frame = len(TEXT).to_bytes(4, "big") + TEXT.encode()
     async with Harness(config, {"alice": "public"}, durable=False) as h:
         pool = h.isolation.pools["prober"]
         for _ in range(50):
             await pool.call(payload, meta)
-        inproc, isolated = [], []
+            await floor_round_trip(echo, frame)
+        inproc, isolated, floor = [], [], []
         for _ in range(rounds):
             t0 = time.perf_counter()
             await probe(payload, meta)
             t1 = time.perf_counter()
             await pool.call(payload, meta)
             t2 = time.perf_counter()
+            await floor_round_trip(echo, frame)
+            t3 = time.perf_counter()
             inproc.append(t1 - t0)
             isolated.append(t2 - t1)
+            floor.append(t3 - t2)
+        echo.kill()
+        await echo.wait()
         overhead_us = (statistics.median(isolated) - statistics.median(inproc)) * 1e6
+        floor_us = statistics.median(floor) * 1e6
         print(f"round trip 1 KiB: in process p50 {statistics.median(inproc) * 1e6:.1f} us, "
-              f"isolated p50 {statistics.median(isolated) * 1e6:.1f} us")
+              f"isolated p50 {statistics.median(isolated) * 1e6:.1f} us, bare pipe echo "
+              f"p50 {floor_us:.1f} us")
         print(f"worker RSS: {pool._idle[0].rss_mb():.1f} MiB")
         times = []
         for _ in range(replaces):
@@ -109,7 +153,7 @@ async def overhead_and_replace(folder: Path, rounds: int, replaces: int) -> tupl
             times.append((time.perf_counter() - t0) * 1000)
         print("worker replaced and next call served (ms): "
               + ", ".join(f"{t:.0f}" for t in times))
-    return overhead_us, statistics.median(times)
+    return overhead_us, statistics.median(times), floor_us, statistics.median(isolated) * 1e6
 
 
 async def main(quick: bool) -> dict[str, float]:
@@ -125,7 +169,7 @@ async def main(quick: bool) -> dict[str, float]:
         ratios = [iso / inp for iso, inp in zip(isolateds, inprocs, strict=True)]
         inproc, isolated = statistics.median(inprocs), statistics.median(isolateds)
         print("isolated/in-process per round: " + ", ".join(f"{r:.3f}" for r in ratios))
-        overhead, replace = await overhead_and_replace(folder, 500 if quick else 5_000,
+        overhead, replace, floor, round_trip = await overhead_and_replace(folder, 500 if quick else 5_000,
                                                        3 if quick else 10)
     return {
         "isolated_pairs_per_s": round(isolated, 1),
@@ -133,11 +177,15 @@ async def main(quick: bool) -> dict[str, float]:
         "isolated_ratio": round(statistics.median(ratios), 3),
         "isolated_overhead_p50_us": round(overhead, 1),
         "worker_replace_ms": round(replace, 1),
+        "pipe_floor_p50_us": round(floor, 1),
+        "overhead_over_floor": round(round_trip / floor, 2),
     }
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    result = asyncio.run(main(ap.parse_args().quick))
+    import uvloop  # the daemon's loop (agentd run installs it)
+
+    result = uvloop.run(main(ap.parse_args().quick))
     print(json.dumps(result))
