@@ -10,6 +10,7 @@ import asyncio
 import json
 import signal
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from agentd._envelope import build_envelope, parse_envelope
 from agentd._xml import c14n
 from agentd._xmlify import from_xml, to_xml
 from agentd.client import BusClient, frame_kind, is_answer
+from agentd.federation._remote import Offer
 from agentd.tools.echo import Echo, EchoReply
 from tests.daemon_process import DaemonProcess, edit_config
 from tests.organisms.listeners import Done, Hold
@@ -185,6 +187,47 @@ async def test_a_changed_schema_is_refused_until_a_reload_accepts_it(
         answer = await answer_of(bus, Echo(text="accepted"), "beta:echo")
         assert from_xml(EchoReply, payload_bytes(answer)).text == "accepted"
     assert pins(a.home)["beta"]["echo"]["description"] != "an older description"
+
+
+async def test_a_declared_schema_pin_takes_only_that_schema_and_no_first_use(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    alpha, beta = link_pair(tmp_path)
+    b = DaemonProcess(beta)
+    daemons.append(b)
+    await b.start()
+    dial(alpha, b)
+    wrong = "0" * 64
+
+    def declare_pin(digest: str) -> Callable[[dict[str, Any]], None]:
+        def edit(doc: dict[str, Any]) -> None:
+            doc["gateways"][0]["schema_pins"] = {"echo": digest}
+        return edit
+
+    edit_config(alpha, declare_pin(wrong))
+    a = await start(daemons, alpha)
+    await a.wait_for_line(r"security kind=federation-schema-mismatch .*listener=echo")
+    _, doc = a.agentctl("status")
+    (gateway,) = doc["result"]["status"]["gateways"]
+    assert gateway["imports"]["echo"] == "mismatch"
+    assert "echo" not in gateway["import_sha256"]  # nothing pinned on first use
+    # The callee's operator reads the digest to declare from its own status.
+    _, doc = b.agentctl("status")
+    exported = doc["result"]["status"]["gateways"][0]["export_sha256"]["echo"]
+    async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
+        assert frame_kind(await answer_of(bus, Echo(text="blocked"), "beta:echo"))[1] == "huh"
+        code, doc = a.agentctl("reload")  # a reload does not accept a mismatch
+        assert code == 0 and doc["result"]["reload"].get("accepted_schemas", []) == []
+        assert frame_kind(await answer_of(bus, Echo(text="still"), "beta:echo"))[1] == "huh"
+        session = bus.session
+    edit_config(alpha, declare_pin(exported))  # gateways are read at start
+    await a.stop(signal.SIGTERM)
+    a = await start(daemons, alpha)
+    await a.wait_for_line(r"reloaded for newly pinned peer schemas")
+    async with BusClient(a.url, "alice", session=session, cafile=a.cafile) as bus:
+        answer = await answer_of(bus, Echo(text="declared"), "beta:echo")
+        assert from_xml(EchoReply, payload_bytes(answer)).text == "declared"
+    assert Offer.from_json(pins(a.home)["beta"]["echo"]).digest == exported
 
 
 async def test_callee_killed_mid_call_runs_once_and_answers_once(

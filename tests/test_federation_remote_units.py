@@ -356,3 +356,47 @@ def test_offers_are_weighed_against_the_pins() -> None:
     assert weighed.changed == {"calculator.add": changed}
     assert weighed.new == {"echo": ECHO}
     assert len(weighed.bad) == 2  # the shadowing schema and the malformed item
+
+
+def test_a_declared_digest_takes_that_offer_at_once_and_no_other() -> None:
+    from agentd.federation._remote import weigh_offers
+
+    changed = Offer(ADD.name, "Adds, differently.", ADD.payloads, ADD.responses)
+    local = {spec_of(Add).key: Add}
+    items = [changed.to_json(), ECHO.to_json()]
+    # declared = what is offered: pinned now, even over a different stored pin
+    weighed = weigh_offers(["calculator.add", "echo"], items, {"calculator.add": ADD}, local,
+                           {"calculator.add": changed.digest, "echo": ECHO.digest})
+    assert weighed.states == {"calculator.add": "pinned", "echo": "pinned"}
+    assert weighed.new == {"calculator.add": changed, "echo": ECHO} and not weighed.changed
+    # declared != offered: refused, never pinned, not left for a reload to accept
+    weighed = weigh_offers(["calculator.add", "echo"], items, {}, local,
+                           {"calculator.add": ADD.digest})
+    assert weighed.states == {"calculator.add": "mismatch", "echo": "pinned"}
+    assert weighed.mismatched == {"calculator.add": changed}
+    assert weighed.new == {"echo": ECHO} and not weighed.changed
+
+
+def test_schema_pins_name_imports_and_are_sha256(tmp_path: Path) -> None:
+    from agentd._errors import ConfigError
+    from tests.llm_servers import load, organism_yaml
+    from tests.test_platform import REPLAY
+
+    key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGx2dW1teWtleWR1bW15a2V5ZHVtbXlrZXlkdW0x beta"
+
+    def gateway(pins: str) -> str:
+        return organism_yaml(REPLAY) + f"""
+state_dir: {tmp_path}
+identity: {{key: identity.key}}
+federation: {{listen: "127.0.0.1:0", tls: {{cert: cert.pem, key: key.pem}}}}
+gateways:
+  - {{name: beta, public_key: "{key}", url: "wss://127.0.0.1:1/federation",
+      import: [greeter], schema_pins: {pins}}}
+"""
+
+    config = load(gateway(f"{{greeter: {'a' * 64}}}"))
+    assert config.gateways[0].schema_pins == {"greeter": "a" * 64}
+    with pytest.raises(ConfigError, match="'other' is not in this gateway's import"):
+        load(gateway(f"{{other: {'a' * 64}}}"))
+    with pytest.raises(ConfigError, match="schema_pins"):
+        load(gateway("{greeter: ABC}"))

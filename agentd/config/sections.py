@@ -16,6 +16,7 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    StringConstraints,
 )
 from pydantic.dataclasses import dataclass
 from pydantic.json_schema import SkipJsonSchema
@@ -400,6 +401,18 @@ class FederationConfig:
     max_inflight_calls: Positive = 256  # a peer's calls being admitted at once, per link
 
 
+Sha256Hex = Annotated[str, Strict(), StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+def _gateway_rules(data: dict[str, Any]) -> list[Problem]:
+    """A schema pin is for an imported listener."""
+    pins, imports = data.get("schema_pins"), data.get("import", ())
+    if not isinstance(pins, dict) or not isinstance(imports, list | tuple):
+        return []
+    return [Problem(("schema_pins", name), f"{name!r} is not in this gateway's import", name)
+            for name in pins if name not in imports]
+
+
 @dataclass(frozen=True, config=SECTION)
 class GatewayConfig:
     """A peer organism: its name is the peer's `organism.name`."""
@@ -412,6 +425,10 @@ class GatewayConfig:
     export: Names = ()  # local listeners the peer may call
     import_: Names = Field(default=(), alias="import")  # remote listeners callable here
     call_timeout_s: Seconds = 300.0  # a call to an imported listener, the peer's downtime included
+    # import name -> the SHA-256 its schemas must have (instead of trust on first use)
+    schema_pins: dict[str, Sha256Hex] = Field(default_factory=dict)
+
+    _rules = rules(lambda data, _: _gateway_rules(data), "gateway")
 
 
 @dataclass(frozen=True, config=SECTION)

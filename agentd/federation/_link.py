@@ -64,7 +64,7 @@ MAX_PENDING_HANDSHAKES = 16
 SECURITY_KINDS = frozenset({
     "federation-handshake-failed", "federation-unexpected-frame", "federation-forged-from",
     "federation-priv-from-peer", "federation-not-exported", "federation-schema-changed",
-    "federation-reply-refused", "federation-bad-offer",
+    "federation-reply-refused", "federation-bad-offer", "federation-schema-mismatch",
 })
 MAX_PENDING_REPLIES = 10_000  # replies sent and not yet acknowledged, per link
 
@@ -248,8 +248,18 @@ class Federation:
             self._server = None
 
     def status(self) -> list[dict[str, Any]]:
-        return [link.status(self.outgoing[name].imports if name in self.outgoing else None)
-                for name, link in self.links.items()]
+        """Each gateway's link, the state and pinned SHA-256 of what it imports, and the
+        SHA-256 of what it exports (what the peer's operator may declare in
+        `schema_pins`)."""
+        out = []
+        for name, link in self.links.items():
+            row = link.status(self.outgoing[name].imports if name in self.outgoing else None)
+            pins = self.pins.get(name, {})
+            row["import_sha256"] = {n: pins[n].digest for n in link.config.import_ if n in pins}
+            offers = self.host.offers(list(link.config.export)) if self.host is not None else []
+            row["export_sha256"] = {o.name: o.digest for o in offers}
+            out.append(row)
+        return out
 
     # ---- accepting -------------------------------------------------------------
 
@@ -533,9 +543,13 @@ class Federation:
         peer = link.config.name
         local = self.host.local_classes() if self.host is not None else {}
         pins = self.pins.setdefault(peer, {})
-        weighed = weigh_offers(link.config.import_, items, pins, local)
+        weighed = weigh_offers(link.config.import_, items, pins, local, link.config.schema_pins)
         for detail in weighed.bad:
             self.audit("federation-bad-offer", {"peer": peer, "detail": detail})
+        for name, offer in weighed.mismatched.items():
+            self.audit("federation-schema-mismatch", {
+                "peer": peer, "listener": name, "declared": link.config.schema_pins[name],
+                "offered": offer.digest})
         calls.imports.update(weighed.states)
         for name, offer in weighed.changed.items():
             self.offered.setdefault(peer, {})[name] = offer

@@ -156,17 +156,23 @@ def save_pins(state_dir: Path, pins: Mapping[str, Mapping[str, Offer]]) -> None:
 class Weighed:
     """What one offer frame means for one gateway's imports (see `weigh_offers`)."""
 
-    states: dict[str, str]  # import name -> pinned | not-offered | changed
-    new: dict[str, Offer]  # first offers: to pin now
+    states: dict[str, str]  # import name -> pinned | not-offered | changed | mismatch
+    new: dict[str, Offer]  # first offers, or the declared one: to pin now
     changed: dict[str, Offer]  # offers that differ from their pin: for a reload
     bad: list[str]  # why an offered item was refused
+    mismatched: dict[str, Offer] = field(default_factory=dict)  # not the declared digest
 
 
 def weigh_offers(imports: Iterable[str], items: list[Any], pins: Mapping[str, Offer],
-                 local: Mapping[tuple[str, str], type]) -> Weighed:
+                 local: Mapping[tuple[str, str], type],
+                 declared: Mapping[str, str] | None = None) -> Weighed:
     """The peer's answer to our schema request, against our pins. An offer we cannot
     use (malformed, or shadowing one of our own payload roots with another XSD) is
-    refused before it could be pinned. Pure: the caller pins, audits and saves."""
+    refused before it could be pinned. An import with a digest declared in the
+    configuration (`schema_pins`) takes exactly that offer, at once, and never
+    another: no trust on first use, no reload to accept. Pure: the caller pins,
+    audits and saves."""
+    declared = declared or {}
     offers: dict[str, Offer] = {}
     wanted = set(imports)
     out = Weighed({}, {}, {}, [])
@@ -183,6 +189,12 @@ def weigh_offers(imports: Iterable[str], items: list[Any], pins: Mapping[str, Of
         offer, pinned = offers.get(name), pins.get(name)
         if offer is None:
             out.states[name] = "not-offered"
+        elif name in declared and offer.digest != declared[name]:
+            out.states[name], out.mismatched[name] = "mismatch", offer
+        elif name in declared:
+            out.states[name] = "pinned"
+            if pinned is None or pinned.digest != offer.digest:
+                out.new[name] = offer
         elif pinned is not None and pinned.digest != offer.digest:
             out.states[name], out.changed[name] = "changed", offer
         else:
@@ -258,8 +270,9 @@ def remote_listeners(
     for gateway in imports:
         for name in gateway.import_:
             offer = pins.get(gateway.name, {}).get(name)
-            if offer is None:
-                continue
+            declared = gateway.schema_pins.get(name)
+            if offer is None or (declared is not None and offer.digest != declared):
+                continue  # pinned (again) when the peer offers the declared schema
             full = f"{gateway.name}:{name}"
             try:
                 payloads = tuple(class_of_xsd(x, classes) for x in offer.payloads)
