@@ -100,16 +100,18 @@ def scripted(fn: Callable[[Seen, list[int]], str]) -> Callable[[Seen], str]:
 # ---- the loop -------------------------------------------------------------------------
 
 
-async def test_an_agent_calls_a_tool_twice_and_answers() -> None:
-    def script(seen: Seen, got: list[int]) -> str:
-        a, b, c = numbers(seen.conversation().task)[:3]
-        if not got:
-            return f"Step one.\n{add_call(a, b)}"
-        if len(got) == 1:
-            return f"Step two: {add_call(got[0], c)}"
-        return f"{a} + {b} + {c} = {got[1]}."
+def add_three(seen: Seen, got: list[int]) -> str:
+    """Adds the task's three numbers in two calculator calls, then answers."""
+    a, b, c = numbers(seen.conversation().task)[:3]
+    if not got:
+        return f"Step one.\n{add_call(a, b)}"
+    if len(got) == 1:
+        return f"Step two: {add_call(got[0], c)}"
+    return f"{a} + {b} + {c} = {got[1]}."
 
-    async with FakeLLM("openai", scripted(script)) as server, \
+
+async def test_an_agent_calls_a_tool_twice_and_answers() -> None:
+    async with FakeLLM("openai", scripted(add_three)) as server, \
             organism(organism_yaml(openai_backend(server))) as (h, handlers):
         frames = await h.send("alice", MathQuestion(text="Add 2, 3 and 10."))
     assert kinds(frames) == [("core", "accepted"), ("tutor", "answer")]

@@ -5,7 +5,6 @@ requests are attacked: outside a call, out of scope, over the caps."""
 from __future__ import annotations
 
 import asyncio
-import os
 import tempfile
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -35,7 +34,8 @@ from tests.llm_servers import (
     openai_backend,
     organism_yaml,
 )
-from tests.test_agents import answered, child, kinds, scripted
+from tests.test_agents import add_three, answered, child, kinds, scripted
+from tests.test_agents import organism as agents_organism
 
 ISOLATED = "\n    isolation: {workers: 2, memory_mb: 2048}"
 
@@ -45,21 +45,9 @@ async def organism(config_text: str, **platform_kw: Any
                    ) -> AsyncIterator[tuple[Harness, AgentHandlers]]:
     # The state folder apart from the code the workers read (the demo's is inside it).
     with tempfile.TemporaryDirectory(prefix="agentd-iso-agents-") as state:
-        async with _organism(f"state_dir: {state}\n{config_text}", **platform_kw) as both:
+        async with agents_organism(f"state_dir: {state}\n{config_text}",
+                                   **platform_kw) as both:
             yield both
-
-
-@asynccontextmanager
-async def _organism(config_text: str, **platform_kw: Any
-                    ) -> AsyncIterator[tuple[Harness, AgentHandlers]]:
-    config = load(config_text)
-    platform = Platform.from_config(config, **platform_kw)
-    handlers = make_agent_handlers(config, platform)
-    async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
-                       durable=False) as h:
-        platform.bind_threads(h.pump.registry)
-        yield h, handlers
-    await platform.aclose()
 
 
 async def until(condition: Callable[[], bool]) -> None:
@@ -85,19 +73,11 @@ def clean(h: Harness, handlers: AgentHandlers) -> bool:
 
 
 async def test_an_isolated_agent_calls_tools_and_answers_through_the_daemon() -> None:
-    def script(seen: Seen, got: list[int]) -> str:
-        a, b, c = numbers(seen.conversation().task)[:3]
-        if not got:
-            return f"Step one.\n{add_call(a, b)}"
-        if len(got) == 1:
-            return f"Step two: {add_call(got[0], c)}"
-        return f"{a} + {b} + {c} = {got[1]}. pid={os.getpid()}"
-
-    async with FakeLLM("openai", scripted(script)) as server, \
+    async with FakeLLM("openai", scripted(add_three)) as server, \
             organism(organism_yaml(openai_backend(server), tutor_extra=ISOLATED)) as (h, hs):
         frames = await h.send("alice", MathQuestion(text="Add 2, 3 and 10."))
         assert kinds(frames) == [("core", "accepted"), ("tutor", "answer")]
-        assert answered(frames) == f"2 + 3 + 10 = 15. pid={os.getpid()}"
+        assert answered(frames) == "2 + 3 + 10 = 15."
         assert len(server.requests) == 3  # every model call made by the daemon
         third = server.requests[2].conversation()
         assert [r.source for r in third.results] == ["result:calculator.add"] * 2
