@@ -169,8 +169,8 @@ async def main(quick: bool) -> dict[str, float]:
         ratios = [iso / inp for iso, inp in zip(isolateds, inprocs, strict=True)]
         inproc, isolated = statistics.median(inprocs), statistics.median(isolateds)
         print("isolated/in-process per round: " + ", ".join(f"{r:.3f}" for r in ratios))
-        overhead, replace, floor, round_trip = await overhead_and_replace(folder, 500 if quick else 5_000,
-                                                       3 if quick else 10)
+        overhead, replace, floor, round_trip = await overhead_and_replace(
+            folder, 500 if quick else 5_000, 3 if quick else 10)
     return {
         "isolated_pairs_per_s": round(isolated, 1),
         "inprocess_pairs_per_s": round(inproc, 1),
