@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import os
 import socket
 import sys
 import uuid
@@ -213,12 +214,28 @@ async def test_isolation_limits_reach_the_server_process(tmp_path: Path) -> None
     ({"isolation": {"workers": 4}}, "one process with one session"),
     ({"isolation": {"process": False}}, "always runs in a process of its own"),
     ({"isolation": {"env": {"A": "b"}}}, "as tool `env`"),
+    ({"isolation": {"user": "no-such-user-here"}}, "no such user: no-such-user-here"),
 ])
 def test_contradictory_or_inapplicable_isolation_is_a_configuration_error(
         tmp_path: Path, block: dict[str, object], says: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_config_text(organism(tmp_path, "good", extra=block), base_dir=tmp_path)
     assert says in str(info.value)
+
+
+def test_isolation_user_is_the_servers_user(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The server is started (to list its tools) as `nobody`, who cannot reach this
+    # test's folder under /tmp/pytest-of-root: the start fails, and the log says why.
+    text = organism(tmp_path, "good", extra={"isolation": {"user": "nobody"}})
+    if os.geteuid() == 0:
+        with pytest.raises(ConfigError, match="mcp server calc could not be listed"):
+            load_config_text(text, base_dir=tmp_path)
+        assert "confine: PermissionError" in caplog.text
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # a daemon not running as root
+    with pytest.raises(ConfigError, match="only when the daemon runs as root"):
+        load_config_text(text, base_dir=tmp_path)
 
 
 def test_isolation_for_a_url_server_is_a_configuration_error(tmp_path: Path) -> None:

@@ -53,6 +53,7 @@ from agentd.config.values import (
     WssUrl,
     rules,
     split_host_port,
+    unknown_user,
 )
 from agentd.kernel import DEFAULT_KERNEL_OPTIONS, RETAIN_FOREVER
 
@@ -214,26 +215,12 @@ class JournalConfig:
     max_outbox_per_client: Positive = _KERNEL.max_outbox_per_client
 
 
-def user_ids(user: str) -> tuple[int, int]:
-    """(uid, gid) of a user name or numeric uid (its primary group); KeyError if unknown."""
-    import pwd
-
-    entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
-    return entry.pw_uid, entry.pw_gid
-
-
 def _isolation_rules(data: dict[str, Any]) -> list[Problem]:
     """`network: false` is never degraded: refused where nothing can enforce it. A
     `user` must exist here (whether the daemon may switch to it is checked at start)."""
     from agentd.confine import landlock_status  # late: only files that use isolation
 
-    problems = []
-    user = data.get("user")
-    if isinstance(user, str):
-        try:
-            user_ids(user)
-        except (KeyError, ValueError, OverflowError):
-            problems.append(Problem(("user",), f"no such user: {user}", user, at_entry=True))
+    problems = unknown_user(data)
     if data.get("process", True) is not True or data.get("network", False) is not False:
         return problems
     if landlock_status().network_denial:

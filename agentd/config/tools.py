@@ -20,6 +20,7 @@ from pydantic import AfterValidator, ConfigDict, Field, Strict
 from pydantic.dataclasses import dataclass
 
 from agentd.config.values import (
+    AnyText,
     Bool,
     ClassRefs,
     Directory,
@@ -32,6 +33,7 @@ from agentd.config.values import (
     Url,
     problem,
     rules,
+    unknown_user,
 )
 
 SECTION = ConfigDict(extra="forbid")
@@ -195,6 +197,9 @@ class McpIsolation:
     memory_mb: Megabytes | None = None  # RLIMIT_AS of the server (None: the tool's)
     network: Bool | None = None  # None: the tool's `network`
     open_files: Positive = 256
+    user: AnyText | None = None  # run the server as this user (the daemon must be root)
+
+    _rules = rules(lambda data, _: unknown_user(data), "isolation")
 
 
 @dataclass(frozen=True, config=SECTION)

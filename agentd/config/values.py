@@ -463,3 +463,43 @@ ClassRefs = Annotated[
         {"anyOf": [_REF_SCHEMA, {"type": "array", "items": _REF_SCHEMA, "minItems": 1}]}
     ),
 ]
+
+
+# ---- the user a confined process runs as ------------------------------------------------
+
+
+def user_ids(user: str) -> tuple[int, int]:
+    """(uid, gid) of a user name or numeric uid (its primary group); KeyError if unknown."""
+    import pwd
+
+    entry = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(user)
+    return entry.pw_uid, entry.pw_gid
+
+
+def unknown_user(data: Mapping[str, Any]) -> list[Problem]:
+    """An `isolation:` block's `user` must exist on this host."""
+    user = data.get("user")
+    if not isinstance(user, str):
+        return []
+    try:
+        user_ids(user)
+    except (KeyError, ValueError, OverflowError):
+        return [Problem(("user",), f"no such user: {user}", user, at_entry=True)]
+    return []
+
+
+def run_as(user: str | None, where: str) -> tuple[int | None, int | None]:
+    """The (uid, gid) a confined process switches to: None, None without `user` (the
+    daemon's own). Another user needs the daemon to run as root: refused (ConfigError
+    naming `where`) rather than ignored, since the operator asked for the separation."""
+    import os
+
+    from agentd._errors import ConfigError
+
+    if user is None:
+        return None, None
+    uid, gid = user_ids(user)
+    if os.geteuid() != 0 and (uid, gid) != (os.geteuid(), os.getegid()):
+        raise ConfigError([f"{where}: isolation: user: {user}: a process can run as another "
+                           "user only when the daemon runs as root"])
+    return uid, gid

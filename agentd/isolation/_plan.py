@@ -24,7 +24,7 @@ from typing import Any
 
 from agentd._errors import ConfigError
 from agentd.config import IsolationConfig, ListenerConfig, OrganismConfig
-from agentd.config.sections import user_ids
+from agentd.config.values import run_as
 from agentd.confine import SYSTEM_READ_PATHS, Policy
 
 WORKER_ARGV = (sys.executable, "-E", "-s", "-P", "-m", "agentd.isolation.worker")
@@ -99,7 +99,7 @@ def worker_policy(lst: ListenerConfig, iso: IsolationConfig, secrets: Iterable[P
                     f"{lst.location}: listeners: {lst.name}: isolation: the worker would be "
                     f"able to read {secret} (beneath {grant}); move the handler's code or "
                     "the secret"])
-    uid, gid = worker_ids(iso, lst)
+    uid, gid = run_as(iso.user, f"{lst.location}: listeners: {lst.name}")
     hidden = set(secrets)
     listing = tuple(p for p in (os.path.abspath(x) for x in sys_path if x)
                     if os.path.isdir(p) and Path(p) not in hidden)
@@ -108,20 +108,6 @@ def worker_policy(lst: ListenerConfig, iso: IsolationConfig, secrets: Iterable[P
         read_paths=tuple(sorted(grants)), list_paths=listing, network=iso.network,
         env=dict(iso.env), cwd="/", uid=uid, gid=gid,
     )
-
-
-def worker_ids(iso: IsolationConfig, lst: ListenerConfig) -> tuple[int | None, int | None]:
-    """The (uid, gid) the workers switch to: None, None without `user` (the daemon's
-    own). Another user needs the daemon to run as root; that is refused here rather
-    than ignored, since the operator asked for the separation."""
-    if iso.user is None:
-        return None, None
-    uid, gid = user_ids(iso.user)
-    if os.geteuid() != 0 and (uid, gid) != (os.geteuid(), os.getegid()):
-        raise ConfigError([
-            f"{lst.location}: listeners: {lst.name}: isolation: user: {iso.user}: workers "
-            "can run as another user only when the daemon runs as root"])
-    return uid, gid
 
 
 def reply_refs(config: OrganismConfig, lst: ListenerConfig) -> tuple[str, ...]:

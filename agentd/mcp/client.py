@@ -30,6 +30,7 @@ from mcp import ClientSession, types
 from agentd import _metrics
 from agentd._errors import AgentdError, Denied, HuhCode
 from agentd._states import step
+from agentd.config.values import run_as
 from agentd.confine import SYSTEM_READ_PATHS, Policy, resolve_executable
 from agentd.mcp._stdio import Ending, confined_stdio
 from agentd.tools.http import Resolver, system_resolver
@@ -86,16 +87,18 @@ def stdio_policy(config: Any) -> Policy:
     """The confinement of a stdio server: that of `exec` (empty environment plus
     `env`, rlimits, Landlock, its own process group, network as configured). An
     `isolation:` block's `memory_mb` and `network` have been merged into the tool's
-    at load (a contradiction is refused there); its `open_files` applies here."""
+    at load (a contradiction is refused there); its `open_files` and `user` apply
+    here."""
     program = resolve_executable(config.command[0], dict(config.env))
     real = os.path.realpath(program)
     reads = (*SYSTEM_READ_PATHS, os.path.dirname(real), *(str(p) for p in config.read))
     root = str(config.root) if config.root is not None else None
     iso = config.isolation
+    uid, gid = run_as(iso.user if iso is not None else None, "tool (mcp server)")
     return Policy(memory_mb=config.memory_mb, read_paths=reads,
                   open_files=iso.open_files if iso is not None else 256,
                   write_paths=(root,) if root else (), network=config.network,
-                  env=dict(config.env), cwd=root or "/")
+                  env=dict(config.env), cwd=root or "/", uid=uid, gid=gid)
 
 
 # listener -> the server whose session started last under that name, for
