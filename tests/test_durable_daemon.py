@@ -145,14 +145,16 @@ async def test_an_operator_denial_reaches_the_client(home: Path) -> None:
 # ---- an agent's parked call across kill -9 ------------------------------------------------
 
 
-def gate_the_calculator(home: Path, server: Any) -> None:
+def gate_the_calculator(home: Path, server: Any, isolated: bool = False) -> None:
     """The tutor on the fake model, with the timer among its peers; calculator.add
-    behind an operator-only gate."""
+    behind an operator-only gate. `isolated`: the tutor's loop in a worker."""
     from tests.daemon_process import edit_config
 
     def edit(doc: dict[str, Any]) -> None:
         tutor = next(lst for lst in doc["listeners"] if lst["name"] == "tutor")
         tutor["peers"].append("clock")
+        if isolated:
+            tutor["isolation"] = {"workers": 1, "memory_mb": 2048}
         doc["llm"]["retries"] = 0
         doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
                                    "base_url": server.base_url, "model": "fake-1"}]
@@ -189,8 +191,9 @@ async def answer_after_restart(home: Path, thread: str, session: str,
         assert await d.stop() == 0
 
 
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "isolated"])
 async def test_an_agents_parked_call_approved_after_kill_9_resumes_its_task(
-        home: Path) -> None:
+        home: Path, isolated: bool) -> None:
     from agentd.platform.demo import MathQuestion
     from tests.llm_servers import FakeLLM, add_call, values
 
@@ -206,7 +209,7 @@ async def test_an_agents_parked_call_approved_after_kill_9_resumes_its_task(
         return pending
 
     async with FakeLLM("openai", script) as server:
-        gate_the_calculator(home, server)
+        gate_the_calculator(home, server, isolated)
         thread, session, pending = await ask_then_kill_9(
             home, MathQuestion(text="What is 2 + 40?"), "approval-required", parked)
         assert len(server.requests) == 1
@@ -214,8 +217,13 @@ async def test_an_agents_parked_call_approved_after_kill_9_resumes_its_task(
         async def approve(d: DaemonProcess) -> None:
             decided = await ctl(d, "approve", pending["id"])
             assert decided["approve"]["outcome"] == "approved"
-            # The restarted process rebuilt the task from its durable history.
-            await d.wait_for_line(r"agent tutor: task restored .* iterations=1 pending=1")
+            # The restarted process rebuilt the task from its durable history (an
+            # isolated agent's worker asked the daemon for it; its log is its own).
+            if not isolated:
+                await d.wait_for_line(r"agent tutor: task restored .* iterations=1 pending=1")
+            else:
+                pools = (await ctl(d, "status"))["status"]["isolation"]["pools"]
+                assert [p["listener"] for p in pools] == ["tutor"]
 
         answer = await answer_after_restart(home, thread, session, approve)
         assert b"The sum is 42." in answer
