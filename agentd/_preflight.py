@@ -129,6 +129,23 @@ def _listeners(config: OrganismConfig) -> Mapping[str, Any]:
     return {}
 
 
+def _isolation(config: OrganismConfig) -> Mapping[str, Any]:
+    """The workers' confinement as the daemon will start them: no secret beneath a
+    folder a worker may read, a `user` the daemon may switch to."""
+    from agentd.isolation import IsolationPools, effective_isolation
+
+    if not effective_isolation(config):
+        return {}
+    registry = None
+    if any(lst.agent is not None for lst in config.listeners):
+        from agentd.platform import PromptRegistry
+
+        registry = PromptRegistry.build(config)
+    IsolationPools.specs(config, None if registry is None else (
+        lambda name: registry.get(name).catalogue))
+    return {}
+
+
 def _federation(config: OrganismConfig) -> Mapping[str, Any]:
     """The identity key, the gateways' public keys and the /federation TLS pair."""
     loaded: dict[str, Any] = {}
@@ -159,6 +176,7 @@ PREFLIGHT_CHECKS: tuple[PreflightCheck, ...] = (
     PreflightCheck("prompts", _prompts),
     PreflightCheck("llm.backends", _cassettes),
     PreflightCheck("listeners", _listeners),
+    PreflightCheck("isolation", _isolation),
     PreflightCheck("federation", _federation),
 )
 

@@ -53,6 +53,12 @@ def checking_as(uid: int) -> Iterator[None]:
         _daemon_uid.reset(token)
 
 
+def daemon_uid() -> int:
+    """The uid the daemon runs as: this process's, or the one `checking_as` names."""
+    uid = _daemon_uid.get()
+    return os.geteuid() if uid is None else uid
+
+
 class SecretFileError(AgentdError):
     """A secret file is missing, unreadable, or not private enough to be trusted."""
 

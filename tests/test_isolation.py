@@ -17,6 +17,7 @@ import pytest
 
 from agentd._envelope import parse_envelope
 from agentd._errors import ConfigError
+from agentd._secrets import checking_as
 from agentd.client import frame_kind
 from agentd.config import load_config
 from agentd.confine import landlock_status
@@ -242,12 +243,28 @@ async def test_a_worker_that_cannot_start_says_why(tmp_path: Path) -> None:
         await pools.apply(config)
 
 
-def test_another_user_without_root_is_refused_at_start(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_another_user_without_root_is_refused_at_start(tmp_path: Path) -> None:
     config = load_config(organism(tmp_path, "{workers: 1, user: nobody}"))
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(ConfigError, match="only when the daemon runs as root"):
+    with checking_as(1000), pytest.raises(  # a daemon that will run as uid 1000
+            ConfigError, match="only when the daemon runs as root"):
         IsolationPools.specs(config)
+
+
+def test_check_config_reports_what_the_workers_start_would_refuse(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from agentd._preflight import preflight
+    from agentd.config import check_config_main
+
+    path = organism(tmp_path, "{workers: 1, user: nobody}")
+    with checking_as(1000):
+        assert check_config_main(path, preflight=preflight) == 1
+    assert "only when the daemon runs as root" in capsys.readouterr().err
+    # A state folder inside the handler's package: the worker could read it.
+    inside = Path(__file__).parent / "isolated" / "state-never-created"
+    path.write_text(path.read_text().replace("state_dir: state", f"state_dir: {inside}"))
+    assert check_config_main(path, preflight=preflight) == 1
+    assert f"the worker would be able to read {inside}" in capsys.readouterr().err
+    assert not inside.exists()
 
 
 def test_an_unknown_user_is_a_configuration_error(tmp_path: Path) -> None:

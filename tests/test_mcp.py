@@ -224,8 +224,9 @@ def test_contradictory_or_inapplicable_isolation_is_a_configuration_error(
 
 
 def test_isolation_user_is_the_servers_user(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from agentd._secrets import checking_as
+
     # The server is started (to list its tools) as `nobody`, who cannot reach this
     # test's folder under /tmp/pytest-of-root: the start fails, and the log says why.
     text = organism(tmp_path, "good", extra={"isolation": {"user": "nobody"}})
@@ -233,8 +234,8 @@ def test_isolation_user_is_the_servers_user(
         with pytest.raises(ConfigError, match="mcp server calc could not be listed"):
             load_config_text(text, base_dir=tmp_path)
         assert "confine: PermissionError" in caplog.text
-    monkeypatch.setattr(os, "geteuid", lambda: 1000)  # a daemon not running as root
-    with pytest.raises(ConfigError, match="only when the daemon runs as root"):
+    with checking_as(1000), pytest.raises(  # a daemon that will run as uid 1000
+            ConfigError, match="only when the daemon runs as root"):
         load_config_text(text, base_dir=tmp_path)
 
 

@@ -210,6 +210,23 @@ def _break_listeners(home: Path) -> None:
     edit_config(home, twins)
 
 
+def _break_isolation(home: Path) -> None:
+    """An isolated handler whose package holds the state folder: its worker could
+    read the journal."""
+    package = home / "mods" / "inside"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from agentd.tools.calculator import add\n")
+
+    def isolate(doc: dict[str, Any]) -> None:
+        doc["python_path"] = [str(home / "mods")]
+        doc["state_dir"] = str(package / "state")
+        add = next(lst for lst in doc["listeners"] if lst["name"] == "calculator.add")
+        add["handler"] = "inside:add"
+        add["isolation"] = {"workers": 1}
+
+    edit_config(home, isolate)
+
+
 def _break_identity(home: Path) -> None:  # readable by others: refused
     (home / "identity.key").chmod(0o644)
 
@@ -222,6 +239,7 @@ BREAKS: dict[str, tuple[Callable[[Path], None], str]] = {
     "prompts": (_break_prompts, "uses unknown variable {nonsense}"),
     "llm.backends": (_break_cassette, "broken.jsonl:1: not a cassette exchange"),
     "listeners": (_break_listeners, "}greeting"),
+    "isolation": (_break_isolation, "the worker would be able to read"),
     "federation": (_break_identity, "federation: identity.key:"),
 }
 

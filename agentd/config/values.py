@@ -492,14 +492,14 @@ def run_as(user: str | None, where: str) -> tuple[int | None, int | None]:
     """The (uid, gid) a confined process switches to: None, None without `user` (the
     daemon's own). Another user needs the daemon to run as root: refused (ConfigError
     naming `where`) rather than ignored, since the operator asked for the separation."""
-    import os
-
     from agentd._errors import ConfigError
+    from agentd._secrets import daemon_uid
 
     if user is None:
         return None, None
     uid, gid = user_ids(user)
-    if os.geteuid() != 0 and (uid, gid) != (os.geteuid(), os.getegid()):
+    runs_as = daemon_uid()
+    if runs_as != 0 and uid != runs_as:
         raise ConfigError([f"{where}: isolation: user: {user}: a process can run as another "
                            "user only when the daemon runs as root"])
     return uid, gid

@@ -127,12 +127,11 @@ def worker_init(lst: ListenerConfig, sys_path: Iterable[str], replies: Iterable[
             "payload_classes": [*lst.payload_refs, *replies], "agent": agent}
 
 
-def agent_init(lst: ListenerConfig, platform: Any, max_fanout: int) -> Mapping[str, object]:
+def agent_init(lst: ListenerConfig, catalogue: Any, max_fanout: int) -> Mapping[str, object]:
     """What an isolated agent's worker needs to run the agent loop: its limits and its
-    tool catalogue (the peers' public schemas, from the platform's prompt registry)."""
+    tool catalogue (the peers' public schemas, from the prompt registry)."""
     from agentd.isolation._agent import catalogue_wire  # the platform: agents only
 
     assert lst.agent is not None
     return {"name": lst.name, "max_iterations": lst.agent.max_iterations,
-            "max_fanout": max_fanout,
-            "catalogue": catalogue_wire(platform.prompt(lst.name).catalogue)}
+            "max_fanout": max_fanout, "catalogue": catalogue_wire(catalogue)}

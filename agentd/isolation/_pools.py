@@ -41,10 +41,11 @@ class IsolationPools:
         self.retired: list[tuple[WorkerPool, int]] = []
 
     @staticmethod
-    def specs(config: OrganismConfig, agents: Any = None) -> dict[str, WorkerSpec]:
+    def specs(config: OrganismConfig, catalogues: Callable[[str], Any] | None = None
+              ) -> dict[str, WorkerSpec]:
         """The worker spec of every isolated listener (raises ConfigError).
-        `agents`: the agents' handlers (`AgentHandlers`), needed when an agent is
-        isolated (its worker gets its tool catalogue)."""
+        `catalogues(agent)`: an agent's tool catalogue, needed when an agent is
+        isolated (its worker gets it at start)."""
         chosen = effective_isolation(config)
         if not chosen:
             return {}
@@ -55,11 +56,10 @@ class IsolationPools:
             lst = config.listener(name)
             agent = replies = None
             if lst.agent is not None:
-                platform = getattr(agents, "platform", None)
-                if platform is None:
+                if catalogues is None:
                     raise ConfigError([f"{lst.location}: listeners: {name}: an isolated "
                                        "agent needs the platform (agent handlers)"])
-                agent = agent_init(lst, platform, config.pump.max_fanout)
+                agent = agent_init(lst, catalogues(name), config.pump.max_fanout)
             else:
                 replies = reply_refs(config, lst)
             specs[name] = WorkerSpec(
@@ -78,11 +78,12 @@ class IsolationPools:
         as nothing routes yet). An isolated agent's pool answers its worker's
         requests with `agents`' platform; a pool bound to another platform is
         replaced like a changed one."""
-        specs = self.specs(config, agents)
+        platform = getattr(agents, "platform", None)
+        specs = self.specs(config, None if platform is None else (
+            lambda name: platform.prompt(name).catalogue))
         if specs and not landlock_status().filesystem:
             log.warning("isolation: Landlock unavailable: workers keep the filesystem "
                         "access of the daemon's uid (see agentctl status)")
-        platform = getattr(agents, "platform", None)
         keep = {n: pool for n, pool in self.pools.items() if specs.get(n) == pool.spec
                 and (pool.bridge is None or pool.bridge.platform is platform)}
         fresh = {n: WorkerPool(s, self._bridge(config, n, platform))
