@@ -237,8 +237,12 @@ class WorkerPool:
             from agentd.isolation._agent import CallContext
 
             context = CallContext(meta, key, body, payload)
-        frame = p.encode_call(meta, key, body,
-                              bridge.call_fields(context) if bridge is not None else None)
+        # No call waits for a worker: the worker may spin for the next one (a
+        # worker of a saturated pool must not take the daemon's CPU so).
+        extra = {"spin": not self._waiters}
+        if bridge is not None:
+            extra.update(bridge.call_fields(context))
+        frame = p.encode_call(meta, key, body, extra)
         for _ in range(_MAX_REDISPATCH):
             worker, answer = await self._deliver(frame, context)
             try:
