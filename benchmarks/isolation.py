@@ -1,9 +1,12 @@
 """Handler isolation against the same handler in process, in one process run.
 
 (a) throughput: request/response pairs through the pump (no kernel, so the
-    handler path dominates), the same echo handler in process and in a pool of
-    two confined workers, in alternating rounds (`isolated_ratio`: the median of
-    the per-round ratios isolated / in process; the rates are medians);
+    handler path dominates), the same echo handler in process, in a pool of two
+    confined workers and in a pool of one (the default), in alternating rounds
+    (`isolated_ratio`, `isolated_1w_ratio`: the median of the per-round ratios
+    isolated / in process; the rates are medians). On two cores, two workers and
+    the daemon share them; one worker and the daemon have one each, and that worker
+    spins for its next call instead of sleeping;
 (b) overhead: one 1 KiB round trip through a worker (`WorkerPool.call`) against
     the same handler awaited in process, sequential, p50 of the difference; and the
     floor of any worker design on this machine, measured alongside: the same bytes
@@ -160,21 +163,28 @@ async def main(quick: bool) -> dict[str, float]:
     n = 2_000 if quick else 20_000
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        inprocs, isolateds = [], []
+        inprocs, isolateds, singles = [], [], []
         for i in range(3 if quick else 5):  # alternating rounds: this machine drifts
             inprocs.append((await pairs_per_s(organism(folder, None), n))[0])
             isolateds.append((await pairs_per_s(organism(folder, "{workers: 2}"), n))[0])
+            singles.append((await pairs_per_s(organism(folder, "{workers: 1}"), n))[0])
             print(f"round {i + 1}: in process {inprocs[-1]:,.0f} pairs/s, isolated "
-                  f"(2 workers) {isolateds[-1]:,.0f} pairs/s ({n} requests each)")
+                  f"(2 workers) {isolateds[-1]:,.0f}, (1 worker) {singles[-1]:,.0f} pairs/s "
+                  f"({n} requests each)")
         ratios = [iso / inp for iso, inp in zip(isolateds, inprocs, strict=True)]
+        single_ratios = [one / inp for one, inp in zip(singles, inprocs, strict=True)]
         inproc, isolated = statistics.median(inprocs), statistics.median(isolateds)
-        print("isolated/in-process per round: " + ", ".join(f"{r:.3f}" for r in ratios))
+        print("isolated/in-process per round, 2 workers: "
+              + ", ".join(f"{r:.3f}" for r in ratios) + "; 1 worker: "
+              + ", ".join(f"{r:.3f}" for r in single_ratios))
         overhead, replace, floor, round_trip = await overhead_and_replace(
             folder, 500 if quick else 5_000, 3 if quick else 10)
     return {
         "isolated_pairs_per_s": round(isolated, 1),
         "inprocess_pairs_per_s": round(inproc, 1),
         "isolated_ratio": round(statistics.median(ratios), 3),
+        "isolated_1w_pairs_per_s": round(statistics.median(singles), 1),
+        "isolated_1w_ratio": round(statistics.median(single_ratios), 3),
         "isolated_overhead_p50_us": round(overhead, 1),
         "worker_replace_ms": round(replace, 1),
         "pipe_floor_p50_us": round(floor, 1),
