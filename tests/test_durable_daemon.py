@@ -311,3 +311,58 @@ async def test_end_thread_refuses_unknown_ended_and_malformed_threads_alike(
                                     "message": "no active conversation with that thread"}
     finally:
         assert await d.stop() == 0
+
+
+# ---- an isolated agent across a reload ----------------------------------------------------
+
+
+def worker_pids(d: DaemonProcess) -> set[int]:
+    """The daemon's isolation workers (its children running `agentd.isolation.worker`)."""
+    assert d.proc is not None
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (int(stat.rsplit(")", 1)[1].split()[1]) == d.proc.pid
+                and b"agentd.isolation.worker" in cmdline):
+            found.add(int(entry.name))
+    return found
+
+
+async def test_an_isolated_agent_answers_before_and_after_a_reload_that_replaces_its_pool(
+        home: Path) -> None:
+    """A reload that changes the agent builds a new platform, and with it a new pool
+    for the isolated agent (its bridge answers with the new platform); the replay
+    model answers the same question through both."""
+    from agentd.platform.demo import MathQuestion
+    from tests.daemon_process import edit_config
+
+    def tutor(change: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]], None]:
+        def edit(doc: dict[str, Any]) -> None:
+            change(next(lst for lst in doc["listeners"] if lst["name"] == "tutor"))
+        return edit
+
+    edit_config(home, tutor(lambda t: t.update(isolation={"workers": 1})))
+    question = MathQuestion(text="What is (2 + 3) * 7?")
+    d = await DaemonProcess(home).start()
+    try:
+        before = worker_pids(d)
+        assert before  # the tutor's worker and its spare
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            first = await next_on(bus, await bus.send(question), "answer")
+            assert b"(2 + 3) * 7 = 35." in first
+            edit_config(home, tutor(lambda t: t.update(timeout_s=120)))  # not in the prompt
+            reloaded = await ctl(d, "reload")
+            assert "tutor" in reloaded["reload"]["changed"]
+            assert worker_pids(d) - before  # the new platform's pool
+            second = await next_on(bus, await bus.send(question), "answer")
+            assert b"(2 + 3) * 7 = 35." in second
+        pools = (await ctl(d, "status"))["status"]["isolation"]["pools"]
+        assert [(p["listener"], p["restarts"]) for p in pools] == [("tutor", 0)]
+    finally:
+        assert await d.stop() == 0
