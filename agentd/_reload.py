@@ -243,13 +243,13 @@ async def reload_daemon(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
         return plan.result(version, dry_run=True)
     handlers = build_agent_handlers(new.config, daemon.kernel, daemon.audit) if (
         plan.new_platform) else None
+    agents: Mapping[str, Any] = handlers or daemon.agents or {}  # those the new table runs
     try:
         isolated = await daemon.isolation.apply(new.config, daemon.routing.version,
-                                                agents=handlers or daemon.agents)
+                                                agents=agents)
         rebuild = [cfg.name for cfg in new.config.listeners if cfg.agent] if handlers else []
         # A listener whose pool changed (or that moved in or out of a worker) gets a
         # new runtime object; threads on older tables keep theirs.
-        agents: Mapping[str, Any] = handlers or daemon.agents or {}
         for cfg in new.config.listeners:
             old = daemon.routing.listeners.get(cfg.name)
             now = isolated.get(cfg.name) or (

@@ -126,6 +126,12 @@ class AgentBridge:
     def open_tasks(self) -> int:
         return len(self.iterations.keys() | self.states.keys())
 
+    @staticmethod
+    def context(meta: HandlerMetadata, key: str | None, body: bytes, payload: Any
+                ) -> CallContext:
+        """The scope of one call's requests (the pool keeps it with the call)."""
+        return CallContext(meta, key, body, payload)
+
     def call_fields(self, ctx: CallContext) -> dict[str, Any]:
         return {"state": self.states.get(ctx.meta.thread_id)}
 

@@ -232,15 +232,12 @@ class WorkerPool:
             body = spec.to_bytes(payload)
         else:  # a core payload (ack, huh, answer) coming back to the listener
             key, body = None, payload.to_bytes()
-        bridge, context = self.bridge, None
-        if bridge is not None:
-            from agentd.isolation._agent import CallContext
-
-            context = CallContext(meta, key, body, payload)
         # No call waits for a worker: the worker may spin for the next one (a
         # worker of a saturated pool must not take the daemon's CPU so).
-        extra = {"spin": not self._waiters}
+        extra: dict[str, Any] = {"spin": not self._waiters}
+        bridge, context = self.bridge, None
         if bridge is not None:
+            context = bridge.context(meta, key, body, payload)
             extra.update(bridge.call_fields(context))
         frame = p.encode_call(meta, key, body, extra)
         for _ in range(_MAX_REDISPATCH):

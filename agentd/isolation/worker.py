@@ -21,9 +21,9 @@ import importlib
 import os
 import select
 import sys
-import time
 from typing import Any
 
+from agentd._spin import wait_readable
 from agentd.isolation import _protocol as p
 
 
@@ -40,22 +40,6 @@ def _read_exact(fd: int, n: int) -> bytes:
 
 def _read_frame(fd: int) -> tuple[bytes, dict[str, Any], bytes]:
     return p.decode(_read_exact(fd, p.frame_length(_read_exact(fd, 4))))
-
-
-SPIN_S = 0.0002
-
-
-def _wait_readable(poller: select.poll, spin_s: float = SPIN_S) -> None:
-    """Poll for up to `spin_s` before the blocking read: a call that follows the last
-    answer closely is read without the worker first going to sleep, which on a
-    virtual machine costs about as much as the call (the kernel writer does the
-    same). Bounded: at most `spin_s` of CPU per answer, nothing while idle. Only
-    when the daemon said its pool was not saturated: under load the spin would take
-    the CPU the daemon needs to feed the workers."""
-    deadline = time.perf_counter() + spin_s
-    while time.perf_counter() < deadline:
-        if poller.poll(0):
-            return
 
 
 def _write(fd: int, data: bytes) -> None:
@@ -144,8 +128,8 @@ def serve(fd_in: int, fd_out: int) -> None:
     poller.register(fd_in, select.POLLIN)
     spin = False
     while True:
-        if spin:
-            _wait_readable(poller)
+        if spin:  # only when the daemon's pool was not saturated: under load the spin
+            wait_readable(poller)  # would take the CPU the daemon needs to feed us
         try:
             kind, header, body = _read_frame(fd_in)
         except EOFError:

@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentd._spin import SPIN_S, wait_readable
 from agentd.kernel._errors import KernelUnavailable
 from agentd.kernel._store import Store, is_storage_error
 from agentd.kernel._transaction import plan_batch
@@ -54,7 +55,7 @@ log = logging.getLogger("agentd.kernel")
 _LEN = struct.Struct(">I")
 _MAX_FRAME = 1 << 31  # a batch is at most commit_max_entries transactions
 _SOCKET_BUFFER = 4 << 20
-_SPIN_S = 0.0002  # see _wait_readable
+_SPIN_S = SPIN_S  # see agentd._spin
 _STOP_TIMEOUT_S = 30.0  # time for the child's final checkpoint and close
 # The child imports this very copy of agentd, installed or not (sys.argv[1]: the
 # directory that holds the agentd package).
@@ -254,18 +255,6 @@ class _Served:
         raise AttributeError(name)
 
 
-def _wait_readable(poller: select.poll, spin_s: float) -> None:
-    """Poll for up to `spin_s` before the blocking read: a request that follows the
-    last answer closely (a lone client's next envelope, the next batch under load)
-    is read without the child first going to sleep, which on this VM costs 50-100 us
-    of wake-up on each side of every commit. Bounded: at most `spin_s` of CPU per
-    answer, nothing while idle."""
-    deadline = time.perf_counter() + spin_s
-    while time.perf_counter() < deadline:
-        if poller.poll(0):
-            return
-
-
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
     chunks = []
     while n:
@@ -283,7 +272,9 @@ def _serve(sock: socket.socket) -> None:
     poller.register(sock.fileno(), select.POLLIN)
     try:
         while True:
-            _wait_readable(poller, _SPIN_S)
+            # A lone client's next envelope, or the next batch under load, is read
+            # without the writer first going to sleep (two wake-ups per commit).
+            wait_readable(poller, _SPIN_S)
             header = _recv_exactly(sock, _LEN.size)
             if header is None:
                 return
