@@ -37,6 +37,7 @@ from typing import Any
 
 from agentd import _metrics as metrics
 from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._spin import LoopSpin
 from agentd._states import step
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.confine import Policy, kill_group, spawn
@@ -186,6 +187,7 @@ class WorkerPool:
         self._stopping = False
         self._backoff = 0.0
         self._spare: Worker | None = None  # started and ready, serving nothing yet
+        self._spin: LoopSpin | None = None  # the loop polls while a lone call's answer is due
         self._gauges = {s: metrics.workers.labels(spec.listener, s.value) for s in WorkerState
                         if s is not WorkerState.DEAD}
 
@@ -193,6 +195,7 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every worker and wait until each has imported the handler."""
+        self._spin = LoopSpin(asyncio.get_running_loop())
         roles = [False] * self.spec.workers + ([True] if self.spec.spare else [])
         started = await asyncio.gather(*(self._start_one(spare) for spare in roles),
                                        return_exceptions=True)
@@ -234,7 +237,8 @@ class WorkerPool:
             key, body = None, payload.to_bytes()
         # No call waits for a worker: the worker may spin for the next one (a
         # worker of a saturated pool must not take the daemon's CPU so).
-        extra: dict[str, Any] = {"spin": not self._waiters}
+        spin = not self._waiters
+        extra: dict[str, Any] = {"spin": spin}
         bridge, context = self.bridge, None
         if bridge is not None:
             context = bridge.context(meta, key, body, payload)
@@ -242,6 +246,8 @@ class WorkerPool:
         frame = p.encode_call(meta, key, body, extra)
         for _ in range(_MAX_REDISPATCH):
             worker, answer = await self._deliver(frame, context)
+            if spin and self._spin is not None:
+                self._spin.until(answer)
             try:
                 kind, header, rest = await answer
             except _NotStarted:

@@ -98,7 +98,7 @@ def _payload_bytes(payload: object) -> bytes:
 
 
 def serve(fd_in: int, fd_out: int) -> None:
-    from agentd import HandlerResponse, from_xml
+    from agentd import HandlerResponse
     from agentd._core import core_from_element
     from agentd._xml import parse_untrusted
     from agentd._xmlify import spec_of
@@ -107,7 +107,7 @@ def serve(fd_in: int, fd_out: int) -> None:
     if kind != p.INIT:
         raise p.ProtocolError("expected INIT")
     sys.path[:] = [str(x) for x in init["sys_path"]]
-    classes = {spec_of(c).clark: c for c in map(_resolve, init["payload_classes"])}
+    specs = {spec.clark: spec for spec in map(spec_of, map(_resolve, init["payload_classes"]))}
     agent = None
     if init.get("agent") is not None:
         from agentd.isolation._agent import WorkerAgent  # the platform's loop: agents only
@@ -119,7 +119,7 @@ def serve(fd_in: int, fd_out: int) -> None:
                 raise p.ProtocolError("expected REPLY")
             return reply, rest
 
-        handler = agent = WorkerAgent(init["agent"], tuple(classes.values()), ask)
+        handler = agent = WorkerAgent(init["agent"], tuple(s.cls for s in specs.values()), ask)
     else:
         handler = _resolve(init["handler"])
     _write(fd_out, p.encode(p.READY, {"pid": os.getpid()}))
@@ -139,9 +139,9 @@ def serve(fd_in: int, fd_out: int) -> None:
         spin = header.get("spin") is True  # the daemon's pool had calls to spare
         extra = None
         try:
-            cls = classes.get(key) if isinstance(key, str) else None
-            if cls is not None:
-                payload: Any = from_xml(cls, body)
+            spec = specs.get(key) if isinstance(key, str) else None
+            if spec is not None:  # the daemon validated it and wrote these bytes itself
+                payload: Any = spec.from_own_bytes(body)
             elif key is None:
                 payload = core_from_element(parse_untrusted(body))
             else:  # a peer's result for an agent: the daemon records it, not us

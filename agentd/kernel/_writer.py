@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentd._spin import SPIN_S, wait_readable
+from agentd._spin import SPIN_S, LoopSpin, wait_readable
 from agentd.kernel._errors import KernelUnavailable
 from agentd.kernel._store import Store, is_storage_error
 from agentd.kernel._transaction import plan_batch
@@ -77,6 +77,7 @@ class WriterProcess:
         self._dead: str | None = None
         self.on_exit: Callable[[str], None] | None = None  # told when the child dies
         self._loop = asyncio.get_running_loop()
+        self._spin = LoopSpin(self._loop)  # the reply to a lone commit is due in ~50 us
         self._pump = self._loop.create_task(
             self._responses(), name="agentd-kernel-writer-responses")
 
@@ -124,6 +125,7 @@ class WriterProcess:
         # far cheaper than the second system call and wake-up.
         self._writer.write(_LEN.pack(len(data)) + data)
         self._waiting.append(fut)
+        self._spin.until(fut)
         return fut
 
     async def stop(self) -> None:
