@@ -373,10 +373,14 @@ class WorkerPool:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
-                await waiter
-            finally:
-                with contextlib.suppress(ValueError):
-                    self._waiters.remove(waiter)
+                await waiter  # `_wake` takes it out of `_waiters`
+            except BaseException:
+                if waiter.cancelled():  # still queued: O(n), but only on cancellation
+                    with contextlib.suppress(ValueError):
+                        self._waiters.remove(waiter)
+                elif waiter.exception() is None:
+                    self._wake()  # woken, then cancelled: the room is the next caller's
+                raise
 
     def _answered(self, worker: Worker) -> None:
         worker.calls += 1
