@@ -46,7 +46,7 @@ class LoopSpin:
     pays one callback per iteration; an idle one at most `spin_s` of CPU per
     request. One chain at a time per instance: a later request takes it over."""
 
-    __slots__ = ("_loop", "_spin_s", "_fut", "_deadline", "_ticking")
+    __slots__ = ("_deadline", "_fut", "_loop", "_spin_s", "_ticking")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float = SPIN_S) -> None:
         self._loop = loop

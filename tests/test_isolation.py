@@ -417,3 +417,30 @@ async def test_a_call_queued_behind_one_whose_worker_dies_runs_on_another(
         assert answer is not None
         pid = int(bytes(answer.payload).split(b"<text>")[1].split(b"</text>")[0])
         assert pid != worker.pid and pid in pool_pids(h)
+
+
+async def test_a_caller_cancelled_while_waiting_for_a_worker_leaves_the_queue(
+        tmp_path: Path) -> None:
+    from agentd._handler import HandlerMetadata
+
+    config = load_config(organism(tmp_path, "{workers: 1}"))
+    (tmp_path / "state").mkdir()
+    meta = HandlerMetadata("0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f", "alice", "prober")
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        pool = h.isolation.pools["prober"]
+        running = [asyncio.create_task(pool.call(Probe("sleep", "0.3"), meta))
+                   for _ in range(pool.pipeline)]  # the one worker's queue is full
+        waiting = [asyncio.create_task(pool.call(Probe("pid"), meta)) for _ in range(2)]
+        for _ in range(10_000):
+            if len(pool._waiters) == 2:
+                break
+            await asyncio.sleep(0)
+        assert len(pool._waiters) == 2
+        waiting[0].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting[0]
+        assert len(pool._waiters) == 1  # gone from the queue, not left for _wake to skip
+        assert await waiting[1] is not None  # served once the worker had room
+        for task in running:
+            assert await task is not None
+        assert not pool._waiters and pool.status()["restarts"] == 0

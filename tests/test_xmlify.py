@@ -228,6 +228,7 @@ def test_every_field_type_round_trips(obj: Everything) -> None:
     spec.validate(el)
     assert spec.from_element(el) == obj
     assert from_xml(Everything, data) == obj
+    assert spec.from_own_bytes(data) == obj  # what an isolation worker reads
 
 
 @settings(max_examples=150, deadline=None)
