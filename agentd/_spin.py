@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import select
 import time
+from typing import Any
 
 SPIN_S = 0.0002
 
@@ -51,11 +52,11 @@ class LoopSpin:
     def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float = SPIN_S) -> None:
         self._loop = loop
         self._spin_s = spin_s
-        self._fut: asyncio.Future[object] | None = None
+        self._fut: asyncio.Future[Any] | None = None
         self._deadline = 0.0
         self._ticking = False
 
-    def until(self, fut: asyncio.Future[object]) -> None:
+    def until(self, fut: asyncio.Future[Any]) -> None:
         self._fut = fut
         self._deadline = _clock() + self._spin_s
         if not self._ticking:
