@@ -279,6 +279,29 @@ async def test_privileged_element_deep_in_handler_output_is_a_security_event(
     assert events == [("priv-from-handler", {"listener": "hostile", "thread": client_thread})]
 
 
+async def test_an_object_in_the_privileged_namespace_is_refused_and_reported(
+    h: Harness,
+) -> None:
+    events: list[tuple[str, dict[str, str]]] = []
+    h.pump.on_security = lambda kind, fields: events.append((kind, dict(fields)))
+    frames = await order(h, "priv-object")
+    (huh,) = hostile_inbox()
+    assert isinstance(huh, Huh) and huh.code is HuhCode.UNROUTABLE
+    client_thread = parse_envelope(frames[0]).thread
+    assert events == [("priv-from-handler", {"listener": "hostile", "thread": client_thread})]
+
+
+@pytest.mark.parametrize("kind", ["env-object", "bad-to-object"])
+async def test_an_object_the_envelope_schema_would_refuse_is_refused(
+    h: Harness, kind: str
+) -> None:
+    frames = await order(h, kind, client="root")  # a profile that has vault
+    (huh,) = hostile_inbox()
+    assert isinstance(huh, Huh) and huh.code is HuhCode.INVALID_ENVELOPE
+    assert kinds(frames) == [("core", "accepted")]
+    assert "vault" not in L.SEEN
+
+
 async def test_handler_error_goes_to_the_caller_as_huh(h: Harness) -> None:
     frames = await order(h, "error")
     assert field(frames[-1], "code") == "budget-exceeded"

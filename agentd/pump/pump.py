@@ -33,7 +33,13 @@ from typing import Any
 
 from agentd import _metrics as metrics
 from agentd._core import Accepted, Huh, core_from_element
-from agentd._envelope import NIL_THREAD, PrivilegedOnBus, build_envelope, parse_envelope
+from agentd._envelope import (
+    NIL_THREAD,
+    PrivilegedOnBus,
+    build_envelope,
+    parse_built_envelope,
+    parse_envelope,
+)
 from agentd._errors import HuhCode, Rejection
 from agentd._handler import HandlerMetadata
 from agentd._routing import Listener, Routing
@@ -482,7 +488,8 @@ class Pump:
         thread = plan.thread
         for data in plan.envelopes:
             assert thread is not None
-            if not self._reenter(data, listener, thread, frame, plan.respond, hops, batch):
+            if not self._reenter(data, listener, thread, frame, plan.respond, hops, batch,
+                                 plan.built):
                 taken = False
         if plan.end is not None and taken:
             self._end(frame, plan.end, batch)
@@ -547,16 +554,18 @@ class Pump:
 
     def _reenter(
         self, data: bytes, listener: Listener, frame: Frame, own: Frame, respond: bool,
-        hops: int, batch: Batch | None,
+        hops: int, batch: Batch | None, built: bool = False,
     ) -> bool:
         """Handler output re-enters through the same parse and checks as client input.
         `frame` is the envelope's thread; `own` is the listener's frame, where a `huh`
-        for its bad output goes (so an LLM agent can correct itself)."""
+        for its bad output goes (so an LLM agent can correct itself). `built`: its
+        payload is from agentd's serializer (`parse_built_envelope`)."""
         if self._scheduler.queued >= self._hard_cap:
             self._huh_to(own, HuhCode.RATE_LIMITED, hops, batch)
             return False
         try:
-            env = parse_envelope(data, max_bytes=self.max_envelope_bytes, shape=self.shape)
+            env = (parse_built_envelope if built else parse_envelope)(
+                data, max_bytes=self.max_envelope_bytes, shape=self.shape)
             if env.thread != frame.uuid or env.sender != listener.name:  # pragma: no cover
                 raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
             if respond:
@@ -596,7 +605,7 @@ class Pump:
         """A core payload (ack/huh) for the holder of `frame`, re-entering like any output."""
         data = build_envelope(CORE, frame.uuid, payload, to=frame.holder)
         try:
-            env = parse_envelope(data)
+            env = parse_built_envelope(data)
             msg = admission.to_holder(env, data, CORE, frame, None)
         except Rejection as rej:
             log.info("core message dropped %s detail=%s", frame.log_ids, rej.detail)

@@ -100,6 +100,22 @@ async def _work(name: str, payload: Work, meta: HandlerMetadata) -> HandlerRespo
         STATE["running"] -= 1
 
 
+@xmlify(namespace="https://xml-pipeline.org/ns/privileged/v1")
+@dataclass
+class PrivObject:
+    """A handler's own class in the privileged namespace."""
+
+    command: str
+
+
+@xmlify(namespace="https://xml-pipeline.org/ns/envelope/v1")
+@dataclass
+class EnvObject:
+    """A handler's own class in the envelope's namespace."""
+
+    thread: str
+
+
 async def hostile(
     payload: Order | Sum | Huh | Ack, meta: HandlerMetadata
 ) -> HandlerResponse | None:
@@ -161,6 +177,12 @@ async def hostile(
             b'<p:command xmlns:p="https://xml-pipeline.org/ns/privileged/v1"/></b></add>',
             to="calculator.add",
         )
+    if kind == "priv-object":  # objects, not bytes: the pump's serializer writes them
+        return HandlerResponse(PrivObject(command="shutdown"), to="calculator.add")
+    if kind == "env-object":
+        return HandlerResponse(EnvObject(thread="x"), to="calculator.add")
+    if kind == "bad-to-object":
+        return HandlerResponse(Secret(text="x"), to="vault\n<to>calculator.add</to>")
     if kind == "error":
         return HandlerResponse.error("budget-exceeded", "no more")
     if kind == "denied":

@@ -1,0 +1,103 @@
+"""`parse_built_envelope` against `parse_envelope`: on every envelope the pump can
+build around its own serializer's output, both agree (the same fields, or the same
+refusal), so skipping the envelope schema there changes nothing but the cost."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentd import xmlify
+from agentd._core import Ack, Huh
+from agentd._envelope import (
+    Envelope,
+    PrivilegedOnBus,
+    build_envelope,
+    parse_built_envelope,
+    parse_envelope,
+)
+from agentd._errors import HuhCode, Rejection
+from agentd._xml import ShapeLimits
+from agentd._xmlify import spec_of
+from agentd.tools.calculator import Sum
+from tests.organisms.listeners import EnvObject, PrivObject
+
+
+@xmlify(namespace="https://example.org/ns/built/v1")
+@dataclass
+class Note:
+    text: str
+    items: list[str]
+
+
+THREAD = str(uuid.uuid4())
+NAME_CHARS = st.sampled_from([*"abcXYZ019_.-: \t\r\n<>&\"'/", "\u00a0", "\u2028", "é"])
+names = st.one_of(
+    st.sampled_from(["calculator.add", "vault", "beta:echo", " vault ", "a" * 128, "a" * 129,
+                     "a:b:c", ":x", "x:", ".x", "vault\n<to>x</to>"]),
+    st.text(NAME_CHARS, max_size=40),
+)
+texts = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xD7FF) | st.sampled_from("\t\n\r"),
+                max_size=60)  # what XML 1.0 can hold (the serializer refuses the rest)
+
+
+def payloads() -> st.SearchStrategy[bytes]:
+    return st.one_of(
+        st.builds(lambda t, i: spec_of(Note).to_bytes(Note(t, i)), texts,
+                  st.lists(texts, max_size=4)),
+        st.builds(lambda v: spec_of(Sum).to_bytes(Sum(value=v)), st.integers(-10**9, 10**9)),
+        st.just(spec_of(PrivObject).to_bytes(PrivObject(command="x"))),
+        st.just(spec_of(EnvObject).to_bytes(EnvObject(thread="x"))),
+        st.just(Huh.of(HuhCode.UNROUTABLE).to_bytes()),
+        st.just(Ack(THREAD).to_bytes()),
+    )
+
+
+def outcome(parse: Callable[..., Envelope], data: bytes, shape: ShapeLimits | None) -> object:
+    try:
+        env = parse(data, shape=shape)
+    except PrivilegedOnBus:
+        return "privileged"
+    except Rejection as rej:
+        return rej.code
+    return (env.sender, env.to, env.thread, env.payload.tag)  # `attributed` is a hint
+
+
+@settings(max_examples=400, deadline=None)
+@given(sender=st.sampled_from(["hostile", "core", "calculator.add"]), to=st.none() | names,
+       payload=payloads())
+def test_both_parsers_agree_on_built_envelopes(sender: str, to: str | None,
+                                               payload: bytes) -> None:
+    try:
+        data = build_envelope(sender, THREAD, payload, to=to)
+    except ValueError:  # text XML cannot hold (escape_text refuses it)
+        return
+    shape = ShapeLimits()
+    assert outcome(parse_built_envelope, data, shape) == outcome(parse_envelope, data, shape)
+
+
+@pytest.mark.parametrize("to", ["vault\n<to>x</to>", "", "a b", "x" * 129, "\u00a0vault"])
+def test_a_recipient_that_is_no_name_is_refused(to: str) -> None:
+    data = build_envelope("hostile", THREAD, spec_of(Sum).to_bytes(Sum(value=1)), to=to)
+    if not to:  # no <to> at all: a notice to the holder
+        assert parse_built_envelope(data).to is None
+        return
+    with pytest.raises(Rejection) as err:
+        parse_built_envelope(data)
+    assert err.value.code is HuhCode.INVALID_ENVELOPE
+
+
+def test_limits_still_apply() -> None:
+    note = Note("x", ["y"] * 50)
+    data = build_envelope("hostile", THREAD, spec_of(Note).to_bytes(note), to="vault")
+    with pytest.raises(Rejection) as err:
+        parse_built_envelope(data, shape=ShapeLimits(max_elements=20))
+    assert err.value.code is HuhCode.TOO_LARGE
+    with pytest.raises(Rejection) as err:
+        parse_built_envelope(data, max_bytes=100)
+    assert err.value.code is HuhCode.TOO_LARGE
