@@ -58,9 +58,10 @@ class Listener:
         counts[key] = counts.get(key, 0) + 1
 
     def observe(self, seconds: float) -> None:
+        """agentd_handler_seconds{listener} observes `seconds`."""
         if self._seconds is None:
-            self._seconds = metrics.handler_seconds.labels(self.name)
-        self._seconds.observe(seconds)
+            self._seconds = metrics.HOT.handler_histogram(self.name)
+        metrics.observe_handler(self._seconds, seconds)
 
     async def wait_for_slot(self) -> None:
         """Wait until fewer than `max_concurrency` calls of this listener run. (A

@@ -100,6 +100,12 @@ async def test_metrics_move_as_traffic_flows(tmp_path: Path, metrics_server) -> 
         ) + 2
         assert sample(during, "agentd_bus_connections") >= 1
         assert 'agentd_envelopes_rejected_total{code="malformed"}' in during
+        add = '{listener="calculator.add"}'
+        assert sample(during, f"agentd_handler_seconds_count{add}") >= sample(
+            before, f"agentd_handler_seconds_count{add}") + 1
+        every = 'agentd_handler_seconds_bucket{le="+Inf",listener="calculator.add"}'
+        assert sample(during, every) == sample(during, f"agentd_handler_seconds_count{add}")
+        assert sample(during, f"agentd_handler_seconds_sum{add}") > 0
     finally:
         await stop_rig(rig)
 
@@ -253,3 +259,25 @@ def test_json_logs_parse(capsys, restore_logging) -> None:
 def test_unknown_log_format_is_refused() -> None:
     with pytest.raises(ValueError):
         setup_logging("xml")
+
+
+def test_handler_seconds_buckets_are_cumulative_and_bounds_inclusive() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from agentd._metrics import HotCounters, observe_handler
+
+    hot = HotCounters()
+    registry = CollectorRegistry()
+    registry.register(hot)
+    cells = hot.handler_histogram("tool")
+    assert hot.handler_histogram("tool") is cells  # one series per listener name
+    for seconds in (0.00005, 0.0001, 0.002, 45.0):
+        observe_handler(cells, seconds)
+    body = generate_latest(registry).decode()
+    bucket = 'agentd_handler_seconds_bucket{le="%s",listener="tool"} %s'
+    assert bucket % ("0.0001", "2.0") in body  # a value on a bound counts in its bucket
+    assert bucket % ("0.001", "2.0") in body
+    assert bucket % ("0.005", "3.0") in body
+    assert bucket % ("30.0", "3.0") in body
+    assert bucket % ("+Inf", "4.0") in body
+    assert 'agentd_handler_seconds_count{listener="tool"} 4.0' in body
