@@ -17,6 +17,7 @@ import pytest
 
 from agentd._envelope import parse_envelope
 from agentd._errors import ConfigError
+from agentd._handler import HandlerMetadata
 from agentd._secrets import checking_as
 from agentd.client import frame_kind
 from agentd.config import load_config
@@ -295,14 +296,20 @@ async def test_bad_output_from_a_worker_is_refused_like_in_process_output(h: Har
     assert await ask(h, "echo", "ok") == ("outcome", "ok")
 
 
+def one_worker(tmp_path: Path) -> Harness:
+    """A harness whose `prober` pool has one worker (calls go to it directly)."""
+    config = load_config(organism(tmp_path, "{workers: 1}"))
+    (tmp_path / "state").mkdir()
+    return Harness(config, CLIENTS, state_dir=tmp_path / "state")
+
+
+META = HandlerMetadata("0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f", "alice", "prober")
+
+
 async def test_a_worker_dead_while_idle_does_not_fail_the_next_call(tmp_path: Path) -> None:
     import select
 
-    from agentd._handler import HandlerMetadata
-
-    config = load_config(organism(tmp_path, "{workers: 1}"))
-    (tmp_path / "state").mkdir()
-    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+    async with one_worker(tmp_path) as h:
         pool = h.isolation.pools["prober"]
         (idle,) = list(pool._idle)
         pidfd = os.pidfd_open(idle.pid)
@@ -313,8 +320,7 @@ async def test_a_worker_dead_while_idle_does_not_fail_the_next_call(tmp_path: Pa
             assert select.select([pidfd], [], [], 30)[0]
         finally:
             os.close(pidfd)
-        meta = HandlerMetadata("0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f", "alice", "prober")
-        answer = await pool.call(Probe("echo", "served"), meta)
+        answer = await pool.call(Probe("echo", "served"), META)
         assert answer is not None and b"served" in bytes(answer.payload)
         await settled(h, 1)
 
@@ -365,13 +371,11 @@ async def test_daemon_survives_a_segfaulting_worker_and_reports_its_pool(tmp_pat
 
 async def test_a_reload_retires_an_old_pool_until_no_live_table_reaches_it(
         tmp_path: Path) -> None:
-    from agentd._handler import HandlerMetadata
-
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     before = load_config(organism(tmp_path / "a", "{workers: 1, memory_mb: 1024}"))
     after = load_config(organism(tmp_path / "b", "{workers: 1, memory_mb: 768}"))
-    meta = HandlerMetadata("0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f", "alice", "prober")
+    meta = META
     pools = IsolationPools()
     try:
         old_call = (await pools.apply(before))["prober"]
@@ -395,12 +399,8 @@ async def test_a_reload_retires_an_old_pool_until_no_live_table_reaches_it(
 
 async def test_a_call_queued_behind_one_whose_worker_dies_runs_on_another(
         tmp_path: Path) -> None:
-    from agentd._handler import HandlerMetadata
-
-    config = load_config(organism(tmp_path, "{workers: 1}"))
-    (tmp_path / "state").mkdir()
-    meta = HandlerMetadata("0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f", "alice", "prober")
-    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+    meta = META
+    async with one_worker(tmp_path) as h:
         pool = h.isolation.pools["prober"]
         running = asyncio.create_task(pool.call(Probe("sleep", "600"), meta))
         queued = asyncio.create_task(pool.call(Probe("pid"), meta))
@@ -421,12 +421,8 @@ async def test_a_call_queued_behind_one_whose_worker_dies_runs_on_another(
 
 async def test_a_caller_cancelled_while_waiting_for_a_worker_leaves_the_queue(
         tmp_path: Path) -> None:
-    from agentd._handler import HandlerMetadata
-
-    config = load_config(organism(tmp_path, "{workers: 1}"))
-    (tmp_path / "state").mkdir()
-    meta = HandlerMetadata("0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f", "alice", "prober")
-    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+    meta = META
+    async with one_worker(tmp_path) as h:
         pool = h.isolation.pools["prober"]
         running = [asyncio.create_task(pool.call(Probe("sleep", "0.3"), meta))
                    for _ in range(pool.pipeline)]  # the one worker's queue is full
