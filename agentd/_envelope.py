@@ -16,12 +16,13 @@ Invariants of a parsed `Envelope`:
 - its shape is within the `ShapeLimits` it was parsed with, if any.
 
 `parse_built_envelope` is the pump's cheaper entry for envelopes it built itself
-around payload bytes its own serializer wrote (an `@xmlify` object a handler
-returned, a core payload): the same hardened parse, limits and privileged-namespace
+around payload bytes a serializer wrote: agentd's own (an `@xmlify` object a handler
+returned, a core payload) or lxml's C14N of an element the pump parsed out of a
+handler's raw output. The same hardened parse, limits and privileged-namespace
 check, and the same invariants, but instead of the envelope schema (which would
 only re-check what the pump chose: sender, thread, the envelope's structure) it
 checks what it did not choose, the `to` a handler named and the payload's
-namespace. Bytes a handler or a client wrote never take it.
+namespace. Bytes as a client or a handler wrote them never take it.
 """
 
 from __future__ import annotations
@@ -100,11 +101,7 @@ def parse_envelope(
         raise PrivilegedOnBus()
     if root.tag != _MESSAGE:
         raise Rejection(HuhCode.INVALID_ENVELOPE, f"root element is {root.tag!r}")
-    attributed = False
-    equals = data.count(b"=")
-    if equals > _LEAST_DECLARATIONS:
-        declarations = data.count(b"xmlns")
-        attributed = equals > declarations or declarations > _FEW_DECLARATIONS
+    attributed = _may_have_attributes(data)
     if attributed and _ENVELOPE_ATTRIBUTES(root, env=NS_ENV):
         raise Rejection(HuhCode.INVALID_ENVELOPE, "attribute on an envelope element")
     if not _ENV_SCHEMA.validate(root):
@@ -123,8 +120,8 @@ def parse_envelope(
 def parse_built_envelope(
     data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, shape: ShapeLimits | None = None
 ) -> Envelope:
-    """`parse_envelope` for bytes `build_envelope` wrote here around a payload from
-    agentd's own serializer (see the module's docstring). Raises `Rejection`."""
+    """`parse_envelope` for bytes `build_envelope` wrote here around a serializer's
+    payload (see the module's docstring). Raises `Rejection`."""
     root = parse_untrusted(data, max_bytes=max_bytes, shape=shape)
     if (_PRIV_URI in data or b"&" in data) and _HAS_PRIV(root, ns=NS_PRIV):
         raise PrivilegedOnBus()
@@ -141,7 +138,16 @@ def parse_built_envelope(
         thread = meta[1].text or ""
     if len(root) != 2 or root[1].tag[:1] != "{" or root[1].tag.startswith(_IN_ENV):
         raise Rejection(HuhCode.INVALID_ENVELOPE, "payload is not one element of its own namespace")
-    return Envelope(sender, to, thread, root[1])
+    return Envelope(sender, to, thread, root[1], _may_have_attributes(data))
+
+
+def _may_have_attributes(data: bytes) -> bool:
+    """False if the bytes hold no attribute besides namespace declarations."""
+    equals = data.count(b"=")
+    if equals <= _LEAST_DECLARATIONS:
+        return False
+    declarations = data.count(b"xmlns")
+    return equals > declarations or declarations > _FEW_DECLARATIONS
 
 
 def _first_error() -> str:

@@ -1,6 +1,7 @@
 """`parse_built_envelope` against `parse_envelope`: on every envelope the pump can
-build around its own serializer's output, both agree (the same fields, or the same
-refusal), so skipping the envelope schema there changes nothing but the cost."""
+build around a serializer's output (agentd's for objects, C14N for elements parsed
+out of a handler's raw bytes), both agree (the same fields, or the same refusal), so
+skipping the envelope schema there changes nothing but the cost."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from agentd._envelope import (
 from agentd._errors import HuhCode, Rejection
 from agentd._xml import ShapeLimits
 from agentd._xmlify import spec_of
+from agentd.pump.response import serialise_all
 from agentd.tools.calculator import Sum
 from tests.organisms.listeners import EnvObject, PrivObject
 
@@ -65,7 +67,7 @@ def outcome(parse: Callable[..., Envelope], data: bytes, shape: ShapeLimits | No
         return "privileged"
     except Rejection as rej:
         return rej.code
-    return (env.sender, env.to, env.thread, env.payload.tag)  # `attributed` is a hint
+    return (env.sender, env.to, env.thread, env.payload.tag, env.attributed)
 
 
 @settings(max_examples=400, deadline=None)
@@ -79,6 +81,52 @@ def test_both_parsers_agree_on_built_envelopes(sender: str, to: str | None,
         return
     shape = ShapeLimits()
     assert outcome(parse_built_envelope, data, shape) == outcome(parse_envelope, data, shape)
+
+
+PRIV = "https://xml-pipeline.org/ns/privileged/v1"
+ENV = "https://xml-pipeline.org/ns/envelope/v1"
+# The privileged URI spelled with character references, as an attacker would hide it.
+PRIV_REFS = "".join(f"&#{ord(c)};" for c in PRIV)
+# Mostly what a handler means to send, sometimes what an attacker would.
+namespaces = st.sampled_from(["urn:a", "https://example.org/ns/built/v1"] * 3
+                             + ["", PRIV, ENV, PRIV_REFS])
+tags = st.sampled_from(["a", "b", "sum", "value"] * 3 + ["p:x", "q:y", "xmlns:z"])
+attributes = st.lists(st.sampled_from([
+    ' id="1"', ' from="core"', ' xmlns=""', f' xmlns:p="{PRIV}"', ' xmlns:p="urn:p"',
+    ' p:k="v"', f' xmlns:q="{PRIV_REFS}"', ' q:k="v"', " a='x&amp;y'",
+]), max_size=2)
+leaf_text = st.sampled_from(["", "x", "1", "&amp;", "&lt;b&gt;", "<![CDATA[<c/>]]>",
+                             "<!-- c -->", "&#233;", "text &#x26; more", "\u00e9t\u00e9"])
+
+
+def elements(depth: int = 0) -> st.SearchStrategy[str]:
+    children = st.just("") if depth >= 2 else st.lists(elements(depth + 1), max_size=2).map(
+        "".join)
+    return st.builds(element, tags, namespaces, attributes, leaf_text, children)
+
+
+def element(tag: str, ns: str, attrs: list[str], text: str, inner: str) -> str:
+    declaration = f' xmlns="{ns}"' if ns else ""
+    return f"<{tag}{declaration}{''.join(attrs)}>{text}{inner}</{tag}>"
+
+
+raw_outputs = st.lists(elements(), min_size=1, max_size=3).map(lambda xs: "".join(xs).encode())
+
+
+@settings(max_examples=500, deadline=None)
+@given(raw=raw_outputs, to=st.none() | names)
+def test_both_parsers_agree_on_envelopes_around_raw_output(raw: bytes, to: str | None) -> None:
+    try:
+        bodies = serialise_all(raw, 16)
+    except Rejection:
+        return  # refused before any envelope is built
+    shape = ShapeLimits()
+    for body in bodies:
+        try:
+            data = build_envelope("hostile", THREAD, body, to=to)
+        except ValueError:
+            continue
+        assert outcome(parse_built_envelope, data, shape) == outcome(parse_envelope, data, shape)
 
 
 @pytest.mark.parametrize("to", ["vault\n<to>x</to>", "", "a b", "x" * 129, "\u00a0vault"])

@@ -489,7 +489,7 @@ class Pump:
         for data in plan.envelopes:
             assert thread is not None
             if not self._reenter(data, listener, thread, frame, plan.respond, hops, batch,
-                                 plan.built):
+                                 built=True):
                 taken = False
         if plan.end is not None and taken:
             self._end(frame, plan.end, batch)
@@ -558,8 +558,9 @@ class Pump:
     ) -> bool:
         """Handler output re-enters through the same parse and checks as client input.
         `frame` is the envelope's thread; `own` is the listener's frame, where a `huh`
-        for its bad output goes (so an LLM agent can correct itself). `built`: its
-        payload is from agentd's serializer (`parse_built_envelope`)."""
+        for its bad output goes (so an LLM agent can correct itself). `built`: the
+        pump built it around a serializer's payload (a `ResponsePlan`'s envelopes;
+        `parse_built_envelope`)."""
         if self._scheduler.queued >= self._hard_cap:
             self._huh_to(own, HuhCode.RATE_LIMITED, hops, batch)
             return False

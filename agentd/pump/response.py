@@ -38,9 +38,9 @@ _ACTIVE = ThreadState.ACTIVE
 class ResponsePlan(NamedTuple):
     """`envelopes` re-enter on `thread` (as answers to its holder if `respond`);
     `notice` (core payload bytes) goes to the holder of `notice_to`, counted as a
-    rejection with `rejected` when set; `end` ends the handler's frame. `built`:
-    the envelopes' payloads were written by agentd's serializer (the handler
-    returned objects, not bytes), so they may re-enter through
+    rejection with `rejected` when set; `end` ends the handler's frame. The
+    envelopes' payloads are always a serializer's (agentd's for objects, C14N for
+    elements parsed out of raw output), so they re-enter through
     `parse_built_envelope`."""
 
     envelopes: list[bytes] | tuple[()]
@@ -50,7 +50,6 @@ class ResponsePlan(NamedTuple):
     notice: bytes
     rejected: HuhCode | None
     end: ThreadEvent | None
-    built: bool = False
 
 
 def _notice(to: Frame | None, payload: bytes, rejected: HuhCode | None,
@@ -104,7 +103,6 @@ def plan_response(
         log.warning("bad handler output listener=%s detail=%s", listener.name, rej.detail)
         return _huh(frame, rej.code)
     name = listener.name
-    built = not isinstance(result.payload, bytes | bytearray | str)
     if kind is ResponseKind.RESPOND:
         caller = frame.parent
         assert caller is not None  # a listener never holds a root frame
@@ -112,13 +110,13 @@ def plan_response(
         for i, body in enumerate(bodies):
             bodies[i] = build_envelope(name, uuid, body, to=holder)
         return ResponsePlan(bodies, caller, True, None, b"",
-                            None, ThreadEvent.ANSWERED if active else None, built)
+                            None, ThreadEvent.ANSWERED if active else None)
     targets: Iterable[str | None] = (
         result.targets if kind is ResponseKind.BROADCAST else (result.to,)
     )
     uuid = frame.uuid
     envelopes = [build_envelope(name, uuid, body, to=to) for to in targets for body in bodies]
-    return ResponsePlan(envelopes, frame, False, None, b"", None, None, built)
+    return ResponsePlan(envelopes, frame, False, None, b"", None, None)
 
 
 def serialise_all(payload: object, max_fanout: int, allow_answer: bool = False) -> list[bytes]:
