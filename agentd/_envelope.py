@@ -40,6 +40,7 @@ NIL_THREAD = "00000000-0000-0000-0000-000000000000"
 _MESSAGE = "{" + NS_ENV + "}message"
 _TO = "{" + NS_ENV + "}to"
 _IN_ENV = "{" + NS_ENV + "}"
+_XML_SPACE = " \t\r\n"
 # The envelope schema's `name` type (sender and recipient).
 _NAME = re.compile(r"([A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}:)?[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 _ENV_SCHEMA = schema(NS_ENV)
@@ -106,14 +107,7 @@ def parse_envelope(
         raise Rejection(HuhCode.INVALID_ENVELOPE, "attribute on an envelope element")
     if not _ENV_SCHEMA.validate(root):
         raise Rejection(HuhCode.INVALID_ENVELOPE, _first_error())
-    meta = root[0]
-    sender = meta[0].text.strip()
-    if meta[1].tag == _TO:
-        to: str | None = meta[1].text.strip()
-        thread = meta[2].text
-    else:
-        to = None
-        thread = meta[1].text
+    sender, to, thread = _addressing(root)
     return Envelope(sender, to, thread, root[1], attributed)
 
 
@@ -125,20 +119,22 @@ def parse_built_envelope(
     root = parse_untrusted(data, max_bytes=max_bytes, shape=shape)
     if (_PRIV_URI in data or b"&" in data) and _HAS_PRIV(root, ns=NS_PRIV):
         raise PrivilegedOnBus()
-    meta = root[0]
-    sender = meta[0].text or ""
-    if meta[1].tag == _TO:
-        named = (meta[1].text or "").strip(" \t\r\n")  # xs:token
-        if not _NAME.fullmatch(named):  # a handler's choice
-            raise Rejection(HuhCode.INVALID_ENVELOPE, "recipient is not a listener name")
-        to: str | None = named
-        thread = meta[2].text or ""
-    else:
-        to = None
-        thread = meta[1].text or ""
+    sender, to, thread = _addressing(root)
+    if to is not None and not _NAME.fullmatch(to):  # a handler's choice
+        raise Rejection(HuhCode.INVALID_ENVELOPE, "recipient is not a listener name")
     if len(root) != 2 or root[1].tag[:1] != "{" or root[1].tag.startswith(_IN_ENV):
         raise Rejection(HuhCode.INVALID_ENVELOPE, "payload is not one element of its own namespace")
     return Envelope(sender, to, thread, root[1], _may_have_attributes(data))
+
+
+def _addressing(root: etree._Element) -> tuple[str, str | None, str]:
+    """(from, to, thread) of a message's meta; names with the XML whitespace around
+    them removed, as the schema's xs:token reads them."""
+    meta = root[0]
+    sender = (meta[0].text or "").strip(_XML_SPACE)
+    if meta[1].tag == _TO:
+        return sender, (meta[1].text or "").strip(_XML_SPACE), meta[2].text or ""
+    return sender, None, meta[1].text or ""
 
 
 def _may_have_attributes(data: bytes) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 
@@ -55,7 +56,7 @@ class HotCounters(Collector):
             buckets, total = [], 0.0
             for bound, count in zip((*HANDLER_BUCKETS, float("inf")), cells[1:], strict=True):
                 total += count
-                buckets.append((_bound(bound), total))
+                buckets.append((floatToGoString(bound), total))
             seconds.add_metric([listener], buckets, cells[0])
         yield seconds
 
@@ -64,10 +65,6 @@ def observe_handler(cells: list[float], seconds: float) -> None:
     """One handler run of `seconds` into a listener's `handler_histogram` cells."""
     cells[0] += seconds
     cells[bisect_left(HANDLER_BUCKETS, seconds) + 1] += 1
-
-
-def _bound(bound: float) -> str:
-    return "+Inf" if bound == float("inf") else repr(float(bound))
 
 
 HOT = HotCounters()

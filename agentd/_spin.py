@@ -40,33 +40,36 @@ def wait_readable(poller: select.poll, spin_s: float = SPIN_S) -> None:
 class LoopSpin:
     """Keeps an event loop polling while a child's reply to one request is due.
 
-    `until(fut)` schedules a callback that schedules itself again until `fut` is
-    done or `spin_s` has passed: while a callback is ready the loop polls its
-    descriptors with a zero timeout (asyncio and uvloop alike), so the reply is read
-    the moment it arrives instead of after the loop's process is woken. A busy loop
-    pays one callback per iteration; an idle one at most `spin_s` of CPU per
-    request. One chain at a time per instance: a later request takes it over."""
+    `until(fut)` schedules a callback (on `fut`'s loop) that schedules itself again
+    until `fut` is done or `spin_s` has passed: while a callback is ready the loop
+    polls its descriptors with a zero timeout (asyncio and uvloop alike), so the
+    reply is read the moment it arrives instead of after the loop's process is
+    woken. A busy loop pays one callback per iteration; an idle one at most `spin_s`
+    of CPU per request. One chain at a time per instance: a later request takes it
+    over."""
 
-    __slots__ = ("_deadline", "_fut", "_loop", "_spin_s", "_ticking")
+    __slots__ = ("_deadline", "_fut", "_spin_s")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, spin_s: float = SPIN_S) -> None:
-        self._loop = loop
+    def __init__(self, spin_s: float = SPIN_S) -> None:
         self._spin_s = spin_s
-        self._fut: asyncio.Future[Any] | None = None
+        self._fut: asyncio.Future[Any] | None = None  # the reply awaited while spinning
         self._deadline = 0.0
-        self._ticking = False
+
+    @property
+    def spinning(self) -> bool:
+        return self._fut is not None
 
     def until(self, fut: asyncio.Future[Any]) -> None:
+        idle = self._fut is None
         self._fut = fut
         self._deadline = _clock() + self._spin_s
-        if not self._ticking:
-            self._ticking = True
-            self._loop.call_soon(self._tick)
+        if idle:
+            fut.get_loop().call_soon(self._tick)
 
     def _tick(self) -> None:
         fut = self._fut
-        if fut is None or fut.done() or _clock() >= self._deadline:
-            self._ticking = False
+        assert fut is not None
+        if fut.done() or _clock() >= self._deadline:
             self._fut = None
             return
-        self._loop.call_soon(self._tick)
+        fut.get_loop().call_soon(self._tick)

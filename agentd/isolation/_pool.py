@@ -187,7 +187,7 @@ class WorkerPool:
         self._stopping = False
         self._backoff = 0.0
         self._spare: Worker | None = None  # started and ready, serving nothing yet
-        self._spin: LoopSpin | None = None  # the loop polls while a lone call's answer is due
+        self._spin = LoopSpin()  # the loop polls while a lone call's answer is due
         self._gauges = {s: metrics.workers.labels(spec.listener, s.value) for s in WorkerState
                         if s is not WorkerState.DEAD}
 
@@ -195,7 +195,6 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every worker and wait until each has imported the handler."""
-        self._spin = LoopSpin(asyncio.get_running_loop())
         roles = [False] * self.spec.workers + ([True] if self.spec.spare else [])
         started = await asyncio.gather(*(self._start_one(spare) for spare in roles),
                                        return_exceptions=True)
@@ -246,7 +245,7 @@ class WorkerPool:
         frame = p.encode_call(meta, key, body, extra)
         for _ in range(_MAX_REDISPATCH):
             worker, answer = await self._deliver(frame, context)
-            if spin and self._spin is not None:
+            if spin:
                 self._spin.until(answer)
             try:
                 kind, header, rest = await answer

@@ -45,7 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentd._spin import SPIN_S, LoopSpin, wait_readable
+from agentd._spin import LoopSpin, wait_readable
 from agentd.kernel._errors import KernelUnavailable
 from agentd.kernel._store import Store, is_storage_error
 from agentd.kernel._transaction import plan_batch
@@ -55,7 +55,6 @@ log = logging.getLogger("agentd.kernel")
 _LEN = struct.Struct(">I")
 _MAX_FRAME = 1 << 31  # a batch is at most commit_max_entries transactions
 _SOCKET_BUFFER = 4 << 20
-_SPIN_S = SPIN_S  # see agentd._spin
 _STOP_TIMEOUT_S = 30.0  # time for the child's final checkpoint and close
 # The child imports this very copy of agentd, installed or not (sys.argv[1]: the
 # directory that holds the agentd package).
@@ -77,7 +76,7 @@ class WriterProcess:
         self._dead: str | None = None
         self.on_exit: Callable[[str], None] | None = None  # told when the child dies
         self._loop = asyncio.get_running_loop()
-        self._spin = LoopSpin(self._loop)  # the reply to a lone commit is due in ~50 us
+        self._spin = LoopSpin()  # the reply to a lone commit is due in ~50 us
         self._pump = self._loop.create_task(
             self._responses(), name="agentd-kernel-writer-responses")
 
@@ -276,7 +275,7 @@ def _serve(sock: socket.socket) -> None:
         while True:
             # A lone client's next envelope, or the next batch under load, is read
             # without the writer first going to sleep (two wake-ups per commit).
-            wait_readable(poller, _SPIN_S)
+            wait_readable(poller)
             header = _recv_exactly(sock, _LEN.size)
             if header is None:
                 return
