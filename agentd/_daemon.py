@@ -105,8 +105,8 @@ class FederationHost(KernelOutbox):
 
         return classes_by_root(self.config().listeners)
 
-    async def submit(self, client: str, data: bytes) -> Any:
-        return await self.pump.submit(client, data)
+    async def submit(self, client: str, data: bytes, parsed: Any = None) -> Any:
+        return await self.pump.submit(client, data, parsed)
 
     async def thread_exists(self, thread: str, durable: bool) -> bool:
         return self.pump.registry.get(thread) is not None or (
@@ -246,6 +246,7 @@ class Daemon:
                                                              lambda: self.config),
                                          allow_meta=config.meta.allow_remote,
                                          max_envelope_bytes=config.bus.max_envelope_bytes,
+                                         shape=self.pump.shape,
                                          state_dir=config.state_dir,
                                          on_pinned=self._pinned)
             await _bind("federation.listen", config.federation.listen, self.federation.start())

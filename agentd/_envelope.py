@@ -102,7 +102,7 @@ def parse_envelope(
         raise PrivilegedOnBus()
     if root.tag != _MESSAGE:
         raise Rejection(HuhCode.INVALID_ENVELOPE, f"root element is {root.tag!r}")
-    attributed = _may_have_attributes(data)
+    attributed = may_have_attributes(data)
     if attributed and _ENVELOPE_ATTRIBUTES(root, env=NS_ENV):
         raise Rejection(HuhCode.INVALID_ENVELOPE, "attribute on an envelope element")
     if not _ENV_SCHEMA.validate(root):
@@ -124,7 +124,7 @@ def parse_built_envelope(
         raise Rejection(HuhCode.INVALID_ENVELOPE, "recipient is not a listener name")
     if len(root) != 2 or root[1].tag[:1] != "{" or root[1].tag.startswith(_IN_ENV):
         raise Rejection(HuhCode.INVALID_ENVELOPE, "payload is not one element of its own namespace")
-    return Envelope(sender, to, thread, root[1], _may_have_attributes(data))
+    return Envelope(sender, to, thread, root[1], may_have_attributes(data))
 
 
 def _addressing(root: etree._Element) -> tuple[str, str | None, str]:
@@ -137,7 +137,7 @@ def _addressing(root: etree._Element) -> tuple[str, str | None, str]:
     return sender, None, meta[1].text or ""
 
 
-def _may_have_attributes(data: bytes) -> bool:
+def may_have_attributes(data: bytes) -> bool:
     """False if the bytes hold no attribute besides namespace declarations."""
     equals = data.count(b"=")
     if equals <= _LEAST_DECLARATIONS:

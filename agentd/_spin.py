@@ -12,13 +12,17 @@ moment instead:
   its descriptors without a timeout for a moment (`LoopSpin`) instead of sleeping
   in the poller until the reply wakes it.
 
-Both are bounded: at most `SPIN_S` of CPU per request, nothing while idle.
+Both are bounded: at most `SPIN_S` of CPU per request, nothing while idle. Both
+give the CPU away between polls (`sched_yield`): when more processes want to run
+than there are cores, the one whose reply is awaited may be waiting for this core.
+On an idle machine the yield returns at once.
 Standard library only: the children import this early.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import select
 import time
 from typing import Any
@@ -26,6 +30,7 @@ from typing import Any
 SPIN_S = 0.0002
 
 _clock = time.perf_counter
+_yield = os.sched_yield
 
 
 def wait_readable(poller: select.poll, spin_s: float = SPIN_S) -> None:
@@ -35,6 +40,7 @@ def wait_readable(poller: select.poll, spin_s: float = SPIN_S) -> None:
     while _clock() < deadline:
         if poller.poll(0):
             return
+        _yield()
 
 
 class LoopSpin:
@@ -72,4 +78,5 @@ class LoopSpin:
         if fut.done() or _clock() >= self._deadline:
             self._fut = None
             return
+        _yield()
         fut.get_loop().call_soon(self._tick)

@@ -18,6 +18,7 @@ from agentd._xml import c14n, parse_untrusted
 from agentd._xmlify import to_xml
 from agentd.bus import client_context
 from agentd.federation import Handshake, Identity, Role, tls_exporter
+from agentd.federation._frames import lines
 
 
 @contextlib.asynccontextmanager
@@ -87,7 +88,7 @@ class RawPeer:
                         self._taken.add(i)
                         return frame
                 seen = len(self.received)
-                self.received.append(json.loads(await self.ws.recv()))
+                await self._receive()
 
     async def next_of_call(self, call_id: str, timeout: float = 30.0) -> str:
         """`accepted` or the refusal code of the call `call_id`."""
@@ -96,8 +97,12 @@ class RawPeer:
                 for frame in self.received:
                     if frame.get("id") == call_id and frame.get("t") in ("accepted", "refused"):
                         return "accepted" if frame["t"] == "accepted" else str(frame["code"])
-                assert self.ws is not None
-                self.received.append(json.loads(await self.ws.recv()))
+                await self._receive()
+
+    async def _receive(self) -> None:
+        """One message: its frames, one a line."""
+        assert self.ws is not None
+        self.received.extend(json.loads(line) for line in lines(await self.ws.recv()))
 
     async def ack(self, reply: dict[str, Any]) -> None:
         await self.send({"t": "ack", "id": reply["id"]})

@@ -5,12 +5,14 @@ from __future__ import annotations
 import uuid
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agentd._envelope import build_envelope, parse_envelope
 from agentd._errors import HuhCode
-from agentd._xml import c14n, parse_untrusted
+from agentd._xml import DEFAULT_SHAPE, ShapeLimits, c14n, parse_untrusted
 from agentd._xmlify import to_xml
-from agentd.federation._calls import CallRefused, admit_call, call_thread
+from agentd.federation._calls import _THREADS, CallRefused, admit_call, call_thread
 from agentd.tools.echo import Echo
 
 EXPORT = frozenset({"echo"})
@@ -40,6 +42,46 @@ def test_call_threads_differ_by_peer_and_by_id() -> None:
     assert call_thread("alpha", "1") != call_thread("gamma", "1")
     assert call_thread("alpha", "1") != call_thread("alpha", "2")
     assert call_thread("alpha", "1") == call_thread("alpha", "1")
+
+
+@given(st.text(max_size=40), st.text(max_size=80))
+def test_a_call_thread_is_the_uuid5_of_peer_and_call_id(peer: str, call_id: str) -> None:
+    assert call_thread(peer, call_id) == str(uuid.uuid5(_THREADS, f"{peer}\n{call_id}"))
+
+
+@pytest.mark.parametrize("payload", [
+    to_xml(Echo(text="hi")),
+    b'<echo xmlns="https://xml-pipeline.org/ns/tools/echo/v1" xmlns:u="urn:unused"'
+    b' a="1"><text u:b="2">&#x3c; &amp; \xc3\xa9</text><!-- c --></echo>',
+    b'<e:echo xmlns:e="https://xml-pipeline.org/ns/tools/echo/v1"><e:text><![CDATA[<x/>]]>'
+    b'</e:text></e:echo>',
+])
+def test_the_parsed_call_is_what_the_pump_would_parse(payload: bytes) -> None:
+    """The pump takes `parsed` instead of parsing `envelope` again: they must agree."""
+    admitted = admit_call(call(payload), "alpha", EXPORT, False, 262144, DEFAULT_SHAPE)
+    again = parse_envelope(admitted.envelope, shape=DEFAULT_SHAPE)
+    got = admitted.parsed
+    assert (got.sender, got.to, got.thread) == (again.sender, again.to, again.thread)
+    assert c14n(got.payload) == c14n(again.payload)
+    assert got.attributed == again.attributed
+    assert got.payload_has_attributes() == again.payload_has_attributes()
+
+
+def test_a_call_is_held_to_the_pumps_shape_and_size() -> None:
+    many = b"".join(b"<text>x</text>" for _ in range(50))
+    payload = b'<echo xmlns="https://xml-pipeline.org/ns/tools/echo/v1">' + many + b"</echo>"
+    with pytest.raises(CallRefused) as shape:
+        admit_call(call(payload), "alpha", EXPORT, False, 262144, ShapeLimits(max_elements=20))
+    assert shape.value.code is HuhCode.TOO_LARGE
+    # C14N writes `>` in text as `&gt;`: the peer's bytes fit, re-addressed they do not.
+    body = (b'<echo xmlns="https://xml-pipeline.org/ns/tools/echo/v1"><text>' + b">" * 100
+            + b"</text></echo>")
+    envelope = build_envelope("alpha", str(uuid.uuid4()), body, "echo")
+    frame = {"t": "call", "id": "c-1", "envelope": envelope.decode()}
+    fits = len(envelope)
+    with pytest.raises(CallRefused) as size:
+        admit_call(frame, "alpha", EXPORT, False, fits)
+    assert size.value.code is HuhCode.TOO_LARGE
 
 
 @pytest.mark.parametrize(("frame", "code", "event"), [

@@ -5,6 +5,7 @@ with SIGKILL mid-call (the call runs once and is answered once)."""
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -111,6 +112,26 @@ async def test_garbage_after_the_handshake_closes_the_link(beta: DaemonProcess) 
     peer = await peer_of(beta)
     assert peer.ws is not None
     await peer.ws.send(b"\x00not json")
+    await beta.wait_for_line(r"security kind=federation-unexpected-frame")
+    await peer.ws.wait_closed()
+    assert peer.ws.close_code == 1008
+
+
+async def test_frames_sharing_a_message_are_each_handled_and_checked(
+    beta: DaemonProcess,
+) -> None:
+    """Lines of one message are frames like any other: each call answered, and a line
+    that is not a frame closes the link as a lone one would."""
+    peer = await peer_of(beta)
+    assert peer.ws is not None
+    calls = [{"t": "call", "id": f"m{i}", "envelope": peer.envelope(Echo(text=str(i)), "echo")}
+             for i in range(3)]
+    await peer.ws.send("\n".join(json.dumps(c) for c in calls).encode())
+    for i in range(3):
+        accepted = await peer.next("accepted", id=f"m{i}")
+        reply = await peer.next("reply", thread=accepted["thread"])
+        assert from_xml(EchoReply, payload_of(reply)).text == str(i)
+    await peer.ws.send(json.dumps(calls[0]).encode() + b"\n\x00not json")
     await beta.wait_for_line(r"security kind=federation-unexpected-frame")
     await peer.ws.wait_closed()
     assert peer.ws.close_code == 1008

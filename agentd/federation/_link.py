@@ -36,11 +36,14 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 
+from agentd._envelope import Envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
+from agentd._xml import ShapeLimits
 from agentd.bus import TokenBucket
 from agentd.config import FederationConfig, GatewayConfig
 from agentd.federation._binding import ChannelBindingUnavailable, tls_exporter
 from agentd.federation._calls import CallRefused, admit_call, call_id_of
+from agentd.federation._frames import FrameQueue, encode, lines
 from agentd.federation._gateway import Backoff, LinkEvent, LinkState, keeps_link, transition
 from agentd.federation._handshake import HANDSHAKE_FAILED, Handshake, HandshakeFailed, Role
 from agentd.federation._identity import Identity, fingerprint, parse_public_line
@@ -75,7 +78,8 @@ class CallHost(Protocol):
     """What serving a peer's calls needs of the daemon: the pump (as for any bus
     client, under the gateway's name) and the kernel's outbox of replies."""
 
-    async def submit(self, client: str, data: bytes) -> Any: ...  # a pump SubmitResult
+    # A pump SubmitResult; `parsed`: `data` as parsed with the pump's limits.
+    async def submit(self, client: str, data: bytes, parsed: Envelope) -> Any: ...
 
     async def thread_exists(self, thread: str, durable: bool) -> bool: ...
 
@@ -104,7 +108,7 @@ class GatewayLink:
     bucket: TokenBucket | None = None  # the peer's call rate, per link
     admitting: int = 0  # the peer's calls being admitted now
     replies: ReplyWindow = field(default_factory=lambda: ReplyWindow(MAX_PENDING_REPLIES))
-    sending: asyncio.Queue[bytes] | None = None  # frames for the up link's writer
+    sending: FrameQueue | None = None  # frames for the up link's writer
     offer_expected: bool = False  # our schema request is unanswered on the up link
 
     def apply(self, event: LinkEvent) -> None:
@@ -158,6 +162,7 @@ class Federation:
         host: CallHost | None = None,
         allow_meta: bool = False,
         max_envelope_bytes: int = 262144,
+        shape: ShapeLimits | None = None,
         state_dir: Path | None = None,
         on_pinned: Callable[[], None] | None = None,
     ) -> None:
@@ -166,6 +171,7 @@ class Federation:
         self.host = host
         self.allow_meta = allow_meta
         self.max_envelope_bytes = max_envelope_bytes
+        self.shape = shape  # the pump's bound on an envelope's shape
         self.identity = identity
         self.config = config
         self.audit = audit
@@ -378,7 +384,7 @@ class Federation:
         """After the handshake: the peer's calls and acknowledgements, and a writer
         for our frames (replies from the outbox first, then as the pump makes them)."""
         link.bucket = TokenBucket(self.config.rate_per_s, self.config.rate_burst, time.monotonic())
-        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        queue = FrameQueue()
         link.sending = queue
         link.replies = ReplyWindow(MAX_PENDING_REPLIES)
         writer = asyncio.create_task(self._write(ws, queue),
@@ -391,9 +397,10 @@ class Federation:
         try:
             await self._load_outbox(link)
             with contextlib.suppress(ConnectionClosed):
-                async for frame in ws:
-                    if not await self._frame(link, ws, frame):
-                        return
+                async for message in ws:
+                    for frame in lines(message):
+                        if not await self._frame(link, ws, frame):
+                            return
         finally:
             if link.sending is queue:  # not replaced by a newer link meanwhile
                 link.sending = None
@@ -402,10 +409,10 @@ class Federation:
                 await writer
 
     @staticmethod
-    async def _write(ws: Connection, queue: asyncio.Queue[bytes]) -> None:
+    async def _write(ws: Connection, queue: FrameQueue) -> None:
         with contextlib.suppress(ConnectionClosed):
             while True:
-                await ws.send(await queue.get())
+                await ws.send(await queue.message())
 
     async def _frame(self, link: GatewayLink, ws: Connection, data: str | bytes) -> bool:
         """One frame from an authenticated peer; False once the link is closed."""
@@ -472,7 +479,7 @@ class Federation:
             if not link.bucket.take(time.monotonic()):
                 raise CallRefused(HuhCode.RATE_LIMITED, "call rate")
             call = admit_call(msg, peer, link.config.export, self.allow_meta,
-                              self.max_envelope_bytes)
+                              self.max_envelope_bytes, self.shape)
         except CallRefused as exc:
             if exc.event is not None:
                 self.audit(f"federation-{exc.event}", {"peer": peer, "detail": exc.detail})
@@ -495,7 +502,7 @@ class Federation:
                 if await host.thread_exists(call.thread, msg.get("again") is True):
                     accepted, code = True, None
                 else:
-                    result = await host.submit(peer, call.envelope)
+                    result = await host.submit(peer, call.envelope, call.parsed)
                     accepted, code = bool(result.accepted), result.code
             except Exception:
                 log.exception("federation call from %s failed", peer)
@@ -512,7 +519,7 @@ class Federation:
     def _send(self, link: GatewayLink, frame: dict[str, object]) -> bool:
         if link.sending is None:
             return False
-        link.sending.put_nowait(json.dumps(frame, separators=(",", ":")).encode())
+        link.sending.put(encode(frame))
         return True
 
     def _sender(self, link: GatewayLink) -> Callable[[dict[str, object]], bool]:

@@ -45,7 +45,7 @@ from agentd._envelope import build_envelope, parse_envelope
 from agentd._errors import HuhCode, Rejection
 from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._schemas import NS_CORE
-from agentd._xml import c14n, parse_untrusted
+from agentd._xml import c14n
 from agentd._xmlify import spec_of, xsd_of
 from agentd.federation._calls import call_thread
 
@@ -481,7 +481,9 @@ class RemoteCall:
             log.warning("federation call to %s:%s refused: import is %s", self.gateway,
                         self.remote, calls.imports.get(self.remote))
             return HandlerResponse.error(HuhCode.UNROUTABLE)
-        body = parse_untrusted(spec_of(payload).to_bytes(payload))
+        spec = spec_of(payload)
+        data = spec.to_bytes(payload)  # exclusive C14N, written by agentd's serializer
+        body = etree.fromstring(data, _OWN_PARSER)  # so not the parser for others' bytes
         schema = self.schemas.get(body.tag)
         if schema is None or not schema.validate(body):
             return HandlerResponse.error(HuhCode.INVALID_PAYLOAD)
@@ -489,7 +491,7 @@ class RemoteCall:
         call_id = (f"{meta._conversation or meta.thread_id}.{meta._seq}" if meta._seq
                    else uuid.uuid4().hex)
         thread = call_thread(self.organism, call_id)
-        envelope = build_envelope(self.organism, thread, c14n(body), to=self.remote)
+        envelope = build_envelope(self.organism, thread, data, to=self.remote)
         try:
             reply_id, text = await calls.call(call_id, thread, envelope.decode(),
                                               again=meta.redelivered)

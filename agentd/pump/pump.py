@@ -35,6 +35,7 @@ from agentd import _metrics as metrics
 from agentd._core import Accepted, Huh, core_from_element
 from agentd._envelope import (
     NIL_THREAD,
+    Envelope,
     PrivilegedOnBus,
     build_envelope,
     parse_built_envelope,
@@ -163,14 +164,19 @@ class Pump:
 
     # ---- client ingress --------------------------------------------------
 
-    async def submit(self, client: str, data: bytes) -> SubmitResult:
+    async def submit(
+        self, client: str, data: bytes, parsed: Envelope | None = None
+    ) -> SubmitResult:
         """Admit one envelope from an authenticated client. The client is sent one
         `accepted` or one `huh` (through `deliver`), then whatever comes back. Waits
-        for room in the pump, and with a kernel for the envelope's journal commit."""
+        for room in the pump, and with a kernel for the envelope's journal commit.
+        `parsed`: `data` as `parse_envelope` with this pump's limits would return it,
+        from a caller that had to parse it first (the federation, which re-addresses
+        a peer's envelope to the gateway)."""
         scheduler = self._scheduler
         if scheduler.queued >= scheduler.max_queue:
             await scheduler.wait_for_room(self._loop or asyncio.get_running_loop())
-        result = self._submit_now(client, data, True)
+        result = self._submit_now(client, data, True, parsed)
         if isinstance(result, SubmitResult):
             return result
         return await result
@@ -190,14 +196,15 @@ class Pump:
         return result
 
     def _submit_now(
-        self, client: str, data: bytes, wait: bool
+        self, client: str, data: bytes, wait: bool, parsed: Envelope | None = None
     ) -> SubmitResult | asyncio.Future[SubmitResult]:
         """Parse, check, route and admit `data` without awaiting anything. With a
         kernel and `wait`, returns a future for the outcome of the journal commit."""
         metrics.HOT.received += 1
         thread = NIL_THREAD
         try:
-            env = parse_envelope(data, max_bytes=self.max_envelope_bytes, shape=self.shape)
+            env = parsed or parse_envelope(data, max_bytes=self.max_envelope_bytes,
+                                           shape=self.shape)
             thread = env.thread
             known = self.registry.get(thread)
             msg = admission.admit_client(

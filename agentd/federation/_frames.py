@@ -1,0 +1,69 @@
+"""The frames of one authenticated link, and how they share WebSocket messages.
+
+A frame is one JSON object (`call`, `accepted`, `reply`, `ack`, ...), encoded
+without a newline (JSON escapes the ones inside strings). The frames queued for a
+link while its writer was busy leave together, as one WebSocket message of lines
+of at most `COALESCE_BYTES` (a frame bigger than that goes alone): under load a
+call's `accepted`, another's `reply` and a third's `ack` cost one TLS record and
+one `write` instead of three. A lone frame is sent the moment the writer runs.
+
+A receiver handles each line of a message as if it had come alone: the same
+checks, rate limit and refusals. A message is bounded by the WebSocket size limit
+(`max_frame_bytes`) like any other; a peer should accept `COALESCE_BYTES`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import deque
+from collections.abc import Iterator
+
+COALESCE_BYTES = 16384
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def encode(frame: dict[str, object]) -> bytes:
+    return _dumps(frame).encode()
+
+
+def lines(message: str | bytes) -> Iterator[str | bytes]:
+    """The frames of one received message (a message without a newline is one)."""
+    if isinstance(message, str):
+        return iter(message.split("\n"))
+    return iter(message.split(b"\n"))
+
+
+class FrameQueue:
+    """Frames for one link's writer, in order."""
+
+    __slots__ = ("_frames", "_limit", "_ready")
+
+    def __init__(self, limit: int = COALESCE_BYTES) -> None:
+        self._frames: deque[bytes] = deque()
+        self._ready = asyncio.Event()
+        self._limit = limit
+
+    def __len__(self) -> int:
+        return len(self._frames)
+
+    def put(self, frame: bytes) -> None:
+        self._frames.append(frame)
+        self._ready.set()
+
+    async def message(self) -> bytes:
+        """The next message: the oldest frame and those queued behind it that fit."""
+        frames = self._frames
+        while not frames:
+            self._ready.clear()
+            await self._ready.wait()
+        first = frames.popleft()
+        if not frames:
+            return first
+        parts, size = [first], len(first)
+        while frames and size + 1 + len(frames[0]) <= self._limit:
+            frame = frames.popleft()
+            parts.append(frame)
+            size += 1 + len(frame)
+        return b"\n".join(parts)

@@ -1,0 +1,56 @@
+"""How a link's frames share WebSocket messages: what piled up while the writer
+was busy leaves as one message of lines, in order, within the size cap."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agentd.federation._frames import COALESCE_BYTES, FrameQueue, encode, lines
+
+
+async def test_a_lone_frame_leaves_alone_and_the_writer_waits_for_the_next() -> None:
+    queue = FrameQueue()
+    queue.put(b'{"t":"ack","id":1}')
+    assert await queue.message() == b'{"t":"ack","id":1}'
+    waiting = asyncio.ensure_future(queue.message())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    queue.put(b'{"t":"ack","id":2}')
+    assert await asyncio.wait_for(waiting, 5) == b'{"t":"ack","id":2}'
+
+
+async def test_queued_frames_share_a_message_in_order_within_the_cap() -> None:
+    queue = FrameQueue(limit=40)
+    for frame in (b"a" * 10, b"b" * 10, b"c" * 10, b"d" * 30, b"e" * 50, b"f"):
+        queue.put(frame)
+    got = [await queue.message() for _ in range(4)]
+    assert got == [b"a" * 10 + b"\n" + b"b" * 10 + b"\n" + b"c" * 10,  # 32 bytes; +31 > 40
+                   b"d" * 30,
+                   b"e" * 50,  # bigger than the cap: alone, as before coalescing
+                   b"f"]
+    assert len(queue) == 0
+
+
+@given(st.lists(st.dictionaries(st.sampled_from(["t", "id", "envelope", "thread"]),
+                                st.one_of(st.text(), st.integers()), max_size=4),
+                min_size=1, max_size=30),
+       st.integers(min_value=1, max_value=COALESCE_BYTES))
+def test_every_frame_comes_back_once_in_order(frames: list[dict[str, object]],
+                                              limit: int) -> None:
+    """JSON escapes a newline inside a string, so a line is always one whole frame."""
+    async def drain() -> list[object]:
+        queue = FrameQueue(limit)
+        for frame in frames:
+            queue.put(encode(frame))
+        out: list[object] = []
+        while len(queue):
+            message = await queue.message()
+            assert len(message) <= limit or b"\n" not in message
+            out.extend(json.loads(line) for line in lines(message))
+        return out
+
+    assert asyncio.run(drain()) == frames
