@@ -30,9 +30,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from enum import Enum
+from typing import TYPE_CHECKING
 
-from agentd._routing import Profile
 from agentd._states import step
+
+if TYPE_CHECKING:
+    from agentd._routing import Profile
 
 
 class ThreadState(Enum):

@@ -7,6 +7,8 @@ import asyncio
 import json
 import signal
 import struct
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -210,3 +212,22 @@ def test_isolation_applies_to_agents_and_never_to_tools(tmp_path: Path) -> None:
     bad = text.replace("tool: {kind: timer}", "tool: {kind: timer}\n    isolation: {}")
     with pytest.raises(ConfigError, match="a tool confines itself"):
         load_config_text(bad, base_dir=tmp_path)
+
+
+def test_an_agent_worker_imports_the_loop_without_the_platform() -> None:
+    """What an isolated agent's worker imports before its first call: the agent loop
+    and the protocol, never the configuration model, the kernel, the LLM router,
+    vectors or an HTTP client (together about 45 MiB and half a second a start)."""
+    probe = textwrap.dedent("""
+        import json, sys
+        import agentd.isolation.worker, agentd.isolation._agent
+        from agentd.isolation._agent import WorkerAgent
+        print(json.dumps(sorted(sys.modules)))
+    """)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, check=True,
+                         text=True, timeout=60).stdout
+    loaded = set(json.loads(out))
+    heavy = {"agentd.config", "agentd.kernel", "agentd.llm._router", "agentd.platform._platform",
+             "agentd.context", "numpy", "httpx", "pydantic"}
+    assert not heavy & loaded, heavy & loaded
+    assert "agentd.platform._agent" in loaded  # the probe did import the loop

@@ -35,7 +35,7 @@ import json
 import logging
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from lxml import etree
 
@@ -45,7 +45,6 @@ from agentd.isolation._protocol import ProtocolError, opt_bool
 from agentd.llm import LlmError
 from agentd.platform import (
     AgentLoop,
-    AgentSession,
     BudgetExceeded,
     HistoryFull,
     IsolationError,
@@ -57,6 +56,9 @@ from agentd.platform import (
 )
 from agentd.platform._agent import render_result
 from agentd.platform._history import ASSISTANT
+
+if TYPE_CHECKING:
+    from agentd.platform import AgentSession
 
 log = logging.getLogger("agentd.isolation.agent")
 
@@ -297,7 +299,7 @@ class WorkerAgent:
 
     def __init__(self, init: Mapping[str, Any], own_classes: tuple[type, ...], ask: Ask) -> None:
         session = WorkerSession(ask, catalogue_of(init["catalogue"]))
-        self.loop = AgentLoop(init["name"], cast(AgentSession, session),
+        self.loop = AgentLoop(init["name"], cast("AgentSession", session),
                               max_iterations=init["max_iterations"],
                               own_classes=own_classes, max_fanout=init["max_fanout"])
 

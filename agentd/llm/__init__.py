@@ -5,21 +5,50 @@ Only the platform (`agentd.platform`) uses it: handlers and agents never reach a
 router or a backend directly.
 """
 
-from agentd.llm._cache import ResponseCache
-from agentd.llm._cassette import Cassette, CassetteRecorder, Exchange
-from agentd.llm._limits import Clock, MonotonicClock, TokenBucket
-from agentd.llm._router import LlmRouter
-from agentd.llm._types import (
-    BackendError,
-    ChatMessage,
-    LlmError,
-    LlmRequest,
-    LlmResponse,
-    NoBackendAvailable,
-    ReplayMiss,
-    RequestTooLarge,
-)
-from agentd.llm._wire import PROTOCOLS, AnthropicMessages, OpenAIChat, classify, retry_after_s
+from typing import TYPE_CHECKING
+
+from agentd._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from agentd.llm._cache import ResponseCache
+    from agentd.llm._cassette import Cassette, CassetteRecorder, Exchange
+    from agentd.llm._limits import Clock, MonotonicClock, TokenBucket
+    from agentd.llm._router import LlmRouter
+    from agentd.llm._types import (
+        BackendError,
+        ChatMessage,
+        LlmError,
+        LlmRequest,
+        LlmResponse,
+        NoBackendAvailable,
+        ReplayMiss,
+        RequestTooLarge,
+    )
+    from agentd.llm._wire import PROTOCOLS, AnthropicMessages, OpenAIChat, classify, retry_after_s
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "agentd.llm._cache": ("ResponseCache",),
+    "agentd.llm._cassette": ("Cassette", "CassetteRecorder", "Exchange"),
+    "agentd.llm._limits": ("Clock", "MonotonicClock", "TokenBucket"),
+    "agentd.llm._router": ("LlmRouter",),
+    "agentd.llm._types": (
+        "BackendError",
+        "ChatMessage",
+        "LlmError",
+        "LlmRequest",
+        "LlmResponse",
+        "NoBackendAvailable",
+        "ReplayMiss",
+        "RequestTooLarge",
+    ),
+    "agentd.llm._wire": (
+        "PROTOCOLS",
+        "AnthropicMessages",
+        "OpenAIChat",
+        "classify",
+        "retry_after_s",
+    ),
+})
 
 __all__ = [
     "PROTOCOLS",

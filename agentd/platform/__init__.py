@@ -14,45 +14,92 @@ Wiring, in short::
     platform.bind_threads(pump.registry)   # conversation budgets
 """
 
-from agentd.platform._agent import (
-    AgentHandlers,
-    AgentLoop,
-    Phase,
-    TaskState,
-    make_agent_handlers,
-)
-from agentd.platform._audit import kernel_audit
-from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
-from agentd.platform._context import (
-    AssembledContext,
-    Fragment,
-    Layer,
-    SecurityEvent,
-    assemble,
-    neutralise,
-    prepare,
-    validate_no_override,
-)
-from agentd.platform._history import (
-    HistoryFull,
-    HistoryStore,
-    InMemoryHistoryStore,
-    KernelHistoryStore,
-    Turn,
-)
-from agentd.platform._platform import (
-    AgentSession,
-    AuditFn,
-    Completion,
-    ContextOverflow,
-    IsolationError,
-    OverrideViolation,
-    Platform,
-    ThreadScope,
-    registry_resolver,
-)
-from agentd.platform._prompts import AgentPrompt, PromptRegistry, Tool, ToolCatalogue
-from agentd.platform._reply import ParsedReply, parse_reply
+from typing import TYPE_CHECKING
+
+from agentd._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from agentd.platform._agent import (
+        AgentHandlers,
+        AgentLoop,
+        Phase,
+        TaskState,
+        make_agent_handlers,
+    )
+    from agentd.platform._audit import kernel_audit
+    from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
+    from agentd.platform._context import (
+        AssembledContext,
+        Fragment,
+        Layer,
+        SecurityEvent,
+        assemble,
+        neutralise,
+        prepare,
+        validate_no_override,
+    )
+    from agentd.platform._history import (
+        HistoryFull,
+        HistoryStore,
+        InMemoryHistoryStore,
+        KernelHistoryStore,
+        Turn,
+    )
+    from agentd.platform._platform import (
+        AgentSession,
+        AuditFn,
+        Completion,
+        ContextOverflow,
+        OverrideViolation,
+        Platform,
+        ThreadScope,
+        registry_resolver,
+    )
+    from agentd.platform._prompts import AgentPrompt, PromptRegistry, Tool, ToolCatalogue
+    from agentd.platform._reply import ParsedReply, parse_reply
+    from agentd.platform._scope import IsolationError
+
+__getattr__, __dir__ = lazy_exports(__name__, {
+    "agentd.platform._agent": (
+        "AgentHandlers",
+        "AgentLoop",
+        "Phase",
+        "TaskState",
+        "make_agent_handlers",
+    ),
+    "agentd.platform._audit": ("kernel_audit",),
+    "agentd.platform._budget": ("BudgetExceeded", "BudgetLedger", "Scope"),
+    "agentd.platform._context": (
+        "AssembledContext",
+        "Fragment",
+        "Layer",
+        "SecurityEvent",
+        "assemble",
+        "neutralise",
+        "prepare",
+        "validate_no_override",
+    ),
+    "agentd.platform._history": (
+        "HistoryFull",
+        "HistoryStore",
+        "InMemoryHistoryStore",
+        "KernelHistoryStore",
+        "Turn",
+    ),
+    "agentd.platform._platform": (
+        "AgentSession",
+        "AuditFn",
+        "Completion",
+        "ContextOverflow",
+        "OverrideViolation",
+        "Platform",
+        "ThreadScope",
+        "registry_resolver",
+    ),
+    "agentd.platform._prompts": ("AgentPrompt", "PromptRegistry", "Tool", "ToolCatalogue"),
+    "agentd.platform._reply": ("ParsedReply", "parse_reply"),
+    "agentd.platform._scope": ("IsolationError",),
+})
 
 __all__ = [
     "AgentHandlers",

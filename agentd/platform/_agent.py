@@ -34,17 +34,16 @@ from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._threads import log_ids
 from agentd._xmlify import is_xmlified, to_xml
-from agentd.config import ListenerConfig, OrganismConfig
-from agentd.context import KernelSegmentLog, LongTermMemory, text_vectors
 from agentd.llm import LlmError
-from agentd.platform._audit import kernel_audit
 from agentd.platform._budget import BudgetExceeded
-from agentd.platform._history import ASSISTANT, RESULT, HistoryFull, KernelHistoryStore
-from agentd.platform._platform import MAX_ANSWER_CHARS, AgentSession, IsolationError, Platform
+from agentd.platform._history import ASSISTANT, RESULT, HistoryFull
 from agentd.platform._reply import parse_reply
+from agentd.platform._scope import MAX_ANSWER_CHARS, IsolationError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the daemon's side only: an isolated agent's worker runs the loop
+    from agentd.config import ListenerConfig, OrganismConfig
     from agentd.kernel import Kernel
+    from agentd.platform._platform import AgentSession, Platform
 
 log = logging.getLogger("agentd.platform.agent")
 
@@ -265,6 +264,11 @@ def make_agent_handlers(
     with direction `security`); else `audit(kind, fields)` (the daemon's form) gets
     them, with `thread` among the fields. Other options go to `Platform.from_config`.
     """
+    from agentd.context import KernelSegmentLog, LongTermMemory, text_vectors
+    from agentd.platform._audit import kernel_audit
+    from agentd.platform._history import KernelHistoryStore
+    from agentd.platform._platform import Platform
+
     if platform is None:
         if kernel is not None:
             platform_options.setdefault("history", KernelHistoryStore(kernel))

@@ -76,6 +76,7 @@ from agentd.platform._history import (
     Turn,
 )
 from agentd.platform._prompts import AgentPrompt, PromptRegistry, ToolCatalogue, fact_key
+from agentd.platform._scope import IsolationError
 from agentd.platform._working import TaskContext
 
 if TYPE_CHECKING:
@@ -86,12 +87,7 @@ log = logging.getLogger("agentd.platform")
 # audit(kind, thread, fields): must not block; the kernel adapter journals it.
 AuditFn = Callable[[str, str, Mapping[str, Any]], None]
 SECURITY = "security"  # the audit kind of security events
-MAX_ANSWER_CHARS = 60_000  # core:text allows 65536
 ROUTER = "router"  # the name semantic routing's form-filling calls are counted under
-
-
-class IsolationError(Exception):
-    """An agent asked about a thread that is not one of its own tasks."""
 
 
 class ContextOverflow(BudgetExceeded):

@@ -25,12 +25,15 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from agentd._errors import ConfigError
 from agentd._schemas import NS_CORE
 from agentd._xmlify import XmlSpec, spec_of
-from agentd.config import AgentConfig, ListenerConfig, OrganismConfig
 from agentd.demo import MANIFESTO_FILE
+
+if TYPE_CHECKING:
+    from agentd.config import AgentConfig, ListenerConfig, OrganismConfig
 
 MANIFESTO = "no_paperclippers"
 # Package data (one copy, with the demo's prompts), so an installed agentd has it too.
