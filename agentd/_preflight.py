@@ -87,12 +87,24 @@ def _prompts(config: OrganismConfig) -> Mapping[str, Any]:
         return {}
     if config.llm is None:
         raise ConfigError(["agents need an llm section"])
-    from agentd.platform import PromptRegistry
-
-    registry = PromptRegistry.build(config)
+    registry = _prompt_registry(config)
     return {"prompt_digests": MappingProxyType(
         {name: registry.get(name).sha256 for name in registry.names()}
     )}
+
+
+_built: tuple[OrganismConfig, Any] | None = None  # the last registry, and its config
+
+
+def _prompt_registry(config: OrganismConfig) -> Any:
+    """`PromptRegistry.build(config)`, once per configuration: the prompts check and
+    the isolation check (the agents' tool catalogues) both need it."""
+    global _built
+    if _built is None or _built[0] is not config:
+        from agentd.platform import PromptRegistry
+
+        _built = (config, PromptRegistry.build(config))
+    return _built[1]
 
 
 def _cassettes(config: OrganismConfig) -> Mapping[str, Any]:
@@ -138,9 +150,7 @@ def _isolation(config: OrganismConfig) -> Mapping[str, Any]:
         return {}
     registry = None
     if any(lst.agent is not None for lst in config.listeners):
-        from agentd.platform import PromptRegistry
-
-        registry = PromptRegistry.build(config)
+        registry = _prompt_registry(config)
     IsolationPools.specs(config, None if registry is None else (
         lambda name: registry.get(name).catalogue))
     return {}
