@@ -82,6 +82,19 @@ def test_a_call_is_held_to_the_pumps_shape_and_size() -> None:
     with pytest.raises(CallRefused) as size:
         admit_call(frame, "alpha", EXPORT, False, fits)
     assert size.value.code is HuhCode.TOO_LARGE
+    # 40 declarations on the root, each used by one of a child's 40 attributes: within
+    # the shape as sent (at most 64 a tag); C14N writes 80 on the child.
+    prefixes = [f"p{i}" for i in range(40)]
+    declared = " ".join(f'xmlns:{x}="urn:{x}"' for x in prefixes)
+    used = " ".join(f'{x}:a="1"' for x in prefixes)
+    crowded = (f'<echo xmlns="https://xml-pipeline.org/ns/tools/echo/v1" {declared}>'
+               f"<text {used}>x</text></echo>").encode()
+    envelope = build_envelope("alpha", str(uuid.uuid4()), crowded, "echo")
+    parse_envelope(envelope, shape=DEFAULT_SHAPE)  # as the peer sent it: within the shape
+    with pytest.raises(CallRefused) as moved:
+        admit_call({"t": "call", "id": "c-2", "envelope": envelope.decode()}, "alpha", EXPORT,
+                   False, 262144, DEFAULT_SHAPE)
+    assert moved.value.code is HuhCode.TOO_LARGE
 
 
 @pytest.mark.parametrize(("frame", "code", "event"), [

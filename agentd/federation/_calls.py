@@ -115,7 +115,14 @@ def admit_call(
                           "not-exported")
     thread = call_thread(peer, call_id)
     rebuilt = build_envelope(peer, thread, c14n(env.payload), env.to)
-    if len(rebuilt) > max_bytes:  # the same limit as the peer's bytes had
+    # The pump would hold the re-addressed bytes to the same limits: C14N may move
+    # namespace declarations down to the elements that use them.
+    if len(rebuilt) > max_bytes:
         raise CallRefused(HuhCode.TOO_LARGE, f"{len(rebuilt)} bytes > {max_bytes}")
+    if shape is not None:
+        try:
+            shape.check_bytes(rebuilt, rebuilt.count(b"<"))
+        except Rejection as exc:
+            raise CallRefused(exc.code, f"envelope refused: {exc}") from None
     parsed = Envelope(peer, env.to, thread, env.payload, may_have_attributes(rebuilt))
     return AdmittedCall(call_id, thread, rebuilt, parsed)
