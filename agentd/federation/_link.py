@@ -38,7 +38,7 @@ from websockets.http11 import Request, Response
 
 from agentd._envelope import Envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
-from agentd._xml import ShapeLimits
+from agentd._xml import DEFAULT_SHAPE, ShapeLimits
 from agentd.bus import TokenBucket
 from agentd.config import FederationConfig, GatewayConfig
 from agentd.federation._binding import ChannelBindingUnavailable, tls_exporter
@@ -162,7 +162,7 @@ class Federation:
         host: CallHost | None = None,
         allow_meta: bool = False,
         max_envelope_bytes: int = 262144,
-        shape: ShapeLimits | None = None,
+        shape: ShapeLimits = DEFAULT_SHAPE,
         state_dir: Path | None = None,
         on_pinned: Callable[[], None] | None = None,
     ) -> None:

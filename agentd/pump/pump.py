@@ -203,8 +203,8 @@ class Pump:
         metrics.HOT.received += 1
         thread = NIL_THREAD
         try:
-            env = parsed or parse_envelope(data, max_bytes=self.max_envelope_bytes,
-                                           shape=self.shape)
+            env = parsed if parsed is not None else parse_envelope(
+                data, max_bytes=self.max_envelope_bytes, shape=self.shape)
             thread = env.thread
             known = self.registry.get(thread)
             msg = admission.admit_client(
