@@ -169,7 +169,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await calls(bus, "beta:calculator.add", 50, WINDOW)  # warm-up, both ways
             await calls(bus, "calculator.add", 50, WINDOW)
             rounds = []
-            for r in range(3 if args.quick else 5):
+            for r in range(5 if args.quick else 7):
                 rr, rp = await pairs_and_p50(
                     lambda k, w: calls(bus, "beta:calculator.add", k, w), n)
                 lr, lp = await pairs_and_p50(lambda k, w: calls(bus, "calculator.add", k, w), n)
