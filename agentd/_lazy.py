@@ -3,7 +3,7 @@
 `agentd.llm` and `agentd.platform` re-export names from modules that pull in
 pydantic, httpx and numpy. An isolated agent's worker needs a few light ones (the
 agent loop, the errors it catches); importing the whole package for them cost it
-about 45 MiB and half a second at every start. The packages list what they export
+about 45 MiB and 0.4 s at every start. The packages list what they export
 (and import it under `TYPE_CHECKING`, for type checkers); a name is imported from
 its module when first read, then kept in the package's namespace.
 """

@@ -217,7 +217,7 @@ def test_isolation_applies_to_agents_and_never_to_tools(tmp_path: Path) -> None:
 def test_an_agent_worker_imports_the_loop_without_the_platform() -> None:
     """What an isolated agent's worker imports before its first call: the agent loop
     and the protocol, never the configuration model, the kernel, the LLM router,
-    vectors or an HTTP client (together about 45 MiB and half a second a start)."""
+    vectors or an HTTP client (together about 45 MiB and 0.4 s a start)."""
     probe = textwrap.dedent("""
         import json, sys
         import agentd.isolation.worker, agentd.isolation._agent
