@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from agentd._errors import AgentdError
 from agentd._states import step
+from agentd.federation._frames import encode
 from agentd.federation._identity import Identity
 
 PROTOCOL = b"agentd-federation-1"
@@ -113,7 +114,7 @@ def _unb64(value: object, size: int, what: str) -> bytes:
 
 
 def _frame(kind: str, **fields: str) -> bytes:
-    return json.dumps({"t": kind, **fields}, separators=(",", ":")).encode()
+    return encode({"t": kind, **fields})
 
 
 def _parse(frame: bytes) -> dict[str, object]:
