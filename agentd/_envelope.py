@@ -23,6 +23,13 @@ check, and the same invariants, but instead of the envelope schema (which would
 only re-check what the pump chose: sender, thread, the envelope's structure) it
 checks what it did not choose, the `to` a handler named and the payload's
 namespace. Bytes as a client or a handler wrote them never take it.
+
+`adopt_envelope` is the same entry without the parse, for the payload element the
+pump itself parsed strictly out of a handler's raw output: the bytes it built
+around that element's C14N are held to the same size, shape and privileged-
+namespace checks, and the element is the tree a strict parse of them would give
+(exclusive C14N of a strictly parsed element reads back as the same elements,
+attributes and text; only namespace declarations nothing uses are dropped).
 """
 
 from __future__ import annotations
@@ -48,8 +55,10 @@ _ENV_SCHEMA = schema(NS_ENV)
 # bytes holding neither the URI nor `&` are known to be free of it without a look
 # (one byte: memchr, the cheapest scan there is).
 _PRIV_URI = NS_PRIV.encode()
+# Relative to the element asked (for a document's root: the whole document).
 _HAS_PRIV = etree.XPath(
-    "boolean(//*[namespace-uri()=$ns] | //@*[namespace-uri()=$ns])", smart_strings=False
+    "boolean(descendant-or-self::*[namespace-uri()=$ns]"
+    " | descendant-or-self::*/@*[namespace-uri()=$ns])", smart_strings=False
 )
 # Attributes on the envelope's own elements: message, meta, from/to/thread.
 _ENVELOPE_ATTRIBUTES = etree.XPath(
@@ -117,14 +126,44 @@ def parse_built_envelope(
     """`parse_envelope` for bytes `build_envelope` wrote here around a serializer's
     payload (see the module's docstring). Raises `Rejection`."""
     root = parse_untrusted(data, max_bytes=max_bytes, shape=shape)
-    if (_PRIV_URI in data or b"&" in data) and _HAS_PRIV(root, ns=NS_PRIV):
-        raise PrivilegedOnBus()
+    _refuse_privileged(data, root)
     sender, to, thread = _addressing(root)
-    if to is not None and not _NAME.fullmatch(to):  # a handler's choice
+    return _built(data, root[1] if len(root) == 2 else None, sender, to, thread)
+
+
+def adopt_envelope(
+    data: bytes, payload: etree._Element, sender: str, to: str | None, thread: str, *,
+    max_bytes: int = DEFAULT_MAX_BYTES, shape: ShapeLimits | None = None,
+) -> Envelope:
+    """`parse_built_envelope` of `data`, which `build_envelope(sender, thread,
+    c14n(payload), to)` wrote around `payload`, an element parsed strictly (without
+    repair) out of a handler's output: the same checks in the same order, the same
+    `Envelope` or the same refusal, without parsing `data` again."""
+    if len(data) > max_bytes:
+        raise Rejection(HuhCode.TOO_LARGE, f"{len(data)} bytes > {max_bytes}")
+    # C14N may move namespace declarations down to the elements that use them: the
+    # shape is the built bytes', as a parse of them would see it.
+    if shape is not None and shape.check_bytes(data, data.count(b"<")):
+        shape.check_tree(payload)
+    _refuse_privileged(data, payload)
+    # What a parse would read back from the `<to>` that `build_envelope` wrote.
+    return _built(data, payload, sender, to.strip(_XML_SPACE) if to else None, thread)
+
+
+def _refuse_privileged(data: bytes, element: etree._Element) -> None:
+    if (_PRIV_URI in data or b"&" in data) and _HAS_PRIV(element, ns=NS_PRIV):
+        raise PrivilegedOnBus()
+
+
+def _built(data: bytes, payload: etree._Element | None, sender: str, to: str | None,
+           thread: str) -> Envelope:
+    """The checks of what the pump did not choose in an envelope it built: the `to` a
+    handler named and the payload's namespace."""
+    if to is not None and not _NAME.fullmatch(to):
         raise Rejection(HuhCode.INVALID_ENVELOPE, "recipient is not a listener name")
-    if len(root) != 2 or root[1].tag[:1] != "{" or root[1].tag.startswith(_IN_ENV):
+    if payload is None or payload.tag[:1] != "{" or payload.tag.startswith(_IN_ENV):
         raise Rejection(HuhCode.INVALID_ENVELOPE, "payload is not one element of its own namespace")
-    return Envelope(sender, to, thread, root[1], may_have_attributes(data))
+    return Envelope(sender, to, thread, payload, may_have_attributes(data))
 
 
 def _addressing(root: etree._Element) -> tuple[str, str | None, str]:

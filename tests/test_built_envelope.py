@@ -1,7 +1,9 @@
 """`parse_built_envelope` against `parse_envelope`: on every envelope the pump can
 build around a serializer's output (agentd's for objects, C14N for elements parsed
 out of a handler's raw bytes), both agree (the same fields, or the same refusal), so
-skipping the envelope schema there changes nothing but the cost."""
+skipping the envelope schema there changes nothing but the cost. `adopt_envelope`,
+which takes the element the pump parsed strictly out of raw output instead of parsing
+the envelope built around it, agrees with both."""
 
 from __future__ import annotations
 
@@ -12,18 +14,20 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lxml import etree
 
 from agentd import xmlify
 from agentd._core import Ack, Huh
 from agentd._envelope import (
     Envelope,
     PrivilegedOnBus,
+    adopt_envelope,
     build_envelope,
     parse_built_envelope,
     parse_envelope,
 )
 from agentd._errors import HuhCode, Rejection
-from agentd._xml import ShapeLimits
+from agentd._xml import DEFAULT_MAX_BYTES, ShapeLimits, c14n
 from agentd._xmlify import spec_of
 from agentd.pump.response import serialise_all
 from agentd.tools.calculator import Sum
@@ -117,7 +121,7 @@ raw_outputs = st.lists(elements(), min_size=1, max_size=3).map(lambda xs: "".joi
 @given(raw=raw_outputs, to=st.none() | names)
 def test_both_parsers_agree_on_envelopes_around_raw_output(raw: bytes, to: str | None) -> None:
     try:
-        bodies = serialise_all(raw, 16)
+        bodies = serialise_all(raw, 16).bodies
     except Rejection:
         return  # refused before any envelope is built
     shape = ShapeLimits()
@@ -127,6 +131,61 @@ def test_both_parsers_agree_on_envelopes_around_raw_output(raw: bytes, to: str |
         except ValueError:
             continue
         assert outcome(parse_built_envelope, data, shape) == outcome(parse_envelope, data, shape)
+
+
+def adopted_outcome(data: bytes, element: etree._Element, to: str | None,
+                    shape: ShapeLimits | None, max_bytes: int = DEFAULT_MAX_BYTES) -> object:
+    def adopt(data: bytes, shape: ShapeLimits | None) -> Envelope:
+        return adopt_envelope(data, element, "hostile", to, THREAD, max_bytes=max_bytes,
+                              shape=shape)
+    return outcome(adopt, data, shape)
+
+
+@settings(max_examples=500, deadline=None)
+@given(raw=raw_outputs, to=st.none() | names)
+def test_an_adopted_element_is_what_a_parse_of_its_envelope_gives(raw: bytes,
+                                                                  to: str | None) -> None:
+    try:
+        bodies, elements = serialise_all(raw, 16)
+    except Rejection:
+        return
+    if elements is None:
+        return  # repaired output: its envelopes are parsed from their bytes
+    shape = ShapeLimits()
+    for body, element in zip(bodies, elements, strict=True):
+        try:
+            data = build_envelope("hostile", THREAD, body, to=to)
+        except ValueError:
+            continue
+        adopted = adopted_outcome(data, element, to, shape)
+        assert adopted == outcome(parse_envelope, data, shape)
+        assert adopted == outcome(parse_built_envelope, data, shape)
+        if isinstance(adopted, tuple):  # taken: the same tree a parse gives
+            assert c14n(element) == c14n(parse_envelope(data).payload) == body
+
+
+def test_an_adopted_element_is_held_to_the_shape_of_its_built_bytes() -> None:
+    # 40 declarations on the outer element, used by 40 attributes of the inner one:
+    # parsed, each element is within 64 attributes; exclusive C14N moves the
+    # declarations to the inner element, which then holds 80.
+    decls = "".join(f' xmlns:p{i}="urn:p{i}"' for i in range(40))
+    attrs = "".join(f' p{i}:k="v"' for i in range(40))
+    raw = f'<a xmlns="urn:a"{decls}><b{attrs}/></a>'.encode()
+    bodies, elements = serialise_all(raw, 16)
+    assert elements is not None
+    data = build_envelope("hostile", THREAD, bodies[0], to="vault")
+    shape = ShapeLimits()
+    assert adopted_outcome(data, elements[0], "vault", shape) is HuhCode.TOO_LARGE
+    assert outcome(parse_envelope, data, shape) is HuhCode.TOO_LARGE
+    assert adopted_outcome(data, elements[0], "vault", None, max_bytes=100) is HuhCode.TOO_LARGE
+
+
+def test_a_privileged_element_is_not_adopted() -> None:
+    raw = f'<a xmlns="urn:a"><x xmlns="{PRIV_REFS}"/></a>'.encode()
+    bodies, elements = serialise_all(raw, 16)
+    assert elements is not None
+    data = build_envelope("hostile", THREAD, bodies[0], to="vault")
+    assert adopted_outcome(data, elements[0], "vault", ShapeLimits()) == "privileged"
 
 
 @pytest.mark.parametrize("to", ["vault\n<to>x</to>", "", "a b", "x" * 129, "\u00a0vault"])

@@ -14,6 +14,7 @@ from agentd._envelope import NIL_THREAD, build_envelope, parse_envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._xmlify import spec_of
 from agentd.client import frame_kind
+from agentd.pump import pump as pump_module
 from agentd.testing import Harness
 from agentd.tools.calculator import Add
 from agentd.tools.relay import Relay
@@ -245,6 +246,24 @@ async def test_multi_payload_output_fans_out_one_envelope_each(h: Harness) -> No
     await order(h, "multi")
     sums = sorted(p.value for p in hostile_inbox())  # type: ignore[attr-defined]
     assert sums == [3, 7, 11]
+
+
+async def test_well_formed_raw_output_is_not_parsed_a_second_time(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The pump parsed the handler's bytes to split them; the envelopes it builds
+    # around the elements are adopted (checked, not parsed again).
+    parsed: list[bytes] = []
+    real = pump_module.parse_built_envelope
+
+    def counting(data: bytes, **limits: object) -> object:
+        parsed.append(data)
+        return real(data, **limits)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(pump_module, "parse_built_envelope", counting)
+    await order(h, "multi")
+    assert sorted(p.value for p in hostile_inbox()) == [3, 7, 11]  # type: ignore[attr-defined]
+    assert not [d for d in parsed if b"calculator/add/v1" in d]
 
 
 async def test_invalid_handler_output_never_reaches_the_next_handler(h: Harness) -> None:

@@ -13,6 +13,7 @@ from agentd._errors import HuhCode
 from agentd._handler import HandlerResponse
 from agentd._routing import Routing
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, new_uuid
+from agentd._xml import c14n
 from agentd._xmlify import spec_of
 from agentd.config import load_config
 from agentd.pump.message import CORE, Message, MsgKind
@@ -152,6 +153,32 @@ def test_raw_xml_output_is_split_into_one_envelope_per_element(call: Call) -> No
     plan = plan_response(call.request, call.listener, call.add,
                          HandlerResponse.respond(raw), FANOUT)
     assert len(plan.envelopes) == 2
+    # Well-formed: each envelope comes with the element it was built from, and the
+    # holder it is addressed to (the pump adopts them without a second parse).
+    assert plan.adopted is not None
+    assert [(c14n(el), to) for el, to in plan.adopted] == [
+        (c14n(parse_envelope(e).payload), call.relay.holder) for e in plan.envelopes]
+
+
+def test_repaired_raw_output_is_parsed_again_from_its_bytes(call: Call) -> None:
+    raw = b'<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1"><value>1</value>'
+    plan = plan_response(call.request, call.listener, call.add,
+                         HandlerResponse.respond(raw), FANOUT)
+    assert len(plan.envelopes) == 1 and plan.adopted is None
+
+
+def test_a_broadcast_of_raw_output_gives_each_message_its_own_tree(call: Call) -> None:
+    raw = b'<work xmlns="https://xml-pipeline.org/ns/test/work/v1"><seq>1</seq></work>'
+    plan = plan_response(call.request, call.listener, call.add,
+                         HandlerResponse.broadcast(raw, ["worker.a", "worker.b"]), FANOUT)
+    assert len(plan.envelopes) == 2 and plan.adopted is None
+
+
+def test_raw_output_to_one_listener_is_adopted_with_its_to(call: Call) -> None:
+    raw = b'<work xmlns="https://xml-pipeline.org/ns/test/work/v1"><seq>1</seq></work>'
+    plan = plan_response(call.request, call.listener, call.add,
+                         HandlerResponse(raw, to="worker.a"), FANOUT)
+    assert plan.adopted is not None and [to for _, to in plan.adopted] == ["worker.a"]
 
 
 def test_failure_of_a_request_goes_to_the_caller(call: Call) -> None:

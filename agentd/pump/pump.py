@@ -31,12 +31,15 @@ import time
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
+from lxml import etree
+
 from agentd import _metrics as metrics
 from agentd._core import Accepted, Huh, core_from_element
 from agentd._envelope import (
     NIL_THREAD,
     Envelope,
     PrivilegedOnBus,
+    adopt_envelope,
     build_envelope,
     parse_built_envelope,
     parse_envelope,
@@ -493,10 +496,11 @@ class Pump:
             self._reenter_core(plan.notice_to, plan.notice, hops, batch)
         taken = True
         thread = plan.thread
-        for data in plan.envelopes:
+        adopted = plan.adopted
+        for i, data in enumerate(plan.envelopes):
             assert thread is not None
             if not self._reenter(data, listener, thread, frame, plan.respond, hops, batch,
-                                 built=True):
+                                 built=True, adopted=None if adopted is None else adopted[i]):
                 taken = False
         if plan.end is not None and taken:
             self._end(frame, plan.end, batch)
@@ -562,18 +566,24 @@ class Pump:
     def _reenter(
         self, data: bytes, listener: Listener, frame: Frame, own: Frame, respond: bool,
         hops: int, batch: Batch | None, built: bool = False,
+        adopted: tuple[etree._Element, str | None] | None = None,
     ) -> bool:
         """Handler output re-enters through the same parse and checks as client input.
         `frame` is the envelope's thread; `own` is the listener's frame, where a `huh`
         for its bad output goes (so an LLM agent can correct itself). `built`: the
         pump built it around a serializer's payload (a `ResponsePlan`'s envelopes;
-        `parse_built_envelope`)."""
+        `parse_built_envelope`); `adopted`: the payload element and `to` it was built
+        from, parsed strictly out of raw output (`adopt_envelope`: no second parse)."""
         if self._scheduler.queued >= self._hard_cap:
             self._huh_to(own, HuhCode.RATE_LIMITED, hops, batch)
             return False
         try:
-            env = (parse_built_envelope if built else parse_envelope)(
-                data, max_bytes=self.max_envelope_bytes, shape=self.shape)
+            if adopted is not None:
+                env = adopt_envelope(data, adopted[0], listener.name, adopted[1], frame.uuid,
+                                     max_bytes=self.max_envelope_bytes, shape=self.shape)
+            else:
+                env = (parse_built_envelope if built else parse_envelope)(
+                    data, max_bytes=self.max_envelope_bytes, shape=self.shape)
             if env.thread != frame.uuid or env.sender != listener.name:  # pragma: no cover
                 raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
             if respond:

@@ -19,6 +19,8 @@ import re
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from lxml import etree
+
 from agentd._core import Ack, Answer, CorePayload, Huh
 from agentd._envelope import build_envelope
 from agentd._errors import HuhCode, Rejection
@@ -35,13 +37,18 @@ _XML_DECL = re.compile(rb"^\s*<\?xml[^>]*\?>")
 _ACTIVE = ThreadState.ACTIVE
 
 
+# The payload element each of a plan's envelopes was built from, and its `to`.
+Adopted = list[tuple[etree._Element, str | None]]
+
+
 class ResponsePlan(NamedTuple):
     """`envelopes` re-enter on `thread` (as answers to its holder if `respond`);
     `notice` (core payload bytes) goes to the holder of `notice_to`, counted as a
     rejection with `rejected` when set; `end` ends the handler's frame. The
     envelopes' payloads are always a serializer's (agentd's for objects, C14N for
     elements parsed out of raw output), so they re-enter through
-    `parse_built_envelope`."""
+    `parse_built_envelope`; or, when `adopted` holds the element and `to` each was
+    built from (raw output that parsed without repair), `adopt_envelope`."""
 
     envelopes: list[bytes] | tuple[()]
     thread: Frame | None
@@ -50,6 +57,15 @@ class ResponsePlan(NamedTuple):
     notice: bytes
     rejected: HuhCode | None
     end: ThreadEvent | None
+    adopted: Adopted | None = None
+
+
+class Bodies(NamedTuple):
+    """A handler's payloads as C14N bytes; `elements`, when not None, the strictly
+    parsed element each of them is the C14N of (raw output only)."""
+
+    bodies: list[bytes]
+    elements: list[etree._Element] | None
 
 
 def _notice(to: Frame | None, payload: bytes, rejected: HuhCode | None,
@@ -97,8 +113,8 @@ def plan_response(
         return _notice(parent, huh.to_bytes() if huh is not None else b"",
                        None, ThreadEvent.FAILED if active else None)
     try:
-        bodies = serialise_all(result.payload, max_fanout,
-                               listener.answers_text and kind is ResponseKind.RESPOND)
+        bodies, elements = serialise_all(result.payload, max_fanout,
+                                         listener.answers_text and kind is ResponseKind.RESPOND)
     except Rejection as rej:
         log.warning("bad handler output listener=%s detail=%s", listener.name, rej.detail)
         return _huh(frame, rej.code)
@@ -109,25 +125,42 @@ def plan_response(
         uuid, holder = caller.uuid, caller.holder
         for i, body in enumerate(bodies):
             bodies[i] = build_envelope(name, uuid, body, to=holder)
+        adopted: Adopted | None = (
+            None if elements is None else [(el, holder) for el in elements])
         return ResponsePlan(bodies, caller, True, None, b"",
-                            None, ThreadEvent.ANSWERED if active else None)
-    targets: Iterable[str | None] = (
-        result.targets if kind is ResponseKind.BROADCAST else (result.to,)
-    )
+                            None, ThreadEvent.ANSWERED if active else None, adopted)
     uuid = frame.uuid
+    if kind is not ResponseKind.BROADCAST:
+        to = result.to
+        envelopes = [build_envelope(name, uuid, body, to=to) for body in bodies]
+        adopted = None if elements is None else [(el, to) for el in elements]
+        return ResponsePlan(envelopes, frame, False, None, b"", None, None, adopted)
+    # A broadcast sends each payload to several listeners: each message gets a tree
+    # of its own, parsed from its bytes (messages never share an element).
+    targets: Iterable[str | None] = result.targets
     envelopes = [build_envelope(name, uuid, body, to=to) for to in targets for body in bodies]
     return ResponsePlan(envelopes, frame, False, None, b"", None, None)
 
 
-def serialise_all(payload: object, max_fanout: int, allow_answer: bool = False) -> list[bytes]:
+def serialise_all(payload: object, max_fanout: int, allow_answer: bool = False) -> Bodies:
     """Handler payload(s) -> C14N payload bytes. Raw bytes are untrusted XML holding
-    one or more payload elements: they are parsed with repair (handler and LLM
-    output only) and split, one envelope each."""
+    one or more payload elements: they are parsed (with repair if they are not
+    well-formed: handler and LLM output only) and split, one envelope each; the
+    elements of a strict parse come back with their bytes."""
+    elements: list[etree._Element] | None = None
     if isinstance(payload, bytes | bytearray | str):
         raw = payload.encode() if isinstance(payload, str) else bytes(payload)
-        raw = _XML_DECL.sub(b"", raw, count=1)
-        wrapper = parse_untrusted(b"<agentd-output>" + raw + b"</agentd-output>", repair=True)
-        bodies = [c14n(el) for el in wrapper if isinstance(el.tag, str)]
+        wrapped = b"<agentd-output>" + _XML_DECL.sub(b"", raw, count=1) + b"</agentd-output>"
+        try:
+            wrapper = parse_untrusted(wrapped)
+            strict = True
+        except Rejection:
+            wrapper = parse_untrusted(wrapped, repair=True)
+            strict = False
+        found = [el for el in wrapper if isinstance(el.tag, str)]
+        bodies = [c14n(el) for el in found]
+        if strict:
+            elements = found
     elif isinstance(payload, list | tuple):
         bodies = [_one(p, allow_answer) for p in payload]
     else:
@@ -136,7 +169,7 @@ def serialise_all(payload: object, max_fanout: int, allow_answer: bool = False) 
         raise Rejection(HuhCode.INVALID_PAYLOAD, "no payload element in handler output")
     if len(bodies) > max_fanout:
         raise Rejection(HuhCode.TOO_LARGE, f"{len(bodies)} payloads > max_fanout {max_fanout}")
-    return bodies
+    return Bodies(bodies, elements)
 
 
 def _one(obj: object, allow_answer: bool) -> bytes:
