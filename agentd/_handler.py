@@ -8,10 +8,10 @@ checks every requested destination against the listener's declared peers.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentd._errors import HuhCode
 
@@ -49,6 +49,17 @@ class HandlerMetadata:
             view = StateView(book, self.own_name, self._conversation or self.thread_id)
             object.__setattr__(self, "_view", view)
         return view
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def takes_element(handler: F) -> F:
+    """Mark a handler that takes the payload element the pump validated instead of
+    the object it would build from it (an isolation pool, which sends the element's
+    C14N to its worker). The element stays the pump's: such a handler only reads it."""
+    handler.takes_element = True  # type: ignore[attr-defined]
+    return handler
 
 
 class ResponseKind(Enum):

@@ -46,10 +46,19 @@ class Listener:
     max_concurrency: int
     config: Any = None
     answers_text: bool = False  # may answer with core `answer` (agents, a peer's agent)
+    takes_element: bool = False  # the handler takes the validated element (`takes_element`)
     retired: bool = False
     active: int = 0  # handler calls running now (bounded by max_concurrency)
     _slot_waiters: WaiterQueue = field(default_factory=WaiterQueue, repr=False)
     _seconds: Any = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.bind(self.handler)
+
+    def bind(self, handler: Callable[..., Any] | None) -> None:
+        """Make `handler` this listener's (and note whether it takes the element)."""
+        self.handler = handler
+        self.takes_element = getattr(handler, "takes_element", False) is True
 
     def count(self, outcome: str) -> None:
         """agentd_dispatch_total{listener, outcome} += 1."""
@@ -202,9 +211,9 @@ class Routing:
                         f"{cfg.location}: listeners: {cfg.name}: no handler for this LLM "
                         "agent (build them with agentd.platform.make_agent_handlers)"
                     )
-                lst.handler = handler
+                lst.bind(handler)
             elif isolated_handlers is not None and lst.name in isolated_handlers:
-                lst.handler = isolated_handlers[lst.name]
+                lst.bind(isolated_handlers[lst.name])
             for spec in lst.payload_specs:
                 other = specs.setdefault(spec.clark, spec)
                 if other is not spec and other.cls is not spec.cls:

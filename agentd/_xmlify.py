@@ -209,9 +209,10 @@ class XmlSpec:
         return self._read_root(el)
 
     def from_own_bytes(self, data: bytes) -> Any:
-        """Build the dataclass from bytes `to_bytes` produced (in this process or in
-        the daemon that hands them to its worker): no hostile-input checks, no
-        validation. Never for bytes from anyone else."""
+        """Build the dataclass from bytes `to_bytes` produced, or the C14N of an
+        element that `validate` accepted (in this process, or in the daemon that hands
+        them to its worker): no hostile-input checks, no validation. Never for bytes
+        from anyone else."""
         return self._read_root(etree.fromstring(data, _OWN_OUTPUT_PARSER))
 
     def validate(self, el: etree._Element) -> None:

@@ -112,7 +112,7 @@ class Harness:
         # Listeners with `isolation:` run in worker processes, as in the daemon.
         isolated = await self.isolation.apply(self.config, agents=self._agent_handlers)
         for name, handler in isolated.items():
-            self.routing.listeners[name].handler = handler
+            self.routing.listeners[name].bind(handler)
         if self.durable:
             self.kernel = await Kernel.open(self.state_dir, kernel_options(self.config))
             self.pump.kernel = self.kernel

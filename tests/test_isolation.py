@@ -14,11 +14,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from lxml import etree
 
+from agentd._core import Huh
 from agentd._envelope import parse_envelope
-from agentd._errors import ConfigError
+from agentd._errors import ConfigError, HuhCode
 from agentd._handler import HandlerMetadata
 from agentd._secrets import checking_as
+from agentd._xmlify import spec_of
 from agentd.client import frame_kind
 from agentd.config import load_config
 from agentd.confine import landlock_status
@@ -369,6 +372,26 @@ async def test_daemon_survives_a_segfaulting_worker_and_reports_its_pool(tmp_pat
     assert secret not in "".join(d.log)
 
 
+
+def element(payload: object) -> etree._Element:
+    """A payload as the pump hands it to an isolated listener: the validated element."""
+    return etree.fromstring(spec_of(payload).to_bytes(payload))
+
+
+async def test_an_isolated_handler_gets_payloads_and_core_notices_from_their_elements(
+        tmp_path: Path) -> None:
+    pools = IsolationPools()
+    try:
+        handler = (await pools.apply(load_config(organism(tmp_path))))["relay"]
+        asked = await handler(element(Relay(a=2, b=3)), META)
+        assert asked is not None and asked.to == "calculator.add"
+        assert b"<a>2</a><b>3</b>" in bytes(asked.payload)
+        huh = etree.fromstring(Huh.of(HuhCode.TIMEOUT).to_bytes())  # a core payload
+        told = await handler(huh, META)
+        assert told is not None and b"huh=timeout" in bytes(told.payload)
+    finally:
+        await pools.stop()
+
 async def test_a_reload_retires_an_old_pool_until_no_live_table_reaches_it(
         tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
@@ -381,17 +404,19 @@ async def test_a_reload_retires_an_old_pool_until_no_live_table_reaches_it(
         old_call = (await pools.apply(before))["prober"]
         new_call = (await pools.apply(after, last_version=1))["prober"]
         assert new_call != old_call
+        # The pump hands an isolated listener's handler the element it validated.
+        assert getattr(new_call, "takes_element", False) is True
         # A thread created before the reload (table version 1) still routes to the
         # old pool: it must still serve.
-        answer = await old_call(Probe("echo", "old table"), meta)
+        answer = await old_call(element(Probe("echo", "old table")), meta)
         assert answer is not None and b"old table" in bytes(answer.payload)
         assert pools.status()["retired_pools"] == 1
         assert await pools.close_unused(lambda: {1, 2}) == 0
         assert await pools.close_unused(lambda: {2}) == 1
         assert pools.status()["retired_pools"] == 0
         with pytest.raises(WorkerFailed):
-            await old_call(Probe("echo", "too late"), meta)
-        answer = await new_call(Probe("echo", "new table"), meta)
+            await old_call(element(Probe("echo", "too late")), meta)
+        answer = await new_call(element(Probe("echo", "new table")), meta)
         assert answer is not None and b"new table" in bytes(answer.payload)
     finally:
         await pools.stop()

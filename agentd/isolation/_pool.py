@@ -2,9 +2,11 @@
 
 The pool is the daemon's side of isolation. `WorkerPool.call` has the handler
 signature ``(payload, meta) -> HandlerResponse | None``, so an isolated listener
-is a listener whose handler is its pool's `call`: the invoker (slots, timeout
-watchdog, outcome counting) and the pump's checks of the output are the same as
-in process.
+is a listener whose handler is its pool's (`WorkerPool.handler`): the invoker
+(slots, timeout watchdog, outcome counting) and the pump's checks of the output are
+the same as in process. A pool without a bridge takes the payload element the pump
+validated (`call_element`, marked `takes_element`): the worker gets its C14N, and
+the daemon builds no object only to serialise it again.
 
 Invariants:
 - A worker runs one call at a time, in the order the calls were written to it. A
@@ -31,14 +33,18 @@ import logging
 import os
 import signal
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lxml import etree
+
 from agentd import _metrics as metrics
-from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._handler import HandlerMetadata, HandlerResponse, takes_element
+from agentd._schemas import NS_CORE
 from agentd._spin import LoopSpin
 from agentd._states import step
+from agentd._xml import c14n
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.confine import Policy, kill_group, spawn
 from agentd.isolation import _protocol as p
@@ -51,6 +57,7 @@ _RESTART_BACKOFF_MAX_S = 5.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 PIPELINE = 2  # calls written to one worker at most (1 running, the rest queued)
 _MAX_REDISPATCH = 4  # a call whose worker died before starting it: tries elsewhere
+_CORE = "{" + NS_CORE + "}"
 
 
 class WorkerState(enum.Enum):
@@ -226,6 +233,12 @@ class WorkerPool:
 
     # ---- calls ---------------------------------------------------------------
 
+    @property
+    def handler(self) -> Callable[[Any, HandlerMetadata], Awaitable[HandlerResponse | None]]:
+        """The listener's handler: an agent's bridge renders the payload object the
+        pump built; any other pool takes the element."""
+        return self.call if self.bridge is not None else self.call_element
+
     async def call(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse | None:
         """Run the listener's handler in a worker (the handler signature)."""
         if is_xmlified(payload):
@@ -234,6 +247,20 @@ class WorkerPool:
             body = spec.to_bytes(payload)
         else:  # a core payload (ack, huh, answer) coming back to the listener
             key, body = None, payload.to_bytes()
+        return await self._call(key, body, meta, payload)
+
+    @takes_element
+    async def call_element(self, element: etree._Element, meta: HandlerMetadata
+                           ) -> HandlerResponse | None:
+        """`call` for the payload element the pump validated: its C14N is what
+        `to_bytes` of the object built from it would read back as (a core payload
+        goes without a key, as in `call`)."""
+        tag = element.tag
+        return await self._call(None if tag.startswith(_CORE) else tag, c14n(element), meta,
+                                None)
+
+    async def _call(self, key: str | None, body: bytes, meta: HandlerMetadata, payload: Any
+                    ) -> HandlerResponse | None:
         # No call waits for a worker: the worker may spin for the next one (a
         # worker of a saturated pool must not take the daemon's CPU so).
         spin = not self._waiters

@@ -104,7 +104,7 @@ class IsolationPools:
                 await pool.stop()
             else:
                 self.retired.append((pool, last_version))
-        return {name: pool.call for name, pool in self.pools.items()}
+        return {name: pool.handler for name, pool in self.pools.items()}
 
     @staticmethod
     def _bridge(config: OrganismConfig, name: str, platform: Any) -> Any:

@@ -466,7 +466,9 @@ class Pump:
         frame.touched = time.monotonic()
         spec = msg.spec
         payload: Any = (
-            core_from_element(msg.payload) if spec is None else spec.from_element(msg.payload)
+            msg.payload if listener.takes_element  # an isolation pool: no object to build
+            else core_from_element(msg.payload) if spec is None
+            else spec.from_element(msg.payload)
         )
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
                                self.durable.book, frame.root.uuid, None, msg.seq)

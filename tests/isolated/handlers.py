@@ -41,11 +41,15 @@ class Relay:
 
 
 async def relay(payload: object, meta: HandlerMetadata) -> HandlerResponse:
-    """Run in a worker, it gets its peer's reply (a `Sum`) as an object too."""
+    """Run in a worker, it gets its peer's reply (a `Sum`, or the pump's `huh`) as an
+    object too."""
+    from agentd._core import Huh
     from agentd.tools.calculator import Add, Sum
 
     if isinstance(payload, Relay):
         return HandlerResponse(Add(a=payload.a, b=payload.b), to="calculator.add")
+    if isinstance(payload, Huh):
+        return HandlerResponse.respond(Outcome(f"huh={payload.code.value}"))
     assert isinstance(payload, Sum), type(payload).__name__
     return HandlerResponse.respond(Outcome(f"sum={payload.value}"))
 
