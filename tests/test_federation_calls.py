@@ -5,6 +5,7 @@ with SIGKILL mid-call (the call runs once and is answered once)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 from collections.abc import AsyncIterator
@@ -135,6 +136,38 @@ async def test_frames_sharing_a_message_are_each_handled_and_checked(
     await beta.wait_for_line(r"security kind=federation-unexpected-frame")
     await peer.ws.wait_closed()
     assert peer.ws.close_code == 1008
+
+
+async def test_a_small_frame_limit_bounds_frames_not_the_messages_that_share_them(
+    tmp_path: Path,
+) -> None:
+    """A peer coalesces up to 16 KiB whatever this side's `max_frame_bytes`: calls
+    sharing a message longer than the limit are each served; one frame over it
+    closes the link as a lone message over it would."""
+    d = DaemonProcess(serving_beta(tmp_path, max_frame_bytes=2048))
+    await d.start()
+    try:
+        peer = await peer_of(d)
+        assert peer.ws is not None
+        calls = [json.dumps({"t": "call", "id": f"s{i}",
+                             "envelope": peer.envelope(Echo(text=f"{i}" * 200), "echo")})
+                 for i in range(8)]
+        message = "\n".join(calls).encode()
+        assert len(message) > 2048 and max(len(c) for c in calls) < 2048
+        await peer.ws.send(message)
+        for i in range(8):
+            accepted = await peer.next("accepted", id=f"s{i}")
+            reply = await peer.next("reply", thread=accepted["thread"])
+            assert from_xml(EchoReply, payload_of(reply)).text == f"{i}" * 200
+        big = json.dumps({"t": "call", "id": "big",
+                          "envelope": peer.envelope(Echo(text="x" * 3000), "echo")})
+        await peer.ws.send((calls[0] + "\n" + big).encode())
+        async with asyncio.timeout(30):
+            await peer.ws.wait_closed()
+        assert peer.ws.close_code == 1009
+        assert d.proc is not None and d.proc.returncode is None  # still serving
+    finally:
+        await d.stop(signal.SIGKILL)
 
 
 async def test_a_flooding_peer_meets_its_own_rate_limit(tmp_path: Path) -> None:

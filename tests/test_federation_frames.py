@@ -9,7 +9,14 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentd.federation._frames import COALESCE_BYTES, FrameQueue, encode, lines
+from agentd.federation._frames import (
+    COALESCE_BYTES,
+    FrameQueue,
+    encode,
+    lines,
+    message_limit,
+    too_big,
+)
 
 
 async def test_a_lone_frame_leaves_alone_and_the_writer_waits_for_the_next() -> None:
@@ -54,3 +61,11 @@ def test_every_frame_comes_back_once_in_order(frames: list[dict[str, object]],
         return out
 
     assert asyncio.run(drain()) == frames
+
+
+def test_a_frame_is_measured_in_utf8_bytes_and_a_message_takes_at_least_the_cap() -> None:
+    assert not too_big(b"x" * 1024, 1024) and too_big(b"x" * 1025, 1024)
+    assert not too_big("\u00e9" * 512, 1024) and too_big("\u00e9" * 513, 1024)
+    assert not too_big("x" * 1024, 1024) and too_big("x" * 1025, 1024)
+    assert message_limit(1024) == COALESCE_BYTES
+    assert message_limit(1 << 20) == 1 << 20

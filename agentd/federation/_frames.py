@@ -8,8 +8,10 @@ call's `accepted`, another's `reply` and a third's `ack` cost one TLS record and
 one `write` instead of three. A lone frame is sent the moment the writer runs.
 
 A receiver handles each line of a message as if it had come alone: the same
-checks, rate limit and refusals. A message is bounded by the WebSocket size limit
-(`max_frame_bytes`) like any other; a peer should accept `COALESCE_BYTES`.
+checks, rate limit and refusals. `max_frame_bytes` bounds each frame (a longer
+line closes the link, as a longer message would); a message holding several is
+accepted up to `message_limit`, at least `COALESCE_BYTES`, so a peer may coalesce
+whatever frame limit this side set.
 """
 
 from __future__ import annotations
@@ -24,8 +26,20 @@ COALESCE_BYTES = 16384
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
+def message_limit(max_frame_bytes: int) -> int:
+    """The largest WebSocket message a link takes: one frame, or frames that share it."""
+    return max(max_frame_bytes, COALESCE_BYTES)
+
+
 def encode(frame: dict[str, object]) -> bytes:
     return _dumps(frame).encode()
+
+
+def too_big(frame: str | bytes, max_frame_bytes: int) -> bool:
+    """Whether one frame is over the limit (in UTF-8 bytes, as a message would be)."""
+    if isinstance(frame, bytes):
+        return len(frame) > max_frame_bytes
+    return len(frame) * 4 > max_frame_bytes and len(frame.encode()) > max_frame_bytes
 
 
 def lines(message: str | bytes) -> Iterator[str | bytes]:

@@ -43,7 +43,7 @@ from agentd.bus import TokenBucket
 from agentd.config import FederationConfig, GatewayConfig
 from agentd.federation._binding import ChannelBindingUnavailable, tls_exporter
 from agentd.federation._calls import CallRefused, admit_call, call_id_of
-from agentd.federation._frames import FrameQueue, encode, lines
+from agentd.federation._frames import FrameQueue, encode, lines, message_limit, too_big
 from agentd.federation._gateway import Backoff, LinkEvent, LinkState, keeps_link, transition
 from agentd.federation._handshake import HANDSHAKE_FAILED, Handshake, HandshakeFailed, Role
 from agentd.federation._identity import Identity, fingerprint, parse_public_line
@@ -63,6 +63,7 @@ log = logging.getLogger("agentd.federation")
 
 FEDERATION_PATH = "/federation"
 CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009  # as websockets closes on a message over its max_size
 MAX_PENDING_HANDSHAKES = 16
 SECURITY_KINDS = frozenset({
     "federation-handshake-failed", "federation-unexpected-frame", "federation-forged-from",
@@ -211,7 +212,7 @@ class Federation:
             int(port),
             ssl=self.server_ssl or federation_server_context(self.config),
             process_request=self._upgrade,
-            max_size=self.config.max_frame_bytes,
+            max_size=message_limit(self.config.max_frame_bytes),
             compression=None,
             open_timeout=self.config.handshake_timeout_s,
             server_header=None,
@@ -316,7 +317,7 @@ class Federation:
                 ssl=ctx,
                 proxy=None,  # never a proxy from the environment
                 compression=None,
-                max_size=self.config.max_frame_bytes,
+                max_size=message_limit(self.config.max_frame_bytes),
                 open_timeout=self.config.handshake_timeout_s,
                 user_agent_header=None,
                 logger=logging.getLogger("agentd.federation.websockets"),
@@ -394,11 +395,15 @@ class Federation:
             self._send(link, {"t": "schemas", "names": list(link.config.import_)})
             link.offer_expected = True
             calls.link_up()
+        most = self.config.max_frame_bytes
         try:
             await self._load_outbox(link)
             with contextlib.suppress(ConnectionClosed):
                 async for message in ws:
                     for frame in lines(message):
+                        if too_big(frame, most):  # what max_size does to a lone frame
+                            await ws.close(CLOSE_TOO_BIG, "frame too big")
+                            return
                         if not await self._frame(link, ws, frame):
                             return
         finally:
