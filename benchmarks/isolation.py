@@ -7,8 +7,10 @@
     isolated / in process; the rates are medians). On two cores, two workers and
     the daemon share them; one worker and the daemon have one each, and that worker
     spins for its next call instead of sleeping;
-(b) overhead: one 1 KiB round trip through a worker (`WorkerPool.call`) against
-    the same handler awaited in process, sequential, p50 of the difference; and the
+(b) overhead: one 1 KiB round trip through a worker (the pool's handler, given the
+    validated payload element as the pump gives it) against the same handler awaited
+    in process on the object the pump would build from that element, sequential,
+    p50 of the difference; and the
     floor of any worker design on this machine, measured alongside: the same bytes
     through a pipe pair to a bare child process that only echoes them
     (`pipe_floor_p50_us`; `overhead_over_floor` = the isolated round trip over it);
@@ -38,8 +40,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from lxml import etree  # noqa: E402
+
 from agentd._envelope import build_envelope  # noqa: E402
 from agentd._handler import HandlerMetadata  # noqa: E402
+from agentd._runtime import tune_gc  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.config import load_config  # noqa: E402
 from agentd.testing import Harness  # noqa: E402
@@ -115,20 +120,22 @@ async def overhead_and_replace(folder: Path, rounds: int, replaces: int
                                ) -> tuple[float, float, float, float]:
     config = load_config(organism(folder, "{workers: 1}"))
     meta = HandlerMetadata(str(uuid.uuid4()), "alice", "prober")
-    payload = Probe("echo", TEXT)
+    spec = spec_of(Probe)
+    element = etree.fromstring(spec.to_bytes(Probe("echo", TEXT)))
     echo = await floor_child()
     frame = len(TEXT).to_bytes(4, "big") + TEXT.encode()
     async with Harness(config, {"alice": "public"}, durable=False) as h:
         pool = h.isolation.pools["prober"]
+        handler = pool.handler
         for _ in range(50):
-            await pool.call(payload, meta)
+            await handler(element, meta)
             await floor_round_trip(echo, frame)
         inproc, isolated, floor = [], [], []
         for _ in range(rounds):
             t0 = time.perf_counter()
-            await probe(payload, meta)
+            await probe(spec.from_element(element), meta)
             t1 = time.perf_counter()
-            await pool.call(payload, meta)
+            await handler(element, meta)
             t2 = time.perf_counter()
             await floor_round_trip(echo, frame)
             t3 = time.perf_counter()
@@ -152,7 +159,7 @@ async def overhead_and_replace(folder: Path, rounds: int, replaces: int
             os.kill(worker.pid, signal.SIGKILL)
             while worker.state.value != "dead":  # the pool notices through the pidfd
                 await asyncio.sleep(0.0005)
-            await pool.call(payload, meta)  # waits for the replacement
+            await handler(element, meta)  # waits for the replacement
             times.append((time.perf_counter() - t0) * 1000)
         print("worker replaced and next call served (ms): "
               + ", ".join(f"{t:.0f}" for t in times))
@@ -160,11 +167,12 @@ async def overhead_and_replace(folder: Path, rounds: int, replaces: int
 
 
 async def main(quick: bool) -> dict[str, float]:
+    tune_gc()  # the daemon's process tuning (agentd/_runtime.py), for every arm
     n = 2_000 if quick else 20_000
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         inprocs, isolateds, singles = [], [], []
-        for i in range(3 if quick else 5):  # alternating rounds: this machine drifts
+        for i in range(5 if quick else 7):  # alternating rounds: this machine drifts
             inprocs.append((await pairs_per_s(organism(folder, None), n))[0])
             isolateds.append((await pairs_per_s(organism(folder, "{workers: 2}"), n))[0])
             singles.append((await pairs_per_s(organism(folder, "{workers: 1}"), n))[0])
