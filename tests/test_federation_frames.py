@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from agentd.federation._frames import (
     COALESCE_BYTES,
     FrameQueue,
+    FrameTooLarge,
     encode,
+    encode_within,
     lines,
     message_limit,
     too_big,
@@ -69,3 +72,14 @@ def test_a_frame_is_measured_in_utf8_bytes_and_a_message_takes_at_least_the_cap(
     assert not too_big("x" * 1024, 1024) and too_big("x" * 1025, 1024)
     assert message_limit(1024) == COALESCE_BYTES
     assert message_limit(1 << 20) == 1 << 20
+
+
+def test_text_crosses_as_utf8_and_a_frame_over_a_limit_is_refused() -> None:
+    frame = {"t": "call", "envelope": "\u00e9t\u00e9 \u2028 \n"}
+    data = encode(frame)
+    assert "\u00e9t\u00e9".encode() in data and b"\n" not in data  # one line
+    assert json.loads(data) == frame
+    assert encode_within(frame, len(data)) == data
+    with pytest.raises(FrameTooLarge) as err:
+        encode_within(frame, len(data) - 1)
+    assert (err.value.size, err.value.limit) == (len(data), len(data) - 1)

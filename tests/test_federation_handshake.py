@@ -54,6 +54,29 @@ def test_both_sides_authenticate_each_other() -> None:
     assert d.peer == "beta" and a.peer == "alpha"
 
 
+def test_each_side_learns_the_largest_frame_the_other_takes() -> None:
+    d = Handshake(Role.DIALER, ALPHA, BINDING, {"beta": BETA.key.public_key()},
+                  expect="beta", max_frame=4096)
+    a = Handshake(Role.ACCEPTOR, BETA, BINDING, {"alpha": ALPHA.key.public_key()},
+                  max_frame=1 << 20)
+    run(d, a)
+    assert d.peer_max_frame == 1 << 20 and a.peer_max_frame == 4096
+
+
+NONCE = "A" * 43 + "="  # 32 bytes
+
+
+@pytest.mark.parametrize("limit", ["", ', "max_frame": 1023', ', "max_frame": true',
+                                   ', "max_frame": "4096"', ', "max_frame": 4096.0',
+                                   f', "max_frame": {1 << 40}'])
+def test_a_hello_without_a_valid_frame_limit_fails(limit: str) -> None:
+    _, a = pair()
+    a.start()
+    hello = '{"t": "hello", "name": "alpha", "nonce": "' + NONCE + '"' + limit + "}"
+    with pytest.raises(HandshakeFailed, match="max_frame"):
+        a.receive(hello.encode())
+
+
 def test_wrong_key_fails_at_the_acceptor() -> None:
     impostor = Identity("alpha", Ed25519PrivateKey.generate())
     d, a = pair(dialer=impostor)

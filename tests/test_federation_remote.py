@@ -160,6 +160,43 @@ async def test_a_listener_the_peer_does_not_export_is_never_callable(
         assert from_xml(EchoReply, payload_bytes(answer)).text == "ok"
 
 
+async def test_a_frame_over_the_peers_limit_is_never_sent_and_the_link_stays_up(
+    tmp_path: Path, daemons: list[DaemonProcess]
+) -> None:
+    """Each side announces its `max_frame_bytes` in the handshake: a call too large for
+    beta, or a reply too large for alpha, is answered `too-large` instead of being
+    sent (the peer would close the link on it, and it would be sent again on the
+    next link, for ever). Two-byte characters make the frames (UTF-8) twice the
+    text."""
+    alpha, beta = link_pair(tmp_path)
+    edit_config(beta, lambda doc: doc["federation"].update(max_frame_bytes=8192))
+    b = await start(daemons, beta)
+    dial(alpha, b)
+    edit_config(alpha, lambda doc: doc["federation"].update(max_frame_bytes=4096))
+    a = await start(daemons, alpha)
+    await a.wait_for_line(r"reloaded for newly pinned peer schemas")
+
+    def since() -> str:
+        _, doc = a.agentctl("status")
+        (gateway,) = doc["result"]["status"]["gateways"]
+        assert gateway["state"] == "up"
+        return str(gateway["since"])
+
+    up = since()
+    async with BusClient(a.url, "alice", secret=a.secret, cafile=a.cafile) as bus:
+        # About 8.3 KB of call frame: over beta's 8,192, never sent.
+        answer = await answer_of(bus, Echo(text="\u00e9" * 4000), "beta:echo")
+        assert frame_kind(answer)[1] == "huh" and b"too-large" in answer
+        await a.wait_for_line(r"a call frame of \d+ bytes is over the 8192 the peer takes")
+        # About 5 KB each way: the call fits beta, the reply is over alpha's 4,096.
+        answer = await answer_of(bus, Echo(text="\u00e9" * 2500), "beta:echo")
+        assert frame_kind(answer)[1] == "huh" and b"too-large" in answer
+        await b.wait_for_line(r"a reply frame of \d+ bytes is over the 4096 the peer takes")
+        answer = await answer_of(bus, Echo(text="\u00e9" * 1000), "beta:echo")  # 2 KB
+        assert from_xml(EchoReply, payload_bytes(answer)).text == "\u00e9" * 1000
+    assert since() == up  # the link never went down
+
+
 async def test_a_changed_schema_is_refused_until_a_reload_accepts_it(
     tmp_path: Path, daemons: list[DaemonProcess]
 ) -> None:

@@ -1,7 +1,9 @@
 """The frames of one authenticated link, and how they share WebSocket messages.
 
-A frame is one JSON object (`call`, `accepted`, `reply`, `ack`, ...), encoded
-without a newline (JSON escapes the ones inside strings). The frames queued for a
+A frame is one JSON object (`call`, `accepted`, `reply`, `ack`, ...), encoded as
+UTF-8 without a newline (JSON escapes the ones inside strings, and every other
+control character; text is not escaped to `\\uXXXX`, so an envelope of non-ASCII
+text is not six times its size on the link). The frames queued for a
 link while its writer was busy leave together, as one WebSocket message of lines
 of at most `COALESCE_BYTES` (a frame bigger than that goes alone): under load a
 call's `accepted`, another's `reply` and a third's `ack` cost one TLS record and
@@ -11,7 +13,10 @@ A receiver handles each line of a message as if it had come alone: the same
 checks, rate limit and refusals. `max_frame_bytes` bounds each frame (a longer
 line closes the link, as a longer message would); a message holding several is
 accepted up to `message_limit`, at least `COALESCE_BYTES`, so a peer may coalesce
-whatever frame limit this side set.
+whatever frame limit this side set. Each side tells the other its frame limit in
+the handshake; a frame over the peer's is never sent (`FrameTooLarge`: the caller
+answers the call or reply it held some other way), since the peer would close the
+link on it and the frame would be sent again on the next one.
 """
 
 from __future__ import annotations
@@ -23,7 +28,15 @@ from collections.abc import Iterator
 
 COALESCE_BYTES = 16384
 
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+class FrameTooLarge(Exception):
+    """A frame over the limit the peer announced: not sent."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"{size} bytes > the peer's {limit}")
+        self.size, self.limit = size, limit
 
 
 def message_limit(max_frame_bytes: int) -> int:
@@ -33,6 +46,14 @@ def message_limit(max_frame_bytes: int) -> int:
 
 def encode(frame: dict[str, object]) -> bytes:
     return _dumps(frame).encode()
+
+
+def encode_within(frame: dict[str, object], limit: int) -> bytes:
+    """`encode`, or `FrameTooLarge` if the bytes are over `limit`."""
+    data = _dumps(frame).encode()
+    if len(data) > limit:
+        raise FrameTooLarge(len(data), limit)
+    return data
 
 
 def too_big(frame: str | bytes, max_frame_bytes: int) -> bool:

@@ -2,8 +2,8 @@
 
 After TLS, on the `/federation` WebSocket:
 
-    dialer   -> HELLO {name, nonce_d}
-    acceptor -> HELLO {name, nonce_a}, PROOF {sig_a}
+    dialer   -> HELLO {name, nonce_d, max_frame}
+    acceptor -> HELLO {name, nonce_a, max_frame}, PROOF {sig_a}
     dialer   -> PROOF {sig_d}
     acceptor -> READY
 
@@ -15,6 +15,10 @@ and the TLS `tls-exporter` value of this connection (`transcript`). So:
   signatures it forwards do not verify;
 - a recorded handshake replayed later meets fresh nonces and a fresh exporter;
 - the role label keeps one side's signature from being reflected as the other's.
+
+`max_frame` is the largest frame the sender takes on the link (its
+`max_frame_bytes`); it is not signed, as nothing on the link can change it but the
+two ends of the TLS channel, and it only tells the other side what not to send.
 
 Every failure raises `HandshakeFailed` with a precise reason for the log; the
 transport tells the peer only `HANDSHAKE_FAILED`, the same for every cause. The
@@ -46,6 +50,8 @@ PROTOCOL = b"agentd-federation-1"
 HANDSHAKE_FAILED = "federation handshake failed"  # the one reason a peer is told
 NONCE_BYTES = 32
 MAX_FRAME = 1024  # handshake frames are small; a larger one is hostile
+MIN_FRAME_LIMIT = 1024  # the least `max_frame_bytes` a side may announce
+MAX_FRAME_LIMIT = 1 << 31
 _NAME_MAX = 64
 
 
@@ -141,6 +147,7 @@ class Handshake:
         peers: Mapping[str, Ed25519PublicKey],
         expect: str | None = None,
         nonce: Callable[[int], bytes] = secrets.token_bytes,
+        max_frame: int = 262144,
     ) -> None:
         if role is Role.DIALER and expect is None:
             raise ValueError("a dialer knows which peer it dialed")
@@ -153,6 +160,8 @@ class Handshake:
         self.nonce = nonce(NONCE_BYTES)
         self.peer_nonce = b""
         self.claimed = ""  # the name the peer claims, verified only once `done`
+        self.max_frame = max_frame  # what this side takes, announced in its HELLO
+        self.peer_max_frame = 0  # what the peer takes, from its HELLO
         self._declared = False
 
     @property
@@ -173,7 +182,7 @@ class Handshake:
     def start(self) -> list[bytes]:
         self._to(HsEvent.START)
         if self.role is Role.DIALER:
-            return [_frame("hello", name=self.identity.name, nonce=_b64(self.nonce))]
+            return [self._own_hello()]
         return []
 
     def receive(self, frame: bytes) -> list[bytes]:
@@ -201,11 +210,20 @@ class Handshake:
             return []
         raise HandshakeFailed(f"unexpected {kind!r} frame while {state.value}")
 
+    def _own_hello(self) -> bytes:
+        return encode({"t": "hello", "name": self.identity.name, "nonce": _b64(self.nonce),
+                       "max_frame": self.max_frame})
+
     def _hello(self, msg: dict[str, object]) -> list[bytes]:
         name = msg.get("name")
         if not isinstance(name, str) or not 0 < len(name) <= _NAME_MAX:
             raise HandshakeFailed("hello without a valid name")
         self.peer_nonce = _unb64(msg.get("nonce"), NONCE_BYTES, "nonce")
+        limit = msg.get("max_frame")
+        if (not isinstance(limit, int) or isinstance(limit, bool)
+                or not MIN_FRAME_LIMIT <= limit <= MAX_FRAME_LIMIT):
+            raise HandshakeFailed("hello without a valid max_frame")
+        self.peer_max_frame = limit
         self.claimed = name
         if self.role is Role.DIALER:
             if name != self.expect:
@@ -215,7 +233,7 @@ class Handshake:
             return []
         self._declared = name in self.peers
         self._to(HsEvent.HELLO)
-        return [_frame("hello", name=self.identity.name, nonce=_b64(self.nonce)), self._proof()]
+        return [self._own_hello(), self._proof()]
 
     def _names_nonces(self) -> tuple[str, str, bytes, bytes]:
         if self.role is Role.DIALER:

@@ -36,16 +36,30 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 
-from agentd._envelope import Envelope
+from agentd._core import Huh
+from agentd._envelope import Envelope, build_envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._xml import DEFAULT_SHAPE, ShapeLimits
 from agentd.bus import TokenBucket
 from agentd.config import FederationConfig, GatewayConfig
 from agentd.federation._binding import ChannelBindingUnavailable, tls_exporter
 from agentd.federation._calls import CallRefused, admit_call, call_id_of
-from agentd.federation._frames import FrameQueue, encode, lines, message_limit, too_big
+from agentd.federation._frames import (
+    FrameQueue,
+    FrameTooLarge,
+    encode_within,
+    lines,
+    message_limit,
+    too_big,
+)
 from agentd.federation._gateway import Backoff, LinkEvent, LinkState, keeps_link, transition
-from agentd.federation._handshake import HANDSHAKE_FAILED, Handshake, HandshakeFailed, Role
+from agentd.federation._handshake import (
+    HANDSHAKE_FAILED,
+    MIN_FRAME_LIMIT,
+    Handshake,
+    HandshakeFailed,
+    Role,
+)
 from agentd.federation._identity import Identity, fingerprint, parse_public_line
 from agentd.federation._remote import (
     MAX_OFFERS,
@@ -109,6 +123,7 @@ class GatewayLink:
     bucket: TokenBucket | None = None  # the peer's call rate, per link
     admitting: int = 0  # the peer's calls being admitted now
     replies: ReplyWindow = field(default_factory=lambda: ReplyWindow(MAX_PENDING_REPLIES))
+    peer_max_frame: int = MIN_FRAME_LIMIT  # the largest frame the peer takes (its HELLO)
     sending: FrameQueue | None = None  # frames for the up link's writer
     offer_expected: bool = False  # our schema request is unanswered on the up link
 
@@ -280,11 +295,12 @@ class Federation:
     async def _accepted(self, ws: ServerConnection) -> None:
         self._pending += 1
         try:
-            peer = await self._handshake(ws, Role.ACCEPTOR, None)
+            authenticated = await self._handshake(ws, Role.ACCEPTOR, None)
         finally:
             self._pending -= 1
-        if peer is not None:
-            await self._run(self.links[peer], ws, dialed=False)
+        if authenticated is not None:
+            peer, limit = authenticated
+            await self._run(self.links[peer], ws, dialed=False, peer_max_frame=limit)
 
     # ---- dialing ---------------------------------------------------------------
 
@@ -297,10 +313,10 @@ class Federation:
                 link.changed.clear()
                 await link.changed.wait()
             link.apply(LinkEvent.DIAL)
-            ws = await self._dial(url, ctx, link)
-            if ws is not None:
+            up = await self._dial(url, ctx, link)
+            if up is not None:
                 link.attempts = 0
-                await self._run(link, ws, dialed=True)
+                await self._run(link, *up, dialed=True)
                 continue
             link.apply(LinkEvent.FAILED)
             delay = self.backoff.delay(link.attempts, self.rng())
@@ -310,7 +326,7 @@ class Federation:
 
     async def _dial(
         self, url: str, ctx: ssl.SSLContext, link: GatewayLink
-    ) -> ClientConnection | None:
+    ) -> tuple[ClientConnection, int] | None:
         try:
             ws = await connect(
                 url,
@@ -325,17 +341,20 @@ class Federation:
         except (OSError, InvalidHandshake, InvalidURI, TimeoutError, ssl.SSLError) as exc:
             log.info("federation dial gateway=%s failed: %s", link.config.name, exc)
             return None
-        peer = await self._handshake(ws, Role.DIALER, link.config.name)
-        return ws if peer is not None else None
+        authenticated = await self._handshake(ws, Role.DIALER, link.config.name)
+        return None if authenticated is None else (ws, authenticated[1])
 
     # ---- both ------------------------------------------------------------------
 
-    async def _handshake(self, ws: Connection, role: Role, expect: str | None) -> str | None:
-        """The authenticated peer's name, or None after closing with the generic reason."""
+    async def _handshake(self, ws: Connection, role: Role, expect: str | None
+                         ) -> tuple[str, int] | None:
+        """The authenticated peer's name and the largest frame it takes, or None
+        after closing with the generic reason."""
         claimed = expect or ""
         try:
             binding = tls_exporter(ws.transport.get_extra_info("ssl_object"))
-            hs = Handshake(role, self.identity, binding, self.peers, expect=expect)
+            hs = Handshake(role, self.identity, binding, self.peers, expect=expect,
+                           max_frame=self.config.max_frame_bytes)
             async with asyncio.timeout(self.config.handshake_timeout_s):
                 for frame in hs.start():
                     await ws.send(frame)
@@ -348,7 +367,7 @@ class Federation:
                     for frame in out:
                         await ws.send(frame)
             assert hs.peer is not None
-            return hs.peer
+            return hs.peer, hs.peer_max_frame
         except (HandshakeFailed, ChannelBindingUnavailable, TimeoutError, ConnectionClosed) as exc:
             cause = "timed out" if isinstance(exc, TimeoutError) else str(exc) or type(exc).__name__
             self.audit("federation-handshake-failed", {
@@ -357,7 +376,8 @@ class Federation:
             await ws.close(CLOSE_POLICY, HANDSHAKE_FAILED)
             return None
 
-    async def _run(self, link: GatewayLink, ws: Connection, dialed: bool) -> None:
+    async def _run(self, link: GatewayLink, ws: Connection, peer_max_frame: int,
+                   dialed: bool) -> None:
         """Hold an authenticated link until it closes (or a better one replaces it)."""
         local, peer = self.identity.name, link.config.name
         if link.state is LinkState.UP and link.connection is not None:
@@ -369,6 +389,7 @@ class Federation:
             await old.close(1000, "duplicate link")
         link.apply(LinkEvent.AUTHENTICATED)
         link.connection, link.dialed = ws, dialed
+        link.peer_max_frame = peer_max_frame
         link.up_count += 1
         log.info("federation gateway=%s up (%s) address=%s", peer,
                  "dialed" if dialed else "accepted", _address(ws))
@@ -392,8 +413,9 @@ class Federation:
                                      name=f"federation-write-{link.config.name}")
         calls = self.outgoing.get(link.config.name)
         if calls is not None:  # what we import: its schemas first, then our calls again
-            self._send(link, {"t": "schemas", "names": list(link.config.import_)})
-            link.offer_expected = True
+            with contextlib.suppress(FrameTooLarge):  # logged; nothing gets pinned
+                self._send(link, {"t": "schemas", "names": list(link.config.import_)})
+                link.offer_expected = True
             calls.link_up()
         most = self.config.max_frame_bytes
         try:
@@ -441,7 +463,10 @@ class Federation:
                     and link.bucket.take(time.monotonic())):
                 asked = [n for n in names if isinstance(n, str) and n in link.config.export]
                 offers = self.host.offers(asked)
-                self._send(link, {"t": "offer", "listeners": [o.to_json() for o in offers]})
+                try:
+                    self._send(link, {"t": "offer", "listeners": [o.to_json() for o in offers]})
+                except FrameTooLarge:  # logged; an empty offer pins nothing
+                    self._send(link, {"t": "offer", "listeners": []})
                 return True
         calls = self.outgoing.get(peer)
         if calls is not None and isinstance(msg, dict) and self._answer_frame(link, calls, msg):
@@ -522,9 +547,18 @@ class Federation:
                               "message": GENERIC_MESSAGES[code]})
 
     def _send(self, link: GatewayLink, frame: dict[str, object]) -> bool:
+        """Queue `frame` for the link's writer; False if the link is down. Raises
+        `FrameTooLarge` (and logs it) for a frame the peer would close the link on."""
         if link.sending is None:
             return False
-        link.sending.put(encode(frame))
+        try:
+            data = encode_within(frame, link.peer_max_frame)
+        except FrameTooLarge as exc:
+            log.error("federation gateway=%s: a %s frame of %d bytes is over the %d the "
+                      "peer takes (its federation.max_frame_bytes); not sent",
+                      link.config.name, frame.get("t"), exc.size, exc.limit)
+            raise
+        link.sending.put(data)
         return True
 
     def _sender(self, link: GatewayLink) -> Callable[[dict[str, object]], bool]:
@@ -608,8 +642,14 @@ class Federation:
             self._send_reply(link, oid, *by_id[oid])
 
     def _send_reply(self, link: GatewayLink, outbox_id: int, thread: str, data: bytes) -> None:
-        self._send(link, {"t": "reply", "id": outbox_id, "thread": thread,
-                          "envelope": data.decode("utf-8")})
+        try:
+            self._send(link, {"t": "reply", "id": outbox_id, "thread": thread,
+                              "envelope": data.decode("utf-8")})
+        except FrameTooLarge:  # the caller is told so, and acknowledges this row
+            # From `core`, as the pump's own huh: the caller takes it as the answer.
+            too_large = build_envelope("core", thread, Huh.of(HuhCode.TOO_LARGE).to_bytes())
+            self._send(link, {"t": "reply", "id": outbox_id, "thread": thread,
+                              "envelope": too_large.decode("utf-8")})
 
     def _acknowledged(self, link: GatewayLink, outbox_id: int) -> None:
         """Outbox rows are removed up to an id; only up to an unbroken run of

@@ -48,6 +48,7 @@ from agentd._schemas import NS_CORE
 from agentd._xml import c14n
 from agentd._xmlify import spec_of, xsd_of
 from agentd.federation._calls import call_thread
+from agentd.federation._frames import FrameTooLarge
 
 if TYPE_CHECKING:
     from agentd.config import ListenerConfig
@@ -301,6 +302,9 @@ def remote_listeners(
 
 
 class CallRefusedByPeer(Exception):
+    """The call failed with `code`: refused by the peer, or (`too-large`) not sendable
+    to it at all."""
+
     def __init__(self, code: HuhCode) -> None:
         super().__init__(code.value)
         self.code = code
@@ -365,8 +369,12 @@ class RemoteCalls:
                                     "envelope": pending.envelope}
         if pending.again:
             frame["again"] = True
-        if self.send(frame):
-            pending.again = True  # any later send of it is a resend
+        try:
+            if self.send(frame):
+                pending.again = True  # any later send of it is a resend
+        except FrameTooLarge:  # the peer would close the link on it, again and again
+            if not pending.answer.done():
+                pending.answer.set_exception(CallRefusedByPeer(HuhCode.TOO_LARGE))
 
     def link_up(self) -> None:
         """Calls not yet accepted go (again) on the new link; accepted ones are the
