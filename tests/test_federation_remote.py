@@ -179,7 +179,7 @@ async def test_a_frame_over_the_peers_limit_is_never_sent_and_the_link_stays_up(
     def since() -> str:
         _, doc = a.agentctl("status")
         (gateway,) = doc["result"]["status"]["gateways"]
-        assert gateway["state"] == "up"
+        assert gateway["state"] == "up" and gateway["peer_max_frame"] == 8192
         return str(gateway["since"])
 
     up = since()

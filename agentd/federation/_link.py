@@ -142,6 +142,8 @@ class GatewayLink:
             "direction": ("out" if self.dialed else "in") if self.state is LinkState.UP else "",
             "url": self.config.url or "",
             "failed_dials": self.attempts,
+            # The largest frame the peer takes, from the last link's handshake.
+            "peer_max_frame": self.peer_max_frame if self.up_count else None,
             "peer_key": fingerprint(self.public_key),
         }
 
