@@ -147,7 +147,7 @@ class Handshake:
         peers: Mapping[str, Ed25519PublicKey],
         expect: str | None = None,
         nonce: Callable[[int], bytes] = secrets.token_bytes,
-        max_frame: int = 262144,
+        max_frame: int = 262144,  # the configuration's default max_frame_bytes
     ) -> None:
         if role is Role.DIALER and expect is None:
             raise ValueError("a dialer knows which peer it dialed")
