@@ -20,7 +20,7 @@ from agentd._states import IllegalTransition, step
 from agentd.config import load_config_text
 from agentd.isolation import _protocol as p
 from agentd.isolation import effective_isolation
-from agentd.isolation._pool import TRANSITIONS, WorkerEvent, WorkerState, exit_reason
+from agentd.isolation._pool import TRANSITIONS, WorkerEvent, WorkerState, exit_reason, spins
 from agentd.isolation.worker import run_handler
 
 
@@ -231,3 +231,14 @@ def test_an_agent_worker_imports_the_loop_without_the_platform() -> None:
              "agentd.context", "numpy", "httpx", "pydantic"}
     assert not heavy & loaded, heavy & loaded
     assert "agentd.platform._agent" in loaded  # the probe did import the loop
+
+
+@pytest.mark.parametrize(("waiting", "workers", "cores", "spin"), [
+    (False, 1, 2, True), (False, 4, 2, True),  # nobody waits: the next call may be lone
+    (True, 1, 2, True),  # a worker and the daemon on two cores: no core taken
+    (True, 2, 2, False), (True, 1, 1, False),  # callers wait, cores are short: sleep
+    (True, 3, 4, True), (True, 4, 4, False),
+])
+def test_a_worker_spins_only_where_it_takes_no_core_from_the_daemon_under_load(
+        waiting: bool, workers: int, cores: int, spin: bool) -> None:
+    assert spins(waiting, workers, cores) is spin
