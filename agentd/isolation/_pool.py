@@ -184,7 +184,9 @@ def spins(waiting: bool, workers: int, cores: int) -> bool:
     takes no core the daemon needs, and under load the daemon's next write finds the
     worker awake instead of paying to wake it: about 20 us of the daemon's system
     time a call on this kind of machine). Not when callers wait and the workers
-    would take cores from the daemon that feeds them."""
+    would take cores from the daemon that feeds them. Counted per pool: several
+    pools loaded at once may together want more cores than there are; each poll
+    then yields the core (`agentd/_spin.py`), and a spin lasts 200 us at most."""
     return not waiting or workers + 1 <= cores
 
 
