@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from lxml import etree
 
 from agentd._envelope import build_envelope
 from agentd._errors import HuhCode
@@ -66,6 +67,11 @@ class Clock:
 
 
 # ---- offers and pins -------------------------------------------------------------
+
+
+def element(payload: Any) -> etree._Element:
+    """A payload as the pump hands it to a remote listener: the validated element."""
+    return etree.fromstring(to_xml(payload))
 
 
 def test_an_offer_survives_json_and_its_digest_covers_every_part() -> None:
@@ -215,7 +221,7 @@ async def answer_with(gateway: Any, reply: bytes | None, seq: int = 4, **kw: Any
     link, calls = gateway
     handler = RemoteCall("alpha", "beta-units", "calculator.add", ADD, 262144)
     m = meta(seq)
-    task = asyncio.create_task(handler(Add(a=1, b=2), m))
+    task = asyncio.create_task(handler(element(Add(a=1, b=2)), m))
     await asyncio.sleep(0)
     call = link.frames[-1]
     assert call["t"] == "call"
@@ -275,7 +281,7 @@ async def test_a_changed_or_missing_import_is_unroutable_without_a_call(gateway:
     link, calls = gateway
     calls.imports["calculator.add"] = "changed"
     handler = RemoteCall("alpha", "beta-units", "calculator.add", ADD, 262144)
-    response = await handler(Add(a=1, b=2), meta())
+    response = await handler(element(Add(a=1, b=2)), meta())
     assert response.error_code is HuhCode.UNROUTABLE
     assert link.frames == []
 
@@ -291,7 +297,7 @@ async def test_a_peers_agent_may_answer_with_text_and_nothing_else_may(gateway: 
     link, calls = gateway
     calls.imports["tutor"] = "pinned"
     handler = RemoteCall("alpha", "beta-units", "tutor", agent, 262144)
-    task = asyncio.create_task(handler(Add(a=2, b=3), meta()))
+    task = asyncio.create_task(handler(element(Add(a=2, b=3)), meta()))
     await asyncio.sleep(0)
     thread = call_thread("alpha", str(link.frames[-1]["id"]))
     calls.reply(12, thread, build_envelope("tutor", thread, answer).decode())

@@ -456,7 +456,10 @@ def calls_for(gateway: str) -> RemoteCalls:
 class RemoteCall:
     """The handler of `GATEWAY:LISTENER`: the payload, checked against the pinned
     XSD, crosses as a call; the reply, checked against the pinned response XSDs,
-    comes back as this listener's answer."""
+    comes back as this listener's answer. It takes the payload element the pump
+    validated (`takes_element`): what crosses is that element's C14N."""
+
+    takes_element = True
 
     def __init__(self, organism: str, gateway: str, remote: str, offer: Offer,
                  max_bytes: int) -> None:
@@ -483,18 +486,17 @@ class RemoteCall:
         return frozenset(root for xsd in self.offer.responses
                          for root in _roots(etree.fromstring(xsd.encode(), _OWN_PARSER)))
 
-    async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
+    async def __call__(self, payload: etree._Element, meta: HandlerMetadata
+                       ) -> HandlerResponse:
         calls = calls_for(self.gateway)
         if calls.blocked(self.remote):
             log.warning("federation call to %s:%s refused: import is %s", self.gateway,
                         self.remote, calls.imports.get(self.remote))
             return HandlerResponse.error(HuhCode.UNROUTABLE)
-        spec = spec_of(payload)
-        data = spec.to_bytes(payload)  # exclusive C14N, written by agentd's serializer
-        body = etree.fromstring(data, _OWN_PARSER)  # so not the parser for others' bytes
-        schema = self.schemas.get(body.tag)
-        if schema is None or not schema.validate(body):
+        schema = self.schemas.get(payload.tag)
+        if schema is None or not schema.validate(payload):
             return HandlerResponse.error(HuhCode.INVALID_PAYLOAD)
+        data = c14n(payload)
         # Stable across a redelivery of this message; unique without a journal too.
         call_id = (f"{meta._conversation or meta.thread_id}.{meta._seq}" if meta._seq
                    else uuid.uuid4().hex)
