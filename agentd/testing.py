@@ -77,7 +77,8 @@ class Harness:
             state_dir = Path(self._tmp.name)
         self.state_dir = state_dir
         self.kernel: Kernel | None = None
-        self.isolation = IsolationPools()
+        # Without a kernel no writer process competes with the workers for a core.
+        self.isolation = IsolationPools(others=2 if durable else 1)
         self._own_platform: Any = None
         if agent_handlers is None and any(lst.agent is not None for lst in config.listeners):
             from agentd.platform import make_agent_handlers

@@ -233,12 +233,13 @@ def test_an_agent_worker_imports_the_loop_without_the_platform() -> None:
     assert "agentd.platform._agent" in loaded  # the probe did import the loop
 
 
-@pytest.mark.parametrize(("waiting", "workers", "cores", "spin"), [
-    (False, 1, 2, True), (False, 4, 2, True),  # nobody waits: the next call may be lone
-    (True, 1, 2, True),  # a worker and the daemon on two cores: no core taken
-    (True, 2, 2, False), (True, 1, 1, False),  # callers wait, cores are short: sleep
-    (True, 3, 4, True), (True, 4, 4, False),
+@pytest.mark.parametrize(("waiting", "workers", "others", "cores", "spin"), [
+    (False, 1, 2, 2, True), (False, 4, 2, 2, True),  # nobody waits: a call may be lone
+    (True, 1, 1, 2, True),  # a worker and a daemon without a kernel on two cores
+    (True, 1, 2, 2, False),  # ... with its kernel writer too: a core short, sleep
+    (True, 2, 1, 2, False), (True, 1, 1, 1, False),
+    (True, 2, 2, 4, True), (True, 3, 2, 4, False),
 ])
 def test_a_worker_spins_only_where_it_takes_no_core_from_the_daemon_under_load(
-        waiting: bool, workers: int, cores: int, spin: bool) -> None:
-    assert spins(waiting, workers, cores) is spin
+        waiting: bool, workers: int, others: int, cores: int, spin: bool) -> None:
+    assert spins(waiting, workers, others, cores) is spin

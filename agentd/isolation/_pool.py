@@ -176,27 +176,31 @@ def _fail_calls(worker: Worker, reason: str | None) -> None:
     worker.inflight.clear()
 
 
-def spins(waiting: bool, workers: int, cores: int) -> bool:
+def spins(waiting: bool, workers: int, others: int, cores: int) -> bool:
     """Whether a worker, its call answered, polls for its next call before it sleeps.
 
     When no call waits for a worker (a lone caller's next call then finds it awake);
-    and when the pool's workers and the daemon fit the cores (a spinning worker then
-    takes no core the daemon needs, and under load the daemon's next write finds the
-    worker awake instead of paying to wake it: about 20 us of the daemon's system
+    and when the pool's workers and the `others` that want a core under load (the
+    daemon, and its kernel writer when it journals) fit the cores: a spinning worker
+    then takes no core they need, and under load the daemon's next write finds the
+    worker awake instead of paying to wake it (about 20 us of the daemon's system
     time a call on this kind of machine). Not when callers wait and the workers
-    would take cores from the daemon that feeds them. Counted per pool: several
-    pools loaded at once may together want more cores than there are; each poll
-    then yields the core (`agentd/_spin.py`), and a spin lasts 200 us at most."""
-    return not waiting or workers + 1 <= cores
+    would take cores from the processes that feed them (measured: one worker
+    spinning beside a journaling daemon on two cores lost 9 % of the rate). Counted
+    per pool: several pools loaded at once may together want more cores than there
+    are; each poll then yields the core (`agentd/_spin.py`), and a spin lasts
+    200 us at most."""
+    return not waiting or workers + others <= cores
 
 
 class WorkerPool:
-    def __init__(self, spec: WorkerSpec, bridge: Any = None) -> None:
+    def __init__(self, spec: WorkerSpec, bridge: Any = None, others: int = 2) -> None:
         """`bridge`: an isolated agent's `AgentBridge`, which answers its workers'
         requests to the platform (None: a handler's pool; a request is then a
-        protocol error)."""
+        protocol error). `others`: see `spins`."""
         self.spec = spec
         self.bridge = bridge
+        self.others = others
         # An agent's worker reads the daemon's replies to its requests from the pipe
         # its calls come on: a call queued there would come between; none is.
         self.pipeline = 1 if bridge is not None else PIPELINE
@@ -276,7 +280,7 @@ class WorkerPool:
 
     async def _call(self, key: str | None, body: bytes, meta: HandlerMetadata, payload: Any
                     ) -> HandlerResponse | None:
-        spin = spins(bool(self._waiters), self.spec.workers, self._cores)
+        spin = spins(bool(self._waiters), self.spec.workers, self.others, self._cores)
         extra: dict[str, Any] = {"spin": spin}
         bridge, context = self.bridge, None
         if bridge is not None:

@@ -35,7 +35,11 @@ log = logging.getLogger("agentd.isolation")
 
 
 class IsolationPools:
-    def __init__(self) -> None:
+    def __init__(self, others: int = 2) -> None:
+        """`others`: the processes besides the workers that want a core under load,
+        the daemon's and its kernel writer's (1 for a pump without a kernel); a
+        worker spins under load only where its pool and these fit the cores."""
+        self.others = others
         self.pools: dict[str, WorkerPool] = {}
         # (pool, the last dispatch-table version that routes to it)
         self.retired: list[tuple[WorkerPool, int]] = []
@@ -86,7 +90,7 @@ class IsolationPools:
                         "access of the daemon's uid (see agentctl status)")
         keep = {n: pool for n, pool in self.pools.items() if specs.get(n) == pool.spec
                 and (pool.bridge is None or pool.bridge.platform is platform)}
-        fresh = {n: WorkerPool(s, self._bridge(config, n, platform))
+        fresh = {n: WorkerPool(s, self._bridge(config, n, platform), self.others)
                  for n, s in specs.items() if n not in keep}
         started: list[WorkerPool] = []
         try:
