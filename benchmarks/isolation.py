@@ -6,7 +6,9 @@
     (`isolated_ratio`, `isolated_1w_ratio`: the median of the per-round ratios
     isolated / in process; the rates are medians). On two cores, two workers and
     the daemon share them; one worker and the daemon have one each, and that worker
-    spins for its next call instead of sleeping;
+    spins for its next call instead of sleeping (no kernel writer competes here; a
+    journaling daemon needs three cores for that: `agentd/isolation/_pool.py`
+    `spins`);
 (b) overhead: one 1 KiB round trip through a worker (the pool's handler, given the
     validated payload element as the pump gives it) against the same handler awaited
     in process on the object the pump would build from that element, sequential,
