@@ -170,6 +170,29 @@ async def test_a_small_frame_limit_bounds_frames_not_the_messages_that_share_the
         await d.stop(signal.SIGKILL)
 
 
+async def test_a_call_past_the_admission_cap_is_refused_without_echoing_a_bad_id(
+    tmp_path: Path,
+) -> None:
+    """Two calls in one message with one admission slot: the second is refused
+    `rate-limited`, and an id that is not a call id is not sent back."""
+    d = DaemonProcess(serving_beta(tmp_path, max_inflight_calls=1))
+    await d.start()
+    try:
+        peer = await peer_of(d)
+        assert peer.ws is not None
+        first = {"t": "call", "id": "cap1", "envelope": peer.envelope(Echo(text="1"), "echo")}
+        second = {"t": "call", "id": "not a call id " + "x" * 3000,
+                  "envelope": peer.envelope(Echo(text="2"), "echo")}
+        await peer.ws.send((json.dumps(first) + "\n" + json.dumps(second)).encode())
+        refused = await peer.next("refused")
+        assert refused["id"] == "" and refused["code"] == "rate-limited"
+        accepted = await peer.next("accepted", id="cap1")
+        reply = await peer.next("reply", thread=accepted["thread"])
+        assert from_xml(EchoReply, payload_of(reply)).text == "1"
+    finally:
+        await d.stop(signal.SIGKILL)
+
+
 async def test_a_flooding_peer_meets_its_own_rate_limit(tmp_path: Path) -> None:
     d = DaemonProcess(serving_beta(tmp_path, rate_per_s=1.0, rate_burst=3))
     await d.start()

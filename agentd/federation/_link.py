@@ -479,8 +479,11 @@ class Federation:
 
     def _spawn_call(self, link: GatewayLink, msg: dict[str, object]) -> None:
         if link.admitting >= self.config.max_inflight_calls:
-            call_id = msg.get("id")
-            self._send(link, {"t": "refused", "id": call_id if isinstance(call_id, str) else "",
+            try:
+                call_id = call_id_of(msg)
+            except CallRefused:  # never echo what the peer sent unchecked
+                call_id = ""
+            self._send(link, {"t": "refused", "id": call_id,
                               "code": HuhCode.RATE_LIMITED.value,
                               "message": GENERIC_MESSAGES[HuhCode.RATE_LIMITED]})
             return
