@@ -24,8 +24,8 @@ only re-check what the pump chose: sender, thread, the envelope's structure) it
 checks what it did not choose, the `to` a handler named and the payload's
 namespace. Bytes as a client or a handler wrote them never take it.
 
-`adopt_envelope` is the same entry without the parse, for the payload element the
-pump itself parsed strictly out of a handler's raw output: the bytes it built
+`adopt_envelope` is the same entry without the parse, for a payload element parsed
+strictly out of a handler's raw output (or a peer's call, re-addressed): the bytes built
 around that element's C14N are held to the same size, shape and privileged-
 namespace checks, and the element is the tree a strict parse of them would give
 (exclusive C14N of a strictly parsed element reads back as the same elements,
@@ -137,7 +137,8 @@ def adopt_envelope(
 ) -> Envelope:
     """`parse_built_envelope` of `data`, which `build_envelope(sender, thread,
     c14n(payload), to)` wrote around `payload`, an element parsed strictly (without
-    repair) out of a handler's output: the same checks in the same order, the same
+    repair) out of a handler's output or a peer's call: the same checks in the same
+    order, the same
     `Envelope` or the same refusal, without parsing `data` again."""
     if len(data) > max_bytes:
         raise Rejection(HuhCode.TOO_LARGE, f"{len(data)} bytes > {max_bytes}")

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from agentd._envelope import (
     Envelope,
     PrivilegedOnBus,
+    adopt_envelope,
     build_envelope,
-    may_have_attributes,
     parse_envelope,
 )
 from agentd._errors import AgentdError, HuhCode, Rejection
@@ -115,14 +115,11 @@ def admit_call(
                           "not-exported")
     thread = call_thread(peer, call_id)
     rebuilt = build_envelope(peer, thread, c14n(env.payload), env.to)
-    # The pump would hold the re-addressed bytes to the same limits: C14N may move
-    # namespace declarations down to the elements that use them.
-    if len(rebuilt) > max_bytes:
-        raise CallRefused(HuhCode.TOO_LARGE, f"{len(rebuilt)} bytes > {max_bytes}")
-    if shape is not None:
-        try:
-            shape.check_bytes(rebuilt, rebuilt.count(b"<"))
-        except Rejection as exc:
-            raise CallRefused(exc.code, f"envelope refused: {exc}") from None
-    parsed = Envelope(peer, env.to, thread, env.payload, may_have_attributes(rebuilt))
+    # The re-addressed bytes are held to the pump's limits (C14N may move namespace
+    # declarations down to the elements that use them), keeping the parsed element.
+    try:
+        parsed = adopt_envelope(rebuilt, env.payload, peer, env.to, thread,
+                                max_bytes=max_bytes, shape=shape)
+    except Rejection as exc:
+        raise CallRefused(exc.code, f"envelope refused: {exc}") from None
     return AdmittedCall(call_id, thread, rebuilt, parsed)

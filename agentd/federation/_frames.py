@@ -50,7 +50,7 @@ def encode(frame: dict[str, object]) -> bytes:
 
 def encode_within(frame: dict[str, object], limit: int) -> bytes:
     """`encode`, or `FrameTooLarge` if the bytes are over `limit`."""
-    data = _dumps(frame).encode()
+    data = encode(frame)
     if len(data) > limit:
         raise FrameTooLarge(len(data), limit)
     return data
