@@ -59,6 +59,14 @@ def payload_of(reply: dict[str, Any]) -> bytes:
     return c14n(parse_envelope(reply["envelope"].encode()).payload)
 
 
+async def closed_as_unexpected(daemon: DaemonProcess, peer: RawPeer) -> None:
+    """The daemon refused a frame as unexpected: a security event, the link closed 1008."""
+    assert peer.ws is not None
+    await daemon.wait_for_line(r"security kind=federation-unexpected-frame")
+    await peer.ws.wait_closed()
+    assert peer.ws.close_code == 1008
+
+
 async def test_an_exported_listener_answers_across_the_link(beta: DaemonProcess) -> None:
     peer = await peer_of(beta)
     await peer.call("c1", Echo(text="hello"), to="echo")
@@ -113,9 +121,7 @@ async def test_garbage_after_the_handshake_closes_the_link(beta: DaemonProcess) 
     peer = await peer_of(beta)
     assert peer.ws is not None
     await peer.ws.send(b"\x00not json")
-    await beta.wait_for_line(r"security kind=federation-unexpected-frame")
-    await peer.ws.wait_closed()
-    assert peer.ws.close_code == 1008
+    await closed_as_unexpected(beta, peer)
 
 
 async def test_frames_sharing_a_message_are_each_handled_and_checked(
@@ -133,9 +139,7 @@ async def test_frames_sharing_a_message_are_each_handled_and_checked(
         reply = await peer.next("reply", thread=accepted["thread"])
         assert from_xml(EchoReply, payload_of(reply)).text == str(i)
     await peer.ws.send(json.dumps(calls[0]).encode() + b"\n\x00not json")
-    await beta.wait_for_line(r"security kind=federation-unexpected-frame")
-    await peer.ws.wait_closed()
-    assert peer.ws.close_code == 1008
+    await closed_as_unexpected(beta, peer)
 
 
 async def test_a_small_frame_limit_bounds_frames_not_the_messages_that_share_them(
