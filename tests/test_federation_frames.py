@@ -46,7 +46,8 @@ async def test_queued_frames_share_a_message_in_order_within_the_cap() -> None:
 
 
 @given(st.lists(st.dictionaries(st.sampled_from(["t", "id", "envelope", "thread"]),
-                                st.one_of(st.text(), st.integers()), max_size=4),
+                                st.one_of(st.text(), st.integers(-(2**63), 2**64 - 1)),
+                                max_size=4),
                 min_size=1, max_size=30),
        st.integers(min_value=1, max_value=COALESCE_BYTES))
 def test_every_frame_comes_back_once_in_order(frames: list[dict[str, object]],
@@ -83,3 +84,11 @@ def test_text_crosses_as_utf8_and_a_frame_over_a_limit_is_refused() -> None:
     with pytest.raises(FrameTooLarge) as err:
         encode_within(frame, len(data) - 1)
     assert (err.value.size, err.value.limit) == (len(data), len(data) - 1)
+
+
+@pytest.mark.parametrize("value", ["\ud800", 2**64])
+def test_a_value_json_cannot_carry_is_never_encoded(value: object) -> None:
+    """A lone surrogate is not UTF-8; an integer over 64 bits is not read back as one
+    by every JSON reader. Either raises instead of sending what the peer refuses."""
+    with pytest.raises(TypeError):
+        encode({"t": "call", "id": value})

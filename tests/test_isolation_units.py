@@ -67,6 +67,9 @@ def test_forged_frame_length_is_refused(prefix: bytes) -> None:
     b"A" + struct.pack(">I", 3) + b"{x}",  # not JSON
     b"A" + struct.pack(">I", 2) + b"[]",  # not an object
     b"A" + struct.pack(">I", 2000) + b"[" * 2000,  # deep nesting
+    b"A" + struct.pack(">I", 9) + b'{"a":NaN}',  # not JSON, though Python's json reads it
+    b"A" + struct.pack(">I", 8) + b'{"a":"\xff"}',  # not UTF-8
+    b"A" + struct.pack(">I", 14) + b'{"a":"\\ud800"}',  # a lone surrogate
 ])
 def test_malformed_frames_are_refused(frame: bytes) -> None:
     with pytest.raises(p.ProtocolError):
@@ -88,6 +91,17 @@ def test_malformed_frames_are_refused(frame: bytes) -> None:
 def test_forged_answers_from_a_worker_are_refused(header: dict[str, object], rest: bytes) -> None:
     with pytest.raises(p.ProtocolError):
         p.decode_answer(header, rest)
+
+
+@pytest.mark.parametrize("result", [
+    HandlerResponse(b"<x/>", to="\ud800"),  # a lone surrogate: not UTF-8
+    HandlerResponse.broadcast(b"<x/>", ["a", "\udfff"]),
+])
+def test_an_answer_json_cannot_carry_fails_in_the_worker(result: HandlerResponse) -> None:
+    """The worker turns this TypeError into FAILED (the handler raised): nothing that
+    is not plain JSON is written to the daemon."""
+    with pytest.raises(TypeError):
+        p.encode_answer(result, b"<x/>")
 
 
 def test_an_error_message_from_a_worker_is_capped() -> None:

@@ -22,13 +22,12 @@ link on it and the frame would be sent again on the next one.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import deque
 from collections.abc import Iterator
 
-COALESCE_BYTES = 16384
+import orjson
 
-_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+COALESCE_BYTES = 16384
 
 
 class FrameTooLarge(Exception):
@@ -45,7 +44,9 @@ def message_limit(max_frame_bytes: int) -> int:
 
 
 def encode(frame: dict[str, object]) -> bytes:
-    return _dumps(frame).encode()
+    """Compact UTF-8 JSON. Raises `orjson.JSONEncodeError` (a TypeError) for a value
+    JSON cannot carry: a string with a lone surrogate, an integer over 64 bits."""
+    return orjson.dumps(frame)
 
 
 def encode_within(frame: dict[str, object], limit: int) -> bytes:

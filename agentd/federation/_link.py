@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import ssl
@@ -29,6 +28,7 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any, Protocol
 
+import orjson
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.connection import Connection
@@ -447,8 +447,8 @@ class Federation:
         """One frame from an authenticated peer; False once the link is closed."""
         peer = link.config.name
         try:
-            msg = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+            msg = orjson.loads(data)
+        except orjson.JSONDecodeError:  # also: not UTF-8, nested past 1024 levels
             msg = None
         kind = msg.get("t") if isinstance(msg, dict) else None
         if kind == "call" and self.host is not None and link.config.export:

@@ -26,9 +26,10 @@ parses and validates them like any handler's output.
 
 from __future__ import annotations
 
-import json
 import struct
 from typing import Any
+
+import orjson
 
 from agentd._errors import HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse, ResponseKind
@@ -52,11 +53,11 @@ class ProtocolError(Exception):
     """A frame that breaks the protocol: the worker that sent it is not trusted again."""
 
 
-_dumps = json.JSONEncoder(separators=(",", ":")).encode  # built once: half of json.dumps
-
-
 def encode(kind: bytes, header: dict[str, Any], body: bytes = b"") -> bytes:
-    head = _dumps(header).encode()
+    """Raises `orjson.JSONEncodeError` (a TypeError) for a header that is not plain
+    JSON: a string with a lone surrogate, an integer over 64 bits (a float NaN or
+    infinity is written as null)."""
+    head = orjson.dumps(header)
     size = 1 + 4 + len(head) + len(body)
     if size > MAX_FRAME:
         raise ProtocolError(f"frame of {size} bytes > {MAX_FRAME}")
@@ -82,8 +83,8 @@ def decode(frame: bytes) -> tuple[bytes, dict[str, Any], bytes]:
     if hlen > MAX_HEADER or 5 + hlen > len(frame):
         raise ProtocolError("bad header length")
     try:
-        header = json.loads(frame[5 : 5 + hlen])
-    except (ValueError, RecursionError):
+        header = orjson.loads(frame[5 : 5 + hlen])
+    except orjson.JSONDecodeError:  # also: not UTF-8, nested past 1024, NaN, Infinity
         raise ProtocolError("header is not JSON") from None
     if not isinstance(header, dict):
         raise ProtocolError("header is not an object")
