@@ -289,7 +289,9 @@ class WorkerPool:
         frame = p.encode_call(meta, key, body, extra)
         for _ in range(_MAX_REDISPATCH):
             worker, answer = await self._deliver(frame, context)
-            if spin:
+            if spin and len(worker.inflight) == 1 and not self._waiters:
+                # A lone call: the loop polls for its answer instead of sleeping. Not
+                # with calls queued: the loop has their work to do meanwhile.
                 self._spin.until(answer)
             try:
                 kind, header, rest = await answer
