@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from lxml import etree
 
+from agentd import _metrics
 from agentd._core import Huh
 from agentd._envelope import parse_envelope
 from agentd._errors import ConfigError, HuhCode
@@ -113,6 +114,29 @@ async def settled(h: Harness, restarts: int) -> None:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"pool did not settle: {pool.status()}")
+
+
+def workers_gauge(state: str) -> float:
+    return _metrics.REGISTRY.get_sample_value(
+        "agentd_workers", {"listener": "prober", "state": state}) or 0.0
+
+
+async def test_the_workers_gauge_counts_the_pool_by_state(h: Harness) -> None:
+    """Two workers and the spare idle; one busy while it runs a call; none counted
+    once the pool is stopped (the gauge is read from the pool when scraped)."""
+    pool = h.isolation.pools["prober"]
+    await settled(h, 0)
+    assert (workers_gauge("idle"), workers_gauge("busy"), workers_gauge("starting")) == (3, 0, 0)
+    call = asyncio.ensure_future(ask(h, "sleep", "0.3"))
+    for _ in range(3000):
+        if pool.status()["busy"]:
+            break
+        await asyncio.sleep(0.01)
+    assert (workers_gauge("idle"), workers_gauge("busy")) == (2, 1)
+    assert await call == ("outcome", "slept")
+    assert (workers_gauge("idle"), workers_gauge("busy")) == (3, 0)
+    await pool.stop()
+    assert (workers_gauge("idle"), workers_gauge("busy")) == (0, 0)
 
 
 async def test_isolated_handler_answers_like_in_process(h: Harness) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import os
 import signal
@@ -176,6 +177,14 @@ def _fail_calls(worker: Worker, reason: str | None) -> None:
     worker.inflight.clear()
 
 
+_POOLS: dict[str, WorkerPool] = {}  # listener -> the pool its worker gauges count
+
+
+def _count(listener: str, state: WorkerState) -> int:
+    pool = _POOLS.get(listener)
+    return 0 if pool is None else sum(w.state is state for w in pool._workers)
+
+
 def spins(waiting: bool, workers: int, others: int, cores: int) -> bool:
     """Whether a worker, its call answered, polls for its next call before it sleeps.
 
@@ -214,8 +223,14 @@ class WorkerPool:
         self._spare: Worker | None = None  # started and ready, serving nothing yet
         self._spin = LoopSpin()  # the loop polls while a lone call's answer is due
         self._cores = len(os.sched_getaffinity(0))  # the cores the daemon may run on
-        self._gauges = {s: metrics.workers.labels(spec.listener, s.value) for s in WorkerState
-                        if s is not WorkerState.DEAD}
+        # `agentd_workers{listener,state}` is counted when it is scraped, not kept up
+        # to date on every call: a worker of a pool of two goes idle -> busy -> idle
+        # for nearly every call, and each gauge update takes the metric's lock.
+        _POOLS[spec.listener] = self
+        for state in WorkerState:
+            if state is not WorkerState.DEAD:
+                metrics.workers.labels(spec.listener, state.value).set_function(
+                    functools.partial(_count, spec.listener, state))
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -231,6 +246,8 @@ class WorkerPool:
 
     async def stop(self) -> None:
         self._stopping = True
+        if _POOLS.get(self.spec.listener) is self:  # not replaced by a reload's pool
+            del _POOLS[self.spec.listener]
         for task in list(self._background):
             task.cancel()
         for worker in list(self._workers):
@@ -460,20 +477,13 @@ class WorkerPool:
     # ---- workers -------------------------------------------------------------
 
     def _set(self, worker: Worker, event: WorkerEvent) -> None:
-        before = worker.state
-        worker.state = step("worker", TRANSITIONS, before, event)
-        if before is not worker.state:
-            if before in self._gauges:
-                self._gauges[before].dec()
-            if worker.state in self._gauges:
-                self._gauges[worker.state].inc()
+        worker.state = step("worker", TRANSITIONS, worker.state, event)
 
     async def _start_one(self, spare: bool = False) -> Worker:
         spec = self.spec
         proc = await spawn(list(spec.argv), spec.policy, check=False)
         worker = Worker(proc)
         self._workers.add(worker)
-        self._gauges[WorkerState.STARTING].inc()
         worker.tasks.append(asyncio.create_task(self._drain_stderr(worker)))
         try:
             assert proc.stdin is not None and proc.stdout is not None
