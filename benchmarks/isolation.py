@@ -2,9 +2,12 @@
 
 (a) throughput: request/response pairs through the pump (no kernel, so the
     handler path dominates), the same echo handler in process, in a pool of two
-    confined workers and in a pool of one (the default), in alternating rounds
-    (`isolated_ratio`, `isolated_1w_ratio`: the median of the per-round ratios
-    isolated / in process; the rates are medians). On two cores, two workers and
+    confined workers and in a pool of one (the default). The three pumps are up
+    side by side and take turns in short chunks, the order rotated each cycle: this
+    machine's speed swings by 2x within seconds, and a chunk of each arm within a
+    fraction of a second sees the same machine (`isolated_ratio`,
+    `isolated_1w_ratio`: the median of the per-cycle ratios isolated / in process;
+    the rates are total requests over total time). On two cores, two workers and
     the daemon share them; one worker and the daemon have one each, and that worker
     spins for its next call instead of sleeping (no kernel writer competes here; a
     journaling daemon needs three cores for that: `agentd/isolation/_pool.py`
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -99,23 +103,53 @@ def organism(folder: Path, isolation: str | None) -> Path:
     return path
 
 
-async def pairs_per_s(config_path: Path, n: int) -> tuple[float, Harness | None]:
-    config = load_config(config_path)
-    spec = spec_of(Probe)
-    data = [build_envelope("alice", str(uuid.uuid4()), spec.to_bytes(Probe("echo", TEXT)))
-            for _ in range(n)]
-    async with Harness(config, {"alice": "public"}, durable=False) as h:
-        for d in data[:50]:  # warm-up
-            await h.pump.submit("alice", d)
-        await h.run_until_idle()
+class Arm:
+    """One pump (in process, or with its handler in a pool), up for the whole run."""
+
+    def __init__(self, name: str, config_path: Path) -> None:
+        self.name = name
+        self.config = load_config(config_path)
+        self.elapsed = 0.0
+        self.requests = 0
+        self.rates: list[float] = []
+        self._spec = spec_of(Probe)
+
+    def data(self, n: int) -> list[bytes]:
+        return [build_envelope("alice", str(uuid.uuid4()), self._spec.to_bytes(Probe("echo", TEXT)))
+                for _ in range(n)]
+
+    async def chunk(self, h: Harness, data: list[bytes]) -> None:
+        """`data` through the pump until every answer is delivered, timed."""
         before = h.pump.handled
         t0 = time.perf_counter()
         for d in data:
             await h.pump.submit("alice", d)
         await h.run_until_idle()
         elapsed = time.perf_counter() - t0
-        assert h.pump.handled - before == n, "not every request was handled"
-    return n / elapsed, None
+        assert h.pump.handled - before == len(data), "not every request was handled"
+        self.elapsed += elapsed
+        self.requests += len(data)
+        self.rates.append(len(data) / elapsed)
+
+    @property
+    def rate(self) -> float:
+        return self.requests / self.elapsed
+
+
+async def throughput(arms: list[Arm], cycles: int, chunk: int) -> None:
+    async with contextlib.AsyncExitStack() as stack:
+        pumps = [await stack.enter_async_context(
+            Harness(arm.config, {"alice": "public"}, durable=False)) for arm in arms]
+        for arm, h in zip(arms, pumps, strict=True):  # warm-up, untimed
+            for d in arm.data(200):
+                await h.pump.submit("alice", d)
+            await h.run_until_idle()
+        for cycle in range(cycles):
+            batches = [arm.data(chunk) for arm in arms]  # built before any is timed
+            order = list(range(len(arms)))
+            order = order[cycle % len(order):] + order[:cycle % len(order)]
+            for i in order:
+                await arms[i].chunk(pumps[i], batches[i])
 
 
 async def overhead_and_replace(folder: Path, rounds: int, replaces: int
@@ -170,30 +204,31 @@ async def overhead_and_replace(folder: Path, rounds: int, replaces: int
 
 async def main(quick: bool) -> dict[str, float]:
     tune_gc()  # the daemon's process tuning (agentd/_runtime.py), for every arm
-    n = 2_000 if quick else 20_000
+    cycles, chunk = (16, 500) if quick else (60, 1_000)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        inprocs, isolateds, singles = [], [], []
-        for i in range(5 if quick else 7):  # alternating rounds: this machine drifts
-            inprocs.append((await pairs_per_s(organism(folder, None), n))[0])
-            isolateds.append((await pairs_per_s(organism(folder, "{workers: 2}"), n))[0])
-            singles.append((await pairs_per_s(organism(folder, "{workers: 1}"), n))[0])
-            print(f"round {i + 1}: in process {inprocs[-1]:,.0f} pairs/s, isolated "
-                  f"(2 workers) {isolateds[-1]:,.0f}, (1 worker) {singles[-1]:,.0f} pairs/s "
-                  f"({n} requests each)")
-        ratios = [iso / inp for iso, inp in zip(isolateds, inprocs, strict=True)]
-        single_ratios = [one / inp for one, inp in zip(singles, inprocs, strict=True)]
-        inproc, isolated = statistics.median(inprocs), statistics.median(isolateds)
-        print("isolated/in-process per round, 2 workers: "
-              + ", ".join(f"{r:.3f}" for r in ratios) + "; 1 worker: "
-              + ", ".join(f"{r:.3f}" for r in single_ratios))
+        inproc = Arm("in process", organism(folder, None))
+        two = Arm("2 workers", organism(folder, "{workers: 2}"))
+        one = Arm("1 worker", organism(folder, "{workers: 1}"))
+        await throughput([inproc, two, one], cycles, chunk)
+        ratios = [a / b for a, b in zip(two.rates, inproc.rates, strict=True)]
+        single_ratios = [a / b for a, b in zip(one.rates, inproc.rates, strict=True)]
+        for arm in (inproc, two, one):
+            print(f"{arm.name}: {arm.rate:,.0f} pairs/s ({arm.requests} requests in "
+                  f"{cycles} chunks; chunks {min(arm.rates):,.0f}..{max(arm.rates):,.0f})")
+        for name, rs in (("2 workers", ratios), ("1 worker", single_ratios)):
+            q = statistics.quantiles(rs, n=4)
+            print(f"isolated/in-process per cycle, {name}: median {statistics.median(rs):.3f}, "
+                  f"quartiles {q[0]:.3f}..{q[2]:.3f}, range {min(rs):.3f}..{max(rs):.3f}")
         overhead, replace, floor, round_trip = await overhead_and_replace(
             folder, 500 if quick else 5_000, 3 if quick else 10)
+        isolated, singles = two.rate, one.rate
+        inproc_rate = inproc.rate
     return {
         "isolated_pairs_per_s": round(isolated, 1),
-        "inprocess_pairs_per_s": round(inproc, 1),
+        "inprocess_pairs_per_s": round(inproc_rate, 1),
         "isolated_ratio": round(statistics.median(ratios), 3),
-        "isolated_1w_pairs_per_s": round(statistics.median(singles), 1),
+        "isolated_1w_pairs_per_s": round(singles, 1),
         "isolated_1w_ratio": round(statistics.median(single_ratios), 3),
         "isolated_overhead_p50_us": round(overhead, 1),
         "worker_replace_ms": round(replace, 1),
