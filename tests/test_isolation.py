@@ -435,9 +435,12 @@ async def test_a_reload_retires_an_old_pool_until_no_live_table_reaches_it(
         answer = await old_call(element(Probe("echo", "old table")), meta)
         assert answer is not None and b"old table" in bytes(answer.payload)
         assert pools.status()["retired_pools"] == 1
+        # Both pools' workers (and spares) are counted until the old one stops.
+        assert workers_gauge("idle") == 4
         assert await pools.close_unused(lambda: {1, 2}) == 0
         assert await pools.close_unused(lambda: {2}) == 1
         assert pools.status()["retired_pools"] == 0
+        assert workers_gauge("idle") == 2
         with pytest.raises(WorkerFailed):
             await old_call(element(Probe("echo", "too late")), meta)
         answer = await new_call(element(Probe("echo", "new table")), meta)

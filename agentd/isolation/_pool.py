@@ -177,12 +177,13 @@ def _fail_calls(worker: Worker, reason: str | None) -> None:
     worker.inflight.clear()
 
 
-_POOLS: dict[str, WorkerPool] = {}  # listener -> the pool its worker gauges count
+# listener -> its pools not yet stopped (a reload's new pool and the one it retired
+# while old threads still use it): what `agentd_workers` counts when scraped
+_POOLS: dict[str, list[WorkerPool]] = {}
 
 
 def _count(listener: str, state: WorkerState) -> int:
-    pool = _POOLS.get(listener)
-    return 0 if pool is None else sum(w.state is state for w in pool._workers)
+    return sum(w.state is state for pool in _POOLS.get(listener, ()) for w in pool._workers)
 
 
 def spins(waiting: bool, workers: int, others: int, cores: int) -> bool:
@@ -226,7 +227,7 @@ class WorkerPool:
         # `agentd_workers{listener,state}` is counted when it is scraped, not kept up
         # to date on every call: a worker of a pool of two goes idle -> busy -> idle
         # for nearly every call, and each gauge update takes the metric's lock.
-        _POOLS[spec.listener] = self
+        _POOLS.setdefault(spec.listener, []).append(self)
         for state in WorkerState:
             if state is not WorkerState.DEAD:
                 metrics.workers.labels(spec.listener, state.value).set_function(
@@ -246,8 +247,11 @@ class WorkerPool:
 
     async def stop(self) -> None:
         self._stopping = True
-        if _POOLS.get(self.spec.listener) is self:  # not replaced by a reload's pool
-            del _POOLS[self.spec.listener]
+        pools = _POOLS.get(self.spec.listener, [])
+        if self in pools:
+            pools.remove(self)
+            if not pools:
+                del _POOLS[self.spec.listener]
         for task in list(self._background):
             task.cancel()
         for worker in list(self._workers):
