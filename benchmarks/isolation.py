@@ -222,13 +222,11 @@ async def main(quick: bool) -> dict[str, float]:
                   f"quartiles {q[0]:.3f}..{q[2]:.3f}, range {min(rs):.3f}..{max(rs):.3f}")
         overhead, replace, floor, round_trip = await overhead_and_replace(
             folder, 500 if quick else 5_000, 3 if quick else 10)
-        isolated, singles = two.rate, one.rate
-        inproc_rate = inproc.rate
     return {
-        "isolated_pairs_per_s": round(isolated, 1),
-        "inprocess_pairs_per_s": round(inproc_rate, 1),
+        "isolated_pairs_per_s": round(two.rate, 1),
+        "inprocess_pairs_per_s": round(inproc.rate, 1),
         "isolated_ratio": round(statistics.median(ratios), 3),
-        "isolated_1w_pairs_per_s": round(singles, 1),
+        "isolated_1w_pairs_per_s": round(one.rate, 1),
         "isolated_1w_ratio": round(statistics.median(single_ratios), 3),
         "isolated_overhead_p50_us": round(overhead, 1),
         "worker_replace_ms": round(replace, 1),

@@ -33,11 +33,11 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-import json
 import secrets
 import struct
 from collections.abc import Callable, Mapping
 
+import orjson
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -127,8 +127,8 @@ def _parse(frame: bytes) -> dict[str, object]:
     if len(frame) > MAX_FRAME:
         raise HandshakeFailed(f"handshake frame of {len(frame)} bytes")
     try:
-        value = json.loads(frame)
-    except (ValueError, UnicodeDecodeError):
+        value = orjson.loads(frame)  # the reader of the link's other frames (_link.py)
+    except orjson.JSONDecodeError:
         raise HandshakeFailed("handshake frame is not JSON") from None
     if not isinstance(value, dict) or not isinstance(value.get("t"), str):
         raise HandshakeFailed("handshake frame without a type")
