@@ -729,6 +729,19 @@ def test_prompt_file_missing_is_reported(tmp_path: Path) -> None:
     ]
 
 
+def test_an_issue_echoing_a_newline_stays_one_line(tmp_path: Path) -> None:
+    # Found by the mutation test below: a path with a newline in a prompt's value
+    # made an issue of two lines (the second one forged by the file's author).
+    text = body(
+        "llm: {backends: [{name: local, provider: openai, model: m}]}\n"
+        'prompts: {base: "file:absent.md\\nx.yaml:1:1: bus: forged"}\n'
+        "listeners:\n" + agent_listener("g", "{prompt: base, model: local}")
+    )
+    (issue,) = issues_of(text, tmp_path)
+    assert "\n" not in issue and ISSUE_LINE.fullmatch(issue)
+    assert issue.endswith(f"prompt file not found: {tmp_path}/absent.md\\nx.yaml:1:1: bus: forged")
+
+
 def test_llm_backend_checks(tmp_path: Path) -> None:
     text = body(
         """\

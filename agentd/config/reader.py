@@ -93,6 +93,9 @@ class Document:
         return self.values.get(loc)
 
 
+_ESCAPES = {c: repr(chr(c))[1:-1] for c in (*range(0x20), 0x7F)}
+
+
 class Issues:
     """The problems of one file, collected in one pass and reported in file order."""
 
@@ -109,6 +112,10 @@ class Issues:
         mark = None if at is None else at.start_mark if isinstance(at, yaml.Node) else at
         line, col = (0, 0) if mark is None else (mark.line + 1, mark.column + 1)
         text = f"{self.source_name}:{max(line, 1)}:{max(col, 1)}: {path or '(root)'}: {message}"
+        # One issue, one line: a value echoed in a message (a path, a key) may hold
+        # a newline or another control character; shown escaped, it cannot forge
+        # a second issue line in the output or the log.
+        text = text.translate(_ESCAPES)
         self._found.append((line, col, len(self._found), text))
 
     def __bool__(self) -> bool:
