@@ -375,12 +375,18 @@ class IdentityConfig:
     key: FilePath  # the organism's Ed25519 private key (`agentd init` writes identity.key)
 
 
+# A link's frame limits: the least a side may announce (smaller cannot carry a
+# call), and what it announces unless configured (the handshake uses both).
+MIN_FRAME_BYTES = 1024
+DEFAULT_FRAME_BYTES = 262144
+
+
 @dataclass(frozen=True, config=SECTION)
 class FederationConfig:
     listen: HostPort  # "host:port" of wss://host:port/federation, never the bus's port
     tls: TlsConfig
     handshake_timeout_s: Seconds = 10.0
-    max_frame_bytes: Annotated[int, Strict(), Field(ge=1024)] = 262144
+    max_frame_bytes: Annotated[int, Strict(), Field(ge=MIN_FRAME_BYTES)] = DEFAULT_FRAME_BYTES
     backoff_initial_s: Seconds = 0.5
     backoff_max_s: Seconds = 30.0
     rate_per_s: Seconds = 200.0  # a peer's calls per second (token bucket refill), per link

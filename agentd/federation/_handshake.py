@@ -43,6 +43,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from agentd._errors import AgentdError
 from agentd._states import step
+from agentd.config.sections import DEFAULT_FRAME_BYTES, MIN_FRAME_BYTES
 from agentd.federation._frames import encode
 from agentd.federation._identity import Identity
 
@@ -50,7 +51,7 @@ PROTOCOL = b"agentd-federation-1"
 HANDSHAKE_FAILED = "federation handshake failed"  # the one reason a peer is told
 NONCE_BYTES = 32
 MAX_FRAME = 1024  # handshake frames are small; a larger one is hostile
-MIN_FRAME_LIMIT = 1024  # the least `max_frame_bytes` a side may announce
+MIN_FRAME_LIMIT = MIN_FRAME_BYTES  # the least `max_frame_bytes` a side may announce
 MAX_FRAME_LIMIT = 1 << 31
 _NAME_MAX = 64
 
@@ -147,7 +148,7 @@ class Handshake:
         peers: Mapping[str, Ed25519PublicKey],
         expect: str | None = None,
         nonce: Callable[[int], bytes] = secrets.token_bytes,
-        max_frame: int = 262144,  # the configuration's default max_frame_bytes
+        max_frame: int = DEFAULT_FRAME_BYTES,  # what `max_frame_bytes` is by default
     ) -> None:
         if role is Role.DIALER and expect is None:
             raise ValueError("a dialer knows which peer it dialed")
