@@ -375,8 +375,8 @@ class IdentityConfig:
     key: FilePath  # the organism's Ed25519 private key (`agentd init` writes identity.key)
 
 
-# A link's frame limits: the least a side may announce (smaller cannot carry a
-# call), and what it announces unless configured (the handshake uses both).
+# A federation link's frame limits: the least `max_frame_bytes` a side may set and
+# announce, and its default (the handshake checks and announces with both).
 MIN_FRAME_BYTES = 1024
 DEFAULT_FRAME_BYTES = 262144
 
