@@ -110,6 +110,12 @@ class Kernel(KernelReads):
         self._queue: deque[tuple[Transaction, asyncio.Future[None]]] = deque()
         self._writing: list[list[tuple[Transaction, asyncio.Future[None]]]] = []
         self._inflight: deque[asyncio.Task[None]] = deque()
+        # The first part of a fold in flight: answered with the rest of its fold, so
+        # only the last part takes a place in `_inflight` (see `_send_folded`).
+        self._folding: set[asyncio.Task[None]] = set()
+        # Light load: send a batch in two parts (see _send_folded). Benchmarks set it
+        # False to measure the kernel without.
+        self.fold = True
         self._queued_ops = 0
         self._last_batch_ops = 0
         self._saturated_ops = max(2, self._max_entries // 8)
@@ -203,7 +209,7 @@ class Kernel(KernelReads):
                     await self._writer
             # Only after a cancelled close: outcome unknown, so not acknowledged.
             self._fail_all(KernelUnavailable("kernel closed"))
-            for task in self._inflight:
+            for task in (*self._inflight, *self._folding):
                 task.cancel()
             for batch in self._writing:
                 for _, fut in batch:
@@ -352,9 +358,17 @@ class Kernel(KernelReads):
                     except Exception as exc:  # cannot start one: fail, do not hang
                         self._storage_failed(exc, self._take())
                         continue
-                await self._gather()
-                await self._writer_ready()
-                self._send(self._take())
+                inflight = self._inflight
+                while inflight and inflight[0].done():
+                    inflight.popleft()
+                if (self.fold and self._interval <= 0 and not inflight and self._phase is _OPEN
+                        and self._last_batch_ops < self._saturated_ops
+                        and self._queued_ops < self._saturated_ops):
+                    await self._send_folded()  # light load: see its docstring
+                else:
+                    await self._gather()
+                    await self._writer_ready()
+                    self._send(self._take())
                 if self._sweep_waiters or self._retention_backlog or (
                         self._loop.time() >= self._next_sweep):
                     await self._sweep()
@@ -436,6 +450,30 @@ class Kernel(KernelReads):
                 return
             delay = self._head_time + self._interval - loop.time()
 
+    async def _send_folded(self) -> None:
+        """With the writer idle and little queued (light load): send what is queued at
+        once, then what the next loop turns add (at most _FOLD_TURNS, while each adds
+        some), as one fold: the writer applies the first part while the event loop is
+        still building the rest (a client's envelope is queued, its handler answers in
+        the next turn), and commits both in one SQLite transaction. The second part is
+        always sent, empty if nothing came: the writer waits for it before it commits.
+        Under load batches form by themselves while the writer works (`_gather`)."""
+        if not self._send(self._take(), more=True):
+            return
+        first = self._inflight.pop()  # one slot of the pipeline for the whole fold
+        queue = self._queue
+        try:
+            for _ in range(_FOLD_TURNS):
+                seen = len(queue)
+                await asyncio.sleep(0)
+                if len(queue) == seen:
+                    break
+        finally:
+            if not self._send(self._take() if queue else [], more=False):
+                self._send([], more=False)
+            self._folding.add(first)
+            first.add_done_callback(self._folding.discard)
+
     def _take(self) -> list[tuple[Transaction, asyncio.Future[None]]]:
         queue = self._queue
         limit = self._max_entries
@@ -474,17 +512,23 @@ class Kernel(KernelReads):
             self._wake.clear()
             await self._wake.wait()
 
-    def _send(self, batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
+    def _send(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
+              more: bool | None = None) -> bool:
         """Send `batch` to the writer now (calls are answered in order) and finish it
         in a task of its own, so the next batch can be sent while this one is written
-        (two in flight: the event loop builds the next while the writer writes)."""
+        (two in flight: the event loop builds the next while the writer writes).
+        `more`: part of a fold (see `_send_folded`); True: another part follows.
+        False if it could not be sent (then it failed)."""
+        wires = [tx.wire() for tx, _ in batch]
         try:
-            reply = self._call("write_batch", [tx.wire() for tx, _ in batch])
+            reply = (self._call("write_batch", wires) if more is None
+                     else self._writer_proc.call("write_batch", wires, more, spin=not more))
         except Exception as exc:  # e.g. a payload that does not pickle: not written
             self._storage_failed(KernelUnavailable(f"kernel writer error: {exc!r}"), batch)
-            return
+            return False
         self._writing.append(batch)
         self._inflight.append(self._loop.create_task(self._finish(batch, reply)))
+        return True
 
     async def _finish(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
                       reply: asyncio.Future[tuple]) -> None:

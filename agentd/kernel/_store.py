@@ -87,6 +87,7 @@ class Store:
         self.page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
         self.migrated_from = 0
         self.synchronous = str(conn.execute("PRAGMA synchronous").fetchone()[0])
+        self._open_head = head  # the chain head within the open transaction (`apply`)
 
     @classmethod
     def open(cls, db: Path, *, synchronous: str = "NORMAL", max_db_bytes: int | None = None,
@@ -123,7 +124,31 @@ class Store:
     def write(self, plan: BatchPlan) -> None:
         """One batch, one SQLite transaction. Chain hashes are computed here, in commit
         order, so a transaction that fails never leaves a hole in the chain."""
-        head = self.head
+        upgrade = plan.full_sync and self.synchronous in ("0", "1")  # OFF, NORMAL
+        if upgrade:
+            self.conn.execute("PRAGMA synchronous=FULL")
+        try:
+            self.begin()
+            try:
+                self.apply(plan)
+                self.commit()
+            except BaseException:
+                self.rollback()
+                raise
+        finally:
+            if upgrade:
+                self.conn.execute(f"PRAGMA synchronous={self.synchronous}")
+
+    def begin(self) -> None:
+        """Open the SQLite transaction that `apply` adds batches to and `commit` ends
+        (or `rollback` undoes): batches applied together commit together."""
+        self.conn.execute("BEGIN")
+        self._open_head = self.head
+
+    def apply(self, plan: BatchPlan) -> None:
+        """The statements of one batch, inside the open transaction; its chain goes on
+        from the batches applied before it in that transaction."""
+        head = self._open_head
         pos, prev = head.pos, head.hash
         rows: list[tuple[Any, ...]] = []
         append = rows.append
@@ -136,59 +161,56 @@ class Store:
             append((seq, ts, thread, direction, kind, handler, sender, tag, payload_hash,
                     payload, profile, expires, pending, pos, prev, h))
             prev = h
-        new_head = Head(pos, prev, max(head.seq, plan.max_seq),
-                        max(head.outbox_id, plan.max_outbox_id))
         conn = self.conn
-        upgrade = plan.full_sync and self.synchronous in ("0", "1")  # OFF, NORMAL
-        if upgrade:
-            conn.execute("PRAGMA synchronous=FULL")
-        conn.execute("BEGIN")
-        try:
-            if plan.inflight_delete:
-                conn.executemany("DELETE FROM inflight WHERE seq = ?", plan.inflight_delete)
-            if plan.outbox_delete:
-                conn.executemany("DELETE FROM outbox WHERE client = ? AND id <= ?",
-                                 plan.outbox_delete)
-            if plan.context_delete:
-                conn.executemany("DELETE FROM context WHERE thread = ?", plan.context_delete)
-            if rows:
-                conn.executemany(INSERT_JOURNAL, rows)
-            if plan.pending:
-                first = head.pos + 1
-                conn.executemany("INSERT INTO inflight (seq, pos) VALUES (?, ?)",
-                                 [(seq, first + i) for seq, i in plan.pending.items()])
-            if plan.thread_put:
-                conn.executemany(
-                    f"INSERT OR REPLACE INTO threads ({THREAD_COLUMNS}) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    plan.thread_put.values())
-            if plan.thread_update:
-                conn.executemany(
-                    "UPDATE threads SET state = ?, hops = COALESCE(?, hops), updated = ? "
-                    "WHERE uuid = ?",
-                    [(s, h, u, uuid) for uuid, (s, h, u) in plan.thread_update.items()])
-            if plan.outbox_insert:
-                conn.executemany("INSERT INTO outbox (id, client, thread, data) "
-                                 "VALUES (?, ?, ?, ?)", plan.outbox_insert.values())
-            if plan.context_insert:
-                conn.executemany("INSERT INTO context (thread, role, content, ts) "
-                                 "VALUES (?, ?, ?, ?)", plan.context_insert)
-            for op in plan.memory_ops:
-                _write_memory_op(conn, op)
-            for statement, params in plan.durable:
-                conn.execute(statement, params)
-            if new_head != head:
-                conn.execute("UPDATE head SET pos = ?, hash = ?, seq = ?, outbox_id = ? "
-                             "WHERE id = 0",
-                             (new_head.pos, new_head.hash, new_head.seq, new_head.outbox_id))
-            conn.execute("COMMIT")
-        except BaseException:
-            self._rollback()
-            raise
-        finally:
-            if upgrade:
-                conn.execute(f"PRAGMA synchronous={self.synchronous}")
+        if plan.inflight_delete:
+            conn.executemany("DELETE FROM inflight WHERE seq = ?", plan.inflight_delete)
+        if plan.outbox_delete:
+            conn.executemany("DELETE FROM outbox WHERE client = ? AND id <= ?",
+                             plan.outbox_delete)
+        if plan.context_delete:
+            conn.executemany("DELETE FROM context WHERE thread = ?", plan.context_delete)
+        if rows:
+            conn.executemany(INSERT_JOURNAL, rows)
+        if plan.pending:
+            first = head.pos + 1
+            conn.executemany("INSERT INTO inflight (seq, pos) VALUES (?, ?)",
+                             [(seq, first + i) for seq, i in plan.pending.items()])
+        if plan.thread_put:
+            conn.executemany(
+                f"INSERT OR REPLACE INTO threads ({THREAD_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                plan.thread_put.values())
+        if plan.thread_update:
+            conn.executemany(
+                "UPDATE threads SET state = ?, hops = COALESCE(?, hops), updated = ? "
+                "WHERE uuid = ?",
+                [(s, h, u, uuid) for uuid, (s, h, u) in plan.thread_update.items()])
+        if plan.outbox_insert:
+            conn.executemany("INSERT INTO outbox (id, client, thread, data) "
+                             "VALUES (?, ?, ?, ?)", plan.outbox_insert.values())
+        if plan.context_insert:
+            conn.executemany("INSERT INTO context (thread, role, content, ts) "
+                             "VALUES (?, ?, ?, ?)", plan.context_insert)
+        for op in plan.memory_ops:
+            _write_memory_op(conn, op)
+        for statement, params in plan.durable:
+            conn.execute(statement, params)
+        self._open_head = Head(pos, prev, max(head.seq, plan.max_seq),
+                               max(head.outbox_id, plan.max_outbox_id))
+
+    def commit(self) -> None:
+        """End the open transaction; the chain head moves only once COMMIT returned."""
+        new_head = self._open_head
+        if new_head != self.head:
+            self.conn.execute("UPDATE head SET pos = ?, hash = ?, seq = ?, outbox_id = ? "
+                              "WHERE id = 0",
+                              (new_head.pos, new_head.hash, new_head.seq, new_head.outbox_id))
+        self.conn.execute("COMMIT")
         self.head = new_head
+
+    def rollback(self) -> None:
+        self._rollback()
+        self._open_head = self.head
 
     def sweep_retention(self, now: float, limit: int) -> tuple[int, bool]:
         """Delete up to `limit` expired, delivered journal entries, recording gaps.

@@ -18,6 +18,14 @@ both length-prefixed (4 bytes, big endian). Only the two ends of one socketpair,
 daemon and the child it started, ever speak on it; pickle and marshal are safe here
 for that reason only. Requests are answered in order, so callers pipeline.
 
+Folds: `write_batch(txs, more)` sends a batch in parts. The child applies each part
+in one open SQLite transaction as it arrives and commits after the part sent with
+`more=False`, then answers every part: the daemon sends what is queued at once and
+the rest a few event-loop turns later, and the child's statements for the first part
+overlap the daemon building the second. A part that cannot join (a bad transaction,
+one asking for synchronous=FULL) rolls the fold back and each part is written alone;
+a fold left open when the daemon goes away is undone.
+
 The child holds a duplicate of the state-directory lock descriptor: while it lives
 (finishing a batch after its parent was SIGKILLed, say) no other agentd can open the
 database, so nobody reads a chain head that is about to move. It exits on EOF (its
@@ -111,7 +119,7 @@ class WriterProcess:
     def alive(self) -> bool:
         return self._dead is None
 
-    def call(self, method: str, *args: Any) -> asyncio.Future[Any]:
+    def call(self, method: str, *args: Any, spin: bool = True) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = self._loop.create_future()
         if self._dead is not None:
             fut.set_exception(KernelUnavailable(self._dead))
@@ -124,7 +132,8 @@ class WriterProcess:
         # far cheaper than the second system call and wake-up.
         self._writer.write(_LEN.pack(len(data)) + data)
         self._waiting.append(fut)
-        self._spin.until(fut)
+        if spin:
+            self._spin.until(fut)
         return fut
 
     async def stop(self) -> None:
@@ -197,6 +206,9 @@ class _Served:
 
     def __init__(self) -> None:
         self.store: Any = None
+        # Batches applied in the open SQLite transaction of a fold (see `fold`), with
+        # the seconds each took to plan and apply, not yet committed or answered.
+        self._folded: list[tuple[list[tuple], float, int]] = []
 
     def open(self, db: str, options: dict[str, Any]) -> tuple[int, int, int, dict]:
         self.store = Store.open(Path(db), **options)
@@ -239,6 +251,71 @@ class _Served:
             self.store.write(plan)
         return plan.ops
 
+    @property
+    def folding(self) -> bool:
+        return bool(self._folded)
+
+    def fold(self, txs: list[tuple], more: bool) -> list[tuple] | None:
+        """Apply a batch in the fold's open SQLite transaction (opening it); with
+        `more`, the next request is another batch that commits with this one. Returns
+        None while the fold stays open, else one reply per batch folded, in order:
+        after the one COMMIT (see `_replies`), or, if a batch cannot be folded (a bad
+        transaction, one that wants synchronous=FULL), after rolling back and writing
+        each batch alone (`write_batch`, with its retries). A storage error fails them
+        all."""
+        t0 = time.perf_counter()
+        try:
+            plan = plan_batch(txs)
+            if plan.full_sync:
+                raise _Unfoldable
+            if not self._folded:
+                self.store.begin()
+            self._folded.append((txs, 0.0, plan.ops))
+            if plan.ops:
+                self.store.apply(plan)
+            self._folded[-1] = (txs, time.perf_counter() - t0, plan.ops)
+            if more:
+                return None
+            return self._commit_fold()
+        except Exception as exc:
+            return self._unfold(txs, exc)
+
+    def end_fold(self) -> list[tuple]:
+        """Commit an open fold now (a request other than its next batch came)."""
+        try:
+            return self._commit_fold()
+        except Exception as exc:
+            return self._unfold(None, exc)
+
+    def _commit_fold(self) -> list[tuple]:
+        """COMMIT; one commit, so the last part's reply carries the fold's seconds and
+        operations and the others none (the daemon counts commits, not parts)."""
+        t0 = time.perf_counter()
+        self.store.commit()
+        folded, self._folded = self._folded, []
+        seconds = sum(part[1] for part in folded) + time.perf_counter() - t0
+        ops = sum(part[2] for part in folded)
+        replies: list[tuple] = [(True, (0.0, 0, [], None))] * (len(folded) - 1)
+        replies.append((True, (seconds, ops, [], None)))
+        return replies
+
+    def _unfold(self, txs: list[tuple] | None, exc: Exception) -> list[tuple]:
+        batches = [t for t, _, _ in self._folded]
+        if txs is not None and (not batches or batches[-1] is not txs):
+            batches.append(txs)
+        self._folded = []
+        if self.store.conn.in_transaction:
+            self.store.rollback()
+        if is_storage_error(exc):
+            return [(False, exc, getattr(exc, "sqlite_errorcode", None))] * len(batches)
+        replies: list[tuple] = []
+        for batch in batches:
+            try:
+                replies.append((True, self.write_batch(batch)))
+            except Exception as error:
+                replies.append((False, error, getattr(error, "sqlite_errorcode", None)))
+        return replies
+
     def pragma(self, name: str) -> Any:
         if not name.isidentifier():
             raise ValueError(name)
@@ -246,6 +323,9 @@ class _Served:
 
     def close(self) -> None:
         if self.store is not None:
+            if self._folded:  # never committed, never answered: undone
+                self._folded = []
+                self.store.rollback()
             self.store.close()
             self.store = None
 
@@ -254,6 +334,10 @@ class _Served:
                     "set_max_bytes"):
             return getattr(self.store, name)
         raise AttributeError(name)
+
+
+class _Unfoldable(Exception):
+    """A batch that must commit alone (it asks for synchronous=FULL)."""
 
 
 def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
@@ -286,21 +370,37 @@ def _serve(sock: socket.socket) -> None:
             if body is None:
                 return
             method, args = marshal.loads(body)
+            if method == "write_batch" and (len(args) > 1 or served.folding):
+                # A fold: batches sent one after the other commit together.
+                replies = served.fold(args[0], bool(args[1]) if len(args) > 1 else False)
+                if replies is not None:
+                    _answer(sock, replies)
+                continue
+            if served.folding:  # not the batch the fold waited for: commit it first
+                _answer(sock, served.end_fold())
             reply: tuple[Any, ...]
             try:
                 reply = (True, getattr(served, method)(*args))
             except Exception as exc:
                 reply = (False, exc, getattr(exc, "sqlite_errorcode", None))
-            try:
-                data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:  # an exception that does not pickle
-                data = pickle.dumps((False, RuntimeError(f"{type(exc).__name__}: {reply}"),
-                                     None))
-            sock.sendall(_LEN.pack(len(data)) + data)
+            _answer(sock, [reply])
             if method == "close":
                 return
     finally:
         served.close()
+
+
+def _answer(sock: socket.socket, replies: list[tuple]) -> None:
+    """The replies to requests, in order, in one send."""
+    out = []
+    for reply in replies:
+        try:
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # an exception that does not pickle
+            data = pickle.dumps((False, RuntimeError(f"{type(exc).__name__}: {reply}"),
+                                 None))
+        out.append(_LEN.pack(len(data)) + data)
+    sock.sendall(b"".join(out))
 
 
 def main(argv: list[str]) -> int:
