@@ -176,3 +176,10 @@ async def test_a_lone_envelope_and_its_answer_are_sent_as_a_fold(tmp_path: Path)
         assert [d for _, _, d in await k.outbox("alice")] == [b"<answer/>"]
         ok, _, message = await k.verify()
         assert ok, message
+        # Nothing a handler is to take (a delivery mark): one ordinary batch, no fold.
+        calls.clear()
+        mark = k.transaction()
+        mark.outbox_delivered("alice", 10**9)
+        await k.commit(mark)
+        assert calls == [(1, None)]
+        assert await k.outbox("alice") == []

@@ -388,6 +388,11 @@ class Transaction:
 
     # -- what the kernel reads -----------------------------------------------------
 
+    @property
+    def has_pending(self) -> bool:
+        """Whether it journals a message as pending (one a handler is to take)."""
+        return self._pending is not None
+
     def wire(self) -> tuple:
         """What the writer process needs of this transaction, as plain data:
         (rows, ops, pending offsets, full_sync). See `plan_batch`."""
