@@ -259,7 +259,7 @@ class _Served:
         """Apply a batch in the fold's open SQLite transaction (opening it); with
         `more`, the next request is another batch that commits with this one. Returns
         None while the fold stays open, else one reply per batch folded, in order:
-        after the one COMMIT (see `_replies`), or, if a batch cannot be folded (a bad
+        after the one COMMIT (see `_commit_fold`), or, if a batch cannot be folded (a bad
         transaction, one that wants synchronous=FULL), after rolling back and writing
         each batch alone (`write_batch`, with its retries). A storage error fails them
         all."""
