@@ -5,13 +5,19 @@ Against real SQLite files: the writer's side driven directly, then the kernel's.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agentd.kernel import Kernel, Transaction
+from agentd.kernel._lock import _alive  # gone or a zombie: not alive
 from agentd.kernel._store import verify_file
 from agentd.kernel._transaction import TxContext
 from agentd.kernel._writer import _Served
@@ -183,3 +189,58 @@ async def test_a_lone_envelope_and_its_answer_are_sent_as_a_fold(tmp_path: Path)
         await k.commit(mark)
         assert calls == [(1, None)]
         assert await k.outbox("alice") == []
+
+
+# A daemon that sends the first part of a fold and is SIGKILLed before the second:
+# it prints "sent" once the writer has the first part, then waits to be killed.
+HALF_FOLD = textwrap.dedent("""
+    import asyncio, sys
+    from agentd.kernel import Kernel
+
+    async def main():
+        kernel = await Kernel.open(sys.argv[1])
+        before = kernel.transaction()
+        before.journal(thread="before", direction="in")
+        await kernel.commit(before)
+        sent = asyncio.Event()
+
+        async def half(self):
+            self._send(self._take(), more=True)
+            sent.set()
+            await asyncio.Event().wait()  # the second part never comes
+
+        type(kernel)._send_folded = half
+        lost = kernel.transaction()
+        lost.journal(thread="lost", direction="in", pending=True)
+        kernel.commit(lost)
+        await sent.wait()
+        await asyncio.sleep(0.2)  # the writer reads and applies it meanwhile
+        print(kernel._writer_proc.pid, flush=True)
+        await asyncio.Event().wait()
+
+    asyncio.run(main())
+""")
+
+
+def test_a_daemon_killed_between_the_parts_of_a_fold_commits_neither(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", HALF_FOLD, str(state)], cwd=repo,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        writer_pid = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        # The writer sees EOF, rolls the open fold back and exits.
+        deadline = time.monotonic() + 30
+        while _alive(writer_pid):
+            assert time.monotonic() < deadline, "writer did not exit"
+            time.sleep(0.01)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert threads_in(state / DB) == ["before"]
+    verdict = verify_file(state / DB)
+    assert verdict.ok, verdict.message
