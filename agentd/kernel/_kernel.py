@@ -71,6 +71,7 @@ _HEALTHY = Health.HEALTHY
 _OPEN = Phase.OPEN
 _PIPELINE = 2  # batches sent to the writer and not yet answered
 _FOLD_TURNS = 4  # loop turns a batch waits for while each adds transactions (_gather)
+_FOLD_MAX_TXS = 2  # a fold starts from at most this many queued (a lone client's envelope)
 
 
 @dataclass(frozen=True)
@@ -361,10 +362,11 @@ class Kernel(KernelReads):
                 inflight = self._inflight
                 while inflight and inflight[0].done():
                     inflight.popleft()
+                queue = self._queue
                 if (self.fold and self._interval <= 0 and not inflight and self._phase is _OPEN
+                        and len(queue) <= _FOLD_MAX_TXS
                         and self._last_batch_ops < self._saturated_ops
-                        and self._queued_ops < self._saturated_ops
-                        and any(tx.has_pending for tx, _ in self._queue)):
+                        and any(tx.has_pending for tx, _ in queue)):
                     await self._send_folded()  # light load: see its docstring
                 else:
                     await self._gather()
@@ -452,14 +454,14 @@ class Kernel(KernelReads):
             delay = self._head_time + self._interval - loop.time()
 
     async def _send_folded(self) -> None:
-        """With the writer idle, little queued (light load) and among it a message a
-        handler is about to take (a pending journal entry, whose answer is likely to
-        follow within a few turns): send what is queued at once, then what the next
-        loop turns add (at most _FOLD_TURNS, while each adds some), as one fold: the
-        writer applies the first part while the event loop is still building the rest
-        (a client's envelope is queued, its handler answers in the next turn), and
-        commits both in one SQLite transaction. The second part is always sent, empty
-        if nothing came: the writer waits for it before it commits.
+        """With the writer idle, one or two transactions queued (a lone client's) and
+        among them a message a handler is about to take (a pending journal entry, whose
+        answer is likely to follow within a few turns): send what is queued at once,
+        then what the next loop turns add (at most _FOLD_TURNS, while each adds some),
+        as one fold: the writer applies the first part while the event loop is still
+        building the rest (a client's envelope is queued, its handler answers in the
+        next turn), and commits both in one SQLite transaction. The second part is
+        always sent, empty if nothing came: the writer waits for it before it commits.
         Under load batches form by themselves while the writer works (`_gather`)."""
         if not self._send(self._take(), more=True):
             return
