@@ -114,7 +114,7 @@ class Kernel(KernelReads):
         # The first part of a fold in flight: answered with the rest of its fold, so
         # only the last part takes a place in `_inflight` (see `_send_folded`).
         self._folding: set[asyncio.Task[None]] = set()
-        # Light load: send a batch in two parts (see _send_folded). Benchmarks set it
+        # A lone client: send its batch in two parts (see _send_folded). Benchmarks set it
         # False to measure the kernel without.
         self.fold = True
         self._queued_ops = 0
@@ -367,7 +367,7 @@ class Kernel(KernelReads):
                         and len(queue) <= _FOLD_MAX_TXS
                         and self._last_batch_ops < self._saturated_ops
                         and any(tx.has_pending for tx, _ in queue)):
-                    await self._send_folded()  # light load: see its docstring
+                    await self._send_folded()  # a lone client: see its docstring
                 else:
                     await self._gather()
                     await self._writer_ready()
