@@ -359,11 +359,9 @@ class Kernel(KernelReads):
                     except Exception as exc:  # cannot start one: fail, do not hang
                         self._storage_failed(exc, self._take())
                         continue
-                inflight = self._inflight
-                while inflight and inflight[0].done():
-                    inflight.popleft()
                 queue = self._queue
-                if (self.fold and self._interval <= 0 and not inflight and self._phase is _OPEN
+                if (self.fold and self._interval <= 0 and not self._in_flight()
+                        and self._phase is _OPEN
                         and len(queue) <= _FOLD_MAX_TXS
                         and self._last_batch_ops < self._saturated_ops
                         and any(tx.has_pending for tx, _ in queue)):
@@ -507,15 +505,21 @@ class Kernel(KernelReads):
         """Wait until the writer should get the next batch: when nothing is in flight,
         or when one batch is and a second would not be small (a commit costs about a
         millisecond whatever its size, so a pipeline of tiny batches writes less)."""
-        inflight = self._inflight
         while True:
-            while inflight and inflight[0].done():
-                inflight.popleft()
-            if not inflight or self._phase is not _OPEN or (
-                    len(inflight) < _PIPELINE and self._queued_ops >= self._saturated_ops):
+            in_flight = self._in_flight()
+            if not in_flight or self._phase is not _OPEN or (
+                    in_flight < _PIPELINE and self._queued_ops >= self._saturated_ops):
                 return
             self._wake.clear()
             await self._wake.wait()
+
+    def _in_flight(self) -> int:
+        """How many batches are still in flight, once those the writer has answered
+        are dropped from the head of `_inflight`."""
+        inflight = self._inflight
+        while inflight and inflight[0].done():
+            inflight.popleft()
+        return len(inflight)
 
     def _send(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
               more: bool | None = None) -> bool:
@@ -525,9 +529,9 @@ class Kernel(KernelReads):
         `more`: part of a fold (see `_send_folded`); True: another part follows.
         False if it could not be sent (then it failed)."""
         wires = [tx.wire() for tx, _ in batch]
-        try:
-            reply = (self._call("write_batch", wires) if more is None
-                     else self._writer_proc.call("write_batch", wires, more, spin=not more))
+        args = (wires,) if more is None else (wires, more)
+        try:  # the loop polls for the reply, except to a fold's first part (see call)
+            reply = self._writer_proc.call("write_batch", *args, spin=not more)
         except Exception as exc:  # e.g. a payload that does not pickle: not written
             self._storage_failed(KernelUnavailable(f"kernel writer error: {exc!r}"), batch)
             return False
