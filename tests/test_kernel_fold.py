@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from agentd.kernel import Kernel, Transaction
+from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.kernel._lock import _alive  # gone or a zombie: not alive
 from agentd.kernel._store import verify_file
 from agentd.kernel._transaction import TxContext
@@ -191,6 +191,47 @@ async def test_a_lone_envelope_and_its_answer_are_sent_as_a_fold(tmp_path: Path)
         assert await k.outbox("alice") == []
 
 
+async def test_a_close_cancelled_mid_fold_leaves_no_caller_waiting(tmp_path: Path) -> None:
+    """close() cancelled while the writer holds a fold's first part: every caller of
+    both parts hears an outcome, and the fold is in the database whole or not at all."""
+    state = tmp_path / "state"
+    k = await Kernel.open(state)
+    loop = asyncio.get_running_loop()
+    proc = k._writer_proc
+    real = proc.call
+    closing: list[asyncio.Task[None]] = []
+    started = asyncio.Event()
+
+    def record(method: str, *args: Any, **kw: Any) -> asyncio.Future[Any]:
+        if method == "write_batch" and len(args) > 1 and args[1] is True and not closing:
+            closing.append(loop.create_task(k.close()))
+            started.set()
+            loop.call_soon(closing[0].cancel)  # once close() has started waiting
+        return real(method, *args, **kw)
+
+    proc.call = record  # type: ignore[method-assign]
+    arrival = k.transaction()
+    arrival.journal(thread="t", direction="in", pending=True)
+    done: list[BaseException | None] = []
+
+    def handler() -> None:
+        answer = k.transaction()
+        answer.delivered(arrival.rows[0][0])
+        answer.journal(thread="t", direction="out")
+        k.commit_then(answer, done.append)
+
+    first = k.commit(arrival)
+    loop.call_soon(handler)
+    await asyncio.wait_for(started.wait(), 5)
+    with pytest.raises(asyncio.CancelledError):
+        await closing[0]
+    outcome = await asyncio.wait_for(asyncio.gather(first, return_exceptions=True), 5)
+    assert outcome[0] is None or isinstance(outcome[0], KernelUnavailable)
+    assert len(done) == 1 and (done[0] is None or isinstance(done[0], KernelUnavailable))
+    assert threads_in(state / DB) in ([], ["t", "t"])  # both parts or neither
+    assert verify_file(state / DB).ok
+
+
 # A daemon that sends the first part of a fold and is SIGKILLed before the second:
 # it prints "sent" once the writer has the first part, then waits to be killed.
 HALF_FOLD = textwrap.dedent("""
@@ -205,7 +246,7 @@ HALF_FOLD = textwrap.dedent("""
         sent = asyncio.Event()
 
         async def half(self):
-            self._send(self._take(), more=True)
+            self._write(self._take(), more=True)
             sent.set()
             await asyncio.Event().wait()  # the second part never comes
 

@@ -111,9 +111,6 @@ class Kernel(KernelReads):
         self._queue: deque[tuple[Transaction, asyncio.Future[None]]] = deque()
         self._writing: list[list[tuple[Transaction, asyncio.Future[None]]]] = []
         self._inflight: deque[asyncio.Task[None]] = deque()
-        # The first part of a fold in flight: answered with the rest of its fold, so
-        # only the last part takes a place in `_inflight` (see `_send_folded`).
-        self._folding: set[asyncio.Task[None]] = set()
         # A lone client: send its batch in two parts (see _send_folded). Benchmarks set it
         # False to measure the kernel without.
         self.fold = True
@@ -210,7 +207,7 @@ class Kernel(KernelReads):
                     await self._writer
             # Only after a cancelled close: outcome unknown, so not acknowledged.
             self._fail_all(KernelUnavailable("kernel closed"))
-            for task in (*self._inflight, *self._folding):
+            for task in self._inflight:
                 task.cancel()
             for batch in self._writing:
                 for _, fut in batch:
@@ -460,10 +457,12 @@ class Kernel(KernelReads):
         building the rest (a client's envelope is queued, its handler answers in the
         next turn), and commits both in one SQLite transaction. The second part is
         always sent, empty if nothing came: the writer waits for it before it commits.
+        One task finishes both parts, so a fold takes one place in the pipeline.
         Under load batches form by themselves while the writer works (`_gather`)."""
-        if not self._send(self._take(), more=True):
+        first = self._take()
+        first_reply = self._write(first, more=True)
+        if first_reply is None:
             return
-        first = self._inflight.pop()  # one slot of the pipeline for the whole fold
         queue = self._queue
         try:
             for _ in range(_FOLD_TURNS):
@@ -472,10 +471,15 @@ class Kernel(KernelReads):
                 if len(queue) == seen:
                     break
         finally:
-            if not self._send(self._take() if queue else [], more=False):
-                self._send([], more=False)
-            self._folding.add(first)
-            first.add_done_callback(self._folding.discard)
+            last = self._take() if queue else []
+            last_reply = self._write(last, more=False)
+            if last_reply is None:  # it failed; the writer still waits for the end
+                last = []
+                last_reply = self._write(last, more=False)
+            parts = [(first, first_reply)]
+            if last_reply is not None:
+                parts.append((last, last_reply))
+            self._inflight.append(self._loop.create_task(self._finish(parts)))
 
     def _take(self) -> list[tuple[Transaction, asyncio.Future[None]]]:
         queue = self._queue
@@ -521,26 +525,38 @@ class Kernel(KernelReads):
             inflight.popleft()
         return len(inflight)
 
-    def _send(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
-              more: bool | None = None) -> bool:
+    def _send(self, batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
         """Send `batch` to the writer now (calls are answered in order) and finish it
         in a task of its own, so the next batch can be sent while this one is written
-        (two in flight: the event loop builds the next while the writer writes).
-        `more`: part of a fold (see `_send_folded`); True: another part follows.
-        False if it could not be sent (then it failed)."""
+        (two in flight: the event loop builds the next while the writer writes)."""
+        reply = self._write(batch)
+        if reply is not None:
+            self._inflight.append(self._loop.create_task(self._finish([(batch, reply)])))
+
+    def _write(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
+               more: bool | None = None) -> asyncio.Future[tuple] | None:
+        """Hand `batch` to the writer; its reply, or None if it could not be sent (then
+        it failed). `more`: part of a fold (see `_send_folded`); True: another part
+        follows."""
         wires = [tx.wire() for tx, _ in batch]
         args = (wires,) if more is None else (wires, more)
         try:  # the loop polls for the reply, except to a fold's first part (see call)
             reply = self._writer_proc.call("write_batch", *args, spin=not more)
         except Exception as exc:  # e.g. a payload that does not pickle: not written
             self._storage_failed(KernelUnavailable(f"kernel writer error: {exc!r}"), batch)
-            return False
+            return None
         self._writing.append(batch)
-        self._inflight.append(self._loop.create_task(self._finish(batch, reply)))
-        return True
+        return reply
 
-    async def _finish(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
-                      reply: asyncio.Future[tuple]) -> None:
+    async def _finish(self, parts: list[tuple[list[tuple[Transaction, asyncio.Future[None]]],
+                                              asyncio.Future[tuple]]]) -> None:
+        """Resolve the futures of a batch, or of each part of a fold, from its reply."""
+        for batch, reply in parts:
+            await self._finish_part(batch, reply)
+        self._wake.set()  # _writer_ready
+
+    async def _finish_part(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
+                           reply: asyncio.Future[tuple]) -> None:
         whole = batch
         try:
             seconds, ops, rejected, storage = await reply
@@ -566,7 +582,6 @@ class Kernel(KernelReads):
         # Not in a `finally`: if this task is cancelled mid-write, close() must still
         # see the batch whose outcome is unknown, to fail its futures.
         self._writing = [b for b in self._writing if b is not whole]
-        self._wake.set()  # _writer_ready
 
     def _committed(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
                    seconds: float, ops: int) -> None:
