@@ -42,6 +42,10 @@ def _make_parser(recover: bool) -> etree.XMLParser:
         remove_pis=True,
         collect_ids=False,
         recover=recover,
+        # Bytes are UTF-8, whatever the document declares: every check made on the raw
+        # bytes before the parse (DOCTYPE, shape, depth, privileged namespace) must see
+        # what libxml2 parses. A declared UTF-7 or EBCDIC would hide all of it.
+        encoding="utf-8",
     )
 
 

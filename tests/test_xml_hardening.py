@@ -3,6 +3,7 @@ canonicalisation makes equivalent envelopes identical."""
 
 from __future__ import annotations
 
+import base64
 import uuid
 
 import pytest
@@ -63,6 +64,40 @@ def test_quadratic_blowup_is_rejected() -> None:
 
 def test_entity_declaration_hidden_in_utf16_is_rejected() -> None:
     assert code_of(XXE.decode().encode("utf-16")) is HuhCode.MALFORMED
+
+
+def utf7(document: str) -> bytes:
+    """`document` in UTF-7, declared: no `<`, `&`, `=` or namespace URI in its bytes
+    past the declaration (only the declaration and base64)."""
+    body = base64.b64encode(document.encode("utf-16-be")).rstrip(b"=")
+    return b'<?xml version="1.0" encoding="UTF-7"?>+' + body + b"-"
+
+
+PRIV = "https://xml-pipeline.org/ns/privileged/v1"
+
+
+@pytest.mark.parametrize("document", [
+    XXE.decode().split("?>", 1)[1],  # a DOCTYPE the byte scan cannot see
+    "<a>" * (MAX_DEPTH + 20) + "</a>" * (MAX_DEPTH + 20),  # nor this depth
+    f'<message xmlns="{ENV}"><meta><from>alice</from><thread>{uuid.uuid4()}</thread>'
+    f'<p:privileged xmlns:p="{PRIV}"><p:key-id>ops</p:key-id></p:privileged></meta>'
+    '<add xmlns="urn:t"><a>1</a></add></message>',  # nor a privileged element
+])
+def test_a_declared_encoding_other_than_utf8_cannot_hide_content(document: str) -> None:
+    """Every check on the raw bytes must see what libxml2 parses: the bytes are read
+    as UTF-8 whatever the declaration says, so UTF-7 (or EBCDIC) content is text
+    outside any element and the document is malformed."""
+    assert code_of(utf7(document)) is HuhCode.MALFORMED
+    assert code_of(document.encode("cp037")) is HuhCode.MALFORMED
+    with pytest.raises(Rejection):
+        parse_envelope(utf7(document))
+
+
+def test_a_declaration_naming_another_encoding_reads_the_bytes_as_utf8() -> None:
+    """Harmless declarations still parse; the text is decoded as UTF-8."""
+    root = parse_untrusted('<?xml version="1.0" encoding="ISO-8859-1"?><a>\u00e9</a>'
+                           .encode())
+    assert root.text == "\u00e9"
 
 
 def test_depth_ten_thousand_is_rejected() -> None:
