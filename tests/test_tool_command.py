@@ -34,6 +34,19 @@ def test_option_injection_is_refused(value: str) -> None:
     assert info.value.cause == "argument would be read as an option"
 
 
+def test_an_option_behind_empty_placeholders_is_refused() -> None:
+    """`{dir}{sep}{file}`: with the values before it empty, `file` begins the argument."""
+    sort = CommandTemplate.parse(["/usr/bin/sort", "{dir}{sep}{file}"],
+                                 {"dir": "[a-z/]*", "sep": "/?", "file": ".*"})
+    with pytest.raises(Denied) as info:
+        sort.fill([("dir", ""), ("sep", ""), ("file", "--version")])
+    assert info.value.cause == "argument would be read as an option"
+    assert info.value.fields["arg"] == "file"
+    # Behind a value that is not empty, the same value is an ordinary argument.
+    assert sort.fill([("dir", "d"), ("sep", "/"), ("file", "-x")])[1] == "d/-x"
+    assert sort.fill([("dir", ""), ("sep", "/"), ("file", "-x")])[1] == "/-x"
+
+
 def test_an_option_argument_is_allowed_when_the_pattern_says_so() -> None:
     ls = CommandTemplate.parse(["/bin/ls", "{flag}", "--color={when}"],
                                {"flag": "-[la]", "when": "-?[a-z]+"})

@@ -7,11 +7,13 @@ backticks, quotes, newlines are just characters). The program (`argv[0]`) has no
 placeholder. Every placeholder must have an `allow_args` pattern, and a value must
 match it in full (`re.fullmatch`).
 
-Option injection: a value that would begin an argument (its placeholder starts the
-element) and begins with `-` is refused, unless the operator's pattern itself
-begins with `-` (or `\\-`), the explicit way to say that this argument is an
-option (`allow_args: {flag: "-[vq]"}`). `--output={file}` is safe either way: the
-element starts with the operator's text.
+Option injection: a value that begins an argument and begins with `-` is refused,
+unless the operator's pattern itself begins with `-` (or `\\-`), the explicit way
+to say that this argument is an option (`allow_args: {flag: "-[vq]"}`). A value
+begins its argument when its placeholder starts the element, or follows only
+placeholders whose values are empty (`{dir}{file}` with an empty `dir`): the check
+is made on the filled argument. `--output={file}` is safe either way: the element
+starts with the operator's text.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ class TemplateError(ValueError):
 class CommandTemplate:
     argv: tuple[str, ...]
     patterns: Mapping[str, re.Pattern[str]]
-    # Names whose placeholder begins an element, so a value there could be an option.
+    # Names whose placeholder starts an element, so a value there could be an option
+    # (checked before the pattern; `fill` checks the filled argument too).
     leading: frozenset[str]
     options_allowed: frozenset[str]
 
@@ -94,7 +97,27 @@ class CommandTemplate:
         missing = sorted(self.names - set(values))
         if missing:
             raise ValueError(f"missing arguments: {', '.join(missing)}")
-        return [self.argv[0]] + [
-            PLACEHOLDER.sub(lambda m: values[m.group(1)], element)
-            for element in self.argv[1:]
-        ]
+        argv = [self.argv[0]]
+        for element in self.argv[1:]:
+            filled = PLACEHOLDER.sub(lambda m: values[m.group(1)], element)
+            if filled.startswith("-") and not element.startswith("-"):
+                # The dash is a value's: the first non-empty one the element starts with
+                # (`{dir}{file}` with an empty `dir`).
+                name = next(n for n in _leading_run(element) if values[n])
+                if name not in self.options_allowed:
+                    raise Denied("argument would be read as an option", arg=name,
+                                 value=_shown(values[name]))
+            argv.append(filled)
+        return argv
+
+
+def _leading_run(element: str) -> list[str]:
+    """The names of the placeholders `element` starts with, back to back."""
+    run: list[str] = []
+    at = 0
+    for match in PLACEHOLDER.finditer(element):
+        if match.start() != at:
+            break
+        at = match.end()
+        run.append(match.group(1))
+    return run
