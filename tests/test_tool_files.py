@@ -268,6 +268,17 @@ def test_hard_link_to_a_file_outside_is_not_written(root: Root, mode: WriteMode)
     assert (root.path.parent / "outside" / "secret").read_text() == "SECRET"
 
 
+@pytest.mark.parametrize("mode", [WriteMode.OVERWRITE, WriteMode.APPEND])
+def test_a_rewritten_file_keeps_its_permissions_but_not_setuid(root: Root,
+                                                               mode: WriteMode) -> None:
+    target = root.path / "tool.sh"
+    target.write_text("#!/bin/sh\necho original\n")
+    os.chmod(target, 0o6755)
+    write(root, "tool.sh", "echo caller\n", mode)
+    assert stat.S_IMODE(os.stat(target).st_mode) == 0o755
+    assert target.read_text().endswith("echo caller\n")
+
+
 def test_writing_onto_a_fifo_is_refused(root: Root) -> None:
     os.mkfifo(root.path / "pipe")
     assert refused(write, root, "pipe", "x", WriteMode.OVERWRITE).startswith(

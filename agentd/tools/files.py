@@ -274,7 +274,9 @@ class FileWriter:
     def _temporary(self, parent: int, data: bytes, existing: os.stat_result | None) -> str:
         """A new file in `parent` holding `data`, flushed to disk; its name."""
         temp = _TEMP_PREFIX + secrets.token_hex(8)
-        perms = 0o644 if existing is None else stat.S_IMODE(existing.st_mode)
+        # The old file's permission bits, never setuid, setgid or sticky: the content
+        # is a caller's now.
+        perms = 0o644 if existing is None else existing.st_mode & 0o777
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                      | os.O_CLOEXEC, perms, dir_fd=parent)
         try:
