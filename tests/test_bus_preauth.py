@@ -6,12 +6,15 @@ plain object, and a costly refusal is charged to its sender's rate."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import os
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from websockets.frames import Frame, Opcode
 
 from agentd._errors import HuhCode
 from agentd._schemas import NS_AUTH, schema
@@ -162,3 +165,71 @@ async def test_idle_sockets_are_capped_in_all_and_never_crowd_out_a_client(
     finally:
         await alice.close()
         await idle.close()
+
+
+# ---- after a refusal ----------------------------------------------------------------
+
+
+class RawSocket:
+    """A WebSocket spoken by hand over TLS: it keeps sending after the server closed,
+    which no client library does."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, rig: Rig) -> RawSocket:
+        reader, writer = await asyncio.open_connection("127.0.0.1", rig.bus.port,
+                                                       ssl=trusting(rig))
+        key = base64.b64encode(os.urandom(16)).decode()
+        writer.write((f"GET /bus HTTP/1.1\r\nHost: localhost\r\nUpgrade: websocket\r\n"
+                      f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+                      f"Sec-WebSocket-Version: 13\r\n\r\n").encode())
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert b" 101 " in head.split(b"\r\n")[0], head
+        return cls(reader, writer)
+
+    def send(self, opcode: Opcode, data: bytes) -> None:
+        self.writer.write(Frame(opcode, data).serialize(mask=True))
+
+    async def until(self, opcode: Opcode) -> Frame:
+        async with asyncio.timeout(10):
+            while True:
+                frame = await self._next()
+                if frame.opcode is opcode:
+                    return frame
+
+    async def _next(self) -> Frame:
+        """One frame from the server (never masked, never fragmented here)."""
+        head = await self.reader.readexactly(2)
+        length = head[1] & 0x7F
+        if length == 126:
+            length = int.from_bytes(await self.reader.readexactly(2), "big")
+        elif length == 127:
+            length = int.from_bytes(await self.reader.readexactly(8), "big")
+        return Frame(Opcode(head[0] & 0x0F), await self.reader.readexactly(length))
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(Exception):
+            await self.writer.wait_closed()
+
+
+async def test_frames_sent_after_a_refused_auth_are_not_kept(tmp_path: Path) -> None:
+    """A peer refused (wrong TOTP) is sent close 4401 but may go on sending until the
+    closing handshake times out: none of it may pile up in the daemon."""
+    rig = await start_rig(tmp_path)
+    sock = await RawSocket.open(rig)
+    try:
+        (conn,) = rig.bus._live
+        sock.send(Opcode.BINARY, auth_frame("alice", totp="000000"))
+        closing = await sock.until(Opcode.CLOSE)
+        assert int.from_bytes(closing.data[:2], "big") == 4401
+        for _ in range(32):
+            sock.send(Opcode.BINARY, b"<x>" + b"A" * (64 * 1024) + b"</x>")
+        sock.send(Opcode.PING, b"sync")  # answered once every frame before it is read
+        assert (await sock.until(Opcode.PONG)).data == b"sync"
+        assert not conn._inbox and not conn._fragments
+    finally:
+        await sock.close()
+        await stop_rig(rig)

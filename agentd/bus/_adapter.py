@@ -228,7 +228,9 @@ class BusConnection(asyncio.Protocol):
 
     def _message(self, data: bytes) -> None:
         session = self.session
-        if session is None:
+        if session is None or session.state is ConnState.CLOSED:
+            # Closed (refused, withdrawn, overflowed): the peer may go on sending until
+            # the closing handshake times out; nothing of it is read or kept.
             return
         if self._inbox or not session.reading or self._processing:
             if self._inbox is None:
