@@ -6,6 +6,7 @@ with SIGKILL mid-call (the call runs once and is answered once)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from websockets.exceptions import ConnectionClosed
 
 from agentd._envelope import parse_envelope
 from agentd._xml import c14n
@@ -210,6 +212,44 @@ async def test_a_flooding_peer_meets_its_own_rate_limit(tmp_path: Path) -> None:
         assert d.proc is not None and d.proc.returncode is None  # still serving
     finally:
         await d.stop(signal.SIGKILL)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+async def test_a_peer_that_never_reads_is_cut_off_not_buffered(beta: DaemonProcess) -> None:
+    """A peer floods calls (each answered with a refusal) and reads nothing back: the
+    link's send queue is bounded, the link is closed as a security event, and the
+    daemon's memory does not follow the flood."""
+    assert beta.proc is not None
+    peer = await peer_of(beta)
+    assert peer.ws is not None
+    before = rss_mib(beta.proc.pid)
+    burst = "\n".join('{"t":"call","id":"' + "x" * 60 + str(i) + '"}' for i in range(500))
+
+    async def flood() -> None:
+        assert peer.ws is not None
+        with contextlib.suppress(ConnectionClosed):
+            while True:  # never reads: websockets stops reading once 16 frames wait
+                await peer.ws.send(burst)
+
+    flooding = asyncio.create_task(flood())
+    try:
+        await beta.wait_for_line(r"security kind=federation-peer-not-reading", timeout=120)
+    finally:
+        flooding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flooding
+    assert rss_mib(beta.proc.pid) - before < 200  # the queue's cap is 16 MiB
+    peer.ws.transport.abort()
+    fresh = await peer_of(beta)  # the gateway takes the peer again
+    await fresh.call("after", Echo(text="ok"), to="echo")
+    assert await fresh.next_of_call("after") == "accepted"
+    await fresh.close()
 
 
 async def test_the_same_call_twice_runs_once(beta: DaemonProcess) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 
 import pytest
 from hypothesis import given
@@ -43,6 +44,29 @@ async def test_queued_frames_share_a_message_in_order_within_the_cap() -> None:
                    b"e" * 50,  # bigger than the cap: alone, as before coalescing
                    b"f"]
     assert len(queue) == 0
+
+
+async def test_a_queue_takes_at_most_its_bytes_then_nothing() -> None:
+    queue = FrameQueue(max_bytes=100)
+    assert all(queue.put(b"x" * 30) for _ in range(3)) and queue.queued_bytes == 90
+    assert await queue.message() == b"\n".join([b"x" * 30] * 3)
+    assert queue.queued_bytes == 0
+    assert queue.put(b"y" * 60)
+    assert not queue.put(b"z" * 60)  # 120 > 100: full
+    assert not queue.put(b"z")  # and it stays closed: the link goes down
+    assert len(queue) == 0 and queue.queued_bytes == 0 and queue.overflowed
+
+
+def test_an_encoded_frame_holds_its_own_size_not_the_encoders_buffer() -> None:
+    """orjson returns a buffer of at least 4 KiB; 10,000 queued refusals held 40 MiB."""
+    tracemalloc.start()
+    try:
+        frames = [encode({"t": "refused", "id": str(i), "code": "malformed"})
+                  for i in range(10_000)]
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert len(frames) == 10_000 and held < 2 * 1024 * 1024
 
 
 @given(st.lists(st.dictionaries(st.sampled_from(["t", "id", "envelope", "thread"]),

@@ -28,6 +28,9 @@ from collections.abc import Iterator
 import orjson
 
 COALESCE_BYTES = 16384
+# What one link may hold for a peer that does not read: beyond, the link is closed
+# (durable replies stay in the outbox and go again on the next link).
+SEND_QUEUE_BYTES = 16 * 1024 * 1024
 
 
 class FrameTooLarge(Exception):
@@ -45,8 +48,12 @@ def message_limit(max_frame_bytes: int) -> int:
 
 def encode(frame: dict[str, object]) -> bytes:
     """Compact UTF-8 JSON. Raises `orjson.JSONEncodeError` (a TypeError) for a value
-    JSON cannot carry: a string with a lone surrogate, an integer over 64 bits."""
-    return orjson.dumps(frame)
+    JSON cannot carry: a string with a lone surrogate, an integer over 64 bits.
+
+    Copied to bytes of its own size: orjson 3.x returns its working buffer, at least
+    4 KiB whatever the frame's length, and frames wait in a link's queue (a 60-byte
+    refusal held 4 KiB, so a queue of small frames took 60 times its byte count)."""
+    return bytes(memoryview(orjson.dumps(frame)))
 
 
 def encode_within(frame: dict[str, object], limit: int) -> bytes:
@@ -72,21 +79,39 @@ def lines(message: str | bytes) -> Iterator[str | bytes]:
 
 
 class FrameQueue:
-    """Frames for one link's writer, in order."""
+    """Frames for one link's writer, in order, at most `max_bytes` of them: a peer
+    that stops reading cannot make the daemon hold what it sends it."""
 
-    __slots__ = ("_frames", "_limit", "_ready")
+    __slots__ = ("_bytes", "_frames", "_limit", "_max_bytes", "_ready", "overflowed")
 
-    def __init__(self, limit: int = COALESCE_BYTES) -> None:
+    def __init__(self, limit: int = COALESCE_BYTES, max_bytes: int = SEND_QUEUE_BYTES
+                 ) -> None:
         self._frames: deque[bytes] = deque()
         self._ready = asyncio.Event()
         self._limit = limit
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self.overflowed = False  # once full, it takes nothing more
 
     def __len__(self) -> int:
         return len(self._frames)
 
-    def put(self, frame: bytes) -> None:
+    @property
+    def queued_bytes(self) -> int:
+        return self._bytes
+
+    def put(self, frame: bytes) -> bool:
+        """Queue `frame`; False (and nothing queued, now or later) once the frames
+        waiting would pass `max_bytes`."""
+        if self.overflowed or self._bytes + len(frame) > self._max_bytes:
+            self.overflowed = True
+            self._frames.clear()
+            self._bytes = 0
+            return False
         self._frames.append(frame)
+        self._bytes += len(frame)
         self._ready.set()
+        return True
 
     async def message(self) -> bytes:
         """The next message: the oldest frame and those queued behind it that fit."""
@@ -95,11 +120,13 @@ class FrameQueue:
             self._ready.clear()
             await self._ready.wait()
         first = frames.popleft()
+        self._bytes -= len(first)
         if not frames:
             return first
         parts, size = [first], len(first)
         while frames and size + 1 + len(frames[0]) <= self._limit:
             frame = frames.popleft()
+            self._bytes -= len(frame)
             parts.append(frame)
             size += 1 + len(frame)
         return b"\n".join(parts)

@@ -45,6 +45,7 @@ from agentd.config import FederationConfig, GatewayConfig
 from agentd.federation._binding import ChannelBindingUnavailable, tls_exporter
 from agentd.federation._calls import CallRefused, admit_call, call_id_of
 from agentd.federation._frames import (
+    SEND_QUEUE_BYTES,
     FrameQueue,
     FrameTooLarge,
     encode_within,
@@ -83,6 +84,7 @@ SECURITY_KINDS = frozenset({
     "federation-handshake-failed", "federation-unexpected-frame", "federation-forged-from",
     "federation-priv-from-peer", "federation-not-exported", "federation-schema-changed",
     "federation-reply-refused", "federation-bad-offer", "federation-schema-mismatch",
+    "federation-peer-not-reading",
 })
 MAX_PENDING_REPLIES = 10_000  # replies sent and not yet acknowledged, per link
 
@@ -408,7 +410,7 @@ class Federation:
         """After the handshake: the peer's calls and acknowledgements, and a writer
         for our frames (replies from the outbox first, then as the pump makes them)."""
         link.bucket = TokenBucket(self.config.rate_per_s, self.config.rate_burst, time.monotonic())
-        queue = FrameQueue()
+        queue = FrameQueue(max_bytes=max(SEND_QUEUE_BYTES, 4 * link.peer_max_frame))
         link.sending = queue
         link.replies = ReplyWindow(MAX_PENDING_REPLIES)
         writer = asyncio.create_task(self._write(ws, queue),
@@ -563,8 +565,22 @@ class Federation:
                       "peer takes (its federation.max_frame_bytes); not sent",
                       link.config.name, frame.get("t"), exc.size, exc.limit)
             raise
-        link.sending.put(data)
-        return True
+        if link.sending.put(data):
+            return True
+        self._not_reading(link)
+        return False
+
+    def _not_reading(self, link: GatewayLink) -> None:
+        """The peer let `SEND_QUEUE_BYTES` of our frames pile up: close the link (what
+        is durable goes again on the next one)."""
+        ws, link.sending = link.connection, None
+        log.warning("federation gateway=%s: the peer does not read; closing the link",
+                    link.config.name)
+        self.audit("federation-peer-not-reading", {"peer": link.config.name})
+        if ws is not None:
+            task = asyncio.create_task(ws.close(CLOSE_POLICY, "peer does not read"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def _sender(self, link: GatewayLink) -> Callable[[dict[str, object]], bool]:
         return lambda frame: self._send(link, frame)
