@@ -9,7 +9,11 @@ functions are replaced, so a module cannot time the host finely).
 
 Bounds, per call: fuel (instructions; exhausted -> `huh budget-exceeded`), a memory
 cap on the store (a `memory.grow` past it fails; a run that fails with its memory at
-the cap -> `huh budget-exceeded`), and wall time via wasmtime's epoch interruption:
+the cap -> `huh budget-exceeded`; one linear memory, multi-memory off, and tables
+capped so that together they hold about `memory_mb` more), and wall time via
+wasmtime's epoch interruption (which only interrupts guest code: so the WASI calls
+that wait or leave anything behind are not linked as wasmtime has them:
+`poll_oneoff` answers `notsup` instead of sleeping, `path_symlink` `perm`):
 one ticker thread per process advances the engine's epoch every `TICK_S` while calls
 run, and each store's deadline is its `timeout_ms` in ticks (-> `huh timeout`). A
 non-zero exit or any other trap -> `huh internal`; stderr goes to the log, capped.
@@ -50,7 +54,8 @@ MAX_STDERR_LOG_BYTES = 4096
 WASM_PAGE = 65536
 _WASI = "wasi_snapshot_preview1"
 _NS_PER_MS = 1_000_000
-_ERRNO_SUCCESS, _ERRNO_FAULT, _ERRNO_INVAL = 0, 21, 28
+_ERRNO_SUCCESS, _ERRNO_FAULT, _ERRNO_INVAL, _ERRNO_NOTSUP, _ERRNO_PERM = 0, 21, 28, 58, 63
+MAX_TABLES = 4  # a compiler emits one; reference types may add a few
 _CLOCKS = {0: time.time_ns, 1: time.monotonic_ns, 2: time.process_time_ns,
            3: time.thread_time_ns}
 
@@ -95,6 +100,7 @@ class WasmRuntime:
         config = wasmtime.Config()
         config.consume_fuel = True
         config.epoch_interruption = True
+        config.wasm_multi_memory = False  # one memory, the one `memory_mb` caps
         self.engine = wasmtime.Engine(config)
         self.ticker = _EpochTicker(self.engine)
         self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wasm")
@@ -132,6 +138,14 @@ def _linker(engine: wasmtime.Engine) -> wasmtime.Linker:
                        _clock_time_get, access_caller=True)
     linker.define_func(_WASI, "clock_res_get", wasmtime.FuncType([i32, i32], [i32]),
                        _clock_res_get, access_caller=True)
+    # Waiting inside a WASI call uses no fuel and no epoch: a module could sleep past
+    # its timeout on a pool thread nothing can interrupt.
+    linker.define_func(_WASI, "poll_oneoff", wasmtime.FuncType([i32] * 4, [i32]),
+                       lambda *_: _ERRNO_NOTSUP)
+    # A symbolic link made in a preopen may point out of it (wasmtime refuses only
+    # absolute targets): harmless to the module, not to whoever reads that folder next.
+    linker.define_func(_WASI, "path_symlink", wasmtime.FuncType([i32] * 5, [i32]),
+                       lambda *_: _ERRNO_PERM)
     return linker
 
 
@@ -201,13 +215,16 @@ class WasmModule:
         self.pre = pre
         self.rt = rt
         self.memory_bytes = config.memory_mb * 1024 * 1024
+        # Each table element takes 8-16 bytes: MAX_TABLES full tables ~ memory_mb.
+        self.table_elements = max(10_000, self.memory_bytes // (16 * MAX_TABLES))
         self.deadline_ticks = max(1, math.ceil(config.timeout_ms / 1000 / TICK_S))
 
     def run(self, stdin: bytes) -> RunOutcome:
         """One call, on the calling thread (a pool thread, never the event loop)."""
         config = self.config
         store = wasmtime.Store(self.rt.engine)
-        store.set_limits(memory_size=self.memory_bytes)
+        store.set_limits(memory_size=self.memory_bytes, table_elements=self.table_elements,
+                         instances=1, tables=MAX_TABLES, memories=1)
         store.set_fuel(config.fuel)
         wasi = wasmtime.WasiConfig()
         wasi.argv = ["module"]
