@@ -50,8 +50,9 @@ def test_a_table_cannot_grow_past_what_memory_mb_allows(tmp_path: Path) -> None:
 
 
 def test_a_module_cannot_wait_in_poll_oneoff(tmp_path: Path) -> None:
-    """A two-second clock subscription past a 100 ms timeout: answered `notsup` (58) at once, not slept on a
-    pool thread that neither fuel nor the epoch deadline can interrupt."""
+    """A two-second clock subscription past a 100 ms timeout: answered `notsup` (58)
+    at once, not slept on a pool thread that neither fuel nor the epoch deadline can
+    interrupt."""
     wat = f"""(module {EXIT}
       (import "wasi_snapshot_preview1" "poll_oneoff"
         (func $poll (param i32 i32 i32 i32) (result i32)))
