@@ -121,6 +121,46 @@ async def test_writing_outside_write_paths_is_denied(tmp_path) -> None:
     assert code == 0 and target.read_text() == "x"
 
 
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the daemon is not root here")
+
+
+@as_root
+async def test_a_root_child_keeps_no_capability_now_or_after_exec() -> None:
+    """A daemon run as root (as it must be for network namespaces) starts children
+    as root: they hold no capability, and exec (of a setuid-free program, as root)
+    grants them none."""
+    code, out, err = await run_python("""
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)
+        data = (ctypes.c_uint32 * 6)()  # (effective, permitted, inheritable) twice
+        assert libc.capget(header, data) == 0
+        bounding = [c for c in range(64) if libc.prctl(23, c, 0, 0, 0) == 1]  # CAPBSET_READ
+        print(os.getuid(), sum(data), len(bounding))
+        """, python_policy(network=True))
+    assert code == 0, err
+    assert out.split() == ["0", "0", "0"]  # uid 0, no capability in any set
+
+
+@as_root
+@needs_landlock
+async def test_a_root_child_cannot_make_a_device_node_beneath_its_write_path(tmp_path) -> None:
+    """Not /dev/kmsg's node, not a disk's: a node made beneath a writable folder would
+    open any device past the rules on /dev."""
+    code, out, err = await run_python(f"""
+        import os, stat
+        for name, kind, dev in (("kmsg", stat.S_IFCHR, (1, 11)), ("disk", stat.S_IFBLK, (8, 0))):
+            try:
+                os.mknod({str(tmp_path)!r} + "/" + name, 0o600 | kind, os.makedev(*dev))
+                print(name, "made")
+            except OSError as exc:
+                print(name, "refused", exc.errno)
+        """, python_policy(network=True, write_paths=(str(tmp_path),)))
+    assert code == 0, err
+    assert [line.split()[1] for line in out.splitlines()] == ["refused", "refused"]
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
 async def test_another_user_cannot_read_what_the_policy_grants() -> None:
     # Landlock grants the folder (one any user may enter); the uid switch still keeps

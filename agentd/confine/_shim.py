@@ -37,6 +37,11 @@ _LANDLOCK_RULE_PATH_BENEATH = 1
 
 _PR_SET_NO_NEW_PRIVS = 38
 _PR_SET_SECCOMP = 22
+_PR_CAPBSET_DROP = 24
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_CLEAR_ALL = 4
+_SYS_CAPSET = {"x86_64": 126, "aarch64": 91}
+_CAPABILITY_VERSION_3 = 0x20080522
 _SECCOMP_MODE_FILTER = 2
 _CLONE_NEWNET = 0x40000000
 
@@ -48,6 +53,8 @@ FS_EXECUTE = 1 << 0
 FS_WRITE_FILE = 1 << 1
 FS_READ_FILE = 1 << 2
 FS_READ_DIR = 1 << 3
+FS_MAKE_CHAR = 1 << 6
+FS_MAKE_BLOCK = 1 << 11
 FS_REFER = 1 << 13  # ABI 2
 FS_TRUNCATE = 1 << 14  # ABI 3
 FS_IOCTL_DEV = 1 << 15  # ABI 5
@@ -119,7 +126,9 @@ def _landlock_restrict(abi: int, read: list[str], write: list[str], listing: lis
         _raise_errno("landlock_create_ruleset")
     try:
         grants = [(p, _READ_RIGHTS) for p in read]
-        grants += [(p, handled_fs) for p in write]
+        # Device nodes are never granted, even beneath a write path: a node made there
+        # would open any device (a disk, the kernel log) past the rules on /dev.
+        grants += [(p, handled_fs & ~(FS_MAKE_CHAR | FS_MAKE_BLOCK)) for p in write]
         grants += [(p, FS_READ_DIR) for p in listing]
         for path, rights in grants:
             try:
@@ -193,6 +202,29 @@ def _install_seccomp() -> None:
         _raise_errno("prctl(PR_SET_SECCOMP)")
 
 
+def _drop_capabilities() -> None:
+    """A root child keeps no capability, now or after its execve: the bounding set is
+    emptied (so exec grants root nothing), then the ambient, effective, permitted and
+    inheritable sets."""
+    libc = _c()
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            last = int(f.read())
+    except OSError:
+        last = 63  # PR_CAPBSET_DROP refuses caps the kernel does not know: EINVAL
+    for cap in range(last + 1):
+        if libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
+            _raise_errno("prctl(PR_CAPBSET_DROP)")
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)  # EINVAL before 4.3
+    number = _SYS_CAPSET.get(os.uname().machine)
+    if number is None:
+        return  # the empty bounding set alone keeps exec from granting any
+    header = ctypes.create_string_buffer(struct.pack("=Ii", _CAPABILITY_VERSION_3, 0), 8)
+    data = ctypes.create_string_buffer(24)  # two (effective, permitted, inheritable)
+    if libc.syscall(number, header, data) != 0:
+        _raise_errno("capset")
+
+
 def seccomp_available() -> bool:
     return sys.platform == "linux" and os.uname().machine == "x86_64"
 
@@ -243,6 +275,8 @@ def apply(policy: dict) -> dict:
     if deny_network and not net_by:
         raise RuntimeError("network denial required but neither a network namespace "
                            "nor Landlock TCP rules are available")
+    if os.geteuid() == 0 or os.getuid() == 0:
+        _drop_capabilities()
     sec = False
     if policy.get("seccomp", True) and seccomp_available():
         _install_seccomp()
