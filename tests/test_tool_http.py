@@ -110,6 +110,11 @@ async def denied(tool: HttpFetcher, url: str) -> Denied:
     ("224.0.0.1", "multicast address"),
     ("ff02::1", "multicast address"),
     ("240.0.0.1", "reserved address"),
+    ("2002:a00:1::1", "private address"),  # 6to4 carrying 10.0.0.1
+    ("2002:a9fe:a9fe::1", "cloud metadata address"),  # 6to4 carrying 169.254.169.254
+    ("192.0.0.9", "reserved address"),  # IETF protocol assignments
+    ("192.88.99.1", "reserved address"),  # the 6to4 relay anycast
+    ("fec0::1", "reserved address"),  # site-local
 ])
 def test_non_public_addresses_are_refused(address: str, cause: str) -> None:
     assert address_refusal(ipaddress.ip_address(address)) == cause

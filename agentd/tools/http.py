@@ -51,6 +51,11 @@ METADATA = frozenset(ipaddress.ip_address(a) for a in (
 ))
 _CGNAT = ipaddress.ip_network("100.64.0.0/10")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
+_6TO4 = ipaddress.ip_network("2002::/16")  # carries an IPv4 address in bits 16-48
+# Not global, whatever this Python's `ipaddress` tables say (they changed in 3.11.10,
+# 3.12.4 and 3.13): IETF protocol assignments, the 6to4 relay anycast, site-local.
+_NOT_GLOBAL = (ipaddress.ip_network("192.0.0.0/24"), ipaddress.ip_network("192.88.99.0/24"),
+               ipaddress.ip_network("fec0::/10"))
 _NUMERIC_V4 = re.compile(r"(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+)){0,3}", re.I)
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _TEXTUAL = re.compile(r"text/.*|application/(json|xml|javascript|x-www-form-urlencoded)"
@@ -109,7 +114,9 @@ def address_refusal(address: Address, allow_private: Sequence[Network] = ()) -> 
         return None
     if isinstance(address, ipaddress.IPv6Address):
         carried = address.ipv4_mapped or (
-            ipaddress.IPv4Address(int(address) & 0xFFFFFFFF) if address in _NAT64 else None)
+            ipaddress.IPv4Address(int(address) & 0xFFFFFFFF) if address in _NAT64 else
+            ipaddress.IPv4Address((int(address) >> 80) & 0xFFFFFFFF) if address in _6TO4
+            else None)
         if carried is not None:
             return address_refusal(carried, allow_private)
     if address in METADATA:
@@ -124,7 +131,8 @@ def address_refusal(address: Address, allow_private: Sequence[Network] = ()) -> 
         return "multicast address"
     if isinstance(address, ipaddress.IPv4Address) and address in _CGNAT:
         return "shared (CGNAT) address"
-    if address.is_reserved:
+    if address.is_reserved or any(address in net for net in _NOT_GLOBAL
+                                  if net.version == address.version):
         return "reserved address"
     if address.is_private:
         return "private address"
