@@ -127,6 +127,25 @@ def test_an_xsd_that_is_not_one_is_refused() -> None:
         class_of_xsd("<nothing/>", {})
 
 
+@pytest.mark.parametrize("reference", [
+    '<xs:include schemaLocation="/etc/passwd"/>',
+    '<xs:import namespace="urn:x" schemaLocation="/run/agentd/fifo"/>',
+    '<xs:redefine schemaLocation="file:///etc/hostname"/>',
+    '<xs:override schemaLocation="/dev/zero"/>',
+])
+def test_a_peers_xsd_that_refers_to_other_documents_is_refused(reference: str) -> None:
+    """Compiling it would read this host's files (a FIFO would hang the daemon)."""
+    xsd = xsd_of(Add)
+    at = xsd.index(">", xsd.index("<xs:schema")) + 1
+    with pytest.raises(OfferError, match="refers to other documents"):
+        class_of_xsd(xsd[:at] + reference + xsd[at:], {})
+
+
+def test_a_peers_xsd_with_a_doctype_is_refused() -> None:
+    with pytest.raises(OfferError):
+        class_of_xsd('<!DOCTYPE x [<!ENTITY e SYSTEM "/etc/passwd">]>' + xsd_of(Add), {})
+
+
 # ---- calls in flight ----------------------------------------------------------------
 
 

@@ -63,6 +63,8 @@ MAX_XSD_CHARS = 65536
 MAX_OFFERS = 256
 _OWN_PARSER = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False)
 _HUH = "{" + NS_CORE + "}huh"
+_REFERRING = frozenset("{http://www.w3.org/2001/XMLSchema}" + name
+                       for name in ("include", "import", "redefine", "override"))
 _ANSWER = "{" + NS_CORE + "}answer"
 
 
@@ -214,6 +216,15 @@ def class_of_xsd(xsd: str, local: Mapping[tuple[str, str], type]) -> type:
     from agentd.mcp.schema import Unmappable, _class_name, _object_class
     from agentd.mcp.serve import input_schema, shape_of_xsd
 
+    try:
+        doc = etree.fromstring(xsd.encode(), _OWN_PARSER)
+    except (ValueError, etree.XMLSyntaxError) as exc:
+        raise OfferError(f"schema not understood: {exc}") from None
+    # Compiling a schema loads what it includes or imports, from this host's files:
+    # a peer's schema stands alone.
+    if doc.getroottree().docinfo.doctype or any(
+            el.tag in _REFERRING for el in doc.iter(tuple(_REFERRING))):
+        raise OfferError("schema refers to other documents")
     try:
         shape = shape_of_xsd(xsd)
     except (ValueError, KeyError, etree.XMLSyntaxError) as exc:
