@@ -204,6 +204,31 @@ async def test_a_profile_without_allow_intents_is_unroutable_and_asks_no_model()
     assert server.requests == []
 
 
+async def test_a_client_intent_for_a_gated_listener_waits_for_its_approval() -> None:
+    """Filled from an intent or sent directly, a request to a gated listener is parked
+    until someone decides: the intent is no way around the gate."""
+    gated = "  gated: {listeners: [files.read], allow_intents: true, " \
+            "approval: {approvers: [operator]}}\n"
+    async with FakeLLM("openai", good_filler) as server:
+        text = organism_text(server).replace("  closed: ", gated + "  closed: ")
+        config = load_config_text(text, base_dir=TESTS)
+        platform = Platform.from_config(config)
+        async with Harness(config, {"dave": "gated"},
+                           agent_handlers=make_agent_handlers(config, platform)) as h:
+            platform.bind_threads(h.pump.registry)
+            direct = await h.send("dave", build_envelope(
+                "dave", new_uuid(), PAYLOADS["files.read"].encode(), to="files.read"))
+            via = await h.send("dave", intent("dave", "read the contents of main.rs"))
+            assert h.kernel is not None
+            parked = await h.kernel.approvals()
+        await platform.aclose()
+    for frames in (direct, via):
+        assert [frame_kind(f)[:2] for f in frames] == [("core", "accepted"),
+                                                       ("core", "approval-required")]
+    assert len(parked) == 2 and {a.listener for a in parked} == {"files.read"}
+    assert len(fill_requests(server)) == 1  # the intent was filled, then parked
+
+
 def ladder_script(replies: dict[str, str]) -> Callable[[Seen], str]:
     return lambda seen: replies[seen.json["model"]]
 

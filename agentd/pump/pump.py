@@ -563,6 +563,11 @@ class Pump:
             self._huh_to(frame, rej.code, hops, batch)
             return
         filled.hops = hops
+        if frame.profile.table.gates:  # gated as the client's own envelope would be
+            gate = self.durable.gate_of(filled)
+            if gate is not None:
+                self.durable.park(filled, gate, batch)
+                return
         self._enqueue(filled, batch)
 
     def _reenter(
