@@ -146,6 +146,24 @@ def test_broadcast_is_one_envelope_per_target_and_payload(call: Call) -> None:
     assert got == ["worker.a", "worker.a", "worker.b", "worker.b"]
 
 
+def test_a_broadcast_counts_every_message_against_the_fanout(call: Call) -> None:
+    """max_fanout bounds the messages one output sends: targets x payloads (a target
+    named twice gets one copy). A single payload to 500 targets was 500 messages."""
+    many = plan_response(call.request, call.listener, call.add,
+                         HandlerResponse.broadcast([Work(seq=1), Work(seq=2)],
+                                                   ["worker.a", "worker.b", "worker.c"]),
+                         FANOUT)
+    assert many.rejected is HuhCode.TOO_LARGE and many.envelopes == ()
+    wide = plan_response(call.request, call.listener, call.add,
+                         HandlerResponse.broadcast(Work(seq=1), ["worker.a"] * 3 + [
+                             f"worker.{i}" for i in range(500)]), FANOUT)
+    assert wide.rejected is HuhCode.TOO_LARGE
+    repeated = plan_response(call.request, call.listener, call.add,
+                             HandlerResponse.broadcast(Work(seq=1), ["worker.a"] * 500),
+                             FANOUT)
+    assert [payload_of(e)[1] for e in repeated.envelopes] == ["worker.a"]
+
+
 def test_raw_xml_output_is_split_into_one_envelope_per_element(call: Call) -> None:
     raw = b'<?xml version="1.0"?><sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1">' \
           b'<value>1</value></sum><sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1">' \

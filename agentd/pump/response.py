@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
 from typing import NamedTuple
 
 from lxml import etree
@@ -137,7 +136,11 @@ def plan_response(
         return ResponsePlan(envelopes, frame, False, None, b"", None, None, adopted)
     # A broadcast sends each payload to several listeners: each message gets a tree
     # of its own, parsed from its bytes (messages never share an element).
-    targets: Iterable[str | None] = result.targets
+    targets = list(dict.fromkeys(result.targets))  # a target named twice gets one copy
+    if len(targets) * len(bodies) > max_fanout:  # max_fanout bounds messages, not payloads
+        log.warning("bad handler output listener=%s detail=%d targets x %d payloads > "
+                    "max_fanout %d", listener.name, len(targets), len(bodies), max_fanout)
+        return _huh(frame, HuhCode.TOO_LARGE)
     envelopes = [build_envelope(name, uuid, body, to=to) for to in targets for body in bodies]
     return ResponsePlan(envelopes, frame, False, None, b"", None, None)
 
