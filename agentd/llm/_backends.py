@@ -8,7 +8,12 @@ reported usage afterwards), and the concurrency limit. Then the backend sends:
 - `HttpBackend` speaks a wire protocol (`_wire`) over a shared httpx client. The API
   key is read from the environment variable named in the configuration at every
   attempt and is never logged, cached or recorded. With `record:`, each successful
-  exchange is appended to a cassette.
+  exchange is appended to a cassette. A backend is not trusted with the daemon's
+  resources: an attempt has `timeout_s` in all (not per read: a server dripping a
+  byte at a time is cut off), the body is read up to `MAX_RESPONSE_BYTES`, and the
+  usage it reports is bounded by what the request could have cost (input: four
+  times the estimate and 1,024 tokens; output: `max_tokens`) before it reaches the
+  token buckets or a conversation's budget.
 - `ReplayBackend` answers from a cassette, with no network at all.
 """
 
@@ -16,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -34,6 +41,10 @@ from agentd.llm._types import (
     RequestTooLarge,
 )
 from agentd.llm._wire import DEFAULT_BASE_URLS, PROTOCOLS, classify
+
+log = logging.getLogger("agentd.llm")
+
+MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # a completion is text; more is a hostile server
 
 
 class Backend:
@@ -126,33 +137,30 @@ class HttpBackend(Backend):
         )
         started = time.perf_counter()
         try:
-            reply = await self._client.post(
-                http.url, content=http.body, headers=dict(http.headers),
-                timeout=self.config.timeout_s,
-            )
-        except httpx.TimeoutException:
+            async with asyncio.timeout(self.config.timeout_s):  # the whole attempt
+                status, headers, content = await self._post(http)
+        except (TimeoutError, httpx.TimeoutException):
             raise BackendError(self.name, "timed out", retryable=True) from None
         except httpx.HTTPError as exc:
             raise BackendError(
                 self.name, f"connection failed ({type(exc).__name__})", retryable=True
             ) from None
         transport_s = time.perf_counter() - started
-        if not 200 <= reply.status_code < 300:
-            raise classify(self.name, reply.status_code, reply.headers, reply.content)
+        if not 200 <= status < 300:
+            raise classify(self.name, status, headers, content)
         try:
-            decoded = self.protocol.decode(reply.content)
+            decoded = self.protocol.decode(content)
         except BackendError as err:
             raise dataclasses.replace(err, backend=self.name) from None
+        estimate = (len(decoded.text.encode()) + 3) // 4
         response = LlmResponse(
             text=decoded.text,
-            input_tokens=(
-                decoded.input_tokens if decoded.input_tokens is not None
-                else request.estimated_input_tokens
-            ),
-            output_tokens=(
-                decoded.output_tokens if decoded.output_tokens is not None
-                else (len(decoded.text.encode()) + 3) // 4
-            ),
+            input_tokens=self._bounded(
+                "input", decoded.input_tokens, request.estimated_input_tokens,
+                4 * request.estimated_input_tokens + 1024),
+            output_tokens=self._bounded(
+                "output", decoded.output_tokens, estimate,
+                max(request.max_tokens, estimate)),
             backend=self.name,
             model=decoded.model or self.model,
             finish_reason=decoded.finish_reason,
@@ -161,6 +169,34 @@ class HttpBackend(Backend):
         if self.recorder is not None:
             self.recorder.append(request, response)
         return response
+
+    async def _post(self, http: Any) -> tuple[int, httpx.Headers, bytes]:
+        """POST the request; (status, headers, body), the body read up to
+        `MAX_RESPONSE_BYTES` (more: a `BackendError`, not retried)."""
+        async with self._client.stream(
+            "POST", http.url, content=http.body, headers=dict(http.headers),
+            timeout=self.config.timeout_s,
+        ) as reply:
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in reply.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_RESPONSE_BYTES:
+                    raise BackendError(self.name, f"response over {MAX_RESPONSE_BYTES} bytes")
+                chunks.append(chunk)
+            return reply.status_code, reply.headers, b"".join(chunks)
+
+    def _bounded(self, what: str, reported: int | None, estimate: int, most: int) -> int:
+        """The usage a backend reported, or `estimate` when it reported none; at most
+        `most` (what the request could have cost), so a hostile or broken server
+        cannot drain a conversation's budget or lock the token buckets."""
+        if reported is None:
+            return estimate
+        if reported > most:
+            log.warning("llm backend=%s reported %s %d %s tokens; counting %d", self.name,
+                        "an impossible", reported, what, most)
+            return most
+        return reported
 
 
 class ReplayBackend(Backend):

@@ -86,4 +86,5 @@ class TokenBucket:
     def adjust(self, delta: float) -> None:
         """Charge (`delta` > 0) or refund (< 0) tokens after the fact."""
         self._refill()
-        self._level = min(self.capacity, self._level - delta)
+        # Never more than one full bucket in debt: a wrong figure cannot lock it for long.
+        self._level = max(-self.capacity, min(self.capacity, self._level - delta))
