@@ -31,6 +31,7 @@ from agentd.config import LlmBackendConfig
 from agentd.embeddings._protocol import EmbedderIdentity, EmbeddingsError
 from agentd.embeddings._vectors import Matrix, Vector, unit_rows
 from agentd.llm import BackendError, classify
+from agentd.llm._backends import ResponseTooLarge, post_bounded
 
 log = logging.getLogger("agentd.embeddings")
 
@@ -124,21 +125,20 @@ class OpenAIEmbedder:
         name = self.backend.name
         try:
             async with self._slots:
-                reply = await self._client.post(
-                    self._url, content=body, headers=self._headers(),
-                    timeout=self.backend.timeout_s,
-                )
-        except httpx.TimeoutException:
+                status, headers, content = await post_bounded(
+                    self._client, self._url, body, self._headers(), self.backend.timeout_s,
+                    MAX_RESPONSE_BYTES)
+        except (TimeoutError, httpx.TimeoutException):
             raise BackendError(name, "timed out", retryable=True) from None
+        except ResponseTooLarge:
+            raise EmbeddingsError(f"embeddings backend {name}: reply too large") from None
         except httpx.HTTPError as exc:
             raise BackendError(
                 name, f"connection failed ({type(exc).__name__})", retryable=True
             ) from None
-        if not 200 <= reply.status_code < 300:
-            raise classify(name, reply.status_code, reply.headers, reply.content[:4096])
-        if len(reply.content) > MAX_RESPONSE_BYTES:
-            raise EmbeddingsError(f"embeddings backend {name}: reply too large")
-        matrix, tokens = decode_response(reply.content, count)
+        if not 200 <= status < 300:
+            raise classify(name, status, headers, content[:4096])
+        matrix, tokens = decode_response(content, count)
         if tokens:
             metrics.llm_tokens.labels("embeddings", name, "input").inc(tokens)
         return matrix

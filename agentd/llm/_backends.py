@@ -26,7 +26,6 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -45,6 +44,28 @@ from agentd.llm._wire import DEFAULT_BASE_URLS, PROTOCOLS, classify
 log = logging.getLogger("agentd.llm")
 
 MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # a completion is text; more is a hostile server
+
+
+class ResponseTooLarge(Exception):
+    """A backend's reply went past the bytes the caller takes."""
+
+
+async def post_bounded(client: httpx.AsyncClient, url: str, content: bytes,
+                       headers: Mapping[str, str], timeout_s: float,
+                       max_bytes: int = MAX_RESPONSE_BYTES) -> tuple[int, httpx.Headers, bytes]:
+    """POST to a backend: (status, headers, body). `timeout_s` bounds the whole
+    exchange (`TimeoutError`), not each read as httpx's timeout does; the body is
+    read up to `max_bytes` (more: `ResponseTooLarge`)."""
+    async with asyncio.timeout(timeout_s), client.stream(
+            "POST", url, content=content, headers=dict(headers), timeout=timeout_s) as reply:
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in reply.aiter_bytes():
+            size += len(chunk)
+            if size > max_bytes:
+                raise ResponseTooLarge(f"response over {max_bytes} bytes")
+            chunks.append(chunk)
+        return reply.status_code, reply.headers, b"".join(chunks)
 
 
 class Backend:
@@ -137,10 +158,12 @@ class HttpBackend(Backend):
         )
         started = time.perf_counter()
         try:
-            async with asyncio.timeout(self.config.timeout_s):  # the whole attempt
-                status, headers, content = await self._post(http)
+            status, headers, content = await post_bounded(
+                self._client, http.url, http.body, dict(http.headers), self.config.timeout_s)
         except (TimeoutError, httpx.TimeoutException):
             raise BackendError(self.name, "timed out", retryable=True) from None
+        except ResponseTooLarge as exc:
+            raise BackendError(self.name, str(exc)) from None
         except httpx.HTTPError as exc:
             raise BackendError(
                 self.name, f"connection failed ({type(exc).__name__})", retryable=True
@@ -169,22 +192,6 @@ class HttpBackend(Backend):
         if self.recorder is not None:
             self.recorder.append(request, response)
         return response
-
-    async def _post(self, http: Any) -> tuple[int, httpx.Headers, bytes]:
-        """POST the request; (status, headers, body), the body read up to
-        `MAX_RESPONSE_BYTES` (more: a `BackendError`, not retried)."""
-        async with self._client.stream(
-            "POST", http.url, content=http.body, headers=dict(http.headers),
-            timeout=self.config.timeout_s,
-        ) as reply:
-            chunks: list[bytes] = []
-            size = 0
-            async for chunk in reply.aiter_bytes():
-                size += len(chunk)
-                if size > MAX_RESPONSE_BYTES:
-                    raise BackendError(self.name, f"response over {MAX_RESPONSE_BYTES} bytes")
-                chunks.append(chunk)
-            return reply.status_code, reply.headers, b"".join(chunks)
 
     def _bounded(self, what: str, reported: int | None, estimate: int, most: int) -> int:
         """The usage a backend reported, or `estimate` when it reported none; at most
