@@ -188,6 +188,27 @@ async def test_hung_worker_is_killed_at_the_timeout(tmp_path: Path, action: str,
         assert await ask(h, "echo", "ok") == ("outcome", "ok")
 
 
+async def test_a_worker_flooding_stderr_is_read_no_faster_than_its_rate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """5,000 lines (500 KB, far more than a pipe holds) in one call: the daemon logs at
+    most STDERR_LINES_PER_S lines a second past a burst, so the worker blocks on its
+    own pipe and the call times out; the daemon's loop and log are not its to use."""
+    from agentd.isolation._pool import _STDERR_BURST, STDERR_LINES_PER_S
+
+    config = load_config(organism(tmp_path, "{workers: 1}", timeout_s=1))
+    (tmp_path / "state").mkdir()
+    caplog.set_level("INFO", logger="agentd.isolation")
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        assert await ask(h, "stderr", "5000") == ("huh", "timeout")
+        await settled(h, 1)
+        assert await ask(h, "echo", "ok") == ("outcome", "ok")
+    logged = [r for r in caplog.records if "worker stderr" in r.getMessage()
+              and r.getMessage().endswith("x" * 20)]
+    assert len(logged) < _STDERR_BURST + 3 * STDERR_LINES_PER_S  # 1 s of call, and margin
+    assert sum("read no faster" in r.getMessage() for r in caplog.records) == 1
+
+
 async def test_cpu_limit_stops_a_busy_loop(tmp_path: Path) -> None:
     config = load_config(organism(tmp_path, "{cpu_s: 1, workers: 1}", timeout_s=120))
     (tmp_path / "state").mkdir()

@@ -47,12 +47,17 @@ from agentd._spin import LoopSpin
 from agentd._states import step
 from agentd._xml import c14n
 from agentd._xmlify import is_xmlified, spec_of
+from agentd.bus import TokenBucket
 from agentd.confine import Policy, kill_group, spawn
 from agentd.isolation import _protocol as p
 
 log = logging.getLogger("agentd.isolation")
 
 _STDERR_LINE_MAX = 512
+# Lines of a worker's stderr logged per second (and a burst): past it the daemon
+# reads more slowly, so a flooding worker blocks on its own pipe, not the daemon.
+STDERR_LINES_PER_S = 50.0
+_STDERR_BURST = 200
 _START_TIMEOUT_S = 60.0
 _RESTART_BACKOFF_MAX_S = 5.0
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -521,13 +526,34 @@ class WorkerPool:
     async def _drain_stderr(self, worker: Worker) -> None:
         stream = worker.proc.stderr
         assert stream is not None
+        loop = asyncio.get_running_loop()
+        bucket = TokenBucket(STDERR_LINES_PER_S, _STDERR_BURST, loop.time())
+        slowed = False
+        dropped = 0
         while True:
             try:
                 line = await stream.readline()
             except ValueError:  # a line over the stream limit: drop it
                 continue
             if not line:
+                if dropped:
+                    log.warning("worker stderr listener=%s pid=%s: %d lines dropped after "
+                                "it ended", self.spec.listener, worker.pid, dropped)
                 return
+            logged = True
+            while not bucket.take(loop.time()):
+                if worker.state is WorkerState.DEAD:
+                    logged = False  # what is left in its pipe: read at once, not logged
+                    break
+                if not slowed:
+                    slowed = True
+                    log.warning("worker stderr listener=%s pid=%s: over %.0f lines/s; "
+                                "read no faster", self.spec.listener, worker.pid,
+                                STDERR_LINES_PER_S)
+                await asyncio.sleep(1 / STDERR_LINES_PER_S)
+            if not logged:
+                dropped += 1
+                continue
             text = line[:_STDERR_LINE_MAX].decode("utf-8", "replace").rstrip()
             worker.last_words = text
             log.info("worker stderr listener=%s pid=%s: %s", self.spec.listener,

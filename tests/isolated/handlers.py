@@ -87,6 +87,11 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
     elif action == "sleep":  # blocks in C: the event loop of an in-process handler would stall
         time.sleep(float(arg))
         text = "slept"
+    elif action == "stderr":  # arg lines of 100 bytes on stderr, then answers
+        line = b"x" * 99 + b"\n"
+        for _ in range(int(arg)):
+            os.write(2, line)
+        text = "written"
     elif action == "grandchild":
         text = _grandchild()
     elif action == "read":
