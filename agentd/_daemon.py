@@ -52,7 +52,7 @@ log = logging.getLogger("agentd.daemon")
 # Pump and bus security events; the OOB channel's own kinds are added below.
 _PUMP_SECURITY_KINDS = frozenset(
     {"forged-from", "priv-on-bus", "priv-from-handler", "peer-violation", "lockout",
-     "tool-denied", "approval-refused"}
+     "tool-denied", "approval-refused", "approval-limit"}
 )
 
 

@@ -16,6 +16,7 @@ from lxml import etree
 
 from agentd._envelope import build_envelope
 from agentd._schemas import NS_CORE
+from agentd._xmlify import to_xml
 from agentd.config import load_config, load_config_text
 from agentd.durable import Decision, judge
 from agentd.kernel import ApprovalRow
@@ -148,6 +149,27 @@ async def test_a_gated_call_is_parked_and_the_owner_told_the_exact_payload() -> 
         assert durable.CALLS == []
         (parked,) = await h.kernel.approvals()  # type: ignore[union-attr]
         assert parked.approvers == ("operator", "client")
+
+
+async def test_a_conversation_cannot_park_more_than_its_share() -> None:
+    """Each message parks a row, a deadline and a push to the owner: past
+    MAX_PARKED_PER_CONVERSATION in one conversation the sender is answered `huh
+    denied` with a security event (a relay fanning out to a gated listener parked
+    6,400 from 100 messages before)."""
+    from agentd.pump.durable import MAX_PARKED_PER_CONVERSATION
+
+    async with harness(FakeClock()) as h:
+        thread, _, _ = await park(h)
+        for _ in range(MAX_PARKED_PER_CONVERSATION - 1):
+            frames = await h.send("alice", build_envelope(
+                "alice", thread, to_xml(Pay(amount=1))))
+            assert [tag(f) for f in frames][-1] == "approval-required"
+        refused = await h.send("alice", build_envelope("alice", thread, to_xml(Pay(amount=1))))
+        assert [tag(f) for f in refused] == ["huh"] and child(refused[0], "code") == "denied"
+        assert len(h.pump.durable.parked) == MAX_PARKED_PER_CONVERSATION
+        assert [k for k, _ in h.events] == ["approval-limit"]  # type: ignore[attr-defined]
+        _, _, _ = await park(h)  # another conversation still parks
+        assert durable.CALLS == []
 
 
 async def test_approved_by_the_client_runs_once() -> None:

@@ -66,6 +66,10 @@ log = logging.getLogger("agentd.pump")
 _ACTIVE = ThreadState.ACTIVE
 _WOKE = spec_of(Woke)
 TIMER, APPROVAL = "timer", "approval"
+# Messages waiting for a human decision: a handler (or a client) cannot park more,
+# in one conversation or in all, whatever its fan-out and rate.
+MAX_PARKED_PER_CONVERSATION = 64
+MAX_PARKED = 10_000
 _NOTHING = ResponsePlan((), None, False, None, b"", None, None)
 
 
@@ -170,6 +174,21 @@ class DurableWaits:
             if gate is not None:
                 return gate
         return None
+
+    def parking_full(self, msg: Message) -> bool:
+        """Whether `msg` may not be parked: its conversation already has
+        `MAX_PARKED_PER_CONVERSATION` messages waiting, or all have `MAX_PARKED` (a
+        security event; the sender is answered `huh denied`). A scan: parking is
+        human-paced, and what it scans is bounded by these caps."""
+        root = msg.frame.root.uuid
+        parked = self.parked
+        if len(parked) < MAX_PARKED and sum(
+                1 for r in parked.values() if r.conversation == root
+        ) < MAX_PARKED_PER_CONVERSATION:
+            return False
+        self._pump._security_event("approval-limit", {
+            "thread": root, "sender": msg.sender, "pending": str(len(parked))})
+        return True
 
     def park(self, msg: Message, gate: ApprovalRules, batch: Batch | None) -> ApprovalRow:
         """Park `msg` instead of dispatching it; its thread's owner is told."""

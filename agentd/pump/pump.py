@@ -228,6 +228,8 @@ class Pump:
         assert isinstance(msg, Message)
         frame = msg.frame
         gate = self.durable.gate_of(msg) if frame.profile.table.gates else None
+        if gate is not None and msg.sender != CORE and self.durable.parking_full(msg):
+            return self._refuse_client(client, frame.uuid, HuhCode.DENIED)
         if known is None:
             self.registry.add(frame)  # registered only once every check has passed
         else:
@@ -566,7 +568,10 @@ class Pump:
         if frame.profile.table.gates:  # gated as the client's own envelope would be
             gate = self.durable.gate_of(filled)
             if gate is not None:
-                self.durable.park(filled, gate, batch)
+                if self.durable.parking_full(filled):
+                    self._huh_to(frame, HuhCode.DENIED, hops, batch)
+                else:
+                    self.durable.park(filled, gate, batch)
                 return
         self._enqueue(filled, batch)
 
@@ -601,6 +606,9 @@ class Pump:
                 if frame.profile.table.gates:
                     gate = self.durable.gate_of(msg)
                     if gate is not None:
+                        if self.durable.parking_full(msg):
+                            self._huh_to(own, HuhCode.DENIED, hops, batch)
+                            return False
                         msg.hops = hops
                         self.durable.park(msg, gate, batch)
                         return True
