@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from agentd.config import load_config
-from agentd.durable import Deadline, Wait, is_late, sleep_for, take_due
+from agentd.durable import (
+    Deadline,
+    StateBook,
+    StateLimitExceeded,
+    StateView,
+    Wait,
+    is_late,
+    sleep_for,
+    take_due,
+)
 from agentd.durable.deadlines import MAX_SLEEP_S
 from agentd.testing import Harness
 from tests.organisms.durable import Count, Nap, Peek
@@ -231,6 +240,26 @@ async def test_state_over_the_limit_is_refused_and_nothing_is_written() -> None:
         frames = await h.send("alice", Count(by=10 ** 70))  # 71 digits > 64 bytes
         assert text_of(frames[-1], "code") == "internal"
         assert await h.kernel.handler_state() == []  # type: ignore[union-attr]
+
+
+def test_calls_on_other_frames_cannot_together_pass_the_state_limit() -> None:
+    """Two calls of one listener in one conversation (a relay's, an agent's parallel
+    tool calls) each see the slice as it was when they started: each write fits
+    alone, the second to finish is refused whole (before: both kept, 18 KB in a
+    1,000-byte slice from 20 calls)."""
+    book = StateBook(max_bytes=1000)
+    first, second = StateView(book, "putter", "c1"), StateView(book, "putter", "c1")
+    first.set("a", "x" * 900)
+    second.set("b", "y" * 900)
+    assert book.apply(first) == [("a", "x" * 900)]
+    with pytest.raises(StateLimitExceeded):
+        book.apply(second)
+    assert book.size("putter", "c1") == 901 and book.slice("putter", "c1") == {"a": "x" * 900}
+    third = StateView(book, "putter", "c1")
+    third.delete("a")
+    third.set("b", "y" * 900)  # a delete makes room within one call
+    assert book.apply(third) == [("a", None), ("b", "y" * 900)]
+    assert book.size("putter", "c1") == 901
 
 
 async def test_state_survives_a_restart(tmp_path: Path) -> None:

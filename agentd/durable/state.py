@@ -60,8 +60,23 @@ class StateBook:
 
     def apply(self, view: StateView) -> list[tuple[str, str | None]]:
         """Make `view`'s writes part of the book; returns them, (key, value or None
-        for a delete), for the caller's kernel transaction."""
+        for a delete), for the caller's kernel transaction. Raises
+        `StateLimitExceeded` (and drops the writes) if they no longer fit: a view
+        checked its writes against the slice as it was when the handler started, and
+        calls on other frames of the conversation may have written since."""
         changes = list(view.overlay.items())
+        entries = self.slice(view.listener, view.conversation)
+        size = self.size(view.listener, view.conversation)
+        for key, value in changes:
+            old = entries.get(key)
+            size += ((0 if value is _DELETED else _size(key, value))
+                     - (0 if old is None else _size(key, old)))
+        if size > self.max_bytes:
+            view.overlay.clear()
+            raise StateLimitExceeded(
+                f"state of listener {view.listener} would be {size} bytes, over the limit "
+                f"of {self.max_bytes} (pump.max_state_bytes_per_thread), with the writes "
+                "of calls that finished first")
         for key, value in changes:
             if value is _DELETED:
                 self._delete(view.listener, view.conversation, key)

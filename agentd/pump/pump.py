@@ -50,7 +50,7 @@ from agentd._routing import Listener, Routing
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
 from agentd._xml import DEFAULT_SHAPE, ShapeLimits
 from agentd.config import MetaConfig, PumpConfig
-from agentd.durable import TimerRequest
+from agentd.durable import StateLimitExceeded, StateView, TimerRequest
 from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.pump import admission, recovery
 from agentd.pump.admission import Violation
@@ -485,9 +485,9 @@ class Pump:
             if result.event is not None:
                 self._security_event("tool-denied", {**result.event, "thread": frame.root.uuid})
             plan = plan_failure(msg, frame, result.code)
+        elif meta._view is not None and not self._state_fits(meta._view, listener, batch):
+            plan = plan_failure(msg, frame, HuhCode.TOO_LARGE)
         else:
-            if meta._view is not None:  # the handler used meta.state: commit it with the output
-                self.durable.commit_state(meta._view, batch)
             if result.__class__ is TimerRequest:
                 plan = self.durable.set_timer(result, msg, listener, frame, hops, batch)
             else:
@@ -574,6 +574,17 @@ class Pump:
                     self.durable.park(filled, gate, batch)
                 return
         self._enqueue(filled, batch)
+
+    def _state_fits(self, view: StateView, listener: Listener, batch: Batch | None) -> bool:
+        """Commit the handler's `meta.state` writes with its output; False (nothing
+        written, the call fails) if calls on other frames of the conversation filled
+        the slice meanwhile."""
+        try:
+            self.durable.commit_state(view, batch)
+        except StateLimitExceeded as exc:
+            log.warning("handler state refused listener=%s: %s", listener.name, exc)
+            return False
+        return True
 
     def _reenter(
         self, data: bytes, listener: Listener, frame: Frame, own: Frame, respond: bool,
