@@ -5,7 +5,9 @@ no confinement) and passes unparsable lines on as exceptions. Here the process
 comes from `agentd.confine.spawn` and its stdout is JSON-RPC only: the first line
 that is not a JSON-RPC message, or a line longer than the cap (a flood), ends the
 session: the process group is killed and the reason is kept for the log and the
-restart. The SDK's `ClientSession` runs over the two memory streams this yields.
+restart. So do messages that answer nothing we asked (notifications, requests) past
+`UNASKED_PER_S` a second (after a burst): valid JSON-RPC can flood too. The SDK's
+`ClientSession` runs over the two memory streams this yields.
 """
 
 from __future__ import annotations
@@ -23,10 +25,14 @@ import anyio
 from mcp import types
 from mcp.shared.message import SessionMessage
 
+from agentd.bus import TokenBucket
 from agentd.confine import Policy, kill_group, spawn
 
 log = logging.getLogger("agentd.mcp")
 STDERR_KEEP = 4096  # the last bytes of a server's stderr, for the log when it dies
+UNASKED_PER_S = 100.0  # notifications and requests from a server, a second
+_UNASKED_BURST = 1000
+_ANSWERS = (types.JSONRPCResponse, types.JSONRPCError)
 
 
 @dataclass
@@ -76,6 +82,8 @@ async def confined_stdio(
             pass
 
     async def pass_messages() -> None:
+        loop = asyncio.get_running_loop()
+        unasked = TokenBucket(UNASKED_PER_S, _UNASKED_BURST, loop.time())
         buffer = b""
         while chunk := await proc.stdout.read(65536):  # type: ignore[union-attr]
             *lines, buffer = (buffer + chunk).split(b"\n")
@@ -89,6 +97,10 @@ async def confined_stdio(
                     message = types.JSONRPCMessage.model_validate_json(line)
                 except ValueError:
                     ending.set("server wrote something other than JSON-RPC on its output")
+                    return
+                if not isinstance(message.root, _ANSWERS) and not unasked.take(loop.time()):
+                    ending.set(f"server sent more than {UNASKED_PER_S:.0f} notifications "
+                               "or requests a second")
                     return
                 await to_session.send(SessionMessage(message))
         ending.set("server closed its output")

@@ -4,6 +4,7 @@ Modes: `good` (well behaved), `rug` (descriptions read from `desc.txt` in its
 working directory, so a test can change them after load), `garbage` (prints a
 non-JSON-RPC line at its first call), `exit` (exits at its first call), `hang`
 (never answers a call), `flood` (writes an endless line at its first call),
+`notify` (sends valid notifications without end at its first call),
 `snoop` (tries to read argv[2] and to connect to argv[3] host:port), `big`
 (answers with argv[2] bytes of text), `inject` (a description carrying an
 injection), `http` (well behaved, over Streamable HTTP on port argv[2], accepting the
@@ -40,6 +41,11 @@ def add(a: int, b: int) -> str:
     if mode == "flood":
         while True:
             os.write(1, b"x" * 65536)
+    if mode == "notify":  # valid JSON-RPC, without end
+        line = b'{"jsonrpc":"2.0","method":"notifications/message",' \
+               b'"params":{"level":"info","data":"tick"}}\n'
+        while True:
+            os.write(1, line * 64)
     return str(a + b)
 
 
