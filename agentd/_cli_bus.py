@@ -339,10 +339,14 @@ async def _send_main(
     if cafile is None and verify:
         cafile = default_cafile(secret_path)
     session: str | None = None
-    try:
-        session = session_path.read_text(encoding="utf-8").strip() or None
+    try:  # "URL\nTOKEN": a token is sent only to the bus that issued it
+        cached_url, _, token = session_path.read_text(encoding="utf-8").partition("\n")
+        session = token.strip() or None if cached_url.strip() == url else None
     except OSError:
         session = None
+    if not url.startswith("wss://"):
+        return EXIT_CONNECT, {"url": url, "client": client,
+                              "error": "the bus speaks TLS only: a wss:// URL"}
     report: dict[str, Any] = {"url": url, "client": client, "sent": [], "frames": []}
     bus = BusClient(url, client, secret=secret, session=session, cafile=cafile, verify=verify)
     try:
@@ -364,7 +368,7 @@ async def _send_main(
         try:
             from agentd.bus import write_private_atomic
 
-            write_private_atomic(session_path, (bus.session + "\n").encode())
+            write_private_atomic(session_path, f"{url}\n{bus.session}\n".encode())
         except OSError:
             pass  # the cache is a convenience
     open_threads: dict[str, bool] = {}

@@ -89,11 +89,11 @@ class BusClient:
         self.secret = secret
         self.session = session
         self._totp = totp
-        self._ssl: ssl.SSLContext | None
-        if url.startswith("wss://"):
-            self._ssl = ssl_context or client_context(cafile, verify)
-        else:
-            self._ssl = None  # only for tests that show plain ws:// is refused
+        if not url.startswith("wss://"):
+            # The first frame is a credential (a TOTP code, a session token good for
+            # hours): never sent where it could be read.
+            raise ValueError(f"the bus speaks TLS only: a wss:// URL, not {url[:40]!r}")
+        self._ssl: ssl.SSLContext | None = ssl_context or client_context(cafile, verify)
         self.max_size = max_size
         self.open_timeout = open_timeout
         self._ws: ClientConnection | None = None

@@ -223,6 +223,11 @@ def _now():
     return dt.datetime.now()
 
 
+def test_a_plain_ws_url_is_refused_before_any_credential_leaves() -> None:
+    with pytest.raises(ValueError, match="TLS only"):
+        BusClient("ws://127.0.0.1:8765/bus", "alice", session="token")
+
+
 # ---- agentd send, end to end -----------------------------------------------------------------
 
 
@@ -268,6 +273,22 @@ async def test_init_then_serve_then_send(tmp_path: Path) -> None:
         assert "<value>5</value>" in out
         assert (home / "alice.session").exists()  # the session token is cached, 0600
         assert stat.S_IMODE((home / "alice.session").stat().st_mode) == 0o600
+        # ... for this bus only: a token is never sent to another URL.
+        assert (home / "alice.session").read_text().split("\n")[0] == url
+
+        # A plain ws:// URL: refused before a byte leaves (the first frame is a credential).
+        heard: list[bytes] = []
+
+        async def listen(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            heard.append(await reader.read(65536))
+            writer.close()
+
+        plain = await asyncio.start_server(listen, "127.0.0.1", 0)
+        port = plain.sockets[0].getsockname()[1]
+        code, out, err = await _agentd(*common[:0], "--url", f"ws://127.0.0.1:{port}/bus",
+                                       *common[2:], str(payload))
+        plain.close()
+        assert code == 3 and "TLS only" in err and heard == []
 
         # Again within the same 30 s step: the cached session logs in (no code reuse).
         two = ADD + b'<echo xmlns="https://xml-pipeline.org/ns/echo/v1"><text>hi</text></echo>'
