@@ -86,6 +86,41 @@ def test_systemd_analyze_security_rates_it_ok(tmp_path: Path) -> None:
     assert float(match.group(1)) <= 2.0, proc.stdout
 
 
+# What the daemon's confinement shim and its children call: with the unit's filter
+# refusing any of them, workers, exec commands and MCP servers would run unconfined
+# (Landlock reported unavailable) or not start at all.
+CONFINEMENT_SYSCALLS = ("landlock_create_ruleset", "landlock_add_rule",
+                        "landlock_restrict_self", "prctl", "prlimit64",
+                        "pidfd_open", "memfd_create", "sched_yield", "setsid", "clone3")
+
+
+def test_the_units_syscall_filter_lets_the_confinement_work() -> None:
+    tool = _systemd_analyze()
+
+    def expand(names: str) -> set[str]:
+        out: set[str] = set()
+        for name in names.split():
+            if not name.startswith("@"):
+                out.add(name)
+                continue
+            listing = subprocess.run([tool, "syscall-filter", name], capture_output=True,
+                                     text=True, timeout=60).stdout
+            for line in listing.splitlines()[1:]:
+                item = line.strip()
+                if item and not item.startswith("#"):
+                    out |= expand(item) if item.startswith("@") else {item}
+        return out
+
+    allowed: set[str] = set()
+    for value in unit_settings()["SystemCallFilter"]:
+        if value.startswith("~"):
+            allowed -= expand(value[1:])
+        else:
+            allowed |= expand(value)
+    missing = [name for name in CONFINEMENT_SYSCALLS if name not in allowed]
+    assert not missing, f"the unit's SystemCallFilter refuses {missing}"
+
+
 # ---- Dockerfile --------------------------------------------------------------------------
 
 
