@@ -59,13 +59,14 @@ _PUMP_SECURITY_KINDS = frozenset(
 
 class KernelOutbox:
     """The bus's view of the kernel's durable outbox. Delivery marks are coalesced:
-    a client's outbox ids are delivered in increasing order and `outbox_delivered`
-    removes everything up to an id, so one transaction per loop iteration carries
-    the highest id of each client instead of one transaction per frame."""
+    the frames written in one loop iteration are deleted by one transaction. Each
+    by its id: a client may hold several connections, and a frame written to one
+    says nothing of older frames still queued on another (deleting up to an id
+    would lose those if the daemon died before they were written)."""
 
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
-        self._marks: dict[str, int] = {}
+        self._marks: dict[str, list[int]] = {}
 
     async def pending(self, client: str) -> list[tuple[int, str, bytes]]:
         return await self.kernel.outbox(client)
@@ -73,14 +74,13 @@ class KernelOutbox:
     def delivered(self, client: str, outbox_id: int) -> None:
         if not self._marks:
             asyncio.get_running_loop().call_soon(self._flush)
-        if outbox_id > self._marks.get(client, 0):
-            self._marks[client] = outbox_id
+        self._marks.setdefault(client, []).append(outbox_id)
 
     def _flush(self) -> None:
         marks, self._marks = self._marks, {}
         tx = self.kernel.transaction()
-        for client, up_to in marks.items():
-            tx.outbox_delivered(client, up_to)
+        for client, ids in marks.items():
+            tx.outbox_sent(client, ids)
         self.kernel.commit(tx).add_done_callback(_log_failure)
 
 
@@ -92,6 +92,22 @@ class FederationHost(KernelOutbox):
         super().__init__(kernel)
         self.pump = pump
         self.config = config  # the configuration in force (a reload replaces it)
+        self._up_to: dict[str, int] = {}
+
+    def delivered(self, client: str, outbox_id: int) -> None:
+        """A peer acknowledged every reply up to `outbox_id` (the link only says so
+        for an unbroken run): one range delete per gateway and loop iteration."""
+        if not self._up_to:
+            asyncio.get_running_loop().call_soon(self._flush_up_to)
+        if outbox_id > self._up_to.get(client, 0):
+            self._up_to[client] = outbox_id
+
+    def _flush_up_to(self) -> None:
+        marks, self._up_to = self._up_to, {}
+        tx = self.kernel.transaction()
+        for client, up_to in marks.items():
+            tx.outbox_delivered(client, up_to)
+        self.kernel.commit(tx).add_done_callback(_log_failure)
 
     def offers(self, names: list[str]) -> list[Any]:
         from agentd.federation._remote import offer_of

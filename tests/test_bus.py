@@ -694,6 +694,53 @@ async def test_outbox_frames_are_replayed_before_anything_new(tmp_path: Path) ->
         await stop_rig(r)
 
 
+async def test_a_frame_written_on_one_connection_keeps_anothers_queued_frames(
+    tmp_path: Path,
+) -> None:
+    """Alice holds two connections; A reads nothing (its answers wait in its send
+    queue), B does an exchange. B's written answer removes B's outbox row only: every
+    frame still queued on A stays in the outbox, so a crash now loses none of them
+    (a mark "up to B's id" deleted them, and after kill -9 they were never replayed)."""
+    r = await start_rig(tmp_path, kernel=True, bus={"rate_per_s": 100000.0,
+                                                    "rate_burst": 100000})
+    kernel = r.kernel
+    assert kernel is not None
+    a = await r.login("alice")
+    b = await r.login("alice", session=a.session)
+    try:
+        first = r.bus.connections_of("alice")[0]
+        text = "x" * 4000
+
+        async def flood() -> None:
+            while True:
+                await a.send(Echo(text=text))
+
+        flooding = asyncio.create_task(flood())
+        try:
+            for _ in range(600):  # until A's socket is full and answers wait for it
+                s = first.session
+                if s is not None and not s.writable and any(
+                        i is not None for _, i in (s.sendq or ())):
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("connection A never filled")
+        finally:
+            flooding.cancel()
+        frames = await b.exchange(Add(a=2, b=3), timeout=30)
+        assert value(frames[-1], "value") == "5"
+        await asyncio.sleep(0)  # the delivery marks of this loop turn
+        await kernel.flush()
+        assert first.session is not None and first.session.sendq is not None
+        queued = {i for _, i in first.session.sendq if i is not None}
+        kept = {oid for oid, _, _ in await kernel.outbox("alice")}
+        assert queued and queued <= kept
+    finally:
+        await a.close()
+        await b.close()
+        await stop_rig(r)
+
+
 # ---- lifecycle and metrics ---------------------------------------------------------
 
 

@@ -167,6 +167,9 @@ class Store:
         if plan.outbox_delete:
             conn.executemany("DELETE FROM outbox WHERE client = ? AND id <= ?",
                              plan.outbox_delete)
+        if plan.outbox_sent:
+            conn.executemany("DELETE FROM outbox WHERE id = ? AND client = ?",
+                             plan.outbox_sent)
         if plan.context_delete:
             conn.executemany("DELETE FROM context WHERE thread = ?", plan.context_delete)
         if rows:

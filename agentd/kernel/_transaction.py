@@ -55,6 +55,7 @@ OP_STATE_DELETE = 14  # (op, listener, conversation, key)
 OP_STATE_DROP = 15  # (op, conversation)
 OP_APPROVAL_PUT = 16  # (op, ApprovalRow)
 OP_APPROVAL_DECIDE = 17  # (op, id, state, decided_by, reason, decided_at)
+OP_OUTBOX_SENT = 18  # (op, client, ids)
 
 _DURABLE_SQL = {
     OP_TIMER_PUT: "INSERT OR REPLACE INTO timers (id, conversation, frame, listener, due, note, "
@@ -300,6 +301,13 @@ class Transaction:
         self._check_open()
         self.ops.append((OP_OUTBOX_DELIVERED, client, up_to_id))
 
+    def outbox_sent(self, client: str, ids: Iterable[int]) -> None:
+        """Delete these outbox entries of `client`, and only these: frames written to
+        one connection while others of the same client still hold older ones queued
+        (a range would delete those before they are written)."""
+        self._check_open()
+        self.ops.append((OP_OUTBOX_SENT, client, tuple(ids)))
+
     def context_append(self, thread: str, role: str, content: bytes) -> None:
         """Append an immutable slot to `thread`'s context buffer. Raises
         `ContextLimitExceeded` now (not at commit) if a limit would be exceeded."""
@@ -420,6 +428,7 @@ class BatchPlan:
     thread_put: dict[str, list] = field(default_factory=dict)
     thread_update: dict[str, list] = field(default_factory=dict)  # uuid -> [state, hops, upd]
     outbox_delete: list[tuple[str, int]] = field(default_factory=list)
+    outbox_sent: list[tuple[int, str]] = field(default_factory=list)  # (id, client)
     outbox_insert: dict[int, tuple[int, str, str, bytes]] = field(default_factory=dict)
     context_delete: list[tuple[str]] = field(default_factory=list)
     context_insert: list[tuple[str, str, bytes, float]] = field(default_factory=list)
@@ -491,6 +500,14 @@ def _apply_op(plan: BatchPlan, op: tuple) -> None:
         for k in gone:
             del plan.outbox_insert[k]
         plan.outbox_delete.append((client, up_to))
+    elif code == OP_OUTBOX_SENT:
+        _, client, ids = op
+        for oid in ids:
+            put = plan.outbox_insert.get(oid)
+            if put is not None and put[1] == client:
+                del plan.outbox_insert[oid]
+            else:
+                plan.outbox_sent.append((oid, client))
     elif code == OP_CONTEXT_APPEND:
         plan.context_insert.append((op[1], op[2], op[3], op[4]))
     elif code == OP_CONTEXT_DROP:
