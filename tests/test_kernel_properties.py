@@ -36,6 +36,8 @@ op = st.one_of(
               st.none() | st.integers(0, 9)),
     st.tuples(st.just("oput"), st.sampled_from(CLIENTS), st.sampled_from(UUIDS)),
     st.tuples(st.just("odlv"), st.sampled_from(CLIENTS), st.integers(0, 30)),
+    st.tuples(st.just("osent"), st.sampled_from(CLIENTS), st.lists(st.integers(0, 30),
+                                                                   max_size=3)),
     st.tuples(st.just("capp"), st.sampled_from(UUIDS), st.binary(max_size=3)),
     st.tuples(st.just("cdrop"), st.sampled_from(UUIDS)),
     st.tuples(st.just("journal"), st.booleans()),
@@ -91,6 +93,13 @@ async def run_program(program: list[tuple[Any, ...]], directory: Path) -> None:
                 tx.outbox_delivered(client, up_to)
                 for oid in [i for i, v in model.outbox.items() if v[0] == client and i <= up_to]:
                     del model.outbox[oid]
+            elif kind == "osent":  # these ids only (another client's ids are untouched)
+                _, client, picks = step
+                ids = [model.ids[k % len(model.ids)] for k in picks] if model.ids else []
+                tx.outbox_sent(client, ids)
+                for oid in ids:
+                    if model.outbox.get(oid, ("",))[0] == client:
+                        del model.outbox[oid]
             elif kind == "capp":
                 _, thread, content = step
                 tx.context_append(thread, "user", content)
@@ -136,6 +145,7 @@ async def run_program(program: list[tuple[Any, ...]], directory: Path) -> None:
 # Folding traps, kept as fixed examples: a delivery cancelling a put of the same batch,
 # and a second state update without hops over a first one with hops.
 @example([("oput", "x", "a"), ("odlv", "x", 0), ("cut",)])
+@example([("oput", "x", "a"), ("oput", "x", "b"), ("flush",), ("osent", "x", [1]), ("cut",)])
 @example([("put", "a", "active", 1), ("flush",), ("state", "a", "failed", 5),
           ("state", "a", "active", None), ("cut",)])
 @example([("capp", "a", b"1"), ("cdrop", "a"), ("capp", "a", b"2"), ("journal", True),
