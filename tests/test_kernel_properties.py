@@ -4,6 +4,7 @@ and retention in any pattern keeps the hash chain verifiable."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import tempfile
 import time
 from pathlib import Path
@@ -199,10 +200,11 @@ def test_any_retention_pattern_keeps_the_chain_verifiable(
 def _chain(n: int) -> list[tuple[Any, ...]]:
     rows, prev = [], GENESIS
     for pos in range(1, n + 1):
-        fields = (pos, 1.5 + pos, "t", "in", "message", "h", "s", "{u}t", "ab" * 32, "p", None,
-                  False)
+        payload = f"<m>{pos}</m>".encode()  # the writer always stores the payload's bytes
+        fields = (pos, 1.5 + pos, "t", "in", "message", "h", "s", "{u}t",
+                  hashlib.sha256(payload).hexdigest(), "p", None, False)
         h = link(prev, encode(*fields))
-        rows.append((pos, pos, *fields[1:9], None, "p", None, 0, prev, h))
+        rows.append((pos, pos, *fields[1:9], payload, "p", None, 0, prev, h))
         prev = h
     return rows
 

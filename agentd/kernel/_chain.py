@@ -137,7 +137,8 @@ def verify_chain(
         if prev_hash != expected_prev:
             return fail(seq, f"entry seq {seq} (position {pos}): prev_hash does not match "
                              f"the previous entry's hash")
-        if payload is not None and _sha256(payload).hexdigest() != payload_hash:
+        # The writer always stores bytes: an erased payload is tampering, not a prune.
+        if payload is None or _sha256(payload).hexdigest() != payload_hash:
             return fail(seq, f"entry seq {seq} (position {pos}): payload does not match "
                              f"payload_hash")
         encoded = encode(seq, ts, thread, direction, kind, handler, sender, tag,

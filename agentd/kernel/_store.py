@@ -404,7 +404,20 @@ def verify_connection(conn: sqlite3.Connection) -> Verdict:
         gaps = [Gap(*g) for g in conn.execute(
             "SELECT start_pos, end_pos, prev_hash, hash FROM journal_gaps ORDER BY start_pos")]
         rows = conn.execute(f"SELECT {JOURNAL_COLUMNS} FROM journal ORDER BY pos")
-        return verify_chain(rows, gaps, head_pos, head_hash)
+        verdict = verify_chain(rows, gaps, head_pos, head_hash)
+        if not verdict.ok:
+            return verdict
+        # Recovery redelivers what `inflight` lists: each row must name a pending entry
+        # of the chain (a row added for a handled message would run it again). A row
+        # deleted cannot be told from a delivery: the chain does not record those.
+        stray = conn.execute(
+            "SELECT i.seq FROM inflight i LEFT JOIN journal j ON j.pos = i.pos "
+            "WHERE j.seq IS NOT i.seq OR j.pending != 1 ORDER BY i.seq LIMIT 1").fetchone()
+        if stray is not None:
+            return Verdict(False, stray[0], f"inflight entry seq {stray[0]} names no pending "
+                           "journal entry (redelivery tampered with)", verdict.entries,
+                           verdict.gaps)
+        return verdict
     finally:
         conn.execute("ROLLBACK")
 
