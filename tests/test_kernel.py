@@ -21,6 +21,7 @@ from agentd.kernel import (
     KernelUnavailable,
     Retention,
     SchemaTooNew,
+    StateDirUnsafe,
     StateLocked,
     ThreadRow,
     TransactionRejected,
@@ -654,6 +655,32 @@ async def test_state_dir_and_database_are_private(state_dir: Path) -> None:
         assert stat.S_IMODE(state_dir.stat().st_mode) == 0o700
         assert stat.S_IMODE((state_dir / DB_NAME).stat().st_mode) == 0o600
         assert k.db_size_bytes() > 0
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+async def test_a_state_dir_others_may_write_is_refused(tmp_path: Path, mode: int) -> None:
+    """Another user could plant a link in place of the lock or the database, and a root
+    daemon would write through it (before: a warning, and the file it named truncated)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    os.chmod(state, mode)
+    with pytest.raises(StateDirUnsafe, match="writable by group or others"):
+        await Kernel.open(state)
+    assert list(state.iterdir()) == []
+
+
+async def test_a_lock_file_that_is_a_link_is_not_followed(tmp_path: Path) -> None:
+    state, victim = tmp_path / "state", tmp_path / "victim"
+    state.mkdir(mode=0o700)
+    victim.write_text("precious")
+    (state / "agentd.lock").symlink_to(victim)
+    with pytest.raises(StateDirUnsafe, match="symbolic link"):
+        await Kernel.open(state)
+    assert victim.read_text() == "precious"
+    (state / "agentd.lock").unlink()
+    os.mkfifo(state / "agentd.lock")
+    with pytest.raises(StateDirUnsafe, match="not a regular file"):
+        await Kernel.open(state)
 
 
 async def test_newer_schema_is_refused_with_a_clear_message(state_dir: Path) -> None:

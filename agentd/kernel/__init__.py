@@ -6,6 +6,7 @@ from agentd.kernel._errors import (
     ContextLimitExceeded,
     KernelUnavailable,
     SchemaTooNew,
+    StateDirUnsafe,
     StateLocked,
     TransactionRejected,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "Retention",
     "RetentionPolicy",
     "SchemaTooNew",
+    "StateDirUnsafe",
     "StateLocked",
     "SweepReport",
     "ThreadRow",

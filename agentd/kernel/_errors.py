@@ -10,6 +10,10 @@ class StateLocked(AgentdError):
     """Another process (or another Kernel in this one) holds the state directory."""
 
 
+class StateDirUnsafe(AgentdError):
+    """The state directory (or its lock file) could be replaced by another user."""
+
+
 class SchemaTooNew(AgentdError):
     """The database was written by a newer agentd than this one."""
 

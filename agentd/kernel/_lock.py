@@ -10,6 +10,7 @@ that others may have open is how two holders happen).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -17,7 +18,7 @@ import stat
 import time
 from pathlib import Path
 
-from agentd.kernel._errors import StateLocked
+from agentd.kernel._errors import StateDirUnsafe, StateLocked
 
 LOCK_NAME = "agentd.lock"
 ORPHAN_WAIT_S = 10.0
@@ -37,13 +38,26 @@ class StateDirLock:
         if created:
             os.chmod(state_dir, 0o700)  # mkdir's mode is filtered by the umask
         else:
-            mode = stat.S_IMODE(state_dir.stat().st_mode)
+            st = state_dir.stat()
+            mode = stat.S_IMODE(st.st_mode)
+            if mode & 0o022:
+                # Another user could plant a link in place of the lock or the database,
+                # and the daemon (root, perhaps) would write through it.
+                raise StateDirUnsafe(f"state_dir {state_dir} is writable by group or others "
+                                     f"(mode {mode:o}): chmod go-w it")
             if mode & 0o077:
                 log.warning("state_dir %s is accessible to group/others (mode %o); "
                             "it holds message payloads", state_dir, mode)
         path = state_dir / LOCK_NAME
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise StateDirUnsafe(f"{path} is a symbolic link") from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StateDirUnsafe(f"{path} is not a regular file")
             _lock(fd, state_dir, path)
         except BaseException:
             os.close(fd)
