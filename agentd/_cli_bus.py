@@ -17,6 +17,7 @@ import json
 import os
 import shlex
 import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -156,6 +157,13 @@ def init_home(
 
     identity = write_identity(home / "identity.key", yaml.safe_load(organism)["organism"]["name"])
     _write(home / "organism.yaml", organism, 0o644)
+    # Folders are made with the umask's mode; none that holds the configuration, its
+    # prompts or the TLS pair may be writable by others (whoever can replace a file
+    # there chooses what the daemon runs), whatever the umask was.
+    for folder in {home, *((home / name).parent for name in names)}:
+        mode = stat.S_IMODE(folder.stat().st_mode)
+        if mode & 0o022:
+            os.chmod(folder, mode & ~0o022)
     from agentd.config import load_config
 
     load_config(home / "organism.yaml")  # what init writes must load

@@ -132,6 +132,20 @@ def test_init_writes_a_working_setup_with_private_modes(tmp_path: Path) -> None:
     assert (home / "operator.key").read_bytes().startswith(b"-----BEGIN OPENSSH PRIVATE KEY")
 
 
+def test_init_under_a_permissive_umask_leaves_nothing_others_may_write(tmp_path: Path) -> None:
+    """Under umask 000 the folders came out 0777: another user could replace
+    organism.yaml (and the daemon would run what it names)."""
+    home = tmp_path / "agentd-home"
+    old = os.umask(0)
+    try:
+        assert CliRunner().invoke(init_cmd, ["--dir", str(home)]).exit_code == 0
+    finally:
+        os.umask(old)
+    for path in [home, *home.rglob("*")]:
+        assert not stat.S_IMODE(path.stat().st_mode) & 0o022, path
+    assert load_config(home / "organism.yaml").name  # and it loads
+
+
 def test_next_steps_name_the_files_init_wrote_by_absolute_path(tmp_path: Path) -> None:
     from agentd._cli_bus import executable, init_home, next_steps
 

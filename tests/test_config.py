@@ -234,6 +234,21 @@ def test_defaults_apply_when_sections_are_absent(tmp_path: Path) -> None:
     assert config.source is None
 
 
+@pytest.mark.parametrize("mode", [0o666, 0o664, 0o646])
+def test_a_configuration_others_may_write_is_refused(tmp_path: Path, mode: int) -> None:
+    """Whoever can write organism.yaml chooses the code the daemon runs (python_path,
+    handlers): refused like an authorized_keys file of the same mode (it loaded, and
+    an added handler module was imported as root)."""
+    path = tmp_path / "organism.yaml"
+    path.write_text("organism: {name: tiny}\n")
+    path.chmod(mode)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert "writable by group or others" in info.value.issues[0]
+    path.chmod(0o644)
+    assert load_config(path).name == "tiny"
+
+
 def test_state_dir_override_wins(home: Path) -> None:
     config = load_config(home / "organism.yaml", state_dir_override=home / "elsewhere")
     assert config.state_dir == home / "elsewhere"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import stat
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
@@ -31,6 +33,7 @@ from agentd.config.tools import ToolConfig
 
 log = logging.getLogger("agentd.config")
 
+MAX_CONFIG_BYTES = 4 * 1024 * 1024  # a configuration, not a data file
 K = TypeVar("K")
 V = TypeVar("V")
 T = TypeVar("T")
@@ -125,11 +128,20 @@ def read_source(path: str | Path) -> tuple[str, bytes, Path]:
     source_name = str(path)
     source = Path(path).expanduser().absolute()
     try:
-        data = source.read_bytes()
+        with open(source, "rb") as f:
+            st = os.fstat(f.fileno())
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
         raise ConfigError(
             [f"{source_name}:1:1: (file): cannot read: {exc.strerror or exc}"]
         ) from None
+    # Whoever can write this file chooses the code the daemon runs (handlers,
+    # python_path): held to the rule of authorized_keys, never a laxer one.
+    if st.st_mode & 0o022:
+        raise ConfigError([f"{source_name}:1:1: (file): writable by group or others "
+                           f"(mode {stat.S_IMODE(st.st_mode):o}): chmod go-w it"])
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError([f"{source_name}:1:1: (file): over {MAX_CONFIG_BYTES} bytes"])
     try:
         return data.decode("utf-8"), data, source
     except UnicodeDecodeError as exc:
