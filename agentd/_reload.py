@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -232,7 +234,36 @@ def build_agent_handlers(
 
 async def reload_daemon(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
     """Re-read the daemon's file, check it fully, plan, and (unless `dry_run`) apply.
-    Any error before the swap changes nothing."""
+    Any error before the swap changes nothing; nor does a dry run. Loading puts the
+    new `python_path` folders on `sys.path`: they are taken off again unless the new
+    configuration is put in service (else every later import, and the next reload,
+    would see folders that a fresh start would not)."""
+    path = list(sys.path)
+    applied = False
+    try:
+        result = await _reload(daemon, dry_run)
+        applied = not dry_run
+        return result
+    finally:
+        if not applied:
+            _forget_folders([f for f in sys.path if f not in path])
+            sys.path[:] = path
+
+
+def _forget_folders(folders: list[str]) -> None:
+    """Drop the modules imported from `folders` (python_path folders a reload that was
+    not applied added): a later reload must import them again, from the folders its
+    own file names, or fail as a fresh start would."""
+    roots = tuple(os.path.join(os.path.abspath(f), "") for f in folders)
+    if not roots:
+        return
+    for name, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None)
+        if where and os.path.abspath(where).startswith(roots):
+            del sys.modules[name]
+
+
+async def _reload(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
     assert daemon.pump is not None and daemon.routing is not None
     if daemon.config_path is None:
         raise ConfigError(["the daemon was not started from a configuration file"])

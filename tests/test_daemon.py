@@ -283,6 +283,31 @@ async def test_reload_adds_removes_and_changes_listeners_while_threads_keep_thei
         await d.stop()
 
 
+async def test_a_dry_run_leaves_nothing_a_later_reload_could_lean_on(home: Path) -> None:
+    """A dry run loads the new file (its python_path folders go on sys.path, its
+    modules are imported) and changes nothing: a later reload of a file that names
+    the module without the folder fails, as a fresh start would (it succeeded, and
+    the next restart then failed)."""
+    plug = home / "plug"
+    plug.mkdir()
+    (plug / "trial.py").write_text("from agentd.tools.echo import echo  # noqa: F401\n")
+    d = await DaemonProcess(home).start()
+    try:
+        def use_trial(doc: dict) -> None:  # type: ignore[type-arg]
+            for lst in doc["listeners"]:
+                if lst["name"] == "echo":
+                    lst["handler"] = "trial:echo"
+
+        edit_config(home, lambda doc: (use_trial(doc), doc.update(python_path=["plug"])))
+        code, doc = await asyncio.to_thread(d.agentctl, "reload", "--dry-run")
+        assert code == 0, doc
+        edit_config(home, lambda doc: doc.pop("python_path"))
+        code, doc = await asyncio.to_thread(d.agentctl, "reload")
+        assert code == 1 and "trial" in str(doc["error"]), doc
+    finally:
+        await d.stop()
+
+
 def write_clients(home: Path, edit: Any) -> None:
     path = home / "clients.yaml"
     doc = yaml.safe_load(path.read_text())
