@@ -32,7 +32,10 @@ from agentd import _metrics
 log = logging.getLogger("agentd.metrics")
 
 MAX_REQUEST_HEAD = 8192
-REQUEST_TIMEOUT_S = 5.0
+REQUEST_TIMEOUT_S = 2.0  # the request head, and the answer's write, each
+# Connections served at once: a scraper needs one; past this a new one is closed at
+# once, so idle sockets cannot take the daemon's descriptors from the bus.
+MAX_CONNECTIONS = 32
 
 
 def _split_listen(listen: str) -> tuple[str, int]:
@@ -49,6 +52,7 @@ class MetricsServer:
         self.host, self._port = _split_listen(listen)
         self.ready = ready
         self._server: asyncio.Server | None = None
+        self.connections = 0  # being served now
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(
@@ -70,6 +74,10 @@ class MetricsServer:
             self._server = None
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= MAX_CONNECTIONS:
+            writer.transport.abort()
+            return
+        self.connections += 1
         try:
             try:
                 async with asyncio.timeout(REQUEST_TIMEOUT_S):
@@ -80,10 +88,12 @@ class MetricsServer:
             except TimeoutError:
                 return
             status, body, ctype = self.route(head)
-            await self._respond(writer, status, body, ctype)
-        except (ConnectionError, OSError):
+            async with asyncio.timeout(REQUEST_TIMEOUT_S):  # a client that does not read
+                await self._respond(writer, status, body, ctype)
+        except (ConnectionError, OSError, TimeoutError):
             pass
         finally:
+            self.connections -= 1
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()

@@ -4,6 +4,7 @@ received on a real unix datagram socket (docs/protocol.md)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -65,6 +66,36 @@ async def test_oversized_request_is_refused(metrics_server) -> None:
     server, _ = metrics_server
     huge = b"GET /metrics HTTP/1.1\r\nX: " + b"a" * 20000 + b"\r\n\r\n"
     assert (await http_get(server.port, "", huge))[0] == 431
+
+
+async def test_idle_connections_cannot_hold_more_than_their_share(metrics_server) -> None:
+    """Sockets that never send a request take at most MAX_CONNECTIONS of the daemon's
+    descriptors (2,000 of them exhausted a daemon's 1,024 and the bus stopped
+    accepting); past the cap a new one is closed at once, and once they go a
+    scrape is served again."""
+    from agentd._observability import MAX_CONNECTIONS
+
+    server, _ = metrics_server
+    idle = [await asyncio.open_connection("127.0.0.1", server.port)
+            for _ in range(MAX_CONNECTIONS)]
+    try:
+        for _ in range(200):  # until the server has taken every one of them
+            if server.connections == MAX_CONNECTIONS:
+                break
+            await asyncio.sleep(0.01)
+        assert server.connections == MAX_CONNECTIONS
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        with contextlib.suppress(ConnectionResetError):  # closed (or reset), not held
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+    finally:
+        for _, w in idle:
+            w.close()
+    for _ in range(300):
+        if server.connections == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert await http_get(server.port, "/healthz") == (200, "ok\n")
 
 
 async def test_metrics_exposes_the_contract_series(metrics_server) -> None:
