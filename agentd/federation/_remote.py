@@ -366,9 +366,13 @@ class RemoteCalls:
         self._by_thread[thread], self._by_id[call_id] = pending, pending
         try:
             held = self._held.pop(thread, None)
-            if held is not None:
+            if held is not None and again:  # an answer to this call sent before a restart
                 answer.set_result(held[:2])
             else:
+                if held is not None:  # a reply to a call never sent: not an answer
+                    log.warning("federation: a reply arrived before its call was sent; "
+                                "dropped thread=%s", thread)
+                    self.ack(held[0])
                 self._send_call(pending)
             return await answer
         finally:
@@ -509,8 +513,11 @@ class RemoteCall:
             return HandlerResponse.error(HuhCode.INVALID_PAYLOAD)
         data = c14n(payload)
         # Stable across a redelivery of this message; unique without a journal too.
-        call_id = (f"{meta._conversation or meta.thread_id}.{meta._seq}" if meta._seq
-                   else uuid.uuid4().hex)
+        # Opaque: the peer learns neither the client's conversation UUID nor the journal
+        # seq (and so cannot work out the next calls' threads to answer them early).
+        call_id = (hashlib.sha256(f"{self.organism}\x1f{meta._conversation or meta.thread_id}"
+                                  f"\x1f{meta._seq}".encode()).hexdigest()[:32]
+                   if meta._seq else uuid.uuid4().hex)
         thread = call_thread(self.organism, call_id)
         envelope = build_envelope(self.organism, thread, data, to=self.remote)
         try:
