@@ -121,8 +121,9 @@ class FederationHost(KernelOutbox):
 
         return classes_by_root(self.config().listeners)
 
-    async def submit(self, client: str, data: bytes, parsed: Any = None) -> Any:
-        return await self.pump.submit(client, data, parsed)
+    async def submit(self, client: str, data: bytes, parsed: Any = None, hops: int = 0
+                     ) -> Any:
+        return await self.pump.submit(client, data, parsed, hops)
 
     async def thread_exists(self, thread: str, durable: bool) -> bool:
         return self.pump.registry.get(thread) is not None or (

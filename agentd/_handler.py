@@ -35,6 +35,8 @@ class HandlerMetadata:
     # redelivery), and a callable run once the handler's output has committed.
     _seq: int = field(default=0, repr=False, compare=False)
     _after_commit: Any = field(default=None, repr=False, compare=False)
+    # The hops of the message's causal chain so far (a federation call carries them).
+    _hops: int = field(default=0, repr=False, compare=False)
 
     @property
     def state(self) -> StateView:

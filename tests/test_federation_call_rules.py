@@ -130,3 +130,12 @@ def test_nested_privileged_elements_are_refused_too() -> None:
     with pytest.raises(CallRefused) as refused:
         admit(call(nested))
     assert refused.value.event == "priv-from-peer"
+
+
+def test_a_call_carries_its_chains_hops_and_a_bad_count_is_refused() -> None:
+    """A chain that crosses organisms back and forth goes on counting on each side."""
+    assert admit({**call(), "hops": 3}).hops == 3  # type: ignore[attr-defined]
+    assert admit(call()).hops == 0  # type: ignore[attr-defined]  # absent: a first hop
+    for bad in (-1, "3", 2.5, True, 10**7):
+        with pytest.raises(CallRefused):
+            admit({**call(), "hops": bad})

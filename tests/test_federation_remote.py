@@ -311,7 +311,8 @@ async def test_both_sides_killed_mid_call_the_call_runs_once_and_is_answered_onc
     _, doc = b.agentctl("journal", "--limit", "200")
     holds = [(e["direction"], e["kind"]) for e in doc["result"]["journal"]
              if e["thread"] and "hold" in (e["handler"], e["sender"])]
-    assert holds == [("in", "request/0"), ("out", "reply")]  # delivered once, answered once
+    # Delivered once, answered once; at hop 1 of the chain (alpha's call was its hop).
+    assert holds == [("in", "request/1"), ("out", "reply")]
 
 
 async def test_three_organisms_two_callers_each_get_only_their_own_answers(

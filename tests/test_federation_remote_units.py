@@ -222,6 +222,16 @@ async def test_a_reply_to_a_call_never_sent_does_not_answer_it() -> None:
     assert await task == (4, "<real/>")
 
 
+async def test_a_call_tells_the_peer_how_many_hops_its_chain_has_made() -> None:
+    link = Link()
+    calls = RemoteCalls("beta", link.send, link.audit)
+    task = asyncio.create_task(calls.call("c1", "t1", "<env/>", hops=3))
+    await asyncio.sleep(0)
+    assert link.frames == [{"t": "call", "id": "c1", "envelope": "<env/>", "hops": 3}]
+    calls.reply(4, "t1", "<r/>")
+    assert await task == (4, "<r/>")
+
+
 def test_a_reply_nobody_waits_for_is_acknowledged_after_the_hold() -> None:
     link, clock = Link(), Clock()
     calls = RemoteCalls("beta", link.send, link.audit, clock=clock)

@@ -12,7 +12,7 @@ import pytest
 from agentd._core import Ack, Huh
 from agentd._envelope import NIL_THREAD, build_envelope, parse_envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
-from agentd._xmlify import spec_of
+from agentd._xmlify import spec_of, to_xml
 from agentd.client import frame_kind
 from agentd.pump import pump as pump_module
 from agentd.testing import Harness
@@ -357,6 +357,26 @@ async def test_hop_limit_stops_a_ping_pong(h: Harness) -> None:
     # Only that chain stopped: the conversation itself goes on.
     again = await h.send("alice", Add(a=1, b=2), thread=parse_envelope(frames[0]).thread)
     assert kinds(again)[-1] == ("calculator.add", "sum")
+
+
+async def test_a_stopped_chain_is_told_durably_and_a_carried_hop_count_counts(
+    h: Harness,
+) -> None:
+    """The client of a stopped chain gets its `huh` through the outbox (a federation
+    peer, whose call it is, takes only durable frames as the reply: it waited for
+    its call timeout), and an envelope that arrives with its chain's hops already at
+    `max_hops` (a peer organism's call carries them) is refused at once."""
+    frames = await h.send("alice", L.Ping(n=0))
+    thread = parse_envelope(frames[0]).thread
+    assert field(frames[-1], "code") == "budget-exceeded"
+    assert h.kernel is not None
+    await h.kernel.flush()
+    told = [e for e in await h.kernel.journal(thread=thread, limit=1000)
+            if e.direction == "out" and e.tag.endswith("}huh")]
+    assert len(told) == 1 and b"budget-exceeded" in (told[0].payload or b"")
+    data = build_envelope("alice", str(uuid.uuid4()), to_xml(Add(a=1, b=2)))
+    result = await h.pump.submit("alice", data, hops=10)  # max_hops in basic.yaml
+    assert result.code is HuhCode.BUDGET_EXCEEDED
 
 
 async def test_broadcast_runs_listeners_of_one_key_concurrently(h: Harness) -> None:

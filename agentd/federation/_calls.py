@@ -38,6 +38,7 @@ from agentd._schemas import NS_CORE, NS_PRIV
 from agentd._xml import ShapeLimits, c14n
 
 CALL_ID = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
+MAX_HOPS_CARRIED = 1_000_000  # a hop count a peer may send (its own max_hops is its business)
 _THREADS = uuid.UUID("5d1b7c0e-7f39-4d5e-9a51-1f0b8e0c2a44")  # namespace of call threads
 _THREADS_BYTES = _THREADS.bytes
 _sha1 = hashlib.sha1
@@ -62,6 +63,7 @@ class AdmittedCall:
     # `envelope` as parsed: the peer's payload element, checked by the same parse
     # (limits, shape, privileged namespace, envelope schema) the pump would repeat.
     parsed: Envelope
+    hops: int = 0  # the caller's chain so far (absent: 0); the pump goes on from it
 
 
 def call_thread(peer: str, call_id: str) -> str:
@@ -90,6 +92,9 @@ def admit_call(
     shape: ShapeLimits | None = None,
 ) -> AdmittedCall:
     call_id = call_id_of(frame)
+    hops = frame.get("hops", 0)
+    if type(hops) is not int or not 0 <= hops <= MAX_HOPS_CARRIED:
+        raise CallRefused(HuhCode.MALFORMED, "call with a bad hop count")
     text = frame.get("envelope")
     if not isinstance(text, str):
         raise CallRefused(HuhCode.MALFORMED, "call without an envelope")
@@ -122,4 +127,4 @@ def admit_call(
                                 max_bytes=max_bytes, shape=shape)
     except Rejection as exc:
         raise CallRefused(exc.code, f"envelope refused: {exc}") from None
-    return AdmittedCall(call_id, thread, rebuilt, parsed)
+    return AdmittedCall(call_id, thread, rebuilt, parsed, hops)

@@ -329,6 +329,7 @@ class _Pending:
     answer: asyncio.Future[tuple[int, str]]
     again: bool = False  # may have been sent before: the peer checks its journal
     accepted: bool = False
+    hops: int = 0  # the caller's chain so far: the peer goes on counting from it
 
 
 @dataclass
@@ -357,12 +358,12 @@ class RemoteCalls:
         return self.imports.get(name, "pinned") != "pinned"
 
     async def call(self, call_id: str, thread: str, envelope: str,
-                   again: bool = False) -> tuple[int, str]:
+                   again: bool = False, hops: int = 0) -> tuple[int, str]:
         """The peer's reply (its outbox id and envelope) to one call; raises
         `CallRefusedByPeer`. Sent now if the link is up, else at the next link-up.
         `again`: the call may have been sent before (a redelivered message)."""
         answer: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
-        pending = _Pending(call_id, thread, envelope, answer, again)
+        pending = _Pending(call_id, thread, envelope, answer, again, hops=hops)
         self._by_thread[thread], self._by_id[call_id] = pending, pending
         try:
             held = self._held.pop(thread, None)
@@ -384,6 +385,8 @@ class RemoteCalls:
                                     "envelope": pending.envelope}
         if pending.again:
             frame["again"] = True
+        if pending.hops:
+            frame["hops"] = pending.hops
         try:
             if self.send(frame):
                 pending.again = True  # any later send of it is a resend
@@ -522,7 +525,7 @@ class RemoteCall:
         envelope = build_envelope(self.organism, thread, data, to=self.remote)
         try:
             reply_id, text = await calls.call(call_id, thread, envelope.decode(),
-                                              again=meta.redelivered)
+                                              again=meta.redelivered, hops=meta._hops + 1)
         except CallRefusedByPeer as exc:
             return HandlerResponse.error(exc.code)
         object.__setattr__(meta, "_after_commit", lambda: calls.ack(reply_id))

@@ -55,6 +55,7 @@ from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.pump import admission, recovery
 from agentd.pump.admission import Violation
 from agentd.pump.batch import (
+    REPLY,
     Batch,
     DeliverFn,
     journal_message,
@@ -82,6 +83,7 @@ _ACTIVE = ThreadState.ACTIVE
 _REQUEST = MsgKind.REQUEST
 _INTENT = MsgKind.INTENT
 _INTENT_TEXT = "{https://xml-pipeline.org/ns/core/v1}text"
+_HUH_TAG = "{https://xml-pipeline.org/ns/core/v1}huh"
 
 
 class Pump:
@@ -168,18 +170,20 @@ class Pump:
     # ---- client ingress --------------------------------------------------
 
     async def submit(
-        self, client: str, data: bytes, parsed: Envelope | None = None
+        self, client: str, data: bytes, parsed: Envelope | None = None, hops: int = 0
     ) -> SubmitResult:
         """Admit one envelope from an authenticated client. The client is sent one
         `accepted` or one `huh` (through `deliver`), then whatever comes back. Waits
         for room in the pump, and with a kernel for the envelope's journal commit.
         `parsed`: `data` as `parse_envelope` with this pump's limits would return it,
         from a caller that had to parse it first (the federation, which re-addresses
-        a peer's envelope to the gateway)."""
+        a peer's envelope to the gateway). `hops`: the hops its causal chain has
+        made already (a peer's call carries its caller's), so a chain that crosses
+        organisms back and forth still meets `max_hops`."""
         scheduler = self._scheduler
         if scheduler.queued >= scheduler.max_queue:
             await scheduler.wait_for_room(self._loop or asyncio.get_running_loop())
-        result = self._submit_now(client, data, True, parsed)
+        result = self._submit_now(client, data, True, parsed, hops)
         if isinstance(result, SubmitResult):
             return result
         return await result
@@ -199,7 +203,8 @@ class Pump:
         return result
 
     def _submit_now(
-        self, client: str, data: bytes, wait: bool, parsed: Envelope | None = None
+        self, client: str, data: bytes, wait: bool, parsed: Envelope | None = None,
+        hops: int = 0,
     ) -> SubmitResult | asyncio.Future[SubmitResult]:
         """Parse, check, route and admit `data` without awaiting anything. With a
         kernel and `wait`, returns a future for the outcome of the journal commit."""
@@ -226,6 +231,10 @@ class Pump:
         if msg.__class__ is not Message:  # a client's decision on a parked message
             return self.durable.client_decision(client, env, data, msg)  # type: ignore[arg-type]
         assert isinstance(msg, Message)
+        if hops:
+            if hops >= self.settings.max_hops:
+                return self._refuse_client(client, thread, HuhCode.BUDGET_EXCEEDED)
+            msg.hops = hops
         frame = msg.frame
         gate = self.durable.gate_of(msg) if frame.profile.table.gates else None
         if gate is not None and msg.sender != CORE and self.durable.parking_full(msg):
@@ -473,7 +482,8 @@ class Pump:
             else spec.from_element(msg.payload)
         )
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
-                               self.durable.book, frame.root.uuid, None, msg.seq)
+                               self.durable.book, frame.root.uuid, None, msg.seq,
+                               _hops=msg.hops)
         result = await self._invoker.call(listener, payload, meta, frame.root.uuid)
         batch = self._open()
         if meta._after_commit is not None:  # a platform handler acts once its output is durable
@@ -660,9 +670,19 @@ class Pump:
     def _stop_chain(self, root: Frame, code: HuhCode, why: str, batch: Batch | None) -> None:
         log.warning("chain stopped thread=%s owner=%s why=%s", root.uuid, root.owner, why)
         metrics.envelopes_rejected.labels(code.value).inc()
-        # With a batch, after its commit, like every client frame the handling
-        # produces: never before the conversation's `accepted`, committed first.
-        self._emit_core(root.owner, root.uuid, Huh.of(code).to_bytes(), batch)
+        payload = Huh.of(code).to_bytes()
+        if batch is None:
+            self._emit_core(root.owner, root.uuid, payload)
+            return
+        # Durable, like any answer to the client, and after the batch's commit (never
+        # before the conversation's `accepted`): a peer organism whose call this is
+        # takes it as the call's reply (a frame without an outbox row never reaches it).
+        envelope = build_envelope(CORE, root.uuid, payload, to=root.owner)
+        tx = batch.tx
+        tx.journal(thread=root.uuid, direction="out", kind=REPLY, handler=root.owner,
+                   sender=CORE, tag=_HUH_TAG, payload=envelope, profile=root.profile.name)
+        oid = tx.outbox_put(root.owner, root.uuid, envelope)
+        batch.post.append((root.owner, root.uuid, envelope, oid))
 
     def _security_event(self, kind: str, fields: Mapping[str, str]) -> None:
         metrics.security_events.labels(kind).inc()
