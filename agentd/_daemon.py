@@ -40,7 +40,7 @@ from agentd._runtime import tune_gc
 from agentd._wiring import envelope_shape, kernel_options
 from agentd.config import OrganismConfig, load_config
 from agentd.isolation import IsolationPools
-from agentd.kernel import Kernel
+from agentd.kernel import Kernel, Transaction
 from agentd.pump import Pump
 from agentd.semantic import SemanticRouter
 
@@ -78,9 +78,14 @@ class KernelOutbox:
 
     def _flush(self) -> None:
         marks, self._marks = self._marks, {}
+        self._commit(marks, Transaction.outbox_sent)
+
+    def _commit(self, marks: Mapping[str, Any],
+                mark: Callable[[Transaction, str, Any], None]) -> None:
+        """One transaction with `mark(tx, client, value)` for each client's marks."""
         tx = self.kernel.transaction()
-        for client, ids in marks.items():
-            tx.outbox_sent(client, ids)
+        for client, value in marks.items():
+            mark(tx, client, value)
         self.kernel.commit(tx).add_done_callback(_log_failure)
 
 
@@ -104,10 +109,7 @@ class FederationHost(KernelOutbox):
 
     def _flush_up_to(self) -> None:
         marks, self._up_to = self._up_to, {}
-        tx = self.kernel.transaction()
-        for client, up_to in marks.items():
-            tx.outbox_delivered(client, up_to)
-        self.kernel.commit(tx).add_done_callback(_log_failure)
+        self._commit(marks, Transaction.outbox_delivered)
 
     def offers(self, names: list[str]) -> list[Any]:
         from agentd.federation._remote import offer_of
