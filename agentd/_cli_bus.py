@@ -334,6 +334,21 @@ def read_input(data: bytes) -> list[bytes]:
     return docs
 
 
+def read_session_file(path: Path) -> tuple[str | None, str | None]:
+    """(the bus URL the token was issued by, the token) from a session file: `agentd
+    send` caches "URL\\nTOKEN"; a file of one line is a bare token (URL None).
+    (None, None) if there is none."""
+    try:
+        lines = path.read_text(encoding="utf-8").split()
+    except OSError:
+        return None, None
+    if len(lines) == 1:
+        return None, lines[0]
+    if len(lines) == 2:
+        return lines[0], lines[1]
+    return None, None
+
+
 async def _send_main(
     url: str, client: str, secret_file: Path | None, session_file: Path | None,
     thread: str | None, timeout: float, cafile: Path | None, verify: bool,
@@ -346,17 +361,16 @@ async def _send_main(
     session_path = session_file or secret_path.with_suffix(".session")
     if cafile is None and verify:
         cafile = default_cafile(secret_path)
-    session: str | None = None
-    try:  # "URL\nTOKEN": a token is sent only to the bus that issued it
-        cached_url, _, token = session_path.read_text(encoding="utf-8").partition("\n")
-        session = token.strip() or None if cached_url.strip() == url else None
-    except OSError:
+    issued_by, session = read_session_file(session_path)
+    if issued_by != url:  # a token is sent only to the bus that issued it
         session = None
-    if not url.startswith("wss://"):
-        return EXIT_CONNECT, {"url": url, "client": client,
-                              "error": "the bus speaks TLS only: a wss:// URL"}
     report: dict[str, Any] = {"url": url, "client": client, "sent": [], "frames": []}
-    bus = BusClient(url, client, secret=secret, session=session, cafile=cafile, verify=verify)
+    try:
+        bus = BusClient(url, client, secret=secret, session=session, cafile=cafile,
+                        verify=verify)
+    except ValueError as exc:  # not a wss:// URL
+        report["error"] = str(exc)
+        return EXIT_CONNECT, report
     try:
         try:
             await bus.connect()
@@ -505,15 +519,17 @@ def mcp_serve_cmd(url: str, client: str, secret_file: Path | None, session_file:
 
     secret_path = secret_file or DEFAULT_HOME / f"{client}.totp"
     session = None
-    if session_file is not None and session_file.is_file():
-        session = session_file.read_text(encoding="utf-8").strip() or None
+    if session_file is not None:  # a bare token, or `agentd send`'s cache for this URL
+        issued_by, session = read_session_file(session_file)
+        if issued_by not in (None, url):
+            session = None
     try:
         secret = read_secret(secret_path) if session is None else None
-    except AgentdError as exc:
+        bus = BusClient(url, client, secret=secret, session=session,
+                        cafile=cafile or default_cafile(secret_path))
+    except (AgentdError, ValueError) as exc:
         click.echo(f"agentd mcp-serve: {exc}", err=True)
         sys.exit(EXIT_USAGE)
-    bus = BusClient(url, client, secret=secret, session=session,
-                    cafile=cafile or default_cafile(secret_path))
     try:
         asyncio.run(serve(bus, timeout))
     except BusError as exc:

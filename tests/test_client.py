@@ -237,6 +237,17 @@ def _now():
     return dt.datetime.now()
 
 
+def test_a_session_file_is_a_cache_for_one_url_or_a_bare_token(tmp_path: Path) -> None:
+    from agentd._cli_bus import read_session_file
+
+    cache = tmp_path / "alice.session"
+    cache.write_text("wss://127.0.0.1:8765/bus\ntok-1\n")  # what agentd send writes
+    assert read_session_file(cache) == ("wss://127.0.0.1:8765/bus", "tok-1")
+    cache.write_text("tok-2\n")  # written by hand (agentd mcp-serve --session-file)
+    assert read_session_file(cache) == (None, "tok-2")
+    assert read_session_file(tmp_path / "absent") == (None, None)
+
+
 def test_a_plain_ws_url_is_refused_before_any_credential_leaves() -> None:
     with pytest.raises(ValueError, match="TLS only"):
         BusClient("ws://127.0.0.1:8765/bus", "alice", session="token")

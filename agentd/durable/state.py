@@ -31,6 +31,12 @@ def _size(key: str, value: str) -> int:
     return len(key.encode()) + len(value.encode())
 
 
+def _growth(key: str, new: str | None, old: str | None) -> int:
+    """How many bytes a slice grows by when `key` goes from `old` to `new` (None:
+    absent)."""
+    return (0 if new is None else _size(key, new)) - (0 if old is None else _size(key, old))
+
+
 class StateBook:
     """Every slice: (listener, conversation) -> {key: value}."""
 
@@ -68,9 +74,7 @@ class StateBook:
         entries = self.slice(view.listener, view.conversation)
         size = self.size(view.listener, view.conversation)
         for key, value in changes:
-            old = entries.get(key)
-            size += ((0 if value is _DELETED else _size(key, value))
-                     - (0 if old is None else _size(key, old)))
+            size += _growth(key, value, entries.get(key))
         if size > self.max_bytes:
             view.overlay.clear()
             raise StateLimitExceeded(
@@ -99,8 +103,7 @@ class StateBook:
         where = (listener, conversation)
         entries = self._slices.setdefault(where, {})
         old = entries.get(key)
-        self._sizes[where] = (self._sizes.get(where, 0) + _size(key, value)
-                              - (0 if old is None else _size(key, old)))
+        self._sizes[where] = self._sizes.get(where, 0) + _growth(key, value, old)
         entries[key] = value
         self._by_conversation.setdefault(conversation, set()).add(listener)
 
@@ -142,7 +145,7 @@ class StateView:
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError("state keys and values are strings")
         old = self.get(key)
-        size = self._size + _size(key, value) - (0 if old is None else _size(key, old))
+        size = self._size + _growth(key, value, old)
         if size > self._book.max_bytes:
             raise StateLimitExceeded(
                 f"state of listener {self.listener} would be {size} bytes, over the "

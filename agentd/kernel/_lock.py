@@ -38,8 +38,7 @@ class StateDirLock:
         if created:
             os.chmod(state_dir, 0o700)  # mkdir's mode is filtered by the umask
         else:
-            st = state_dir.stat()
-            mode = stat.S_IMODE(st.st_mode)
+            mode = stat.S_IMODE(state_dir.stat().st_mode)
             if mode & 0o022:
                 # Another user could plant a link in place of the lock or the database,
                 # and the daemon (root, perhaps) would write through it.

@@ -159,7 +159,7 @@ class HttpBackend(Backend):
         started = time.perf_counter()
         try:
             status, headers, content = await post_bounded(
-                self._client, http.url, http.body, dict(http.headers), self.config.timeout_s)
+                self._client, http.url, http.body, http.headers, self.config.timeout_s)
         except (TimeoutError, httpx.TimeoutException):
             raise BackendError(self.name, "timed out", retryable=True) from None
         except ResponseTooLarge as exc:
@@ -200,8 +200,8 @@ class HttpBackend(Backend):
         if reported is None:
             return estimate
         if reported > most:
-            log.warning("llm backend=%s reported %s %d %s tokens; counting %d", self.name,
-                        "an impossible", reported, what, most)
+            log.warning("llm backend=%s reported an impossible %d %s tokens; counting %d",
+                        self.name, reported, what, most)
             return most
         return reported
 
