@@ -6,6 +6,8 @@ sequences whose every unfold is byte-equal to the original."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -176,6 +178,37 @@ def test_the_extract_keeps_every_number_path_identifier_and_url() -> None:
         assert fact in out, fact
     assert len(out) < len(text) + 200
     assert extract(text) == out  # deterministic
+
+
+def test_the_extract_of_hostile_text_stops_in_linear_time() -> None:
+    """A tool result or a model reply is untrusted, and the extract reads all of it.
+    "a--a--a--" has a word boundary every three characters and no path: a pattern
+    tried from each boundary to the end of the run costs the square of the length
+    (20 KB took 3.4 s; 512 KiB would take some 40 minutes). Run in a child so a
+    regression fails the test instead of hanging it; linear, it takes well under a
+    second."""
+    code = ("import sys; from agentd.context import extract; "
+            "[extract((p * 200_000)[:512 * 1024]) for p in ('a--', '-_-', 'a-/')]")
+    done = subprocess.run([sys.executable, "-c", code], timeout=120, check=False,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0
+
+
+def test_a_relative_path_is_found_from_its_first_word_character() -> None:
+    assert facts("see --out/report.txt and a--b/c then x") == ["out/report.txt", "a--b/c"]
+    assert facts("run_7/logs/a.log") == ["run_7/logs/a.log"]
+
+
+def test_hashed_terms_keep_words_not_runs_of_untrusted_text() -> None:
+    """The lexical vectors' term cache lives as long as the daemon: a 100 KB run
+    without spaces (a tool result) is hashed, never kept, and gives the same vector
+    as before."""
+    vectors = HashedTerms()
+    run = "x" * 100_000
+    first = vectors.vectors_now([f"alpha {run} beta"])
+    assert all(len(term) <= 64 for term in vectors._buckets)
+    assert "alpha" in vectors._buckets
+    assert np.array_equal(first, vectors.vectors_now([f"alpha {run} beta"]))
 
 
 def test_a_models_summary_is_completed_with_the_facts_it_dropped() -> None:

@@ -351,3 +351,35 @@ async def test_an_agent_reply_trying_to_write_a_memory_has_no_effect(tmp_path: P
     # an agent writes reaches long-term memory.
     second = server.requests[-1].conversation()
     assert not [b for b in second.blocks if b.layer == 6]
+
+
+async def test_results_joining_a_tool_segment_are_measured_once_per_call(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every result of one reply joins its `tool` segment. The segment's folded size
+    (its extract, which reads the whole text) is measured by the next call's plan,
+    not once per result: per result, a reply with many calls cost the square of its
+    results' size on the event loop (12 results of 4 KB took 13 s)."""
+    import agentd.platform._working as working
+
+    measured: list[int] = []
+    real = working.extract
+
+    def counting(text: str) -> str:
+        measured.append(len(text))
+        return real(text)
+
+    monkeypatch.setattr(working, "extract", counting)
+    calls = "".join(echo_call(i) for i in range(12))
+    async with FakeLLM("openai", [Reply(calls), "done"]) as server:
+        platform = Platform.from_config(load(organism_yaml(openai_backend(server),
+                                                           peers="[echo]")))
+        session = platform.session("tutor")
+        session.begin(THREAD, TASK)
+        await session.complete(THREAD)
+        before = len(measured)
+        for i in range(12):
+            session.record(THREAD, echo_result(i), source="echo", xml=True)
+        assert len(measured) == before  # nothing measured while results arrive
+        await session.complete(THREAD)
+        await platform.aclose()
+    assert 1 <= len(measured) - before <= 3  # the task, the reply and its results, once

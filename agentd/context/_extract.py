@@ -16,12 +16,17 @@ import re
 
 _TAG = re.compile(r"<[^<>]{0,400}>")
 # Order matters: the first alternative that matches at a position wins.
+# Linear in the text (it reads tool results and model replies, which are untrusted):
+# a relative path starts only where a run of its characters starts, so a long run
+# with a word boundary every few characters ("a--a--a--...") is scanned once, not
+# once per boundary; leading dashes are matched, then dropped (`facts`), so the
+# path is the one a match from the run's first word character would give.
 _FACT = re.compile(
     r"""(?x)
     (?P<url>\b[a-zA-Z][a-zA-Z0-9+.\-]{1,15}://[^\s<>"'`\])}]+)
   | (?P<path>(?<!<)(?:~|\.{1,2})?(?:/[A-Za-z0-9_.\-@%+~]+)+/?
         | \b[A-Za-z]:\\[^\s<>"'`]+
-        | \b[A-Za-z0-9_\-]+(?:/[A-Za-z0-9_.\-]+)+)
+        | (?<![A-Za-z0-9_\-])-*+\b[A-Za-z0-9_\-]++(?:/[A-Za-z0-9_.\-]+)+)
   | (?P<uuid>\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b)
   | (?P<ident>\b[A-Za-z_][A-Za-z0-9]*(?:[_.\-:][A-Za-z0-9_]+)+\b
         | \b[A-Za-z]+[0-9][A-Za-z0-9]*\b
@@ -41,6 +46,8 @@ def facts(text: str) -> list[str]:
     seen: dict[str, None] = {}
     for m in _FACT.finditer(text):
         value = m.group(0).rstrip(".,;:")
+        if m.lastgroup == "path":
+            value = value.lstrip("-")
         if value and value not in seen:
             seen[value] = None
     return list(seen)

@@ -72,6 +72,10 @@ def text_vectors(config: EmbeddingsConfig, llm: LlmConfig | None, **provider_opt
     return ProviderVectors(build_embedder(config, llm, **provider_options))
 
 
+_CACHED_TERMS = 200_000
+_CACHED_TERM_CHARS = 64
+
+
 class HashedTerms:
     """Sub-linear term frequencies hashed into `dimensions` buckets, L2-normalised."""
 
@@ -92,7 +96,9 @@ class HashedTerms:
         if found is None:
             h = int.from_bytes(hashlib.blake2b(term.encode(), digest_size=8).digest(), "big")
             found = (h % self._d, 1.0 if (h >> 63) & 1 else -1.0)
-            if len(self._buckets) < 200_000:
+            # Only words are kept: a term can be a whole run of untrusted text (a
+            # tool result without spaces), and the cache lives as long as the daemon.
+            if len(term) <= _CACHED_TERM_CHARS and len(self._buckets) < _CACHED_TERMS:
                 self._buckets[term] = found
         return found
 

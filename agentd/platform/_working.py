@@ -56,6 +56,10 @@ class TaskContext:
         self.fragments: dict[int, list[Fragment]] = {}
         self._expanded: list[int] = []  # bytes, by segment position
         self._folded: list[int] = []
+        # Positions whose folded size is not measured yet: measured by the next plan,
+        # not on every add (a tool segment grows with each result; its extract reads
+        # the whole text, so measuring it per result would cost the square of it).
+        self._unmeasured: set[int] = set()
         self._stub: list[int] = []
         self._codes = np.zeros(0, dtype=np.int64)  # the tier code of each segment
         self.relevance = np.zeros(0)
@@ -79,7 +83,7 @@ class TaskContext:
         else:
             self._expanded[seg.id - 1] = expanded
             self._stub[seg.id - 1] = stub
-        self._folded[seg.id - 1] = self._folded_bytes(seg)
+        self._unmeasured.add(seg.id - 1)
         return seg
 
     def _folded_bytes(self, seg: Segment) -> int:
@@ -91,9 +95,13 @@ class TaskContext:
 
     def summarised(self, seg: Segment) -> None:
         self._folded[seg.id - 1] = self._folded_bytes(seg)
+        self._unmeasured.discard(seg.id - 1)
 
     async def plan(self, query: str, rules: LibrarianRules,
                    tokens: Callable[[np.ndarray], np.ndarray], fixed_tokens: int) -> Plan:
+        for i in self._unmeasured:
+            self._folded[i] = self._folded_bytes(self.segments[i])
+        self._unmeasured.clear()
         relevance = await self.memory.relevance(query)
         self.relevance = relevance
         n = len(self.segments)
