@@ -209,8 +209,13 @@ class DaemonCommands:
         platform = d.agents.platform
         action, agent = args.get("action", ""), args.get("agent", "")
         if action == "add":
-            record = await platform.remember(agent, args.get("text", ""),
-                                             args.get("key") or None)
+            from agentd.embeddings import EmbeddingsError
+
+            try:
+                record = await platform.remember(agent, args.get("text", ""),
+                                                 args.get("key") or None)
+            except EmbeddingsError as exc:  # (a ValueError is `invalid`, see run)
+                raise CommandFailed("failed", f"the embeddings provider failed: {exc}") from None
             return result_element("memory", {
                 "agent": agent, "id": record.id, "key": record.key,
                 "created": format_time(record.created)})

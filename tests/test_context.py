@@ -33,6 +33,7 @@ from agentd.context import (
     facts,
     plan_tiers,
 )
+from agentd.context._memory import REEMBED_RETRY_S
 from agentd.context._segments import add_turn
 from agentd.kernel import Kernel
 
@@ -309,3 +310,98 @@ async def test_a_failing_provider_recalls_nothing_and_says_so() -> None:
     memory.embedder = Broken()
     assert await memory.recall("tutor", "fractions", 3) == ()
     assert memory.degraded.startswith("broken:1")
+
+
+class _Widths:
+    """An embeddings provider (external, so a stand-in is fair) whose width the test
+    sets, or that fails."""
+
+    identity = "widths:1"
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+        self.down = False
+
+    async def vectors(self, texts: list[str]) -> np.ndarray:
+        if self.down:
+            raise OSError("provider down")
+        out = np.zeros((len(texts), self.width), dtype=np.float32)
+        for i, text in enumerate(texts):
+            out[i, sum(map(ord, text)) % self.width] = 1.0
+        return out
+
+
+async def test_a_memory_of_another_width_is_refused_before_it_is_stored(
+    tmp_path: Path,
+) -> None:
+    """Was: committed, then the index refused it, so the operator was told it failed
+    while it was stored, and every later memory's vector answered for the record
+    before it (another memory's text recalled), after a restart too."""
+    provider = _Widths(8)
+    async with await Kernel.open(tmp_path / "state") as kernel:
+        memory = LongTermMemory(provider, kernel=kernel)
+        await memory.ready()
+        await memory.add("tutor", "apples are red")
+        provider.width = 16
+        with pytest.raises(ValueError, match="16 dimensions"):
+            await memory.add("tutor", "the vault code is 7741")
+        provider.width = 8
+        await memory.add("tutor", "zebras have stripes")
+        assert [m.text for m in memory.list("tutor")] == ["apples are red",
+                                                          "zebras have stripes"]
+        assert [r[3] for r in await kernel.memories("tutor")] == ["apples are red",
+                                                                  "zebras have stripes"]
+        found = await memory.recall("tutor", "zebras have stripes", 1)
+        assert [m.text for m in found] == ["zebras have stripes"]
+
+
+async def test_stored_vectors_of_another_width_are_left_out_in_step(tmp_path: Path) -> None:
+    """A database holding vectors of two widths under one identity (written before
+    the check above): the odd one is left out of the index and of the records
+    together, so each vector still answers for its own memory."""
+    async with await Kernel.open(tmp_path / "state") as kernel:
+        tx = kernel.transaction()
+        for i, (text, width) in enumerate([("apples are red", 8), ("vault 7741", 16),
+                                           ("zebras have stripes", 8)]):
+            vector = (await _Widths(width).vectors([text]))[0]
+            tx.memory_put((f"m-{i}", "tutor", None, text, float(i), "widths:1",
+                           vector.tobytes()))
+        await kernel.commit(tx)
+        memory = LongTermMemory(_Widths(8), kernel=kernel)
+        await memory.ready()
+        assert [m.text for m in memory.list("tutor")] == ["apples are red",
+                                                          "zebras have stripes"]
+        found = await memory.recall("tutor", "zebras have stripes", 1)
+        assert [m.text for m in found] == ["zebras have stripes"]
+
+
+async def test_a_provider_down_at_re_embedding_leaves_the_other_memories_recalled(
+    tmp_path: Path,
+) -> None:
+    """Memories another embedder made are re-embedded at load. With the provider down
+    that load raised, and every agent task failed on it; now the current memories
+    are recalled, the stale ones wait, and a later load (after REEMBED_RETRY_S)
+    re-embeds them."""
+    now = [1000.0]
+    async with await Kernel.open(tmp_path / "state") as kernel:
+        provider = _Widths(8)
+        current = LongTermMemory(provider, kernel=kernel, clock=lambda: now[0])
+        await current.ready()
+        await current.add("tutor", "zebras have stripes")
+        tx = kernel.transaction()  # one an earlier embedder made
+        tx.memory_put(("m-old", "tutor", None, "deadlines are on fridays", 1.0,
+                       "hashed-terms:64", np.ones(64, dtype=np.float32).tobytes()))
+        await kernel.commit(tx)
+        provider.down = True
+        fresh = LongTermMemory(provider, kernel=kernel, clock=lambda: now[0])
+        await fresh.ready()  # does not raise
+        assert [m.text for m in fresh.list("tutor")] == ["zebras have stripes"]
+        assert fresh.degraded.startswith("widths:1")
+        provider.down = False
+        await fresh.ready()  # too soon: not tried again
+        assert len(fresh.list("tutor")) == 1
+        now[0] += REEMBED_RETRY_S
+        await fresh.ready()
+        assert sorted(m.text for m in fresh.list("tutor")) == [
+            "deadlines are on fridays", "zebras have stripes"]
+        assert {r[5] for r in await kernel.memories("tutor")} == {"widths:1"}

@@ -5,6 +5,7 @@ OpenAI-compatible endpoint spoken over real HTTP, hostile replies refused."""
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 import textwrap
@@ -35,6 +36,7 @@ from agentd.embeddings import (
     top_k,
     unit,
 )
+from agentd.embeddings._openai import MAX_DIMENSIONS, decode_response, reply_limit
 from tests.embedding_models import write_static_model
 from tests.llm_servers import FakeLLM, Reply
 
@@ -234,6 +236,32 @@ async def test_a_hostile_embeddings_reply_is_refused(body: bytes) -> None:
         try:
             with pytest.raises(EmbeddingsError):
                 await embedder.embed_documents(["a", "b"])
+        finally:
+            await embedder.aclose()
+
+
+async def test_a_vector_wider_than_any_model_is_refused_before_it_is_decoded() -> None:
+    wide = [0.5] * (MAX_DIMENSIONS + 1)
+    body = json.dumps({"data": [{"index": 0, "embedding": wide}]}).encode()
+    with pytest.raises(EmbeddingsError, match="dimensions"):
+        decode_response(body, 1)
+    assert reply_limit(1) < 1 << 20  # one query's reply is read up to 320 KiB, not 64 MiB
+
+
+async def test_a_reply_of_another_width_than_the_first_is_refused() -> None:
+    """Vectors of two widths cannot be compared: a provider that changes its width
+    mid-life (a hostile one, or a model swapped behind the same name) fails the
+    call instead of storing a vector no search can use."""
+    eight = json.dumps({"data": [{"index": 0, "embedding": [1.0] * 8}]}).encode()
+    sixteen = json.dumps({"data": [{"index": 0, "embedding": [1.0] * 16}]}).encode()
+    async with FakeLLM(script=[Reply(body=eight), Reply(body=sixteen), Reply(body=eight)],
+                       embed=_topic_vector) as server:
+        embedder = OpenAIEmbedder(_backend(server), "m", retries=0)
+        try:
+            assert (await embedder.embed_query("a")).shape == (8,)
+            with pytest.raises(EmbeddingsError, match="16 dimensions after replies of 8"):
+                await embedder.embed_query("b")
+            assert (await embedder.embed_query("c")).shape == (8,)
         finally:
             await embedder.aclose()
 

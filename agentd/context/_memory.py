@@ -34,6 +34,7 @@ log = logging.getLogger("agentd.context.memory")
 
 MAX_MEMORY_CHARS = 8192
 MAX_KEY_CHARS = 128
+REEMBED_RETRY_S = 60
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,19 +64,23 @@ class LongTermMemory:
         self._agents: dict[str, _AgentMemories] = {}
         self._loaded = kernel is None
         self._loading: asyncio.Lock | None = None
+        self._retry_at = 0.0  # when to try re-embedding again after a provider failure
 
     # ---- loading ------------------------------------------------------------------
 
     async def ready(self) -> None:
-        """Load from the kernel once (the first recall or command waits for it)."""
-        if self._loaded:
+        """Load from the kernel once (the first recall or command waits for it). If
+        memories made by another embedder could not be re-embedded (the provider
+        failed), the others are recalled and those are tried again at most every
+        `REEMBED_RETRY_S`."""
+        if self._loaded or self._clock() < self._retry_at:
             return
         if self._loading is None:
             self._loading = asyncio.Lock()
         async with self._loading:
-            if not self._loaded:
+            if not self._loaded and self._clock() >= self._retry_at:
                 await self.load()
-                self._loaded = True
+                self._loaded = self._retry_at == 0.0
 
     async def load(self) -> int:
         """Read every memory from the kernel; re-embed those another embedder made.
@@ -94,9 +99,23 @@ class LongTermMemory:
                 vectors.append(None)
             else:
                 vectors.append(stored)
+        self._retry_at = 0.0
         if stale:
-            fresh = await self.embedder.vectors(
-                [_embedded_text(rows[i][3], rows[i][2]) for i in stale])
+            try:
+                fresh = await self.embedder.vectors(
+                    [_embedded_text(rows[i][3], rows[i][2]) for i in stale])
+            except Exception as exc:  # recall the others; these wait for the provider
+                self.degraded = f"{self.embedder.identity}: {type(exc).__name__}"
+                self._retry_at = self._clock() + REEMBED_RETRY_S
+                log.warning("long-term memory: %d memories made by another embedder could "
+                            "not be re-embedded with %s (%s); they are not recalled until "
+                            "they are (next try in %d s)", len(stale), self.embedder.identity,
+                            exc, REEMBED_RETRY_S)
+                keep = set(range(len(rows))).difference(stale)
+                rows = [rows[i] for i in sorted(keep)]
+                vectors = [vectors[i] for i in sorted(keep)]
+                stale = []
+        if stale:
             tx = self._kernel.transaction()
             for i, vector in zip(stale, fresh, strict=True):
                 vectors[i] = vector
@@ -126,6 +145,10 @@ class LongTermMemory:
             raise ValueError(f"a memory's key must have 1 to {MAX_KEY_CHARS} characters")
         record = MemoryRecord(f"m-{secrets.token_hex(6)}", agent, text, key, self._clock())
         vector = (await self.embedder.vectors([_embedded_text(text, key)]))[0]
+        mem = self._agents.get(agent)
+        if mem is not None and len(mem.index) and len(vector) != mem.index.dimensions:
+            raise ValueError(f"the embeddings provider gave {len(vector)} dimensions; this "
+                             f"agent's memories have {mem.index.dimensions}")
         if self._kernel is not None:
             tx = self._kernel.transaction()
             tx.memory_put((record.id, agent, key, text, record.created, self.embedder.identity,
@@ -153,11 +176,19 @@ class LongTermMemory:
         return False
 
     def _insert(self, record: MemoryRecord, vector: np.ndarray) -> None:
+        """Position i of the index is record i: a vector that cannot join the index
+        (another width, stored by an earlier bug or a provider that changed) leaves
+        its record out too, loudly."""
         mem = self._agents.get(record.agent)
         if mem is None:
             mem = self._agents[record.agent] = _AgentMemories()
-        mem.records.append(record)
+        if len(mem.index) and len(vector) != mem.index.dimensions:
+            log.warning("long-term memory %s of agent %s has %d dimensions, the others %d: "
+                        "not recalled", record.id, record.agent, len(vector),
+                        mem.index.dimensions)
+            return
         mem.index.append(vector)
+        mem.records.append(record)
 
     # ---- reading ----------------------------------------------------------------------
 
@@ -177,6 +208,12 @@ class LongTermMemory:
             self.degraded = f"{self.embedder.identity}: {type(exc).__name__}"
             log.warning("long-term memory recall skipped for agent %s: the embeddings "
                         "provider failed (%s)", agent, exc)
+            return ()
+        if len(q) != mem.index.dimensions:
+            self.degraded = f"{self.embedder.identity}: {len(q)} dimensions, memories have " \
+                            f"{mem.index.dimensions}"
+            log.warning("long-term memory recall skipped for agent %s: %s", agent,
+                        self.degraded)
             return ()
         self.degraded = ""
         scores = mem.index.similarities(q)

@@ -10,8 +10,11 @@ times; anything else fails at once). Each attempt counts in
 `agentd_llm_tokens_total{agent="embeddings",backend,kind="input"}`.
 
 A reply is checked before use: one finite vector per input, all of one
-dimension, at most `MAX_RESPONSE_BYTES` long; anything else is an error, never a
-silently wrong ranking.
+dimension, at most `MAX_DIMENSIONS` wide and the same width as the embedder's
+first reply, and no longer than its inputs' vectors can take (at most
+`MAX_RESPONSE_BYTES`); anything else is an error, never a silently wrong ranking
+or a vector that cannot be compared with those stored before it. A long reply is
+decoded off the event loop.
 """
 
 from __future__ import annotations
@@ -37,7 +40,15 @@ log = logging.getLogger("agentd.embeddings")
 
 DEFAULT_BASE_URL = "https://api.openai.com/v1"
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+MAX_DIMENSIONS = 8192  # the widest common models have 3,072 (OpenAI) or 4,096
+_BYTES_PER_VALUE = 32  # a float in JSON with its separator, generously
+_INLINE_DECODE_BYTES = 1 << 20  # decoded on the event loop below this size
 BATCH = 128  # inputs per request
+
+
+def reply_limit(count: int) -> int:
+    """The most bytes a reply of `count` vectors can need."""
+    return min(MAX_RESPONSE_BYTES, 65536 + count * MAX_DIMENSIONS * _BYTES_PER_VALUE)
 
 
 def encode_request(model: str, texts: Sequence[str]) -> bytes:
@@ -65,6 +76,8 @@ def decode_response(body: bytes, count: int) -> tuple[Matrix, int | None]:
             or not isinstance(vector, list) or not vector
         ):
             raise EmbeddingsError("embeddings reply has a malformed or repeated entry")
+        if len(vector) > MAX_DIMENSIONS:
+            raise EmbeddingsError(f"embeddings reply has more than {MAX_DIMENSIONS} dimensions")
         rows[index] = vector
     try:
         wide = np.asarray(rows, dtype=np.float64)
@@ -101,6 +114,7 @@ class OpenAIEmbedder:
         self.backend = backend
         self.model = model
         self.identity = EmbedderIdentity("openai", model)
+        self.dimensions: int | None = None  # the width of the first reply, kept
         self.retries = retries
         self.backoff_base_s = backoff_base_s
         self._url = (backend.base_url or DEFAULT_BASE_URL).rstrip("/") + "/embeddings"
@@ -127,7 +141,7 @@ class OpenAIEmbedder:
             async with self._slots:
                 status, headers, content = await post_bounded(
                     self._client, self._url, body, self._headers(), self.backend.timeout_s,
-                    MAX_RESPONSE_BYTES)
+                    reply_limit(count))
         except (TimeoutError, httpx.TimeoutException):
             raise BackendError(name, "timed out", retryable=True) from None
         except ResponseTooLarge:
@@ -138,7 +152,16 @@ class OpenAIEmbedder:
             ) from None
         if not 200 <= status < 300:
             raise classify(name, status, headers, content[:4096])
-        matrix, tokens = decode_response(content, count)
+        if len(content) < _INLINE_DECODE_BYTES:
+            matrix, tokens = decode_response(content, count)
+        else:
+            matrix, tokens = await asyncio.to_thread(decode_response, content, count)
+        width = matrix.shape[1]
+        if self.dimensions is None:
+            self.dimensions = width
+        elif width != self.dimensions:
+            raise EmbeddingsError(f"embeddings backend {name}: a reply of {width} dimensions "
+                                  f"after replies of {self.dimensions}")
         if tokens:
             metrics.llm_tokens.labels("embeddings", name, "input").inc(tokens)
         return matrix
