@@ -405,3 +405,12 @@ async def test_a_provider_down_at_re_embedding_leaves_the_other_memories_recalle
         assert sorted(m.text for m in fresh.list("tutor")) == [
             "deadlines are on fridays", "zebras have stripes"]
         assert {r[5] for r in await kernel.memories("tutor")} == {"widths:1"}
+
+
+def test_a_growing_segment_encodes_each_part_once_and_stays_canonical() -> None:
+    seg = Segment(1, "reply", [Part("assistant", "calls", "", False)])
+    assert seg.nbytes == len(encode_parts(seg.parts))
+    for i in range(5):
+        seg.append(Part("result", f"result {i}\n\"quoted\" é\u2028", "echo", True))
+        assert seg.original == encode_parts(seg.parts)
+    assert decode_parts(seg.original) == tuple(seg.parts)

@@ -383,3 +383,42 @@ async def test_results_joining_a_tool_segment_are_measured_once_per_call(
         await session.complete(THREAD)
         await platform.aclose()
     assert 1 <= len(measured) - before <= 3  # the task, the reply and its results, once
+
+
+async def test_a_tool_segment_is_written_once_per_call_not_per_result(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each result joining a tool segment rewrote its whole row (48 results of 60 KB
+    wrote 108 MB). Now the row is written before the next call, once, and holds
+    every result, byte-equal to the segment in memory."""
+    from agentd.kernel import Transaction
+
+    puts: list[tuple[int, int]] = []
+    real = Transaction.segment_put
+
+    def counting(self: Transaction, row: tuple[object, ...]) -> None:
+        puts.append((int(row[1]), len(row[11])))  # type: ignore[arg-type]
+        real(self, row)
+
+    monkeypatch.setattr(Transaction, "segment_put", counting)
+    calls = "".join(echo_call(i) for i in range(12))
+    async with FakeLLM("openai", [Reply(calls), "done"]) as server:
+        config = load(organism_yaml(openai_backend(server), peers="[echo]"))
+        async with await Kernel.open(tmp_path / "state") as kernel:
+            platform = make_agent_handlers(config, kernel=kernel).platform
+            session = platform.session("tutor")
+            session.begin(THREAD, TASK)
+            await session.complete(THREAD)
+            before = len(puts)
+            for i in range(12):
+                session.record(THREAD, echo_result(i), source="echo", xml=True)
+            assert len(puts) == before
+            await session.complete(THREAD)
+            segments = {s.id: s for s in platform.task_segments(THREAD) or []}
+            tool = max(segments) - 1  # the reply and its 12 results ("done" is the last)
+            assert [sid for sid, _ in puts[before:]].count(tool) == 1
+            await kernel.flush()
+            rows = {r[1]: r[11] for r in await kernel.segments(thread=THREAD)}
+            await platform.aclose()
+    stored = rows[tool]
+    assert stored == segments[tool].original
+    assert stored.count(b"\n") == 12  # the reply and every result

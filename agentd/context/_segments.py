@@ -53,11 +53,12 @@ class Part:
 
 def encode_parts(parts: Sequence[Part]) -> bytes:
     """The canonical original of a segment: JSON lines, one part a line."""
-    return "\n".join(
-        json.dumps([p.kind, p.source, p.xml, p.content], ensure_ascii=False,
-                   separators=(",", ":"))
-        for p in parts
-    ).encode("utf-8")
+    return b"\n".join(_encode_part(p) for p in parts)
+
+
+def _encode_part(p: Part) -> bytes:
+    return json.dumps([p.kind, p.source, p.xml, p.content], ensure_ascii=False,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def decode_parts(original: bytes) -> tuple[Part, ...]:
@@ -106,7 +107,8 @@ class Segment:
 
     def append(self, part: Part) -> None:
         self.parts.append(part)
-        self._original = None
+        if self._original is not None:  # one more line: the others are not encoded again
+            self._original += b"\n" + _encode_part(part)
         if part.kind == RESULT_PART and self.kind == REPLY:
             self.kind = TOOL
 

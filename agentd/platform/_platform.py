@@ -140,6 +140,8 @@ class _Task:
     query: str  # what long-term memory is searched with
     context: TaskContext
     reported: set[tuple[str, str, str]] = field(default_factory=set)
+    # Segments grown by results since the model's last call, written before its next.
+    unsaved: dict[int, Segment] = field(default_factory=dict)
 
 
 def _null_audit(kind: str, thread: str, fields: Mapping[str, Any]) -> None:
@@ -340,8 +342,20 @@ class Platform:
             self._report(task.agent, thread, event, task.reported)
         seg = task.context.add(Part(turn.kind, turn.content, turn.source, turn.xml),
                                Fragment(Layer.WORKING, prepared.content, source, role))
-        if persist:
+        if not persist:
+            return
+        if turn.kind == ASSISTANT:
             self.segments.put(thread, self.conversation(thread), task.agent, seg)
+        else:
+            # Results join their reply's segment one by one: its row is written once,
+            # before the next call (see `arrange`), not rewritten whole per result.
+            # The history holds each result; a restart rebuilds segments from it.
+            task.unsaved[seg.id] = seg
+
+    def _save(self, task: _Task, thread: str) -> None:
+        for seg in task.unsaved.values():
+            self.segments.put(thread, self.conversation(thread), task.agent, seg)
+        task.unsaved.clear()
 
     def record(
         self, agent: str, thread: str, content: str, source: str, xml: bool, notice: bool = False
@@ -456,6 +470,7 @@ class Platform:
         made again with less room, so the request never exceeds `budget_tokens`."""
         task = self._own(agent, thread)
         cfg = self._agents[agent]
+        self._save(task, thread)
         memories = await self._recall(agent, thread, task)
         context = task.context
         if not context.segments:
