@@ -40,7 +40,7 @@ from agentd._runtime import tune_gc
 from agentd._wiring import envelope_shape, kernel_options
 from agentd.config import OrganismConfig, load_config
 from agentd.isolation import IsolationPools
-from agentd.kernel import Kernel, Transaction
+from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.pump import Pump
 from agentd.semantic import SemanticRouter
 
@@ -62,31 +62,62 @@ class KernelOutbox:
     the frames written in one loop iteration are deleted by one transaction. Each
     by its id: a client may hold several connections, and a frame written to one
     says nothing of older frames still queued on another (deleting up to an id
-    would lose those if the daemon died before they were written)."""
+    would lose those if the daemon died before they were written). Marks whose
+    transaction failed (the kernel's writer died) are kept and tried again: dropped,
+    their frames were sent a second time at the client's next connection."""
 
     def __init__(self, kernel: Kernel) -> None:
         self.kernel = kernel
         self._marks: dict[str, list[int]] = {}
+        self._flush_due = False
 
     async def pending(self, client: str) -> list[tuple[int, str, bytes]]:
         return await self.kernel.outbox(client)
 
     def delivered(self, client: str, outbox_id: int) -> None:
-        if not self._marks:
-            asyncio.get_running_loop().call_soon(self._flush)
         self._marks.setdefault(client, []).append(outbox_id)
+        self._schedule(0.0)
+
+    def _schedule(self, delay: float) -> None:
+        if not self._flush_due:
+            self._flush_due = True
+            loop = asyncio.get_running_loop()
+            if delay:
+                loop.call_later(delay, self._flush)
+            else:
+                loop.call_soon(self._flush)
 
     def _flush(self) -> None:
+        self._flush_due = False
         marks, self._marks = self._marks, {}
-        self._commit(marks, Transaction.outbox_sent)
+        if marks:
+            self._commit(marks, Transaction.outbox_sent, self._keep)
+
+    def _keep(self, marks: Mapping[str, Any]) -> None:
+        for client, ids in marks.items():
+            self._marks.setdefault(client, []).extend(ids)
 
     def _commit(self, marks: Mapping[str, Any],
-                mark: Callable[[Transaction, str, Any], None]) -> None:
-        """One transaction with `mark(tx, client, value)` for each client's marks."""
+                mark: Callable[[Transaction, str, Any], None],
+                keep: Callable[[Mapping[str, Any]], None]) -> None:
+        """One transaction with `mark(tx, client, value)` for each client's marks; if
+        it fails, `keep(marks)` puts them back and a flush is tried again later."""
         tx = self.kernel.transaction()
         for client, value in marks.items():
             mark(tx, client, value)
-        self.kernel.commit(tx).add_done_callback(_log_failure)
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                if not fut.cancelled():
+                    log.warning("outbox delivery marks not written (%s); trying again",
+                                fut.exception())
+                keep(marks)
+                self._schedule(_MARK_RETRY_S)
+
+        try:
+            self.kernel.commit(tx).add_done_callback(done)
+        except KernelUnavailable as exc:  # closed: the next daemon replays the frames
+            log.warning("outbox delivery marks not written: %s", exc)
 
 
 class FederationHost(KernelOutbox):
@@ -102,14 +133,20 @@ class FederationHost(KernelOutbox):
     def delivered(self, client: str, outbox_id: int) -> None:
         """A peer acknowledged every reply up to `outbox_id` (the link only says so
         for an unbroken run): one range delete per gateway and loop iteration."""
-        if not self._up_to:
-            asyncio.get_running_loop().call_soon(self._flush_up_to)
         if outbox_id > self._up_to.get(client, 0):
             self._up_to[client] = outbox_id
+        self._schedule(0.0)
 
-    def _flush_up_to(self) -> None:
+    def _flush(self) -> None:
+        self._flush_due = False
         marks, self._up_to = self._up_to, {}
-        self._commit(marks, Transaction.outbox_delivered)
+        if marks:
+            self._commit(marks, Transaction.outbox_delivered, self._keep_up_to)
+
+    def _keep_up_to(self, marks: Mapping[str, Any]) -> None:
+        for client, up_to in marks.items():
+            if up_to > self._up_to.get(client, 0):
+                self._up_to[client] = up_to
 
     def offers(self, names: list[str]) -> list[Any]:
         from agentd.federation._remote import offer_of
@@ -135,6 +172,9 @@ class FederationHost(KernelOutbox):
 def _log_failure(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("kernel write failed: %s", fut.exception())
+
+
+_MARK_RETRY_S = 0.5  # delivery marks whose transaction failed are tried again this late
 
 
 class Daemon:

@@ -786,6 +786,42 @@ async def test_a_killed_writer_process_is_replaced_and_nothing_acknowledged_is_l
         assert k.writer_pid != first and k.writer_restarts == 1
 
 
+async def test_delivery_marks_lost_with_a_killed_writer_are_kept_and_written_later(
+        state_dir: Path) -> None:
+    """Frames the bus wrote are marked delivered in a coalesced transaction. If the
+    writer dies under it, the marks used to be dropped: the rows stayed, and the
+    client got every one of those answers a second time at its next connection."""
+    from agentd._daemon import KernelOutbox
+
+    async with await Kernel.open(state_dir) as k:
+        tx = k.transaction()
+        ids = [tx.outbox_put("alice", "t", b"<answer/>") for _ in range(3)]
+        await k.commit(tx)
+        outbox = KernelOutbox(k)
+        os.kill(k._writer_proc.pid, signal.SIGSTOP)  # takes the marks, never answers
+        for oid in ids:
+            outbox.delivered("alice", oid)
+        for _ in range(100):  # loop turns until the marks' batch is with the writer
+            if k._writing:
+                break
+            await asyncio.sleep(0)
+        assert k._writing
+        await k._writer_proc.kill()  # dies with the marks' transaction in flight
+        for _ in range(1000):  # loop turns until the kernel has seen it die
+            if not k.healthy:
+                break
+            await asyncio.sleep(0)
+        assert not k.healthy
+        async with asyncio.timeout(10):
+            await k.wait_healthy()
+            await k.flush()
+        if outbox._marks:  # kept for the retry (unless its timer already ran): not dropped
+            assert outbox._marks == {"alice": ids}
+            outbox._flush()  # what the retry timer does
+            await k.flush()
+        assert await k.outbox("alice") == []
+
+
 async def test_a_writer_that_cannot_start_fails_the_open_clearly_and_frees_the_lock(
         state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from agentd.kernel import _writer
