@@ -4,6 +4,7 @@ confined child, behind the pump, and misbehaves in every way the tool must conta
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import os
 import socket
@@ -20,7 +21,13 @@ from agentd._states import IllegalTransition, step
 from agentd.client import frame_kind
 from agentd.config import load_config_text
 from agentd.mcp import SERVERS, close_servers
-from agentd.mcp.client import SERVER_TRANSITIONS, ServerEvent, ServerState, backoff_s
+from agentd.mcp.client import (
+    SERVER_TRANSITIONS,
+    ServerEvent,
+    ServerState,
+    backoff_s,
+    call_tool,
+)
 from agentd.testing import Harness
 from tests.mcp import mcp_organism
 
@@ -79,6 +86,81 @@ def _server_processes() -> list[int]:
         if entry.name.isdigit() and str(SERVER).encode() in cmdline:
             found.append(int(entry.name))
     return found
+
+
+async def test_a_servers_output_schema_is_never_run_on_the_daemons_loop() -> None:
+    """The SDK's `call_tool` checks `structuredContent` against the server's own
+    `outputSchema` with jsonschema, on the event loop. The schema is the server's
+    (unpinned; it may change after load), and one regex with catastrophic
+    backtracking stalled the daemon for ten seconds a call. agentd reads only the
+    content, so it sends `tools/call` itself and never runs that schema: here a
+    pattern the structured content fails, which the SDK's call raises on."""
+    from mcp import types
+    from mcp.server.lowlevel import Server
+    from mcp.shared.memory import create_connected_server_and_client_session
+
+    liar = Server("liar")
+
+    @liar.list_tools()
+    async def list_tools() -> list[types.Tool]:
+        return [types.Tool(name="add", description="Adds.", inputSchema={"type": "object"},
+                           outputSchema={"type": "object", "properties": {
+                               "result": {"type": "string", "pattern": "^(a|aa)+$"}}})]
+
+    @liar.call_tool()
+    async def call(name: str, arguments: dict[str, object]) -> types.CallToolResult:
+        return types.CallToolResult(content=[types.TextContent(type="text", text="42")],
+                                    structuredContent={"result": "a" * 8 + "!"})
+
+    async with create_connected_server_and_client_session(liar) as session:
+        await session.list_tools()
+        result = await call_tool(session, "add", {})
+        assert [c.text for c in result.content] == ["42"] and not result.isError
+        with pytest.raises(RuntimeError, match="Invalid structured content"):
+            await session.call_tool("add", {})  # what the daemon no longer calls
+
+
+async def test_an_http_servers_answers_are_bounded_and_no_standing_stream_is_opened(
+) -> None:
+    """The SDK reads a JSON answer whole (1 GB took the daemon to 7 GB) and keeps a
+    standing GET stream for server messages (an endless line grew the daemon by 3 GB
+    in 8 s; notifications without end, or `retry: 0`, kept it at 100 % CPU). Over
+    a real HTTP server on loopback: the GET is answered 405 without leaving the
+    daemon, an answer over the cap ends the session, one within it reads whole."""
+    import httpx
+
+    from agentd.mcp._stdio import Ending
+    from agentd.mcp.client import BoundedTransport
+
+    seen: list[str] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                method, target, _ = head.split(b" ", 2)
+                seen.append(method.decode())
+                size = int(target.partition(b"size=")[2] or b"10")
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
+                writer.write(b"x" * size)
+                await writer.drain()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    ending = Ending()
+    transport = BoundedTransport(httpx.AsyncHTTPTransport(), max_bytes=1 << 20,
+                                 max_seconds=10.0, ending=ending)
+    url = f"http://127.0.0.1:{port}/mcp"
+    try:
+        async with httpx.AsyncClient(transport=transport) as client:
+            assert (await client.get(url)).status_code == 405
+            assert len((await client.post(url, params={"size": "1000"})).content) == 1000
+            assert not ending.ended.is_set()
+            with pytest.raises(httpx.ReadError):
+                await client.post(url, params={"size": str(8 << 20)})
+    finally:
+        server.close()
+    assert seen == ["POST", "POST"]  # the GET never left
+    assert ending.ended.is_set() and "over 1048576 bytes" in ending.reason
 
 
 async def test_closing_the_servers_ends_their_processes(tmp_path: Path) -> None:

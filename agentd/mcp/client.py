@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from enum import Enum
 from typing import Any
 
+import httpx
 from mcp import ClientSession, types
 
 from agentd import _metrics
@@ -76,6 +77,20 @@ def pin_of(tool: types.Tool) -> str:
     material = json.dumps([tool.name, tool.description or "", tool.inputSchema],
                           sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(material.encode()).hexdigest()
+
+
+async def call_tool(session: ClientSession, tool: str, arguments: dict[str, Any]
+                    ) -> types.CallToolResult:
+    """`tools/call`, without `ClientSession.call_tool`'s check of `structuredContent`
+    against the server's `outputSchema`: that schema is the server's (unpinned, it
+    may arrive after load), jsonschema runs its patterns on the event loop, and one
+    pattern with catastrophic backtracking stalled the daemon for seconds per call.
+    agentd reads only a result's content (`result_of`), never `structuredContent`."""
+    return await session.send_request(
+        types.ClientRequest(types.CallToolRequest(
+            params=types.CallToolRequestParams(name=tool, arguments=arguments))),
+        types.CallToolResult,
+    )
 
 
 def backoff_s(failures: int) -> float:
@@ -156,7 +171,7 @@ class McpServer:
                          server=self.name, tool=tool, pinned=self.pins[tool],
                          offered=self.refused[tool])
         try:
-            return await asyncio.wait_for(session.call_tool(tool, arguments),
+            return await asyncio.wait_for(call_tool(session, tool, arguments),
                                           self.config.timeout_s)
         except TimeoutError:
             raise ServerFailed(f"mcp server {self.name}: {tool} did not answer in "
@@ -259,7 +274,6 @@ async def http_connection(config: Any, resolver: Resolver = system_resolver
                           ) -> AsyncIterator[Any]:
     """A Streamable HTTP session to the address checked when it starts (`resolver`,
     the system's by default, is asked once; see `agentd.mcp.address`)."""
-    import httpx
     from mcp.client.streamable_http import streamable_http_client
 
     from agentd.mcp.address import PinnedTransport, check_url
@@ -267,11 +281,73 @@ async def http_connection(config: Any, resolver: Resolver = system_resolver
     checked = await check_url(str(config.url), config.allow_private, resolver)
     ending = Ending()
     # No proxy from the environment and no redirects: the checked address is the one used.
-    transport = PinnedTransport(checked, httpx.AsyncHTTPTransport(trust_env=False, retries=0))
+    transport = BoundedTransport(
+        PinnedTransport(checked, httpx.AsyncHTTPTransport(trust_env=False, retries=0)),
+        max_bytes=2 * config.max_result_bytes + 65536, max_seconds=config.timeout_s + 1.0,
+        ending=ending)
     async with httpx.AsyncClient(transport=transport, timeout=config.timeout_s,
                                  trust_env=False, follow_redirects=False) as http, \
             streamable_http_client(str(config.url), http_client=http) as (read, write, _):
         yield read, write, ending
+
+
+class BoundedTransport(httpx.AsyncBaseTransport):
+    """What an MCP server's HTTP answers may cost the daemon (the SDK bounds none):
+
+    - no GET: the SDK opens a standing GET stream for server-initiated messages, which
+      agentd never uses; on it a server could send an endless line, notifications
+      without end, or `retry: 0` reconnections. It is answered 405 here, as a server
+      without that stream answers, without a request leaving the daemon;
+    - a response is read up to `max_bytes` (the stdio line cap: twice the result cap
+      plus 64 KiB); past that the session ends, as for an over-long stdio line (the
+      SDK read a JSON answer whole: 1 GB took the daemon to 7 GB);
+    - a response lasts at most `max_seconds` (the call's timeout and a second): a
+      server dripping a byte at a time no longer keeps exchanges open past their
+      call."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, *, max_bytes: int,
+                 max_seconds: float, ending: Ending) -> None:
+        self.inner = inner
+        self.max_bytes = max_bytes
+        self.max_seconds = max_seconds
+        self.ending = ending
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":
+            return httpx.Response(405, request=request)
+        response = await self.inner.handle_async_request(request)
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        return httpx.Response(
+            response.status_code, headers=response.headers, request=request,
+            extensions=response.extensions,
+            stream=_BoundedStream(response.stream, self, time.monotonic() + self.max_seconds))
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _BoundedStream(httpx.AsyncByteStream):
+    def __init__(self, inner: httpx.AsyncByteStream, limits: BoundedTransport,
+                 deadline: float) -> None:
+        self._inner = inner
+        self._limits = limits
+        self._deadline = deadline
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        limits = self._limits
+        async for chunk in self._inner:
+            seen += len(chunk)
+            if seen > limits.max_bytes:
+                limits.ending.set(f"server sent a response over {limits.max_bytes} bytes")
+                limits.ending.ended.set()
+                raise httpx.ReadError("mcp: a response over the size limit")
+            if time.monotonic() > self._deadline:
+                raise httpx.ReadTimeout("mcp: a response past its call's timeout")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 def connection_for(config: Any) -> Callable[[Any], contextlib.AbstractAsyncContextManager[Any]]:
