@@ -353,6 +353,18 @@ async def test_an_agent_reply_trying_to_write_a_memory_has_no_effect(tmp_path: P
     assert not [b for b in second.blocks if b.layer == 6]
 
 
+async def one_reply_with_twelve_results(session: Any, seen: list[Any]) -> int:
+    """A reply making 12 calls, then their results, recorded; asserts nothing was
+    added to `seen` while they arrived, and returns its length before them."""
+    session.begin(THREAD, TASK)
+    await session.complete(THREAD)
+    before = len(seen)
+    for i in range(12):
+        session.record(THREAD, echo_result(i), source="echo", xml=True)
+    assert len(seen) == before  # nothing while results arrive
+    return before
+
+
 async def test_results_joining_a_tool_segment_are_measured_once_per_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Every result of one reply joins its `tool` segment. The segment's folded size
@@ -374,12 +386,7 @@ async def test_results_joining_a_tool_segment_are_measured_once_per_call(
         platform = Platform.from_config(load(organism_yaml(openai_backend(server),
                                                            peers="[echo]")))
         session = platform.session("tutor")
-        session.begin(THREAD, TASK)
-        await session.complete(THREAD)
-        before = len(measured)
-        for i in range(12):
-            session.record(THREAD, echo_result(i), source="echo", xml=True)
-        assert len(measured) == before  # nothing measured while results arrive
+        before = await one_reply_with_twelve_results(session, measured)
         await session.complete(THREAD)
         await platform.aclose()
     assert 1 <= len(measured) - before <= 3  # the task, the reply and its results, once
@@ -406,12 +413,7 @@ async def test_a_tool_segment_is_written_once_per_call_not_per_result(
         async with await Kernel.open(tmp_path / "state") as kernel:
             platform = make_agent_handlers(config, kernel=kernel).platform
             session = platform.session("tutor")
-            session.begin(THREAD, TASK)
-            await session.complete(THREAD)
-            before = len(puts)
-            for i in range(12):
-                session.record(THREAD, echo_result(i), source="echo", xml=True)
-            assert len(puts) == before
+            before = await one_reply_with_twelve_results(session, puts)
             await session.complete(THREAD)
             segments = {s.id: s for s in platform.task_segments(THREAD) or []}
             tool = max(segments) - 1  # the reply and its 12 results ("done" is the last)
