@@ -139,6 +139,12 @@ async def test_an_http_servers_answers_are_bounded_and_no_standing_stream_is_ope
             while head := await reader.readuntil(b"\r\n\r\n"):
                 method, target, _ = head.split(b" ", 2)
                 seen.append(method.decode())
+                if target.endswith(b"drip"):  # a byte every 50 ms, never done
+                    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n")
+                    while True:
+                        writer.write(b"x")
+                        await writer.drain()
+                        await asyncio.sleep(0.05)
                 size = int(target.partition(b"size=")[2] or b"10")
                 writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % size)
                 writer.write(b"x" * size)
@@ -157,9 +163,17 @@ async def test_an_http_servers_answers_are_bounded_and_no_standing_stream_is_ope
             assert not ending.ended.is_set()
             with pytest.raises(httpx.ReadError):
                 await client.post(url, params={"size": str(8 << 20)})
+        # A server dripping its answer keeps the exchange no longer than the call's
+        # timeout and a second (max_seconds); the session goes on.
+        dripping = BoundedTransport(httpx.AsyncHTTPTransport(), max_bytes=1 << 20,
+                                    max_seconds=0.5, ending=Ending())
+        async with httpx.AsyncClient(transport=dripping, timeout=30) as client:
+            with pytest.raises(httpx.ReadTimeout):
+                await client.post(url + "?drip")
+        assert not dripping.ending.ended.is_set()
     finally:
         server.close()
-    assert seen == ["POST", "POST"]  # the GET never left
+    assert seen == ["POST", "POST", "POST"]  # the GET never left
     assert ending.ended.is_set() and "over 1048576 bytes" in ending.reason
 
 
