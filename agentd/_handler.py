@@ -103,3 +103,13 @@ class HandlerResponse:
         default the code decides)."""
         return cls(None, kind=ResponseKind.ERROR, error_code=HuhCode(code),
                    error_message=message, retry_allowed=retry_allowed)
+
+
+@dataclass(frozen=True, slots=True)
+class ChainStopped:
+    """A gateway's answer when the peer organism refused the call at its hop limit:
+    the chain has crossed organisms `max_hops` times, and the pump stops it as it
+    stops one that stays home (the client is told `budget-exceeded`; the calling
+    listener is not answered). Internal: the platform's, never a listener author's."""
+
+    code: HuhCode

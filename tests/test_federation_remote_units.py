@@ -16,7 +16,7 @@ from lxml import etree
 
 from agentd._envelope import build_envelope
 from agentd._errors import HuhCode
-from agentd._handler import HandlerMetadata, ResponseKind
+from agentd._handler import ChainStopped, HandlerMetadata, ResponseKind
 from agentd._xmlify import from_xml, spec_of, to_xml, xsd_of
 from agentd.federation._calls import call_thread
 from agentd.federation._remote import (
@@ -314,12 +314,26 @@ async def test_a_peers_huh_and_refusal_become_the_same_huh_here(gateway: Any) ->
            b"<message>x</message><retry-allowed>false</retry-allowed></huh>")
     _, response, _ = await answer_with(gateway, huh)
     assert response.error_code is HuhCode.BUDGET_EXCEEDED
-    _, response, _ = await answer_with(gateway, huh, sender="core")  # the peer's platform
-    assert response.error_code is HuhCode.BUDGET_EXCEEDED
+    _, response, _ = await answer_with(gateway, huh.replace(b"budget-exceeded", b"denied"),
+                                       sender="core")  # the peer's platform
+    assert response.error_code is HuhCode.DENIED
     _, response, _ = await answer_with(gateway, to_xml(Sum(value=1)), sender="core")
     assert response.error_code is HuhCode.INVALID_PAYLOAD  # only a huh may come from core
     _, response, _ = await answer_with(gateway, None, code="denied")
     assert response.error_code is HuhCode.DENIED
+
+
+async def test_a_peer_stopping_the_chain_stops_it_here_too(gateway: Any) -> None:
+    """The peer refused the call at its hop limit, or its platform stopped the chain
+    inside (a `budget-exceeded` from its core): the chain crossing the two organisms
+    stops here as one that stays home does, and the client is told. As a `huh` for
+    the calling listener it went no further (the client waited for ever)."""
+    huh = (b'<huh xmlns="https://xml-pipeline.org/ns/core/v1"><code>budget-exceeded</code>'
+           b"<message>x</message><retry-allowed>false</retry-allowed></huh>")
+    _, response, _ = await answer_with(gateway, None, code="budget-exceeded")
+    assert response == ChainStopped(HuhCode.BUDGET_EXCEEDED)
+    _, response, _ = await answer_with(gateway, huh, sender="core")
+    assert response == ChainStopped(HuhCode.BUDGET_EXCEEDED)
 
 
 async def test_a_changed_or_missing_import_is_unroutable_without_a_call(gateway: Any) -> None:

@@ -379,6 +379,35 @@ async def test_a_stopped_chain_is_told_durably_and_a_carried_hop_count_counts(
     assert result.code is HuhCode.BUDGET_EXCEEDED
 
 
+async def test_a_chain_a_peer_organism_stopped_is_stopped_here_and_the_client_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gateway's call refused at the peer's hop limit (a federation listener answers
+    `ChainStopped`): the client is told `budget-exceeded` durably, as for a chain
+    stopped at home, and the calling listener (the relay) is not answered. Before,
+    the relay got a `huh` and the client heard nothing."""
+    from agentd._handler import ChainStopped
+    from agentd.tools import calculator
+
+    async def stopped(payload: Add, meta: object) -> ChainStopped:
+        return ChainStopped(HuhCode.BUDGET_EXCEEDED)
+
+    monkeypatch.setattr(calculator, "add", stopped)
+    async with Harness.from_config(ORGANISM, clients=CLIENTS) as h:
+        frames = await h.send("alice", Relay(a=1, b=2))
+        assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
+        assert field(frames[-1], "code") == "budget-exceeded"
+        assert h.kernel is not None
+        await h.kernel.flush()
+        thread = parse_envelope(frames[0]).thread
+        told = [e for e in await h.kernel.journal(thread=thread, limit=1000)
+                if e.direction == "out" and e.tag.endswith("}huh")]
+        assert len(told) == 1
+        handled = [e for e in await h.kernel.journal(limit=1000)
+                   if e.direction == "in" and e.handler == "relay"]
+        assert len(handled) == 1  # the relay ran once and never took an answer
+
+
 async def test_broadcast_runs_listeners_of_one_key_concurrently(h: Harness) -> None:
     frames = await h.send("alice", L.Work(seq=1))
     assert sorted(kinds(frames)[1:]) == [("worker.a", "done"), ("worker.b", "done")]

@@ -43,7 +43,7 @@ from lxml import etree
 
 from agentd._envelope import build_envelope, parse_envelope
 from agentd._errors import HuhCode, Rejection
-from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._handler import ChainStopped, HandlerMetadata, HandlerResponse
 from agentd._schemas import NS_CORE
 from agentd._xml import c14n
 from agentd._xmlify import spec_of, xsd_of
@@ -505,7 +505,7 @@ class RemoteCall:
                          for root in _roots(etree.fromstring(xsd.encode(), _OWN_PARSER)))
 
     async def __call__(self, payload: etree._Element, meta: HandlerMetadata
-                       ) -> HandlerResponse:
+                       ) -> HandlerResponse | ChainStopped:
         calls = calls_for(self.gateway)
         if calls.blocked(self.remote):
             log.warning("federation call to %s:%s refused: import is %s", self.gateway,
@@ -527,11 +527,14 @@ class RemoteCall:
             reply_id, text = await calls.call(call_id, thread, envelope.decode(),
                                               again=meta.redelivered, hops=meta._hops + 1)
         except CallRefusedByPeer as exc:
+            if exc.code is HuhCode.BUDGET_EXCEEDED:  # the peer's hop limit (its only one)
+                return ChainStopped(exc.code)
             return HandlerResponse.error(exc.code)
         object.__setattr__(meta, "_after_commit", lambda: calls.ack(reply_id))
         return self._answer(calls, text, thread)
 
-    def _answer(self, calls: RemoteCalls, text: str, thread: str) -> HandlerResponse:
+    def _answer(self, calls: RemoteCalls, text: str, thread: str
+                ) -> HandlerResponse | ChainStopped:
         """The peer's reply as this listener's output, or a `huh` if it is not one
         the pinned schemas allow (a security event: the peer sent it)."""
         try:
@@ -544,9 +547,12 @@ class RemoteCall:
             if payload.tag == _HUH:
                 code = payload.findtext("{" + NS_CORE + "}code") or ""
                 try:
-                    return HandlerResponse.error(HuhCode(code))
+                    huh = HuhCode(code)
                 except ValueError:
                     return HandlerResponse.error(HuhCode.INTERNAL)
+                if huh is HuhCode.BUDGET_EXCEEDED and env.sender == "core":
+                    return ChainStopped(huh)  # the peer's platform stopped the chain
+                return HandlerResponse.error(huh)
             if payload.tag == _ANSWER and self.offer.answers:  # a peer's agent: its text
                 schema = core_schema()
             elif payload.tag not in self._responses:

@@ -45,7 +45,7 @@ from agentd._envelope import (
     parse_envelope,
 )
 from agentd._errors import HuhCode, Rejection
-from agentd._handler import HandlerMetadata
+from agentd._handler import ChainStopped, HandlerMetadata
 from agentd._routing import Listener, Routing
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
 from agentd._xml import DEFAULT_SHAPE, ShapeLimits
@@ -74,7 +74,7 @@ from agentd.pump.message import (
     MsgKind,
     SubmitResult,
 )
-from agentd.pump.response import plan_failure, plan_response
+from agentd.pump.response import plan_failure, plan_response, plan_stopped
 from agentd.pump.scheduler import Scheduler
 
 log = logging.getLogger("agentd.pump")
@@ -491,7 +491,12 @@ class Pump:
                 meta._after_commit()
             else:
                 batch.after = [*(batch.after or ()), meta._after_commit]
-        if result.__class__ is CallFailed:
+        if result.__class__ is ChainStopped:
+            # A peer organism refused the call at its hop limit: stopped as a chain
+            # that stays home is (see _handle), and the call's frame ends with it.
+            self._stop_chain(frame.root, result.code, "hop limit reached at a peer", batch)
+            plan = plan_stopped(frame)
+        elif result.__class__ is CallFailed:
             if result.event is not None:
                 self._security_event("tool-denied", {**result.event, "thread": frame.root.uuid})
             plan = plan_failure(msg, frame, result.code)

@@ -87,6 +87,12 @@ def plan_failure(msg: Message, frame: Frame, code: HuhCode) -> ResponsePlan:
     return _notice(None, b"", None, None)
 
 
+def plan_stopped(frame: Frame) -> ResponsePlan:
+    """The chain was stopped (its client told): the handler's frame ends, and nobody
+    else is answered."""
+    return _notice(None, b"", None, ThreadEvent.FAILED if frame.state is _ACTIVE else None)
+
+
 def plan_response(
     msg: Message, listener: Listener, frame: Frame, result: object, max_fanout: int
 ) -> ResponsePlan:
