@@ -305,7 +305,9 @@ def totp_cmd(client: str, secret_file: Path | None, clients_file: Path | None) -
         secret = _secret_for(client, secret_file, clients_file)
     except AgentdError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(pyotp.TOTP(secret).now())
+    from agentd.bus import current_totp
+
+    click.echo(current_totp(secret))
 
 
 # ---------------------------------------------------------------------------- send

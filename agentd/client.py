@@ -23,7 +23,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import pyotp
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -33,7 +32,7 @@ from agentd._schemas import NS_CORE, NS_ENV
 from agentd._threads import new_uuid
 from agentd._xml import c14n, parse_untrusted
 from agentd._xmlify import is_xmlified, spec_of
-from agentd.bus import TOTP_STEP_S, auth_frame, client_context, parse_auth_ok
+from agentd.bus import auth_frame, client_context, current_totp, parse_auth_ok
 
 __all__ = ["AuthenticationFailed", "BusClient", "BusError", "frame_kind"]
 
@@ -130,7 +129,7 @@ class BusClient:
         if self.session is not None and self._totp is None:
             first = auth_frame(self.client, session=self.session)
         else:
-            code = self._totp or pyotp.TOTP(self.secret or "", interval=TOTP_STEP_S).now()
+            code = self._totp or current_totp(self.secret or "")
             self._totp = None  # a code is good once
             first = auth_frame(self.client, totp=code)
         ws = self._ws

@@ -7,6 +7,7 @@ is moved by the tests. The session's decisions alone are in test_bus_session.py.
 from __future__ import annotations
 
 import asyncio
+import base64
 import ssl
 import uuid
 from pathlib import Path
@@ -24,6 +25,7 @@ from agentd.bus import (
     BusSession,
     ClientAuth,
     auth_frame,
+    current_totp,
     parse_auth_ok,
     totp_code,
 )
@@ -306,6 +308,26 @@ def test_a_locked_out_client_still_costs_the_totp_work(tmp_path: Path) -> None:
     right = totp_code(ALICE_SECRET, 1_000_000 // 30)
     assert auth.authenticate(auth_frame("alice", totp=right)) is None
     assert len(used) == 3
+
+
+def test_totp_codes_are_rfc_6238_and_an_80_bit_secret_logs_in(tmp_path: Path) -> None:
+    """RFC 6238's SHA-1 vectors (its 8-digit codes, last 6 digits), and a client whose
+    secret has 80 bits (the configuration's minimum, the usual authenticator example):
+    pyotp 2.10 and later refuse it, and with pyotp the daemon's TLS handler raised on
+    such a client's right code (the connection dropped without a close frame)."""
+    from agentd.config import ClientEntry
+
+    rfc = base64.b32encode(b"12345678901234567890").decode()
+    vectors = {59: "287082", 1111111109: "081804", 1234567890: "005924",
+               2000000000: "279037", 20000000000: "353130"}
+    assert {t: totp_code(rfc, t // 30) for t in vectors} == vectors
+    short = "JBSWY3DPEHPK3PXP"  # 80 bits
+    entries = {"alice": ClientEntry("alice", short, "public")}
+    auth = ClientAuth(entries, tmp_path / "state.json", rig_auth_cfg(tmp_path / "c.yaml"),
+                      clock=lambda: 1_000_000.0)
+    code = totp_code(short, 1_000_000 // 30)
+    assert current_totp(short, clock=lambda: 1_000_000.0) == code
+    assert auth.authenticate(auth_frame("alice", totp=code)) is not None
 
 
 def test_the_dummy_code_of_an_unknown_client_never_authenticates(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -37,8 +38,6 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import pyotp
 
 from agentd._errors import AgentdError, ConfigError, Rejection
 from agentd._schemas import NS_AUTH, schema
@@ -187,8 +186,20 @@ def _hash_token(token: str) -> str:
 
 
 def totp_code(secret: str, step: int) -> str:
-    """The RFC 6238 code (SHA-1, 6 digits) for a 30 s step number."""
-    return pyotp.TOTP(secret, digits=TOTP_DIGITS, interval=TOTP_STEP_S).at(step * TOTP_STEP_S)
+    """The RFC 6238 code (HMAC-SHA-1, 6 digits) of a base32 `secret` for a 30 s step
+    number. Computed here, not by pyotp: pyotp 2.10 and later refuse secrets under
+    112 bits, and a client's secret may have 80 (the configuration's minimum, which
+    the usual authenticator examples have)."""
+    key = base64.b32decode(secret.upper() + "=" * (-len(secret) % 8))
+    digest = hmac.new(key, step.to_bytes(8, "big"), hashlib.sha1).digest()
+    offset = digest[-1] & 0x0F
+    value = int.from_bytes(digest[offset:offset + 4], "big") & 0x7FFFFFFF
+    return f"{value % 10 ** TOTP_DIGITS:0{TOTP_DIGITS}d}"
+
+
+def current_totp(secret: str, clock: Callable[[], float] = time.time) -> str:
+    """The code for now (what a client sends, what `agentd totp` prints)."""
+    return totp_code(secret, int(clock() // TOTP_STEP_S))
 
 
 class ClientAuth:
@@ -402,6 +413,7 @@ __all__ = [
     "ClientsDiff",
     "auth_frame",
     "auth_ok_frame",
+    "current_totp",
     "normalise_secret",
     "parse_auth_frame",
     "parse_auth_ok",
