@@ -147,8 +147,13 @@ def parse_untrusted(
 
 
 def c14n(element: etree._Element) -> bytes:
-    """Exclusive C14N 1.0 without comments, of `element` and its subtree."""
-    return etree.tostring(element, method="c14n", exclusive=True, with_comments=False)
+    """Exclusive C14N 1.0 without comments, of `element` and its subtree. Raises
+    `Rejection` (invalid-payload) for a tree that has no canonical form (a relative
+    namespace URI, which a handler's or a model's output may carry)."""
+    try:
+        return etree.tostring(element, method="c14n", exclusive=True, with_comments=False)
+    except etree.C14NError as exc:
+        raise Rejection(HuhCode.INVALID_PAYLOAD, f"no canonical form: {exc}") from None
 
 
 def escape_text(value: str) -> str:

@@ -504,3 +504,40 @@ async def test_tasks_of_frames_ended_under_the_agent_leave_the_platform_and_the_
         assert await tutor(Sum(value=3), late) is None
         assert len(server.requests) == calls
         await platform.aclose()
+
+
+@pytest.mark.parametrize("reply", ["The answer is\x01 4.", "The answer is\ufffe 4.",
+                                   "&" * 60_000, "\U0001f600" * 60_000])
+async def test_a_final_answer_the_pump_would_refuse_still_reaches_the_caller(
+        reply: str) -> None:
+    """A character XML forbids, or text whose escaped bytes pass the envelope limit:
+    the pump refused such an answer, its huh went back to an agent whose task had
+    ended, and the client was never answered. Now the text is made sendable."""
+    async with FakeLLM("openai", [reply]) as server, \
+            organism(organism_yaml(openai_backend(server))) as (h, _):
+        frames = await h.send("alice", MathQuestion(text="What is 2 + 2?"))
+    text = answered(frames)
+    assert "\x01" not in text and "\ufffe" not in text
+    assert text.startswith(reply[:10].replace("\x01", "\ufffd").replace("\ufffe", "\ufffd"))
+
+
+def test_a_reply_of_unclosed_openers_or_countless_elements_is_read_in_linear_time(
+        catalogue: Any) -> None:
+    """Each unclosed `<add>` was scanned to the end of the reply (50 KB froze the
+    daemon 20 s), and every element of a reply became a notice (a 5.7 MiB reply of
+    `<add/>`: +424 MiB). Ends are found in one pass; at most MAX_CANDIDATES elements
+    are read, and one notice says the rest was not."""
+    from agentd.platform._reply import MAX_CANDIDATES, _ends
+
+    text = "<add>" * 20_000
+    assert _ends(text) == {}  # one pass, nothing closed
+    assert _ends("<add><add></add>") == {5: 16}
+    parsed = parse_reply("<add/>" * 10_000, catalogue)
+    assert len(parsed.notices) == MAX_CANDIDATES + 1
+    assert "the rest was not read" in parsed.notices[-1] and parsed.calls == ()
+
+
+def test_a_call_with_a_relative_namespace_is_a_notice_not_an_error(catalogue: Any) -> None:
+    parsed = parse_reply('Here: <x xmlns="rel"/>', catalogue)
+    assert parsed.calls == () and len(parsed.notices) == 1
+    assert "invalid-payload" in parsed.notices[0]

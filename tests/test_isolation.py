@@ -337,9 +337,10 @@ async def test_forged_envelope_on_stdout_goes_nowhere(
 
 async def test_bad_output_from_a_worker_is_refused_like_in_process_output(h: Harness) -> None:
     # Invalid output is refused by the pump's own checks, with a huh to the listener
-    # (as for an in-process handler): nothing of it reaches the client.
+    # (as for an in-process handler): nothing of it reaches the client. The prober
+    # fails on that huh, so its caller (the client) is told, with the generic huh.
     frames = await h.send("alice", Probe("bad-xml"))
-    assert [frame_kind(f)[1] for f in frames] == ["accepted"]
+    assert [frame_kind(f)[1] for f in frames] == ["accepted", "huh"]
     assert all(b"nope" not in f for f in frames)
     assert await ask(h, "echo", "ok") == ("outcome", "ok")
 

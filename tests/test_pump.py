@@ -408,6 +408,34 @@ async def test_a_chain_a_peer_organism_stopped_is_stopped_here_and_the_client_to
         assert len(handled) == 1  # the relay ran once and never took an answer
 
 
+async def test_a_holder_failing_on_a_core_reply_tells_its_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The relay's call is refused (a core `huh` comes back to it) and the relay
+    raises while taking it: its caller, the client, gets a `huh` and the relay's
+    frame ends. For a core reply the failure used to tell nobody, and the client
+    waited until idle collection (a day by default)."""
+    from agentd._handler import HandlerResponse
+    from agentd.tools import calculator, relay
+
+    async def refusing(payload: Add, meta: object) -> HandlerResponse:
+        return HandlerResponse.error(HuhCode.DENIED)
+
+    async def fragile(payload: object, meta: object) -> HandlerResponse:
+        if isinstance(payload, Relay):
+            return HandlerResponse(Add(a=payload.a, b=payload.b), to="calculator.add")
+        raise RuntimeError("the relay did not expect a huh")
+
+    monkeypatch.setattr(calculator, "add", refusing)
+    monkeypatch.setattr(relay, "relay", fragile)
+    async with Harness.from_config(ORGANISM, clients=CLIENTS) as h:
+        frames = await h.send("alice", Relay(a=1, b=2))
+        assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
+        assert field(frames[-1], "code") == "internal"
+        thread = parse_envelope(frames[0]).thread
+        assert h.pump.registry.get(thread) is None or not h.pump.registry.get(thread).children
+
+
 async def test_broadcast_runs_listeners_of_one_key_concurrently(h: Harness) -> None:
     frames = await h.send("alice", L.Work(seq=1))
     assert sorted(kinds(frames)[1:]) == [("worker.a", "done"), ("worker.b", "done")]

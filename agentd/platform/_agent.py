@@ -38,7 +38,7 @@ from agentd.llm import LlmError
 from agentd.platform._budget import BudgetExceeded
 from agentd.platform._history import ASSISTANT, RESULT, HistoryFull
 from agentd.platform._reply import parse_reply
-from agentd.platform._scope import MAX_ANSWER_CHARS, IsolationError
+from agentd.platform._scope import IsolationError, bounded_answer
 
 if TYPE_CHECKING:  # the daemon's side only: an isolated agent's worker runs the loop
     from agentd.config import ListenerConfig, OrganismConfig
@@ -225,9 +225,7 @@ class AgentLoop:
 
     def _answer(self, thread: str, text: str) -> HandlerResponse:
         self._end(thread)
-        if len(text) > MAX_ANSWER_CHARS:
-            text = text[:MAX_ANSWER_CHARS] + " [truncated]"
-        return HandlerResponse.respond(Answer(text=text))
+        return HandlerResponse.respond(Answer(text=bounded_answer(text)))
 
     def _fail(self, thread: str, code: HuhCode, retry_allowed: bool | None = None
               ) -> HandlerResponse:

@@ -47,6 +47,7 @@ _EMPTY_FENCE = re.compile(r"```[A-Za-z0-9_+\-]*\s*```")
 _ANSWER_WRAP = re.compile(r"\A\s*<answer>(.*)</answer>\s*\Z", re.DOTALL)
 _XMLNS = re.compile(r"""\bxmlns\s*=\s*["']([^"']*)["']""")
 MAX_CANDIDATE_BYTES = 256 * 1024
+MAX_CANDIDATES = 128  # elements read from one reply (calls, notices, unfolds)
 _INTENT = "{" + NS_CORE + "}intent"
 _CORE_SCHEMA = schema(NS_CORE)
 
@@ -63,19 +64,28 @@ class ParsedReply:
         return not self.calls and not self.notices and not self.unfolds
 
 
-def _end_of(text: str, name: str, start: int) -> int | None:
-    """Index just past the element opened at `start` (nesting of the same name
-    counted), or None when it is never closed."""
-    pattern = re.compile(rf"<(/?){re.escape(name)}(?:\s[^<>]*?)?(/?)>")
-    depth = 0
-    for m in pattern.finditer(text, start):
-        if m.group(1):
-            depth -= 1
-        elif not m.group(2):
-            depth += 1
-        if depth == 0:
-            return m.end()
-    return None
+_TAG = re.compile(
+    r"<(/?)([A-Za-z_][A-Za-z0-9_.\-]*(?::[A-Za-z_][A-Za-z0-9_.\-]*)?)(?:\s[^<>]*?)?(/?)>"
+)
+
+
+def _ends(text: str) -> dict[int, int]:
+    """For each element opened in `text` (by the start index of its tag), the index
+    just past its closing tag, nesting of the same name counted; an element never
+    closed has no entry. One pass over the text with a stack per name: a reply of
+    many unclosed openers costs its length, not its length times their number (a
+    scan to the end per opener froze the daemon for seconds on 50 KB)."""
+    ends: dict[int, int] = {}
+    open_at: dict[str, list[int]] = {}
+    for m in _TAG.finditer(text):
+        closing, name, selfclosing = m.group(1), m.group(2), m.group(3)
+        if closing:
+            stack = open_at.get(name)
+            if stack:
+                ends[stack.pop()] = m.end()
+        elif not selfclosing:
+            open_at.setdefault(name, []).append(m.start())
+    return ends
 
 
 _UNFOLD = "{" + NS_CORE + "}unfold"
@@ -105,26 +115,42 @@ def parse_reply(text: str, catalogue: ToolCatalogue) -> ParsedReply:
     unfolds: list[int] = []
     prose: list[str] = []
     pos = 0
+    ends: dict[int, int] | None = None
+    taken = 0
     for m in _START.finditer(text):
         if m.start() < pos:
             continue  # inside a candidate already taken
+        if taken == MAX_CANDIDATES:  # more is a flood, not a plan: the rest is not read
+            notices.append(f"huh too-large: your reply holds more than {MAX_CANDIDATES} "
+                           "elements; the rest was not read and nothing of it was sent.")
+            break
         name, attrs, selfclosing = m.group(1), m.group(2) or "", m.group(3)
         local = name.rpartition(":")[2]
         declared = _XMLNS.search(attrs)
         if (declared is None and "xmlns" not in attrs and local not in catalogue.by_local
                 and local != "unfold"):
             continue
-        end = m.end() if selfclosing else _end_of(text, name, m.start())
+        if selfclosing:
+            end: int | None = m.end()
+        else:
+            if ends is None:
+                ends = _ends(text)
+            end = ends.get(m.start())
         closed = end is not None
         if not closed and declared is None and "xmlns" not in attrs:
             continue  # "<add>" mentioned in prose, never closed: not a call
         end = len(text) if end is None else end
         fragment = text[m.start():end]
-        outcome = _candidate(fragment, name, local, declared, closed, catalogue)
+        try:
+            outcome = _candidate(fragment, name, local, declared, closed, catalogue)
+        except Rejection as exc:  # e.g. a relative namespace URI: no canonical form
+            outcome = ("notice", f"huh {exc.code.value}: your <{local}> element was not "
+                                 f"sent ({exc.detail or 'not a valid payload'}).")
         if outcome is None:
             continue  # prose after all
         prose.append(text[pos:m.start()])
         pos = end
+        taken += 1
         kind, value = outcome
         if kind == "call":
             calls.append(value.encode() if isinstance(value, str) else value)

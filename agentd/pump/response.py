@@ -81,8 +81,10 @@ def plan_failure(msg: Message, frame: Frame, code: HuhCode) -> ResponsePlan:
     end = ThreadEvent.FAILED if frame.state is _ACTIVE else None
     if msg.kind is MsgKind.REQUEST:
         return _huh(msg.frame, code, end)
-    if not msg.is_core and frame.parent is not None:
-        # The holder failed while taking a response: its caller learns of it.
+    if frame.parent is not None:
+        # The holder failed while taking a response (a core one too: a huh for its
+        # refused call, an ack, a sub-agent's answer): its caller learns of it, and
+        # the frame ends. Otherwise the caller waited until idle collection.
         return _huh(frame.parent, code, end)
     return _notice(None, b"", None, None)
 
