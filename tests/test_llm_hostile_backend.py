@@ -112,3 +112,19 @@ async def test_impossible_usage_is_bounded_and_cannot_lock_the_bucket() -> None:
         assert bucket.level >= -bucket.capacity
         evil.behaviour = GOOD
         assert (await asyncio.wait_for(router.complete(REQUEST), 20)).text == "hi"
+
+
+async def test_usage_of_zero_still_counts_against_budgets() -> None:
+    """A backend reporting 0 tokens made every budget count nothing: an agent forking
+    itself ran 567 model calls in 25 s under a 20,000-token budget. Usage below a
+    quarter of the platform's own byte estimate is counted at that quarter."""
+    text = "a fairly long answer " * 50
+    evil = Evil({**GOOD, "choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": text}}],
+                 "usage": {"prompt_tokens": 0, "completion_tokens": 0}})
+    request = LlmRequest("sys " * 200, (ChatMessage("user", "hi " * 200),), 64, 0.0, "",
+                         "tester")
+    async for router in router_for(evil):
+        response = await asyncio.wait_for(router.complete(request), 20)
+        assert response.input_tokens >= request.estimated_input_tokens // 4 > 0
+        assert response.output_tokens >= len(text) // 16 > 0

@@ -196,13 +196,20 @@ class HttpBackend(Backend):
     def _bounded(self, what: str, reported: int | None, estimate: int, most: int) -> int:
         """The usage a backend reported, or `estimate` when it reported none; at most
         `most` (what the request could have cost), so a hostile or broken server
-        cannot drain a conversation's budget or lock the token buckets."""
+        cannot drain a conversation's budget or lock the token buckets; and at least
+        a quarter of `estimate` (bytes / 16: no tokenizer packs more into a token), so
+        one reporting nothing (0) cannot make budgets count nothing either."""
         if reported is None:
             return estimate
         if reported > most:
             log.warning("llm backend=%s reported an impossible %d %s tokens; counting %d",
                         self.name, reported, what, most)
             return most
+        least = estimate // 4
+        if reported < least:
+            log.warning("llm backend=%s reported an impossible %d %s tokens; counting %d",
+                        self.name, reported, what, least)
+            return least
         return reported
 
 
