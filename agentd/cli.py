@@ -69,7 +69,8 @@ def config_schema() -> None:
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Overrides the organism file's state_dir.")
 @click.option("--log-format", type=click.Choice(["kv", "json"]), default="kv", show_default=True)
-@click.option("--log-level", default="INFO", show_default=True)
+@click.option("--log-level", default="INFO", show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
 def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_level: str) -> None:
     """Run the daemon; with no --config, the built-in demo (initialised on first use)."""
     from agentd._cli_bus import init_home, next_steps
@@ -77,28 +78,29 @@ def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_l
     from agentd._observability import setup_logging
     from agentd.kernel import StateLocked
 
-    setup_logging(log_format, log_level)
-    if config_file is None:
-        home = Path("agentd-home")
-        config_file = home / "organism.yaml"
-        if not config_file.exists():
-            info = init_home(home)
-            click.echo(f"agentd: initialised the demo in {home}/ (client alice)", err=True)
-            click.echo(f"  TOTP: {info['otpauth_uri']}", err=True)
-        click.echo("agentd: talk to it from another shell with", err=True)
-        for line in next_steps(home):
-            click.echo(f"  {line}", err=True)
-    _install_uvloop()
+    setup_logging(log_format, log_level.upper())
     try:
+        if config_file is None:
+            home = Path("agentd-home")
+            config_file = home / "organism.yaml"
+            if not config_file.exists():
+                info = init_home(home)
+                click.echo(f"agentd: initialised the demo in {home}/ (client alice)", err=True)
+                click.echo(f"  TOTP: {info['otpauth_uri']}", err=True)
+            click.echo("agentd: talk to it from another shell with", err=True)
+            for line in next_steps(home):
+                click.echo(f"  {line}", err=True)
+        _install_uvloop()
         sys.exit(asyncio.run(run_daemon(config_file, state_dir)))
     except ConfigError as exc:
         for issue in exc.issues:
             click.echo(issue, err=True)
         sys.exit(1)
-    except StateLocked as exc:
+    except (StateLocked, AgentdError) as exc:
         raise click.ClickException(str(exc)) from None
-    except AgentdError as exc:
-        raise click.ClickException(str(exc)) from None
+    except OSError as exc:  # a state dir that is a file, or cannot be made: one line
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise click.ClickException(f"{exc.strerror or exc}{where}") from None
 
 
 def _install_uvloop() -> None:

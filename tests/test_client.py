@@ -19,7 +19,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agentd._cli_bus import init_cmd, totp_cmd
 from agentd._routing import Routing
-from agentd.bus import BusServer, ClientAuth, server_context
+from agentd.bus import BusServer, ClientAuth, TlsSetupError, client_context, server_context
 from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind
 from agentd.config import load_config
 from agentd.pump import Pump
@@ -359,3 +359,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def test_ordinary_mistakes_get_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """A state_dir that is a file or cannot be made, an unknown log level, a
+    mistyped CA file: each is one line and a non-zero exit (each was a traceback)."""
+    from agentd.cli import main
+
+    home = tmp_path / "home"
+    assert CliRunner().invoke(init_cmd, ["--dir", str(home)]).exit_code == 0
+    config = home / "organism.yaml"
+    (tmp_path / "a-file").write_text("")
+    text = config.read_text()
+    config.write_text(text.replace("state_dir: state", "state_dir: ../a-file"))
+    runner = CliRunner()
+    for args, words in [
+        (["run", "--config", str(config)], "File exists"),
+        (["run", "--config", str(config), "--state-dir", "/proc/nope/x"], "/proc/nope"),
+        (["run", "--config", str(config), "--log-level", "verbose"], "--log-level"),
+    ]:
+        result = runner.invoke(main, args)
+        assert result.exit_code != 0 and words in result.output, (args, result.output)
+        assert not isinstance(result.exception, OSError | ValueError), result.exception
+    with pytest.raises(TlsSetupError, match=r"CA file /nope/ca\.pem"):
+        client_context("/nope/ca.pem")

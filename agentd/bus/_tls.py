@@ -100,7 +100,11 @@ def _load_cert_chain(ctx: ssl.SSLContext, cert: Path, key: bytes) -> None:
 def client_context(cafile: str | Path | None = None, verify: bool = True) -> ssl.SSLContext:
     """Verifies the server against `cafile` (or the system store); `verify=False`
     only for tests and throwaway setups."""
-    ctx = ssl.create_default_context(cafile=str(cafile) if cafile else None)
+    try:
+        ctx = ssl.create_default_context(cafile=str(cafile) if cafile else None)
+    except (OSError, ssl.SSLError) as exc:  # a mistyped path said only "No such file"
+        raise TlsSetupError(f"CA file {cafile}: {getattr(exc, 'strerror', None) or exc}"
+                            ) from None
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if not verify:
         ctx.check_hostname = False
