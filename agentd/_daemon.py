@@ -181,6 +181,8 @@ class Daemon:
     def __init__(self, config: OrganismConfig, config_path: Path | None = None) -> None:
         self.config = config
         self.checked = CheckedConfig(config)  # replaced by preflight at start
+        # What the settings read only at start (_reload.READ_AT_START) were read from.
+        self.started_with: CheckedConfig | None = None
         self.config_path = config_path or config.source
         self.started = time.time()
         self.kernel: Kernel | None = None
@@ -225,7 +227,7 @@ class Daemon:
         """Check everything, open the kernel, build and recover, and bind the
         listening sockets last: a configuration that cannot run never listens."""
         config = self.config
-        self.checked = preflight(config)
+        self.checked = self.started_with = preflight(config)
         self.kernel = await Kernel.open(
             config.state_dir,
             kernel_options(config),

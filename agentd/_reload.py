@@ -41,7 +41,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentd.reload")
 
 # Settings a reload applies; every other change to these sections waits for a restart.
-_RELOADED = frozenset({"bus.tls", "auth.clients_file", "oob.authorized_keys"})
+# Read again at every use or reload, so never a restart (pump.thread_idle_s: the idle
+# collector reads the configuration in service each time it runs).
+_RELOADED = frozenset({"bus.tls", "auth.clients_file", "oob.authorized_keys",
+                       "pump.thread_idle_s"})
 _READ_AT_START = ("bus", "auth", "oob", "metrics", "pump", "journal", "embeddings")
 _FEDERATION_AT_START = ("identity", "federation", "gateways")  # whole sections, optional
 
@@ -87,7 +90,8 @@ def llm_changed(current: CheckedConfig, new: CheckedConfig) -> bool:
     )
 
 
-def plan_reload(current: CheckedConfig, new: CheckedConfig) -> ReloadPlan:
+def plan_reload(current: CheckedConfig, new: CheckedConfig,
+                started: CheckedConfig | None = None) -> ReloadPlan:
     """The difference between the running configuration and the new one; raises
     `ConfigError` for what a reload cannot do (add or remove the bus or the clients
     file)."""
@@ -123,7 +127,9 @@ def plan_reload(current: CheckedConfig, new: CheckedConfig) -> ReloadPlan:
         changed=changed,
         clients=_clients_change(current.clients, new.clients),
         tls_cert=str(new_cfg.bus.tls.cert) if bus_running and new_cfg.bus.tls else None,
-        restart_needed=_restart_needed(current, new),
+        # Against what the daemon started with, not the last reload: settings read
+        # at start keep their first values until a restart, whatever reloads said.
+        restart_needed=_restart_needed(started or current, new),
         new_platform=bool(agents & {*added, *changed}),
     )
 
@@ -268,7 +274,7 @@ async def _reload(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
     if daemon.config_path is None:
         raise ConfigError(["the daemon was not started from a configuration file"])
     new = preflight(load_config(daemon.config_path, state_dir_override=daemon.config.state_dir))
-    plan = plan_reload(daemon.checked, new)
+    plan = plan_reload(daemon.checked, new, daemon.started_with)
     version = daemon.routing.version + 1
     if dry_run:
         return plan.result(version, dry_run=True)

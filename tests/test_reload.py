@@ -121,6 +121,33 @@ def test_settings_read_at_start_are_reported_as_needing_a_restart(home: Path) ->
     assert plan.result(2, dry_run=True)["restart_needed"] == moved
 
 
+def test_restart_needed_compares_with_what_the_daemon_started_with(home: Path) -> None:
+    """A reload that moved max_hops, then a reload back to the file the daemon
+    started with: nothing needs a restart any more (it was still reported), and a
+    need is not forgotten by a later reload that changes something else; the idle
+    timeout is read again each time, so it never needs one."""
+    started = checked(home)
+
+    def hops(n: int) -> Callable[[dict[str, Any]], None]:
+        def edit(doc: dict[str, Any]) -> None:
+            doc.setdefault("pump", {})["max_hops"] = n
+        return edit
+
+    edit_config(home, hops(3))
+    first = checked(home)
+    assert plan_reload(started, first, started).restart_needed == ("pump.max_hops",)
+    edit_config(home, hops(started.config.pump.max_hops))
+    assert plan_reload(first, checked(home), started).restart_needed == ()
+    edit_config(home, hops(3))
+    third = checked(home)
+
+    def idle(doc: dict[str, Any]) -> None:
+        doc["pump"]["thread_idle_s"] = 5
+
+    edit_config(home, idle)
+    assert plan_reload(third, checked(home), started).restart_needed == ("pump.max_hops",)
+
+
 def test_removing_the_bus_or_the_clients_file_is_refused(home: Path) -> None:
     def drop(doc: dict[str, Any]) -> None:
         del doc["bus"]["tls"]
