@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from typing import Any
 
 from agentd._errors import AgentdError, ConfigError
 from agentd.config import ClientEntry, OrganismConfig
+
+log = logging.getLogger("agentd.config")
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,20 @@ def preflight(config: OrganismConfig) -> CheckedConfig:
             issues.append(_located(source, check.setting, str(exc)))
     if issues:
         raise ConfigError(issues)
+    for name in unbudgeted_agents(config):
+        log.warning("agent %s has no token_budget, and no profile that lists it has one: "
+                    "a model that calls the agent itself (up to pump.max_fanout calls a "
+                    "turn, each a task of its own) is bounded only by pump.max_hops",
+                    name)
     return CheckedConfig(config, **loaded)
+
+
+def unbudgeted_agents(config: OrganismConfig) -> list[str]:
+    """Agents whose conversations no token budget bounds (its own, or a profile's)."""
+    budgeted = [p for p in config.profiles.values() if p.token_budget is not None]
+    return [lst.name for lst in config.listeners
+            if lst.agent is not None and lst.agent.token_budget is None
+            and not any(p.listeners == "all" or lst.name in p.listeners for p in budgeted)]
 
 
 def _located(source: str, setting: str, issue: str) -> str:

@@ -541,3 +541,15 @@ def test_a_call_with_a_relative_namespace_is_a_notice_not_an_error(catalogue: An
     parsed = parse_reply('Here: <x xmlns="rel"/>', catalogue)
     assert parsed.calls == () and len(parsed.notices) == 1
     assert "invalid-payload" in parsed.notices[0]
+
+
+def test_an_agent_no_token_budget_bounds_is_named_at_load() -> None:
+    """An agent may call itself (blind self-iteration), up to max_fanout calls a turn:
+    with no token budget, only max_hops bounds the tree of tasks one message makes
+    (3,828 model calls in 47 s in a review). Such agents are named in a warning."""
+    from agentd._preflight import unbudgeted_agents
+
+    backend = '{name: m, provider: openai, base_url: "http://127.0.0.1:9/v1", model: x}'
+    assert unbudgeted_agents(load(organism_yaml(backend))) == ["tutor"]
+    assert unbudgeted_agents(load(organism_yaml(backend, agent=", token_budget: 9000"))) == []
+    assert unbudgeted_agents(load(organism_yaml(backend, profile_budget="9000"))) == []
