@@ -189,6 +189,8 @@ def keygen(ctx: click.Context, out: Path, keygen_key_id: str | None) -> None:
         raise click.BadParameter(f"{key_id!r} must match [A-Za-z0-9_.@-]{{1,128}}",
                                  param_hint="--key-id")
     pub_path = out.with_name(out.name + ".pub")
+    if not out.parent.is_dir():  # a mistyped folder would be created, the key put there
+        _fail(settings, "local", f"{out.parent} is not a folder; create it first", EXIT_FAILED)
     for path in (out, pub_path):
         if path.exists() or path.is_symlink():
             _fail(settings, "local", f"{path} exists; refusing to overwrite it", EXIT_FAILED)

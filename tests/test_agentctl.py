@@ -249,6 +249,9 @@ def test_keygen_writes_a_private_key_and_prints_its_line(tmp_path: Path) -> None
     assert again.exit_code == 1 and "refusing to overwrite" in again.stderr
     bad = CliRunner().invoke(main, ["keygen", "--out", str(tmp_path / "x"), "--key-id", "a b"])
     assert bad.exit_code == 2
+    typo = CliRunner().invoke(main, ["keygen", "--out", str(tmp_path / "no" / "such" / "k")])
+    assert typo.exit_code == 1 and "not a folder" in typo.stderr  # not created silently
+    assert not (tmp_path / "no").exists()
 
 
 def test_keygen_json_and_default_key_id(tmp_path: Path) -> None:
