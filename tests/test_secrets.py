@@ -102,6 +102,16 @@ def test_checking_as_the_daemons_user_accepts_its_files_and_no_one_elses(secret:
     refused(secret, "uid 12345")  # the block's end restores the rule
 
 
+def test_checking_as_the_daemons_user_refuses_a_private_file_it_cannot_read(
+        secret: Path) -> None:
+    """check-config --user: a 0600 file owned by root (made by `sudo`) is one the
+    daemon's user cannot read; it said ok, and the daemon failed at start."""
+    os.chown(secret, 0, -1)
+    with checking_as(12345):
+        refused(secret, "uid 12345 cannot read it", "chown 12345")
+    assert read_secret_file(secret, "clients file") == secret.read_bytes()  # as root
+
+
 def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
     fifo = tmp_path / "clients.yaml"
     os.mkfifo(fifo, 0o600)
