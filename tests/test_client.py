@@ -383,3 +383,13 @@ def test_ordinary_mistakes_get_one_line_not_a_traceback(tmp_path: Path) -> None:
         assert not isinstance(result.exception, OSError | ValueError), result.exception
     with pytest.raises(TlsSetupError, match=r"CA file /nope/ca\.pem"):
         client_context("/nope/ca.pem")
+
+
+def test_send_refuses_a_thread_that_is_not_a_uuid(tmp_path: Path) -> None:
+    """It sent the envelope anyway and the daemon answered `invalid-envelope`; an
+    unusable option is exit 2, before anything is sent."""
+    from agentd._cli_bus import send_cmd
+
+    result = CliRunner().invoke(send_cmd, ["--secret-file", str(tmp_path / "s"),
+                                           "--thread", "notauuid", "-"], input="<x/>")
+    assert result.exit_code == 2 and "is not a UUID" in result.output
