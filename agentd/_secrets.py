@@ -109,9 +109,11 @@ def _refusal(st: os.stat_result, readable_by_others: bool, max_bytes: int) -> st
     elif mode & 0o077:
         return (f"is readable or writable by group or others (mode {mode:04o}); "
                 "it holds secrets: chmod 600 {path}")
-    if daemon not in (None, 0, st.st_uid) and not (readable_by_others and mode & 0o004):
-        # Checked for another user (check-config --user): a private file it does not
-        # own is one it cannot read (the daemon then failed at start).
+    if daemon not in (None, 0, st.st_uid) and not (readable_by_others and mode & 0o044):
+        # Checked for another user (check-config --user): a private file (0600) it
+        # does not own is one it cannot read (the daemon then failed at start). A
+        # shared file may be read through its group (install.sh: root:agentd 0640);
+        # whether that user is in the group is not checked here.
         return (f"is owned by uid {st.st_uid}, so uid {daemon} cannot read it: "
                 f"chown {daemon} {{path}}")
     if st.st_size > max_bytes:

@@ -433,11 +433,20 @@ def test_reload_keys_adds_and_removes_keys(setup: Setup, server: ServerThread) -
 
 
 def test_connection_limit(setup: Setup) -> None:
-    with ServerThread(setup.socket, setup.authorized, max_connections=2):
+    with ServerThread(setup.socket, setup.authorized, max_connections=2) as srv:
         with client(setup) as a, client(setup) as b:
             assert a.request(setup.sign()).ok and b.request(setup.sign()).ok
             with client(setup) as c, pytest.raises(OobProtocolError):
                 c.request(setup.sign())
+
+        async def closed() -> int:  # loop turns until the server has seen them go
+            for _ in range(10_000):
+                if not srv.server._connections:
+                    break
+                await asyncio.sleep(0)
+            return len(srv.server._connections)
+
+        assert srv.run(closed()) == 0
         with client(setup) as c:
             assert c.request(setup.sign()).ok
 

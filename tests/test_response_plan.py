@@ -213,12 +213,17 @@ def test_failure_while_taking_a_response_goes_to_the_callers_caller(call: Call) 
     assert plan.notice_to is call.root and plan.end is ThreadEvent.FAILED
 
 
-def test_failure_on_a_core_notice_tells_nobody(call: Call) -> None:
+def test_failure_on_a_core_notice_tells_the_holders_caller(call: Call) -> None:
+    """A holder that fails while taking a core reply (an ack, a huh for its refused
+    call, a sub-agent's answer): its caller learns of it and the frame ends, as for
+    any reply. It told nobody, and the caller waited until idle collection. The huh
+    goes up the chain, never back to the reply's sender, so it cannot echo."""
     data = build_envelope(CORE, call.relay.uuid, Ack(call.relay.uuid).to_bytes())
     ack = Message(MsgKind.TO_HOLDER, CORE, call.relay, parse_envelope(data).payload,
                   (call.listener,), None, data)
     plan = plan_failure(ack, call.relay, HuhCode.INTERNAL)
-    assert plan.notice_to is None and plan.end is None  # no huh echoes a huh
+    assert call.relay.parent is not None
+    assert plan.notice_to is call.relay.parent and plan.end is ThreadEvent.FAILED
 
 
 def test_an_ended_frame_is_never_ended_again(call: Call) -> None:
