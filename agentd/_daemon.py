@@ -23,6 +23,7 @@ import errno
 import json
 import logging
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -553,6 +554,11 @@ async def _bind(setting: str, address: str, start: Coroutine[Any, Any, None]) ->
     except OSError as exc:
         if exc.errno == errno.EADDRINUSE:
             raise ConfigError([f"{setting}: {address} is already in use"]) from None
+        if isinstance(exc, socket.gaierror) and setting.endswith(".port"):
+            # The host does not resolve: the host is the setting to fix, not the port.
+            raise ConfigError([f"{setting.removesuffix('.port')}.host: cannot resolve "
+                               f"{address.rpartition(':')[0]}: {exc.strerror or exc}"]
+                              ) from None
         raise ConfigError([f"{setting}: cannot listen on {address}: "
                            f"{exc.strerror or exc}"]) from None
 

@@ -346,6 +346,15 @@ def test_a_port_in_use_is_one_line_naming_the_setting(
     assert "Traceback" not in done.stderr
 
 
+def test_a_bus_host_that_does_not_resolve_is_blamed_on_bus_host(home: Path) -> None:
+    """It said `bus.port: cannot listen on 999.1.1.1:...`: the port was fine."""
+    edit_config(home, lambda doc: doc["bus"].update(host="999.1.1.1"))
+    done = run_agentd(home)
+    assert done.returncode == 1
+    assert "bus.host: cannot resolve 999.1.1.1:" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_run_refuses_an_rsa_operator_key_before_listening(home: Path) -> None:
     _break_keys(home)
     done = run_agentd(home)
