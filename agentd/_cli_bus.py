@@ -447,17 +447,6 @@ def default_cafile(secret_file: Path) -> Path | None:
     return candidate if candidate.is_file() else None
 
 
-def _uuid_option(value: str | None) -> str | None:
-    import uuid
-
-    if value is None:
-        return None
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a UUID", param_hint="--thread") from None
-
-
 @click.command("send", context_settings=HELP_OPTIONS)
 @click.option("--url", default=DEFAULT_URL, show_default=True, help="The bus URL.")
 @click.option("--client", default="alice", show_default=True, help="The client id.")
@@ -466,7 +455,8 @@ def _uuid_option(value: str | None) -> str | None:
 @click.option("--session-file", type=click.Path(dir_okay=False, path_type=Path),
               help="Where the session token is cached [default: the secret file with "
                    "suffix .session].")
-@click.option("--thread", callback=lambda _c, _p, v: _uuid_option(v),
+@click.option("--thread", type=click.UUID, metavar="UUID",
+              callback=lambda _c, _p, v: None if v is None else str(v),
               help="Send bare payloads on this thread (a UUID; default: a new one each).")
 @click.option("--timeout", default=30.0, show_default=True, type=float,
               help="Seconds to wait for the answers.")

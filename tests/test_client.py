@@ -392,4 +392,4 @@ def test_send_refuses_a_thread_that_is_not_a_uuid(tmp_path: Path) -> None:
 
     result = CliRunner().invoke(send_cmd, ["--secret-file", str(tmp_path / "s"),
                                            "--thread", "notauuid", "-"], input="<x/>")
-    assert result.exit_code == 2 and "is not a UUID" in result.output
+    assert result.exit_code == 2 and "'notauuid' is not a valid UUID" in result.output

@@ -201,16 +201,11 @@ class HttpBackend(Backend):
         one reporting nothing (0) cannot make budgets count nothing either."""
         if reported is None:
             return estimate
-        if reported > most:
+        counted = min(max(reported, estimate // 4), most)  # estimate // 4 <= most always
+        if counted != reported:
             log.warning("llm backend=%s reported an impossible %d %s tokens; counting %d",
-                        self.name, reported, what, most)
-            return most
-        least = estimate // 4
-        if reported < least:
-            log.warning("llm backend=%s reported an impossible %d %s tokens; counting %d",
-                        self.name, reported, what, least)
-            return least
-        return reported
+                        self.name, reported, what, counted)
+        return counted
 
 
 class ReplayBackend(Backend):
