@@ -85,22 +85,21 @@ def journal_message(tx: Transaction, msg: Message) -> int:
 
 
 def journal_outgoing(batch: Batch, msg: Message) -> None:
-    """A message for a client (the holder of a root frame): journaled as sent and
-    put in the client's durable outbox; handed over once the batch commits."""
+    """A message for a client (the holder of a root frame): see `journal_to_client`."""
+    frame = msg.frame
+    journal_to_client(batch, frame, msg.sender, msg.payload.tag, msg.envelope)
+
+
+def journal_to_client(batch: Batch, root: Frame, sender: str, tag: str, envelope: bytes
+                      ) -> None:
+    """An envelope for the client that owns `root`: journaled as sent and put in the
+    client's durable outbox; handed over once the batch commits."""
     tx = batch.tx
-    client, thread = msg.frame.owner, msg.frame.uuid
-    tx.journal(
-        thread=thread,
-        direction="out",
-        kind=REPLY,
-        handler=client,
-        sender=msg.sender,
-        tag=msg.payload.tag,
-        payload=msg.envelope,
-        profile=msg.frame.profile.name,
-    )
-    oid = tx.outbox_put(client, thread, msg.envelope)
-    batch.post.append((client, thread, msg.envelope, oid))
+    client, thread = root.owner, root.uuid
+    tx.journal(thread=thread, direction="out", kind=REPLY, handler=client, sender=sender,
+               tag=tag, payload=envelope, profile=root.profile.name)
+    oid = tx.outbox_put(client, thread, envelope)
+    batch.post.append((client, thread, envelope, oid))
 
 
 def thread_row(frame: Frame) -> ThreadRow:

@@ -55,11 +55,11 @@ from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.pump import admission, recovery
 from agentd.pump.admission import Violation
 from agentd.pump.batch import (
-    REPLY,
     Batch,
     DeliverFn,
     journal_message,
     journal_outgoing,
+    journal_to_client,
     state_value,
     thread_row,
 )
@@ -683,11 +683,7 @@ class Pump:
         # before the conversation's `accepted`): a peer organism whose call this is
         # takes it as the call's reply (a frame without an outbox row never reaches it).
         envelope = build_envelope(CORE, root.uuid, payload, to=root.owner)
-        tx = batch.tx
-        tx.journal(thread=root.uuid, direction="out", kind=REPLY, handler=root.owner,
-                   sender=CORE, tag=_HUH_TAG, payload=envelope, profile=root.profile.name)
-        oid = tx.outbox_put(root.owner, root.uuid, envelope)
-        batch.post.append((root.owner, root.uuid, envelope, oid))
+        journal_to_client(batch, root, CORE, _HUH_TAG, envelope)
 
     def _security_event(self, kind: str, fields: Mapping[str, str]) -> None:
         metrics.security_events.labels(kind).inc()
