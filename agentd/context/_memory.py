@@ -53,6 +53,10 @@ class _AgentMemories:
         self.records: list[MemoryRecord] = []
         self.index = VectorIndex()
 
+    def fits(self, vector: np.ndarray) -> bool:
+        """Whether `vector` has the width of the vectors held (any, if none is)."""
+        return not len(self.index) or len(vector) == self.index.dimensions
+
 
 class LongTermMemory:
     def __init__(self, embedder: TextVectors | None = None, *, kernel: Kernel | None = None,
@@ -111,9 +115,6 @@ class LongTermMemory:
                             "not be re-embedded with %s (%s); they are not recalled until "
                             "they are (next try in %d s)", len(stale), self.embedder.identity,
                             exc, REEMBED_RETRY_S)
-                keep = set(range(len(rows))).difference(stale)
-                rows = [rows[i] for i in sorted(keep)]
-                vectors = [vectors[i] for i in sorted(keep)]
                 stale = []
         if stale:
             tx = self._kernel.transaction()
@@ -127,8 +128,8 @@ class LongTermMemory:
                      self.embedder.identity)
         for (mid, agent, key, text, created, _identity, _blob), vector in zip(
                 rows, vectors, strict=True):
-            assert vector is not None
-            self._insert(MemoryRecord(mid, agent, text, key, created), vector)
+            if vector is not None:  # None: made by another embedder, not re-embedded yet
+                self._insert(MemoryRecord(mid, agent, text, key, created), vector)
         return len(stale)
 
     # ---- writing (trusted callers only) ---------------------------------------------
@@ -146,7 +147,7 @@ class LongTermMemory:
         record = MemoryRecord(f"m-{secrets.token_hex(6)}", agent, text, key, self._clock())
         vector = (await self.embedder.vectors([_embedded_text(text, key)]))[0]
         mem = self._agents.get(agent)
-        if mem is not None and len(mem.index) and len(vector) != mem.index.dimensions:
+        if mem is not None and not mem.fits(vector):
             raise ValueError(f"the embeddings provider gave {len(vector)} dimensions; this "
                              f"agent's memories have {mem.index.dimensions}")
         if self._kernel is not None:
@@ -182,7 +183,7 @@ class LongTermMemory:
         mem = self._agents.get(record.agent)
         if mem is None:
             mem = self._agents[record.agent] = _AgentMemories()
-        if len(mem.index) and len(vector) != mem.index.dimensions:
+        if not mem.fits(vector):
             log.warning("long-term memory %s of agent %s has %d dimensions, the others %d: "
                         "not recalled", record.id, record.agent, len(vector),
                         mem.index.dimensions)
