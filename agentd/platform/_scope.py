@@ -4,16 +4,13 @@ threads, and answers of a bounded size."""
 
 from __future__ import annotations
 
-import re
-
 from agentd._xml import escape_text
+from agentd.tools.content import xml_safe
 
 MAX_ANSWER_CHARS = 60_000  # core:text allows 65536
 # What an answer's text may take once escaped, in UTF-8: well inside the envelope
 # limit (256 KiB), whatever the text holds ("&" becomes five bytes, a character four).
 MAX_ANSWER_BYTES = 192 * 1024
-# Characters XML 1.0 does not allow in a document: a model may write them.
-_NOT_XML = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 
 
 def bounded_answer(text: str) -> str:
@@ -21,7 +18,7 @@ def bounded_answer(text: str) -> str:
     replaced (U+FFFD), cut to MAX_ANSWER_CHARS and to MAX_ANSWER_BYTES once escaped.
     An answer the pump refused went back to an agent whose task had ended, and the
     caller was never answered."""
-    text = _NOT_XML.sub("\ufffd", text)
+    text = xml_safe(text)  # a model may write characters XML forbids
     cut = len(text) > MAX_ANSWER_CHARS
     if cut:
         text = text[:MAX_ANSWER_CHARS]
