@@ -93,6 +93,12 @@ async def call_tool(session: ClientSession, tool: str, arguments: dict[str, Any]
     )
 
 
+def max_message_bytes(config: Any) -> int:
+    """The most one message from a server may take (a stdio line, an HTTP answer):
+    twice the result cap (JSON escaping) and 64 KiB of framing."""
+    return 2 * config.max_result_bytes + 65536
+
+
 def backoff_s(failures: int) -> float:
     """The delay before the next session after `failures` consecutive ends."""
     return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** max(0, failures - 1))
@@ -263,7 +269,7 @@ class McpServer:
 @contextlib.asynccontextmanager
 async def stdio_connection(config: Any) -> AsyncIterator[Any]:
     ending = Ending()
-    max_line = 2 * config.max_result_bytes + 65536
+    max_line = max_message_bytes(config)
     async with confined_stdio(list(config.command), stdio_policy(config),
                               max_line=max_line, ending=ending) as (read, write):
         yield read, write, ending
@@ -283,7 +289,7 @@ async def http_connection(config: Any, resolver: Resolver = system_resolver
     # No proxy from the environment and no redirects: the checked address is the one used.
     transport = BoundedTransport(
         PinnedTransport(checked, httpx.AsyncHTTPTransport(trust_env=False, retries=0)),
-        max_bytes=2 * config.max_result_bytes + 65536, max_seconds=config.timeout_s + 1.0,
+        max_bytes=max_message_bytes(config), max_seconds=config.timeout_s + 1.0,
         ending=ending)
     async with httpx.AsyncClient(transport=transport, timeout=config.timeout_s,
                                  trust_env=False, follow_redirects=False) as http, \
