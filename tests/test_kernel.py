@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import select
 import signal
+import socket
 import sqlite3
 import stat
 import time
@@ -820,6 +822,97 @@ async def test_delivery_marks_lost_with_a_killed_writer_are_kept_and_written_lat
             outbox._flush()  # what the retry timer does
             await k.flush()
         assert await k.outbox("alice") == []
+
+
+async def until_sent(k: Kernel) -> None:
+    """Loop turns until the kernel has handed a batch to its writer."""
+    async with asyncio.timeout(10):
+        while not k._writing:
+            await asyncio.sleep(0)
+
+
+def take_answer_then_kill_writer(k: Kernel) -> None:
+    """Without yielding to the event loop: take the writer's answer off the socket
+    before the kernel reads it, then SIGKILL the writer (a commit whose answer is
+    lost with its writer)."""
+    proc = k._writer_proc
+    sock = socket.socket(fileno=os.dup(proc._writer.get_extra_info("socket").fileno()))
+    try:
+        assert select.select([sock], [], [], 10)[0], "the writer never answered"
+        assert sock.recv(1 << 20, socket.MSG_DONTWAIT)
+    finally:
+        sock.close()
+    os.kill(proc.pid, signal.SIGKILL)
+
+
+async def test_a_batch_the_dying_writer_never_wrote_is_written_by_the_next(
+        state_dir: Path) -> None:
+    """A writer killed with a batch in flight (the OOM killer, say): the batch used to
+    fail, and a handler's answer in it reached nobody until the daemon restarted. The
+    next writer finds it was never written and writes it; its caller is acknowledged."""
+    async with await Kernel.open(state_dir) as k:
+        before = await journal_one(k, pending=True)
+        os.kill(k._writer_proc.pid, signal.SIGSTOP)  # takes the batch, never writes it
+        tx = k.transaction()
+        seq = tx.journal(thread="t1", direction="in", pending=True)
+        tx.outbox_put("alice", "t1", b"<answer/>")
+        committing = k.commit(tx)
+        await until_sent(k)
+        await k._writer_proc.kill()
+        async with asyncio.timeout(10):
+            await committing  # acknowledged: written by the next writer
+        assert k.writer_restarts == 1
+        assert [e.seq for e in await k.pending_messages()] == [before, seq]
+        assert [d for _, _, d in await k.outbox("alice")] == [b"<answer/>"]
+        ok, _, message = await k.verify()
+        assert ok, message
+
+
+async def test_a_batch_committed_by_a_writer_that_died_before_answering_is_not_written_twice(
+        state_dir: Path) -> None:
+    """The writer commits, then dies before its answer reaches the daemon: the next
+    writer reads that the batch committed, so its caller is acknowledged and nothing
+    is written a second time."""
+    async with await Kernel.open(state_dir) as k:
+        k.fold = False  # one batch, one answer: the one taken away below
+        tx = k.transaction()
+        seq = tx.journal(thread="t1", direction="in", pending=True)
+        tx.outbox_put("alice", "t1", b"<answer/>")
+        committing = k.commit(tx)
+        await until_sent(k)
+        take_answer_then_kill_writer(k)
+        async with asyncio.timeout(10):
+            await committing
+        assert k.writer_restarts == 1
+        assert [e.seq for e in await k.pending_messages()] == [seq]
+        assert [d for _, _, d in await k.outbox("alice")] == [b"<answer/>"]
+        rows = sqlite3.connect(state_dir / DB_NAME).execute(
+            "SELECT count(*) FROM journal WHERE seq = ?", (seq,)).fetchone()
+        assert rows == (1,)
+        ok, _, message = await k.verify()
+        assert ok, message
+
+
+async def test_a_rejected_transaction_of_a_batch_whose_writer_died_stays_rejected(
+        state_dir: Path) -> None:
+    """Rejections are recorded durably too: a transaction the database refused, in a
+    batch whose answer was lost with its writer, fails; its neighbours committed."""
+    async with await Kernel.open(state_dir):
+        pass
+    install_poison_trigger(state_dir)
+    async with await Kernel.open(state_dir, commit_interval_s=0.05) as k:
+        txs = [k.transaction() for _ in range(3)]
+        for tx, client in zip(txs, ("alice", "poison", "alice"), strict=True):
+            tx.outbox_put(client, "t1", client.encode())
+        committing = [k.commit(tx) for tx in txs]  # one batch, after 50 ms
+        await until_sent(k)
+        take_answer_then_kill_writer(k)
+        async with asyncio.timeout(10):
+            outcomes = await asyncio.gather(*committing, return_exceptions=True)
+        assert outcomes[0] is None and outcomes[2] is None
+        assert isinstance(outcomes[1], TransactionRejected)
+        assert [d for _, _, d in await k.outbox("alice")] == [b"alice", b"alice"]
+        assert k.writer_restarts == 1
 
 
 async def test_a_writer_that_cannot_start_fails_the_open_clearly_and_frees_the_lock(

@@ -155,7 +155,7 @@ async def test_a_lone_envelope_and_its_answer_are_sent_as_a_fold(tmp_path: Path)
 
         def record(method: str, *args: Any, **kw: Any) -> asyncio.Future[Any]:
             if method == "write_batch":
-                calls.append((len(args[0]), args[1] if len(args) > 1 else None))
+                calls.append((len(args[0]), args[2] if len(args) > 2 else None))
             return real(method, *args, **kw)
 
         proc.call = record  # type: ignore[method-assign]
@@ -203,7 +203,7 @@ async def test_a_close_cancelled_mid_fold_leaves_no_caller_waiting(tmp_path: Pat
     started = asyncio.Event()
 
     def record(method: str, *args: Any, **kw: Any) -> asyncio.Future[Any]:
-        if method == "write_batch" and len(args) > 1 and args[1] is True and not closing:
+        if method == "write_batch" and len(args) > 2 and args[2] is True and not closing:
             closing.append(loop.create_task(k.close()))
             started.set()
             loop.call_soon(closing[0].cancel)  # once close() has started waiting

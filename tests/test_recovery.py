@@ -114,6 +114,39 @@ async def test_pending_messages_are_redelivered_with_the_flag(tmp_path: Path) ->
             assert f"<seq>{n}</seq>".encode() in done
 
 
+async def test_an_answer_in_flight_when_the_writer_dies_reaches_its_client(
+        tmp_path: Path) -> None:
+    """The kernel's writer process dies (the OOM killer, say) while it holds the
+    answer to an accepted message. The client used to wait for that answer until the
+    daemon restarted; now the next writer commits it and the client gets it, once,
+    from the one run of its handler."""
+    hold = spec_of(L.Hold)
+    thread = new_uuid()
+    L.SEEN.clear()
+    gate = L.GATE["event"] = asyncio.Event()
+    async with Harness.from_config(ORGANISM, {"alice": "public"}, state_dir=tmp_path) as h:
+        kernel = h.kernel
+        assert kernel is not None
+        data = build_envelope("alice", thread, hold.to_bytes(L.Hold(n=7)))
+        assert (await h.pump.submit("alice", data)).accepted
+        os.kill(kernel._writer_proc.pid, signal.SIGSTOP)  # takes the answer, never writes it
+        gate.set()
+        async with asyncio.timeout(10):
+            while not kernel._writing:  # loop turns until the answer is with the writer
+                await asyncio.sleep(0)
+        await kernel._writer_proc.kill()
+        async with asyncio.timeout(10):
+            await kernel.wait_healthy()
+            await h.run_until_idle()
+        done = [f for f in h.frames("alice", thread) if b"<done" in f]
+        assert len(done) == 1 and b"<seq>7</seq>" in done[0]
+        assert L.SEEN["hold"] == [(7, False)]  # handled once, not again
+        assert kernel.writer_restarts == 1
+        assert await kernel.pending_messages() == []
+        ok, _, message = await kernel.verify()
+        assert ok, message
+
+
 async def test_thread_chain_and_profile_survive_a_restart(tmp_path: Path) -> None:
     add = spec_of(Add)
     thread = new_uuid()

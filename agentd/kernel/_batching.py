@@ -23,6 +23,9 @@ resolves each transaction's future once the writer has answered after its COMMIT
 A batch the writer could not take fails its callers with `KernelUnavailable`; a
 transaction the database rejects fails alone (`TransactionRejected`); what the
 kernel does with a commit or a storage failure (health, hooks) stays in `Kernel`.
+A batch whose writer process died before answering is neither: it is an orphan,
+kept until the next writer says what became of it (`Kernel._settle_orphans`). Every
+transaction sent is numbered, in sending order, for that.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from agentd.kernel._errors import KernelUnavailable, TransactionRejected
+from agentd.kernel._errors import KernelUnavailable, TransactionRejected, WriterExited
 from agentd.kernel._lifecycle import Phase
 from agentd.kernel._store import is_storage_error
 from agentd.kernel._transaction import Transaction, TxContext
@@ -47,6 +50,7 @@ _FOLD_TURNS = 4  # loop turns a batch waits for while each adds transactions (_g
 _FOLD_MAX_TXS = 2  # a fold starts from at most this many queued (a lone client's envelope)
 
 Queued = tuple[Transaction, Any]  # a transaction and its future (or commit_then holder)
+Sent = tuple[list[Queued], "asyncio.Future[tuple]", int]  # a batch, its reply, its first txn
 
 
 class KernelBatching:
@@ -62,6 +66,7 @@ class KernelBatching:
     _interval: float
     _max_entries: int
     _writer_proc: WriterProcess
+    _next_txn: int  # the number the next transaction sent gets (see `_write`)
     # Kernel's: a batch committed (resolve, record health, hooks) or failed.
     _committed: Callable[[list[Queued], float, int], None]
     _storage_failed: Callable[[BaseException, list[Queued]], None]
@@ -69,6 +74,9 @@ class KernelBatching:
     def _init_batching(self) -> None:
         self._queue: deque[Queued] = deque()
         self._writing: list[list[Queued]] = []  # sent, outcome not yet known
+        # Batches sent to a writer that died before answering, with the number of their
+        # first transaction: settled when the next writer has started.
+        self._orphans: list[tuple[int, list[Queued]]] = []
         self._inflight: deque[asyncio.Task[None]] = deque()  # one task a batch (or fold)
         # A lone client: send its batch in two parts (see _send_folded). Benchmarks set it
         # False to measure the kernel without.
@@ -149,8 +157,8 @@ class KernelBatching:
         One task finishes both parts, so a fold takes one place in the pipeline.
         Under load batches form by themselves while the writer works (`_gather`)."""
         first = self._take()
-        first_reply = self._write(first, more=True)
-        if first_reply is None:
+        first_sent = self._write(first, more=True)
+        if first_sent is None:
             return
         queue = self._queue
         try:
@@ -161,13 +169,12 @@ class KernelBatching:
                     break
         finally:
             last = self._take() if queue else []
-            last_reply = self._write(last, more=False)
-            if last_reply is None:  # it failed; the writer still waits for the end
-                last = []
-                last_reply = self._write(last, more=False)
-            parts = [(first, first_reply)]
-            if last_reply is not None:
-                parts.append((last, last_reply))
+            last_sent = self._write(last, more=False)
+            if last_sent is None:  # it failed; the writer still waits for the end
+                last_sent = self._write([], more=False)
+            parts = [first_sent]
+            if last_sent is not None:
+                parts.append(last_sent)
             self._inflight.append(self._loop.create_task(self._finish(parts)))
 
     def _take(self) -> list[Queued]:
@@ -218,37 +225,40 @@ class KernelBatching:
         """Send `batch` to the writer now (calls are answered in order) and finish it
         in a task of its own, so the next batch can be sent while this one is written
         (two in flight: the event loop builds the next while the writer writes)."""
-        reply = self._write(batch)
-        if reply is not None:
-            self._inflight.append(self._loop.create_task(self._finish([(batch, reply)])))
+        sent = self._write(batch)
+        if sent is not None:
+            self._inflight.append(self._loop.create_task(self._finish([sent])))
 
-    def _write(self, batch: list[Queued],
-               more: bool | None = None) -> asyncio.Future[tuple] | None:
-        """Hand `batch` to the writer; its reply, or None if it could not be sent (then
-        it failed). `more`: part of a fold (see `_send_folded`); True: another part
-        follows."""
+    def _write(self, batch: list[Queued], more: bool | None = None) -> Sent | None:
+        """Hand `batch` to the writer, its transactions numbered from `_next_txn`: what
+        was sent, or None if it could not be (then it failed). `more`: part of a fold
+        (see `_send_folded`); True: another part follows."""
         wires = [tx.wire() for tx, _ in batch]
-        args = (wires,) if more is None else (wires, more)
+        first = self._next_txn
+        args = (wires, first) if more is None else (wires, first, more)
         try:  # the loop polls for the reply, except to a fold's first part (see call)
             reply = self._writer_proc.call("write_batch", *args, spin=not more)
         except Exception as exc:  # e.g. a payload that does not pickle: not written
             self._storage_failed(KernelUnavailable(f"kernel writer error: {exc!r}"), batch)
             return None
+        self._next_txn = first + len(batch)
         self._writing.append(batch)
-        return reply
+        return batch, reply, first
 
-    async def _finish(self, parts: list[tuple[list[Queued],
-                                              asyncio.Future[tuple]]]) -> None:
+    async def _finish(self, parts: list[Sent]) -> None:
         """Resolve the futures of a batch, or of each part of a fold, from its reply."""
-        for batch, reply in parts:
-            await self._finish_part(batch, reply)
+        for part in parts:
+            await self._finish_part(*part)
         self._wake.set()  # _writer_ready
 
-    async def _finish_part(self, batch: list[Queued],
-                           reply: asyncio.Future[tuple]) -> None:
+    async def _finish_part(self, batch: list[Queued], reply: asyncio.Future[tuple],
+                           first: int) -> None:
         whole = batch
         try:
             seconds, ops, rejected, storage = await reply
+        except WriterExited:
+            if batch:  # committed or not: the next writer knows (_settle_orphans)
+                self._orphans.append((first, batch))
         except Exception as exc:
             if not is_storage_error(exc):  # a bug in the writer: do not acknowledge
                 log.error("kernel: writer error: %r", exc)

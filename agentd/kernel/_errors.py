@@ -25,6 +25,11 @@ class KernelUnavailable(AgentdError):
     """
 
 
+class WriterExited(KernelUnavailable):
+    """The writer process died with the call in flight: whether its batch committed is
+    not known here. The kernel asks the next writer (see `Kernel._settle_orphans`)."""
+
+
 class TransactionRejected(KernelUnavailable):
     """This one transaction failed on its own (e.g. a constraint), not the storage.
 

@@ -50,8 +50,8 @@ from typing import Any
 
 import aiosqlite
 
-from agentd.kernel._batching import KernelBatching, fail
-from agentd.kernel._errors import KernelUnavailable, SchemaTooNew
+from agentd.kernel._batching import KernelBatching, Queued, fail
+from agentd.kernel._errors import KernelUnavailable, SchemaTooNew, TransactionRejected
 from agentd.kernel._health import BACKOFF_START_S, Health, HealthEvent, WriteHealth
 from agentd.kernel._lifecycle import Phase, PhaseEvent, next_phase
 from agentd.kernel._lock import StateDirLock
@@ -89,7 +89,8 @@ class Kernel(KernelReads, KernelBatching):
                  store_options: dict[str, Any], reader: aiosqlite.Connection, ctx: TxContext,
                  commit_interval_s: float, commit_max_entries: int, sweep_interval_s: float,
                  context_ttl_s: float, checkpoint_idle_s: float, sweep_chunk: int,
-                 on_commit: OnCommit | None, max_outbox_per_client: int = 10_000) -> None:
+                 on_commit: OnCommit | None, max_outbox_per_client: int = 10_000,
+                 last_txn: int = 0) -> None:
         self._max_outbox = max_outbox_per_client
         self._clock = ctx.clock  # wall clock: stamps, retention and TTL cutoffs
         self.state_dir = state_dir
@@ -111,6 +112,7 @@ class Kernel(KernelReads, KernelBatching):
         self._wake = asyncio.Event()
         self._phase = Phase.OPEN
         self._init_batching()
+        self._next_txn = last_txn + 1  # numbers of the transactions sent (_write)
         self._closed = asyncio.Event()  # set when CLOSED: a second close() waits for it
         self._health = WriteHealth()
         self._recovered = asyncio.Event()  # set while healthy: see wait_healthy
@@ -154,7 +156,7 @@ class Kernel(KernelReads, KernelBatching):
                                          "max_db_bytes": o.max_db_bytes}
         writer: WriterProcess | None = None
         try:
-            writer, (seq, outbox_id, migrated_from, counts) = await _start_writer(
+            writer, (seq, outbox_id, last_txn, migrated_from, counts) = await _start_writer(
                 db, lock, store_options)
             if migrated_from != code_version():
                 log.info("kernel database %s migrated from schema %d to %d", db,
@@ -180,7 +182,7 @@ class Kernel(KernelReads, KernelBatching):
                    context_ttl_s=o.context_ttl_hours * 3600.0,
                    checkpoint_idle_s=o.checkpoint_idle_s, sweep_chunk=o.sweep_chunk,
                    max_outbox_per_client=o.max_outbox_per_client,
-                   on_commit=on_commit)
+                   on_commit=on_commit, last_txn=last_txn)
 
     async def close(self) -> None:
         """Commit everything submitted, checkpoint, release the lock. Idempotent."""
@@ -328,6 +330,7 @@ class Kernel(KernelReads, KernelBatching):
                         await self._restart_writer()
                     except Exception as exc:  # cannot start one: fail, do not hang
                         self._storage_failed(exc, self._take())
+                        self._fail_orphans(exc)
                         continue
                 if self._lone_client():
                     await self._send_folded()
@@ -419,6 +422,14 @@ class Kernel(KernelReads, KernelBatching):
             self._ctx.release(tx.ops)
             fail(fut, exc)
         self._queued_ops = 0
+        self._fail_orphans(exc)
+
+    def _fail_orphans(self, exc: BaseException) -> None:
+        """No writer can say what became of the orphans: fail them (not acknowledged;
+        what committed of them is found again at the next start, like after a crash)."""
+        orphans, self._orphans = self._orphans, []
+        for _, batch in orphans:
+            self._storage_failed(KernelUnavailable(f"kernel writer lost: {exc}"), batch)
 
     async def _probe(self) -> None:
         try:
@@ -427,6 +438,7 @@ class Kernel(KernelReads, KernelBatching):
             await self._call("probe")
         except Exception as exc:
             self._record(HealthEvent.PROBE_FAILED, str(exc))
+            self._fail_orphans(exc)
             return
         self._record(HealthEvent.PROBE_SUCCEEDED)
         log.warning("kernel: write probe succeeded after %.1f s; accepting",
@@ -451,18 +463,57 @@ class Kernel(KernelReads, KernelBatching):
         return changed
 
     async def _restart_writer(self) -> None:
-        """The writer process died (killed, out of memory): start another. What it
-        had not committed failed with `KernelUnavailable` and was never acknowledged;
-        the new one reads the chain head back from the database."""
+        """The writer process died (killed, out of memory): start another, which reads
+        the chain head back from the database, then settle the batches the dead one
+        never answered (`_settle_orphans`)."""
         old = self._writer_proc
         with contextlib.suppress(Exception):
             await old.stop()
+        while self._inflight:  # answered by now (the dead writer failed every call)
+            await self._inflight.popleft()
         self._writer_proc, _ = await _start_writer(self.db_path, self._lock,
                                                    self._store_options)
         self._writer_proc.on_exit = self._writer_died
         self.writer_restarts += 1
         log.warning("kernel: writer process %d replaced by %d", old.pid,
                     self._writer_proc.pid)
+        await self._settle_orphans()
+
+    async def _settle_orphans(self) -> None:
+        """Resolve each transaction of the batches a dead writer never answered, from
+        what its successor reads on disk: committed (acknowledged now), rejected
+        (failed alone), or never written (queued again, ahead of everything queued
+        since, so commits keep their order). Nothing is written twice and nothing
+        acknowledged is lost: a message whose handler's answer was in flight when the
+        writer died is answered once the new writer has committed it."""
+        if not self._orphans:
+            return
+        orphans = sorted(self._orphans, key=lambda orphan: orphan[0])
+        last, rejected_txns = await self._call("outcomes", orphans[0][0])
+        self._orphans = []
+        rejected = set(rejected_txns)
+        committed: list[Queued] = []
+        again: list[Queued] = []
+        refused = 0
+        for first, batch in orphans:
+            for txn, (tx, fut) in enumerate(batch, first):
+                if txn > last:
+                    again.append((tx, fut))
+                elif txn in rejected:
+                    refused += 1
+                    self._ctx.release(tx.ops)
+                    fail(fut, TransactionRejected("transaction rejected by the database"))
+                else:
+                    committed.append((tx, fut))
+        self._committed(committed, 0.0, 0)
+        self._queue.extendleft(reversed(again))
+        self._queued_ops += sum(len(tx.rows) + len(tx.ops) for tx, _ in again)
+        if again:
+            self._head_time = self._loop.time() - self._interval  # overdue: send at once
+            self._wake.set()
+        log.warning("kernel: transactions in flight when the writer died: %d had "
+                    "committed, %d were rejected, %d are sent again", len(committed),
+                    refused, len(again))
 
     async def _idle_checkpoint(self) -> None:
         try:
@@ -518,8 +569,8 @@ class Kernel(KernelReads, KernelBatching):
 
 
 async def _start_writer(db: Path, lock: StateDirLock, store_options: dict[str, Any]
-                        ) -> tuple[WriterProcess, tuple[int, int, int, dict]]:
-    """Start a writer process and open the store in it: (writer, (seq, outbox_id,
+                        ) -> tuple[WriterProcess, tuple[int, int, int, int, dict]]:
+    """Start a writer process and open the store in it: (writer, (seq, outbox_id, txn,
     migrated_from, context_counts)). Stops the process again if the open fails."""
     writer = await WriterProcess.start(lock.fd)
     try:

@@ -156,7 +156,20 @@ _V3_DURABLE = (
     "CREATE INDEX IF NOT EXISTS approvals_pending ON approvals (state, deadline)",
 )
 
-MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_CONTEXT, 3: _V3_DURABLE}
+# The outcome of the writer's last batch: every batch the kernel sends numbers its
+# transactions in sending order (the writer commits in that order), and each commit
+# records in `head.txn` the number of the last transaction it made durable;
+# `rejected_txns` holds the numbers of transactions the database refused on their own.
+# When the writer process dies with batches in flight, the next writer reads both and
+# the kernel resolves each of those transactions exactly: committed, rejected, or
+# sent again (`Kernel._settle_orphans`).
+_V4_OUTCOMES = (
+    "ALTER TABLE head ADD COLUMN txn INTEGER NOT NULL DEFAULT 0",
+    "CREATE TABLE IF NOT EXISTS rejected_txns (txn INTEGER PRIMARY KEY)",
+)
+
+MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_CONTEXT, 3: _V3_DURABLE,
+                                          4: _V4_OUTCOMES}
 
 
 def code_version() -> int:

@@ -15,7 +15,7 @@ import json
 import os
 import sqlite3
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -76,6 +76,7 @@ class Head:
     hash: bytes
     seq: int
     outbox_id: int
+    txn: int  # the last transaction number made durable (see `commit`)
 
 
 class Store:
@@ -108,9 +109,9 @@ class Store:
             conn.execute("PRAGMA foreign_keys=OFF")
             default_max_pages = int(conn.execute("PRAGMA max_page_count").fetchone()[0])
             migrated_from, _ = migrate(conn, db)
-            pos, h, seq, oid = conn.execute(
-                "SELECT pos, hash, seq, outbox_id FROM head WHERE id = 0").fetchone()
-            store = cls(conn, db, Head(pos, h, seq, oid), default_max_pages)
+            pos, h, seq, oid, txn = conn.execute(
+                "SELECT pos, hash, seq, outbox_id, txn FROM head WHERE id = 0").fetchone()
+            store = cls(conn, db, Head(pos, h, seq, oid, txn), default_max_pages)
             store.migrated_from = migrated_from
             if max_db_bytes is not None:
                 store.set_max_bytes(max_db_bytes)
@@ -121,9 +122,10 @@ class Store:
 
     # -- writes ---------------------------------------------------------------------
 
-    def write(self, plan: BatchPlan) -> None:
+    def write(self, plan: BatchPlan, txn: int | None = None) -> None:
         """One batch, one SQLite transaction. Chain hashes are computed here, in commit
-        order, so a transaction that fails never leaves a hole in the chain."""
+        order, so a transaction that fails never leaves a hole in the chain. `txn`: the
+        number of its last transaction, recorded with it (see `commit`)."""
         upgrade = plan.full_sync and self.synchronous in ("0", "1")  # OFF, NORMAL
         if upgrade:
             self.conn.execute("PRAGMA synchronous=FULL")
@@ -131,7 +133,7 @@ class Store:
             self.begin()
             try:
                 self.apply(plan)
-                self.commit()
+                self.commit(txn)
             except BaseException:
                 self.rollback()
                 raise
@@ -199,17 +201,44 @@ class Store:
         for statement, params in plan.durable:
             conn.execute(statement, params)
         self._open_head = Head(pos, prev, max(head.seq, plan.max_seq),
-                               max(head.outbox_id, plan.max_outbox_id))
+                               max(head.outbox_id, plan.max_outbox_id), head.txn)
 
-    def commit(self) -> None:
-        """End the open transaction; the chain head moves only once COMMIT returned."""
+    def commit(self, txn: int | None = None) -> None:
+        """End the open transaction; the chain head moves only once COMMIT returned.
+        `txn`, the kernel's number of the last transaction this commit makes durable,
+        commits with it: a writer that dies before answering leaves the outcome on
+        disk (see `outcomes`)."""
         new_head = self._open_head
+        if txn is not None and txn > new_head.txn:
+            new_head = replace(new_head, txn=txn)
         if new_head != self.head:
-            self.conn.execute("UPDATE head SET pos = ?, hash = ?, seq = ?, outbox_id = ? "
-                              "WHERE id = 0",
-                              (new_head.pos, new_head.hash, new_head.seq, new_head.outbox_id))
+            self.conn.execute("UPDATE head SET pos = ?, hash = ?, seq = ?, outbox_id = ?, "
+                              "txn = ? WHERE id = 0",
+                              (new_head.pos, new_head.hash, new_head.seq, new_head.outbox_id,
+                               new_head.txn))
         self.conn.execute("COMMIT")
         self.head = new_head
+
+    def record_rejected(self, txn: int) -> None:
+        """Transaction `txn` was refused by the database on its own: say so durably,
+        so its outcome is known even if the writer dies before answering."""
+        self.conn.execute("BEGIN")
+        try:
+            self.conn.execute("INSERT OR IGNORE INTO rejected_txns VALUES (?)", (txn,))
+            self._open_head = self.head
+            self.commit(txn)
+        except BaseException:
+            self.rollback()
+            raise
+
+    def outcomes(self, first: int) -> tuple[int, list[int]]:
+        """What became of the transactions numbered `first` and later: (the last one
+        made durable, those of them the database rejected). Older rejections are
+        forgotten: the kernel asks only about what it has not settled."""
+        self.conn.execute("DELETE FROM rejected_txns WHERE txn < ?", (first,))
+        rejected = [r[0] for r in self.conn.execute(
+            "SELECT txn FROM rejected_txns WHERE txn >= ? ORDER BY txn", (first,))]
+        return self.head.txn, rejected
 
     def rollback(self) -> None:
         self._rollback()

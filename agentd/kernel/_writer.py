@@ -18,7 +18,12 @@ both length-prefixed (4 bytes, big endian). Only the two ends of one socketpair,
 daemon and the child it started, ever speak on it; pickle and marshal are safe here
 for that reason only. Requests are answered in order, so callers pipeline.
 
-Folds: `write_batch(txs, more)` sends a batch in parts. The child applies each part
+Batches: `write_batch(txs, first[, more])`; `first` numbers the batch's transactions
+(`first`, `first + 1`, ...: the kernel numbers them in sending order) and each COMMIT
+records the last number it made durable, each rejection its number, so the outcome of
+a batch whose writer died before answering can be read back (`outcomes`).
+
+Folds: `write_batch(txs, first, more)` sends a batch in parts. The child applies each part
 in one open SQLite transaction as it arrives and commits after the part sent with
 `more=False`, then answers every part: the daemon sends what is queued at once and
 the rest a few event-loop turns later, and the child's statements for the first part
@@ -54,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from agentd._spin import LoopSpin, wait_readable
-from agentd.kernel._errors import KernelUnavailable
+from agentd.kernel._errors import WriterExited
 from agentd.kernel._store import Store, is_storage_error
 from agentd.kernel._transaction import plan_batch
 
@@ -122,7 +127,7 @@ class WriterProcess:
     def call(self, method: str, *args: Any, spin: bool = True) -> asyncio.Future[Any]:
         fut: asyncio.Future[Any] = self._loop.create_future()
         if self._dead is not None:
-            fut.set_exception(KernelUnavailable(self._dead))
+            fut.set_exception(WriterExited(self._dead))
             return fut
         data = marshal.dumps((method, args))
         # One write, header and body together: each write is a send() that wakes the
@@ -194,7 +199,7 @@ class WriterProcess:
         while self._waiting:
             fut = self._waiting.popleft()
             if not fut.done():
-                fut.set_exception(KernelUnavailable(self._dead))
+                fut.set_exception(WriterExited(self._dead))
                 fut.exception()
 
 
@@ -207,15 +212,21 @@ class _Served:
     def __init__(self) -> None:
         self.store: Any = None
         # Batches applied in the open SQLite transaction of a fold (see `fold`), with
-        # the seconds each took to plan and apply, not yet committed or answered.
-        self._folded: list[tuple[list[tuple], float, int]] = []
+        # the number of their first transaction, the seconds each took to plan and
+        # apply and its operations, not yet committed or answered.
+        self._folded: list[tuple[list[tuple], int | None, float, int]] = []
 
-    def open(self, db: str, options: dict[str, Any]) -> tuple[int, int, int, dict]:
+    def open(self, db: str, options: dict[str, Any]) -> tuple[int, int, int, int, dict]:
         self.store = Store.open(Path(db), **options)
         head = self.store.head
-        return head.seq, head.outbox_id, self.store.migrated_from, self.store.context_counts()
+        return (head.seq, head.outbox_id, head.txn, self.store.migrated_from,
+                self.store.context_counts())
 
-    def write_batch(self, txs: list[tuple]) -> tuple[float, int, list, tuple | None]:
+    def outcomes(self, first: int) -> tuple[int, list[int]]:
+        return self.store.outcomes(first)
+
+    def write_batch(self, txs: list[tuple], first: int | None = None
+                    ) -> tuple[float, int, list, tuple | None]:
         """Plan and write a batch as one SQLite transaction. If that fails for a reason
         other than the storage, retry each transaction alone, so one bad transaction
         cannot take the others down with it (here, so the order of commits stays the
@@ -224,10 +235,11 @@ class _Served:
         Returns (seconds, operations written, [(index, message) of rejected
         transactions], None or (index, message): a storage error stopped the retries
         at that transaction, it and the rest were not written). A storage error on the
-        whole batch raises."""
+        whole batch raises. `first`: the number of its first transaction (see the
+        module docstring)."""
         t0 = time.perf_counter()
         try:
-            ops = self._write(txs)
+            ops = self._write(txs, _last(first, txs))
             return time.perf_counter() - t0, ops, [], None
         except Exception as exc:
             if is_storage_error(exc):
@@ -237,25 +249,32 @@ class _Served:
         ops = 0
         rejected: list[tuple[int, str]] = []
         for i, tx in enumerate(txs):
+            txn = None if first is None else first + i
             try:
-                ops += self._write([tx])
+                ops += self._write([tx], txn)
             except Exception as exc:
                 if is_storage_error(exc):
                     return time.perf_counter() - t0, ops, rejected, (i, str(exc))
                 rejected.append((i, str(exc)))
+                if txn is not None:
+                    try:
+                        self.store.record_rejected(txn)
+                    except Exception as error:  # the rest is not written: say so
+                        return time.perf_counter() - t0, ops, rejected, (i + 1, str(error))
         return time.perf_counter() - t0, ops, rejected, None
 
-    def _write(self, txs: list[tuple]) -> int:
+    def _write(self, txs: list[tuple], txn: int | None) -> int:
         plan = plan_batch(txs)
         if plan.ops:  # empty transactions (flush barriers) need no SQLite transaction
-            self.store.write(plan)
+            self.store.write(plan, txn)
         return plan.ops
 
     @property
     def folding(self) -> bool:
         return bool(self._folded)
 
-    def fold(self, txs: list[tuple], more: bool) -> list[tuple] | None:
+    def fold(self, txs: list[tuple], more: bool, first: int | None = None
+             ) -> list[tuple] | None:
         """Apply a batch in the fold's open SQLite transaction (opening it); with
         `more`, the next request is another batch that commits with this one. Returns
         None while the fold stays open, else one reply per batch folded, in order:
@@ -270,48 +289,51 @@ class _Served:
                 raise _Unfoldable
             if not self._folded:
                 self.store.begin()
-            self._folded.append((txs, 0.0, plan.ops))
+            self._folded.append((txs, first, 0.0, plan.ops))
             if plan.ops:
                 self.store.apply(plan)
-            self._folded[-1] = (txs, time.perf_counter() - t0, plan.ops)
+            self._folded[-1] = (txs, first, time.perf_counter() - t0, plan.ops)
             if more:
                 return None
             return self._commit_fold()
         except Exception as exc:
-            return self._unfold(txs, exc)
+            return self._unfold(txs, first, exc)
 
     def end_fold(self) -> list[tuple]:
         """Commit an open fold now (a request other than its next batch came)."""
         try:
             return self._commit_fold()
         except Exception as exc:
-            return self._unfold(None, exc)
+            return self._unfold(None, None, exc)
 
     def _commit_fold(self) -> list[tuple]:
         """COMMIT; one commit, so the last part's reply carries the fold's seconds and
         operations and the others none (the daemon counts commits, not parts)."""
         t0 = time.perf_counter()
-        self.store.commit()
+        lasts = [last for txs, first, _, _ in self._folded
+                 if (last := _last(first, txs)) is not None]
+        self.store.commit(max(lasts, default=None))
         folded, self._folded = self._folded, []
-        seconds = sum(part[1] for part in folded) + time.perf_counter() - t0
-        ops = sum(part[2] for part in folded)
+        seconds = sum(part[2] for part in folded) + time.perf_counter() - t0
+        ops = sum(part[3] for part in folded)
         replies: list[tuple] = [(True, (0.0, 0, [], None))] * (len(folded) - 1)
         replies.append((True, (seconds, ops, [], None)))
         return replies
 
-    def _unfold(self, txs: list[tuple] | None, exc: Exception) -> list[tuple]:
-        batches = [t for t, _, _ in self._folded]
-        if txs is not None and (not batches or batches[-1] is not txs):
-            batches.append(txs)
+    def _unfold(self, txs: list[tuple] | None, first: int | None, exc: Exception
+                ) -> list[tuple]:
+        batches = [(t, f) for t, f, _, _ in self._folded]
+        if txs is not None and (not batches or batches[-1][0] is not txs):
+            batches.append((txs, first))
         self._folded = []
         if self.store.conn.in_transaction:
             self.store.rollback()
         if is_storage_error(exc):
             return [(False, exc, getattr(exc, "sqlite_errorcode", None))] * len(batches)
         replies: list[tuple] = []
-        for batch in batches:
+        for batch, start in batches:
             try:
-                replies.append((True, self.write_batch(batch)))
+                replies.append((True, self.write_batch(batch, start)))
             except Exception as error:
                 replies.append((False, error, getattr(error, "sqlite_errorcode", None)))
         return replies
@@ -334,6 +356,12 @@ class _Served:
                     "set_max_bytes"):
             return getattr(self.store, name)
         raise AttributeError(name)
+
+
+def _last(first: int | None, txs: list[tuple]) -> int | None:
+    """The number of the last of `txs` numbered from `first` (None: not numbered; an
+    empty part numbers nothing)."""
+    return None if first is None or not txs else first + len(txs) - 1
 
 
 class _Unfoldable(Exception):
@@ -370,9 +398,10 @@ def _serve(sock: socket.socket) -> None:
             if body is None:
                 return
             method, args = marshal.loads(body)
-            if method == "write_batch" and (len(args) > 1 or served.folding):
+            if method == "write_batch" and (len(args) > 2 or served.folding):
                 # A fold: batches sent one after the other commit together.
-                replies = served.fold(args[0], bool(args[1]) if len(args) > 1 else False)
+                replies = served.fold(args[0], bool(args[2]) if len(args) > 2 else False,
+                                      args[1])
                 if replies is not None:
                     _answer(sock, replies)
                 continue
