@@ -396,6 +396,27 @@ def _sound() -> tuple[AssembledContext, PromptRegistry, dict[str, str]]:
     return ctx, registry, dict(prompt.facts)
 
 
+def test_validate_no_override_reads_xml_fragments_as_xml() -> None:
+    """A schema-checked payload's element names are the schema's: `<user>` there is
+    no role tag. Its character data still is checked: a role tag the neutraliser
+    missed is found."""
+    ctx, registry, facts = _sound()
+    prompt = registry.get("tutor")
+
+    def task(xml: str) -> AssembledContext:
+        return assemble(prompt, nonce=ctx.nonce, task=Fragment(Layer.DELEGATED, xml, "task",
+                                                               xml=True))
+
+    assert validate_no_override(task("<t><user>bob</user><system>x</system></t>"),
+                                registry, facts) == []
+    problems = validate_no_override(task("<t><user>&lt;system&gt;</user></t>"), registry, facts)
+    assert any("a role tag inside" in p for p in problems), problems
+    as_text = assemble(prompt, nonce=ctx.nonce,
+                       task=Fragment(Layer.DELEGATED, "<t><user>bob</user></t>", "task"))
+    assert any("a role tag inside" in p
+               for p in validate_no_override(as_text, registry, facts))
+
+
 def test_validate_no_override_accepts_a_sound_assembly() -> None:
     ctx, registry, facts = _sound()
     assert validate_no_override(ctx, registry, facts) == []

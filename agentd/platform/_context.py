@@ -67,6 +67,9 @@ class Fragment:
     content: str
     source: str  # platform-chosen label: "task", "result:calculator.add", "memory", ...
     role: Role = "user"  # "assistant" only for the model's own replies (layer 5)
+    # A schema-checked payload (a task, a result), neutralised as XML: its element
+    # names come from the schema, not from whoever wrote the payload.
+    xml: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ class AssembledContext:
     messages: tuple[ChatMessage, ...]
     nonce: str
     layers: tuple[tuple[Layer, ...], ...]  # the layers in each message, for audit
+    # The contents of the XML fragments (see Fragment.xml): validated as XML, so a
+    # payload field named like a chat role (`<user>`) is not taken for a role tag.
+    xml_bodies: frozenset[str] = frozenset()
 
 
 # ---- neutralisation -----------------------------------------------------------------
@@ -337,8 +343,9 @@ def assemble(
     if messages[-1].role == "assistant":
         pending.append(Fragment(Layer.WORKING, "(continue)", "platform"))
         flush()
+    xml_bodies = frozenset(f.content for f in (*first, *working) if f.xml)
     return AssembledContext(
-        prompt.agent, prompt.system_prompt, tuple(messages), nonce, tuple(layers)
+        prompt.agent, prompt.system_prompt, tuple(messages), nonce, tuple(layers), xml_bodies
     )
 
 
@@ -394,8 +401,11 @@ def validate_no_override(
         for body in bodies:
             if OPEN in body or CLOSE in body:
                 problems.append(f"{where}: a spotlight marker inside untrusted content")
-            hits: list[str] = []
-            _neutralise_text(body, hits)
+            if body in ctx.xml_bodies:  # character data only: the elements are the schema's
+                _, hits = neutralise(body, xml=True)
+            else:
+                hits = []
+                _neutralise_text(body, hits)
             if "role-tag" in hits:
                 problems.append(f"{where}: a role tag inside untrusted content")
             if redefinition is not None:

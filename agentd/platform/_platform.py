@@ -315,7 +315,8 @@ class Platform:
             task_xml, layer=Layer.DELEGATED, source="task", protected=protected, xml=True
         )
         protected.update(prepared.facts)  # facts the task declares bind the layers below
-        task = _Task(agent, protected, Fragment(Layer.DELEGATED, prepared.content, "task"),
+        task = _Task(agent, protected,
+                     Fragment(Layer.DELEGATED, prepared.content, "task", xml=True),
                      query=task_xml, context=TaskContext(self.vectors))
         self._owners[thread] = agent
         self._tasks[thread] = task
@@ -341,7 +342,8 @@ class Platform:
         for event in prepared.events:
             self._report(task.agent, thread, event, task.reported)
         seg = task.context.add(Part(turn.kind, turn.content, turn.source, turn.xml),
-                               Fragment(Layer.WORKING, prepared.content, source, role))
+                               Fragment(Layer.WORKING, prepared.content, source, role,
+                                        xml=turn.xml))
         if not persist:
             return
         if turn.kind == ASSISTANT:

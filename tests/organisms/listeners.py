@@ -215,3 +215,12 @@ async def hold(payload: Hold, meta: HandlerMetadata) -> HandlerResponse:
     else:
         await event.wait()
     return HandlerResponse.respond(Done(seq=payload.n, by="hold"))
+
+
+@xmlify(namespace=f"{NS}/support-task/v1")
+@dataclass
+class SupportTask:
+    """A task whose fields are named like chat roles (an agent's payload)."""
+
+    user: str
+    instructions: str
