@@ -132,6 +132,17 @@ def build_table(version: int, listeners: Iterable[Listener],
         for spec in lst.payload_specs:
             routes.setdefault(spec.clark, []).append(lst)
             specs[spec.clark] = spec
+    for key, targets in routes.items():
+        # A message to several listeners is parked once, under one gate: theirs must
+        # be the same, or one gate's approvers would release it to another's listener.
+        rules = {(frozenset(gates[t.name].approvers), gates[t.name].timeout_s)
+                 for t in targets if t.name in gates}
+        if len(rules) > 1:
+            raise ConfigError([
+                f"payload {key} goes to {', '.join(sorted(t.name for t in targets))}, "
+                "whose approval gates differ: one approval would release it to all of "
+                "them; give them the same approval settings, or payload classes of their "
+                "own"])
     return DispatchTable(
         version,
         MappingProxyType({k: tuple(v) for k, v in routes.items()}),

@@ -436,3 +436,22 @@ async def test_an_agent_is_told_not_approved_as_its_tool_result() -> None:
         h.pump.durable.decide(Decision(parked.id, False, "operator:ops-1", reason="no"))
         await h.run_until_idle()
         assert child(h.frames("alice", thread)[-1], "text") == "Refused: yes"
+
+
+def test_listeners_sharing_a_payload_with_different_gates_are_refused() -> None:
+    """A message to several listeners is parked once, under one gate: with a
+    client-approved listener and an operator-only one on the same payload, the
+    client's approval used to release it to both."""
+    from agentd._errors import ConfigError
+    from agentd._routing import Routing
+
+    text = ORGANISM.read_text().replace(
+        "  - name: pay.op\n    payload_class: tests.organisms.durable:PayOp",
+        "  - name: pay.op\n    payload_class: tests.organisms.durable:Pay").replace(
+        "  ops: {listeners: [pay.op]}", "  ops: {listeners: [pay.op, pay]}")
+    config = load_config_text(text, base_dir=ORGANISM.parent)
+    with pytest.raises(ConfigError, match=r"goes to pay, pay\.op, whose approval gates differ"):
+        Routing.build(config)
+    same = text.replace("approval: {approvers: [operator]}",
+                        "approval: {approvers: [client, operator], timeout_s: 60}")
+    Routing.build(load_config_text(same, base_dir=ORGANISM.parent))  # the same gate: one park
