@@ -17,9 +17,11 @@ Invariants:
   ended frame takes no further event, and asking it to is a bug that raises.
 - Memory is bounded by the work in progress: a call's frame leaves the registry
   when the call ends, and a client's conversation with nothing in progress (no open
-  call, nothing queued) is held "at rest", at most `max_resting` of them, least
-  recently used first out. A conversation pushed out of the rest set is ended as
-  abandoned (what outlives it is the kernel's thread row), exactly as the idle
+  call, nothing queued) is held "at rest", at most `max_resting` of them. When the
+  set is full, the client holding the most conversations at rest loses its least
+  recently used one (so a client opening conversations by the thousand pushes out
+  its own, not another client's). A conversation pushed out of the rest set is ended
+  as abandoned (what outlives it is the kernel's thread row), exactly as the idle
   collector would end it later.
 """
 
@@ -159,7 +161,9 @@ class ThreadRegistry:
 
     def __init__(self, max_resting: int = MAX_RESTING) -> None:
         self._frames: dict[str, Frame] = {}
-        self._resting: OrderedDict[str, Frame] = OrderedDict()
+        self._resting: dict[str, Frame] = {}
+        # The same conversations by owner, least recently used first (see `rest`).
+        self._resting_of: dict[str, OrderedDict[str, Frame]] = {}
         self.max_resting = max_resting
         self._end_hooks: list[EndHook] = []
 
@@ -198,15 +202,35 @@ class ThreadRegistry:
             return []  # not held (already ended or forgotten)
         resting = self._resting
         resting[uuid] = root
-        resting.move_to_end(uuid)
+        mine = self._resting_of.get(root.owner)
+        if mine is None:
+            mine = self._resting_of[root.owner] = OrderedDict()
+        mine[uuid] = root
+        mine.move_to_end(uuid)
         pushed: list[Frame] = []
         while len(resting) > self.max_resting:
-            pushed.append(resting.popitem(last=False)[1])
+            # The owner with the most at rest gives up its least recently used one.
+            owner, most = max(self._resting_of.items(), key=lambda item: len(item[1]))
+            frame = most.popitem(last=False)[1]
+            if not most:
+                del self._resting_of[owner]
+            del resting[frame.uuid]
+            pushed.append(frame)
         return pushed
+
+    def _unrest(self, frame: Frame) -> bool:
+        """Take `frame` out of the rest set; whether it was there."""
+        if self._resting.pop(frame.uuid, None) is None:
+            return False
+        mine = self._resting_of[frame.owner]
+        del mine[frame.uuid]
+        if not mine:
+            del self._resting_of[frame.owner]
+        return True
 
     def wake(self, root: Frame) -> None:
         """`root`'s client sent on it again: it is in progress, no longer at rest."""
-        if self._resting.pop(root.uuid, None) is not None:
+        if self._unrest(root):
             self._frames[root.uuid] = root
 
     def add(self, frame: Frame) -> None:
@@ -236,11 +260,11 @@ class ThreadRegistry:
             if frame.parent is not None:
                 frame.parent.children -= 1
         else:
-            self._resting.pop(uuid, None)
+            self._unrest(frame)
         for hook in self._end_hooks:
             hook(uuid)
         return state
 
     def forget(self, frame: Frame) -> None:
         if self._frames.pop(frame.uuid, None) is None:
-            self._resting.pop(frame.uuid, None)
+            self._unrest(frame)

@@ -455,3 +455,20 @@ def test_listeners_sharing_a_payload_with_different_gates_are_refused() -> None:
     same = text.replace("approval: {approvers: [operator]}",
                         "approval: {approvers: [client, operator], timeout_s: 60}")
     Routing.build(load_config_text(same, base_dir=ORGANISM.parent))  # the same gate: one park
+
+
+async def test_a_conversation_waiting_for_an_approval_is_never_pushed_out_of_memory() -> None:
+    """A conversation whose message is parked stays in progress: pushed out of the
+    rest set by other conversations, it used to end, and its approval was denied."""
+    clock = FakeClock()
+    async with harness(clock) as h:
+        h.pump.registry.max_resting = 2
+        frames = await h.send("alice", Pay(amount=5))
+        assert tag(frames[-1]) == "approval-required"
+        thread = etree.fromstring(frames[0])[1].findtext("{*}thread")
+        await h.send("alice", Count(by=1), thread=thread)  # handled: the conversation is idle
+        for _ in range(5):
+            await h.send("bob", Count(by=1))
+        assert h.pump.registry.get(thread) is not None
+        assert len(h.pump.durable.parked) == 1
+        assert not any(b"not approved" in f for f in h.frames("alice", thread))

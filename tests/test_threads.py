@@ -212,6 +212,25 @@ def test_the_rest_set_is_bounded_and_pushes_out_the_least_recently_rested() -> N
     assert reg.get(roots[1].uuid) is None and len(reg) == 3
 
 
+def test_a_client_opening_conversations_by_the_thousand_pushes_out_its_own() -> None:
+    """The rest set is shared: when it is full, the owner holding the most at rest
+    loses its oldest. A client's burst of one-message conversations used to push out
+    every other client's conversations (ending them, their handler state with them)."""
+    reg = ThreadRegistry(max_resting=4)
+    p = profile()
+    alice = [start(reg, "alice", p) for _ in range(2)]
+    for root in alice:
+        reg.rest(root)
+    pushed = []
+    for _ in range(50):
+        pushed += reg.rest(start(reg, "mallory", p))
+    assert len(pushed) == 48 and {f.owner for f in pushed} == {"mallory"}
+    assert all(reg.get(r.uuid) is r for r in alice) and reg.resting == 4
+    reg.wake(alice[0])
+    reg.end(alice[1], ThreadEvent.ABANDONED)
+    assert reg.resting == 2  # mallory's last two
+
+
 def test_a_resting_conversation_can_be_ended_or_forgotten() -> None:
     reg = ThreadRegistry()
     a, b = start(reg, "alice", profile()), start(reg, "bob", profile())

@@ -408,9 +408,11 @@ class Pump:
             root = handled.frame.root
             if not root.children and root.state is _ACTIVE and not self._scheduler.waiting(
                 root.uuid
-            ):
+            ) and root.uuid not in self.durable.holds:
                 # Nothing in progress on the conversation: at rest, so memory holds
                 # only work in progress and a bounded set of resumable conversations.
+                # One holding a parked message stays in progress: pushing it out of
+                # the rest set would end it, and deny what waits for a human.
                 for pushed in self.registry.rest(root):
                     self._end(pushed, ThreadEvent.ABANDONED, batch)
         if batch is None or self.kernel is None:
