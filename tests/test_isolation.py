@@ -514,3 +514,37 @@ async def test_a_caller_cancelled_while_waiting_for_a_worker_leaves_the_queue(
         for task in running:
             assert await task is not None
         assert not pool._waiters and pool.status()["restarts"] == 0
+
+
+async def test_meta_state_of_an_isolated_handler_persists_like_in_process(h: Harness) -> None:
+    """`meta.state` crosses the worker boundary: the slice goes with the call, the
+    writes come back with the answer and commit with the output. It used to be a
+    throw-away in a worker: every call saw an empty slice, writes were lost."""
+    from agentd._threads import new_uuid
+
+    thread = new_uuid()
+    counts = [outcome(await h.send("alice", Probe("count"), thread=thread)) for _ in range(3)]
+    assert counts == [("outcome", "1"), ("outcome", "2"), ("outcome", "3")]
+    assert h.kernel is not None
+    rows = [r for r in await h.kernel.handler_state() if r[1] == thread]
+    assert rows == [("prober", thread, "n", "3")]
+    assert outcome(await h.send("alice", Probe("count"))) == ("outcome", "1")  # its own slice
+
+
+async def test_an_isolated_handlers_state_is_bounded_in_the_worker_and_at_commit(
+        tmp_path: Path) -> None:
+    """The worker's view refuses what the daemon would (the handler raises there); a
+    worker that writes past its view anyway is refused when the writes are applied,
+    and nothing of them is kept."""
+    text = organism(tmp_path).read_text().replace(
+        "organism: {name: isolation-tests}",
+        "organism: {name: isolation-tests}\npump: {max_state_bytes_per_thread: 1024}")
+    (tmp_path / "organism.yaml").write_text(text)
+    config = load_config(tmp_path / "organism.yaml")
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        assert await ask(h, "state-set", "100") == ("outcome", "set")
+        assert await ask(h, "state-set", "2000") == ("huh", "internal")  # raised in the worker
+        assert await ask(h, "state-smuggle", "2000") == ("huh", "too-large")
+        assert h.kernel is not None
+        assert all(len(r[3]) <= 1024 for r in await h.kernel.handler_state())

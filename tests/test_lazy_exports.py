@@ -1,5 +1,6 @@
-"""The packages that export lazily (`agentd.llm`, `agentd.platform`): every name they
-list resolves, to the object its module defines, and nothing else does."""
+"""The packages that export lazily (`agentd.durable`, `agentd.llm`, `agentd.platform`):
+every name they list resolves, to the object its module defines, and nothing else
+does."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from types import ModuleType
 
 import pytest
 
+import agentd.durable
 import agentd.llm
 import agentd.platform
 
 
-@pytest.mark.parametrize("package", [agentd.llm, agentd.platform])
+@pytest.mark.parametrize("package", [agentd.durable, agentd.llm, agentd.platform])
 def test_every_listed_name_resolves_to_its_modules_object(package: ModuleType) -> None:
     names = package.__all__
     assert names and sorted(names) == sorted(set(names))

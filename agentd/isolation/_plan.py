@@ -26,6 +26,7 @@ from agentd._errors import ConfigError
 from agentd.config import IsolationConfig, ListenerConfig, OrganismConfig
 from agentd.config.values import run_as
 from agentd.confine import SYSTEM_READ_PATHS, Policy
+from agentd.durable.state import DEFAULT_MAX_BYTES
 
 WORKER_ARGV = (sys.executable, "-E", "-s", "-P", "-m", "agentd.isolation.worker")
 
@@ -120,11 +121,15 @@ def reply_refs(config: OrganismConfig, lst: ListenerConfig) -> tuple[str, ...]:
 
 
 def worker_init(lst: ListenerConfig, sys_path: Iterable[str], replies: Iterable[str] = (),
-                agent: Mapping[str, object] | None = None) -> Mapping[str, object]:
+                agent: Mapping[str, object] | None = None,
+                state_max: int = DEFAULT_MAX_BYTES) -> Mapping[str, object]:
     """The INIT header. `replies`: more classes the worker decodes (its peers'
-    answers); `agent`: an isolated agent's loop settings and tool catalogue."""
+    answers); `agent`: an isolated agent's loop settings and tool catalogue;
+    `state_max`: `pump.max_state_bytes_per_thread`, so `meta.state.set` refuses in
+    the worker what the daemon would refuse at commit."""
     return {"sys_path": list(sys_path), "listener": lst.name, "handler": lst.handler_ref,
-            "payload_classes": [*lst.payload_refs, *replies], "agent": agent}
+            "payload_classes": [*lst.payload_refs, *replies], "agent": agent,
+            "state_max": state_max}
 
 
 def agent_init(lst: ListenerConfig, catalogue: Any, max_fanout: int) -> Mapping[str, object]:

@@ -308,6 +308,9 @@ class WorkerPool:
                     ) -> HandlerResponse | None:
         spin = spins(bool(self._waiters), self.spec.workers, self.others, self._cores)
         extra: dict[str, Any] = {"spin": spin}
+        entries = p.state_slice(meta)
+        if entries is not None:
+            extra["meta_state"] = entries
         bridge, context = self.bridge, None
         if bridge is not None:
             context = bridge.context(meta, key, body, payload)
@@ -329,17 +332,22 @@ class WorkerPool:
                 if answer.cancelled() or not answer.done():
                     self._retire(worker, "timeout")
                 raise
-            return self._decoded(worker, kind, header, rest, context)
+            return self._decoded(worker, kind, header, rest, context, meta)
         raise WorkerFailed("died")
 
     def _decoded(
-        self, worker: Worker, kind: bytes, header: dict[str, Any], rest: bytes, context: Any
+        self, worker: Worker, kind: bytes, header: dict[str, Any], rest: bytes, context: Any,
+        meta: HandlerMetadata,
     ) -> HandlerResponse | None:
         try:
             if kind == p.ANSWER:
                 if self.bridge is not None:
                     self.bridge.answered(context, header)
-                return p.decode_answer(header, rest)
+                result = p.decode_answer(header, rest)
+                writes = p.decode_state_writes(header)
+                if writes:  # committed with the output, as an in-process handler's
+                    meta.state.overlay.update(writes)
+                return result
             if kind == p.FAILED:
                 if header.get("error") == "MemoryError":
                     self._retire(worker, "memory")

@@ -69,7 +69,9 @@ class IsolationPools:
             specs[name] = WorkerSpec(
                 listener=name, argv=WORKER_ARGV,
                 policy=worker_policy(lst, iso, secrets, sys_path, replies or ()),
-                init=worker_init(lst, sys_path, replies or (), agent), workers=iso.workers,
+                init=worker_init(lst, sys_path, replies or (), agent,
+                                 config.pump.max_state_bytes_per_thread),
+                workers=iso.workers,
                 max_calls=iso.max_calls, max_rss_mb=iso.max_rss_mb)
         return specs
 

@@ -5,13 +5,13 @@ kind byte, a 4-byte big-endian header length H, H bytes of a JSON object, and th
 rest is opaque bytes (a payload's XML).
 
     daemon -> worker   INIT    {"sys_path", "listener", "handler", "payload_classes",
-                                "agent"?}
+                                "agent"?, "state_max"}
                        CALL    {"thread_id", "from_id", "own_name", "redelivered", "key",
-                                "state"?} + payload XML
+                                "state"?, "meta_state"?} + payload XML
                        REPLY   {"error"?, ...} + bytes   (to an ASK)
     worker -> daemon   READY   {"pid"}
                        ANSWER  {"kind", "to", "targets", "code", "message", "retry",
-                                "state"?} + payload XML
+                                "state"?, "meta_state"?} + payload XML
                        FAILED  {"error"}  (the handler raised; the error's class name only)
                        ASK     {"op", ...} + bytes  (an agent's request to the platform,
                                for the call it is running; see `_agent.py`)
@@ -22,6 +22,12 @@ agent bridge, which check every field's type and bound and raise `ProtocolError`
 otherwise.
 The payload bytes it returns are handed to the pump as raw handler output, which
 parses and validates them like any handler's output.
+
+Handler state (`meta.state`): a CALL carries the listener's slice of the conversation
+(`meta_state`, only when it has one), the ANSWER the handler's writes (`meta_state`:
+key -> value, or null for a delete). The daemon applies the writes as it does an
+in-process handler's, checked against `pump.max_state_bytes_per_thread` in the
+transaction of the handler's output. (`state` is an isolated agent's task state.)
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from agentd._errors import HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse, ResponseKind
 
 MAX_FRAME = 16 * 1024 * 1024
-MAX_HEADER = 64 * 1024
+MAX_HEADER = 1024 * 1024  # a handler's state slice crosses in it (64 KiB by default)
 MAX_TARGETS = 256
 MAX_NAME = 256
 MAX_MESSAGE = 1024
@@ -58,6 +64,8 @@ def encode(kind: bytes, header: dict[str, Any], body: bytes = b"") -> bytes:
     JSON: a string with a lone surrogate, an integer over 64 bits (a float NaN or
     infinity is written as null)."""
     head = orjson.dumps(header)
+    if len(head) > MAX_HEADER:
+        raise ProtocolError(f"header of {len(head)} bytes > {MAX_HEADER}")
     size = 1 + 4 + len(head) + len(body)
     if size > MAX_FRAME:
         raise ProtocolError(f"frame of {size} bytes > {MAX_FRAME}")
@@ -130,6 +138,27 @@ def encode_answer(result: HandlerResponse | None, payload_xml: bytes,
         "code": result.error_code.value if result.error_code is not None else None,
         "message": result.error_message, "retry": result.retry_allowed, **(extra or {}),
     }, payload_xml)
+
+
+def state_slice(meta: HandlerMetadata) -> dict[str, str] | None:
+    """The listener's `meta.state` slice for a CALL (None: it has none)."""
+    book = meta._book
+    if book is None:
+        return None
+    entries = book.slice(meta.own_name, meta._conversation or meta.thread_id)
+    return dict(entries) if entries else None
+
+
+def decode_state_writes(header: dict[str, Any]) -> dict[str, str | None] | None:
+    """A worker's `meta.state` writes (key -> value, None for a delete), checked for
+    shape only: their size is checked where they are applied, with the slice."""
+    writes = header.get("meta_state")
+    if writes is None:
+        return None
+    if not isinstance(writes, dict) or not all(
+            isinstance(v, str) or v is None for v in writes.values()):
+        raise ProtocolError("meta_state: not an object of strings and nulls")
+    return writes
 
 
 def decode_answer(header: dict[str, Any], body: bytes) -> HandlerResponse | None:

@@ -21,9 +21,12 @@ import importlib
 import os
 import select
 import sys
+from dataclasses import replace
 from typing import Any
 
+from agentd._handler import HandlerMetadata
 from agentd._spin import wait_readable
+from agentd.durable.state import DEFAULT_MAX_BYTES, StateBook
 from agentd.isolation import _protocol as p
 
 
@@ -97,6 +100,13 @@ def _payload_bytes(payload: object) -> bytes:
     return to_xml(payload) if to_bytes is None else bytes(to_bytes())
 
 
+def _book(max_bytes: int, meta: HandlerMetadata, entries: Any) -> StateBook:
+    """The slice of `meta.state` the daemon sent with a call."""
+    book = StateBook(max_bytes)
+    book.load((meta.own_name, meta.thread_id, str(k), str(v)) for k, v in entries.items())
+    return book
+
+
 def serve(fd_in: int, fd_out: int) -> None:
     from agentd import HandlerResponse
     from agentd._core import core_from_element
@@ -122,6 +132,8 @@ def serve(fd_in: int, fd_out: int) -> None:
         handler = agent = WorkerAgent(init["agent"], tuple(s.cls for s in specs.values()), ask)
     else:
         handler = _resolve(init["handler"])
+    state_max = int(init.get("state_max") or DEFAULT_MAX_BYTES)
+    state_book = StateBook(state_max)  # no slice: the handler's view starts empty
     _write(fd_out, p.encode(p.READY, {"pid": os.getpid()}))
     loop = asyncio.new_event_loop()
     poller = select.poll()
@@ -135,6 +147,9 @@ def serve(fd_in: int, fd_out: int) -> None:
         except EOFError:
             return
         meta = p.decode_call(header)
+        entries = header.get("meta_state")
+        book = state_book if entries is None else _book(state_max, meta, entries)
+        meta = replace(meta, _book=book, _conversation=meta.thread_id)
         key = header.get("key")
         spin = header.get("spin") is True  # the daemon's pool had calls to spare
         extra = None
@@ -153,6 +168,9 @@ def serve(fd_in: int, fd_out: int) -> None:
                 raise TypeError(f"handler returned {type(result).__name__}")
             if agent is not None:
                 extra = {"state": agent.leave(meta.thread_id)}
+            view = meta._view
+            if view is not None and view.overlay:
+                extra = {**(extra or {}), "meta_state": view.overlay}
             frame = p.encode_answer(result, _payload_bytes(result.payload if result else None),
                                     extra)
         except MemoryError:

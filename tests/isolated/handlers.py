@@ -119,6 +119,18 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
         text = "not refused"
     elif action == "environ":
         text = ",".join(sorted(os.environ))
+    elif action == "count":  # meta.state across calls on one conversation
+        n = int(meta.state.get("n", "0") or "0") + 1
+        meta.state.set("n", str(n))
+        if arg:
+            meta.state.delete(arg)
+        text = str(n)
+    elif action == "state-set":  # arg bytes through the view's own check
+        meta.state.set("big", "x" * int(arg))
+        text = "set"
+    elif action == "state-smuggle":  # past the view's check, straight into its writes
+        meta.state.overlay["big"] = "x" * int(arg)
+        text = "smuggled"
     elif action == "bad-xml":
         return HandlerResponse.respond(b"<outcome xmlns='" + NS.encode() + b"/result/v1'><nope/>")
     else:
