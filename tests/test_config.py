@@ -432,6 +432,22 @@ def test_values_out_of_range_are_rejected(tmp_path: Path) -> None:
     ]
 
 
+def test_durations_are_at_most_ten_years(tmp_path: Path) -> None:
+    """"Never" written as a huge number put deadlines past the year 9999: admission
+    of a gated message raised, `introspect timers` and `approvals` failed."""
+    text = body(
+        """        pump: {thread_idle_s: 1.0e+12}
+        listeners:
+          - {name: wait, description: Waits., tool: {kind: timer, max_delay_s: 1.0e+12}}
+        """
+    )
+    assert issues_of(text, tmp_path) == [
+        at(text, "1.0e+12}", "pump.thread_idle_s", "must be at most 315576000.0"),
+        at(text, "{kind: timer", "listeners[0].tool.timer.max_delay_s",
+           "must be at most 315576000.0"),
+    ]
+
+
 def test_metrics_listen_must_be_host_and_port(tmp_path: Path) -> None:
     text = body("metrics: {listen: localhost}\n")
     [issue] = issues_of(text, tmp_path)

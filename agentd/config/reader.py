@@ -324,7 +324,8 @@ def describe(error: ErrorDetails, node: yaml.Node | None, schema: Mapping[str, A
     if kind in _UNKNOWN_KEY:
         return "unknown key; expected one of: " + ", ".join(schema.get("properties", {}))
     if kind in ("greater_than_equal", "less_than_equal"):
-        lo, hi = schema.get("minimum"), schema.get("maximum")
+        ctx = error.get("ctx") or {}  # the bound itself, where the schema path is lost
+        lo, hi = schema.get("minimum", ctx.get("ge")), schema.get("maximum", ctx.get("le"))
         if lo is not None and hi is not None:
             return f"must be between {lo!s} and {hi!s}"
         return f"must be at least {lo!s}" if lo is not None else f"must be at most {hi}"

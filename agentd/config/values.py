@@ -248,7 +248,10 @@ Int = Annotated[int, Strict()]
 Positive = Annotated[int, Strict(), Field(ge=1)]
 NonNegative = Annotated[int, Strict(), Field(ge=0)]
 Port = Annotated[int, Strict(), Field(ge=0, le=65535)]
-Seconds = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]
+# Every duration is at most ten years: "never" written as 1e12 s would put deadlines past
+# the year 9999, which no date type can show (approval expiries, `introspect timers`).
+MAX_SECONDS = 315_576_000.0
+Seconds = Annotated[float, Strict(), Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 NonNegativeNumber = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
 Bool = Annotated[bool, Strict()]
 Text = Annotated[str, Strict(), AfterValidator(_not_empty)]
