@@ -268,6 +268,7 @@ class Daemon:
             self.agents.platform.bind_threads(self.pump.registry)
         self.pump.on_security = self.audit
         self.pump.meta_flags = config.meta
+        self.pump.gateways = frozenset(g.name for g in config.gateways if g.export)
         self.router = SemanticRouter.from_config(config, self._agent_platform)
         self.pump.intents = self.router
         resumed = await self.pump.recover()

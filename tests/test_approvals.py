@@ -472,3 +472,21 @@ async def test_a_conversation_waiting_for_an_approval_is_never_pushed_out_of_mem
         assert h.pump.registry.get(thread) is not None
         assert len(h.pump.durable.parked) == 1
         assert not any(b"not approved" in f for f in h.frames("alice", thread))
+
+
+async def test_a_peer_organism_gets_the_outcome_not_approval_required() -> None:
+    """A gateway's call into a gated exported listener: the peer takes anything sent
+    on the call's thread as the call's answer, so `approval-required` made its call
+    fail while the approved handler still ran later. The peer is sent the outcome
+    alone."""
+    clock = FakeClock()
+    async with harness(clock) as h:
+        h.pump.gateways = frozenset({"alice"})  # alice stands for a peer organism here
+        frames = await h.send("alice", Pay(amount=9))
+        assert [tag(f) for f in frames] == ["accepted"]
+        (parked,) = h.pump.durable.parked.values()
+        assert h.pump.durable.decide(Decision(parked.id, True, "operator:ops-1")) is None
+        await h.run_until_idle()
+        thread = child(frames[0], "thread")
+        assert [tag(f) for f in h.frames("alice", thread)] == ["accepted", "paid"]
+        assert durable.CALLS == [("pay", 9)]

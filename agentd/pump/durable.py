@@ -437,7 +437,11 @@ class DurableWaits:
             self.holds.pop(frame, None)
 
     def _to_owner(self, row: ApprovalRow, payload: bytes, batch: Batch | None) -> None:
-        """A core frame for the thread's owner, through the durable outbox."""
+        """A core frame for the thread's owner, through the durable outbox. Not for a
+        peer organism: everything it is sent on a call's thread is taken as the call's
+        answer, so its call waits for the outcome instead (or its call_timeout_s)."""
+        if row.owner in self._pump.gateways:
+            return
         data = build_envelope(CORE, row.conversation, payload, to=row.owner)
         if batch is None:
             self._pump.deliver(row.owner, row.conversation, data, None)

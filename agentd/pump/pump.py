@@ -113,6 +113,9 @@ class Pump:
         # the daemon journals them as entries of kind `security`.
         self.on_security: Callable[[str, Mapping[str, str]], None] | None = None
         self.meta_flags = MetaConfig()  # meta introspection on the bus: all off by default
+        # The clients that are peer organisms (gateways exporting listeners): their call
+        # is answered by the reply alone, so they are not sent `approval-required`.
+        self.gateways: frozenset[str] = frozenset()
         # Semantic routing of core `intent` (set by the daemon); None: every intent is
         # unroutable, and said so in the log.
         self.intents: IntentResolver | None = None
