@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -271,11 +272,28 @@ def introspect_prompt(ctx: click.Context, name: str) -> None:
     _send(ctx, "introspect", {"what": "prompt", "name": name})
 
 
+def _listing(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """--thread and --limit, for a listing that could otherwise pass 1 MiB."""
+    fn = click.option("--limit", type=click.IntRange(1, 10_000), metavar="N",
+                      help="At most N (default 500), the oldest first.")(fn)
+    return click.option("--thread", type=click.UUID, metavar="UUID",
+                        help="Only this client conversation's.")(fn)
+
+
+def _listing_args(thread: Any, limit: int | None, **args: str) -> dict[str, str]:
+    if thread is not None:
+        args["thread"] = str(thread)
+    if limit is not None:
+        args["limit"] = str(limit)
+    return args
+
+
 @introspect.command("threads")
+@_listing
 @click.pass_context
-def introspect_threads(ctx: click.Context) -> None:
+def introspect_threads(ctx: click.Context, thread: Any, limit: int | None) -> None:
     """The live threads."""
-    _send(ctx, "introspect", {"what": "threads"})
+    _send(ctx, "introspect", _listing_args(thread, limit, what="threads"))
 
 
 @introspect.command("thread")
@@ -341,17 +359,19 @@ def introspect_route(ctx: click.Context, profile: str, text: str) -> None:
 
 
 @introspect.command("timers")
+@_listing
 @click.pass_context
-def introspect_timers(ctx: click.Context) -> None:
-    """Pending timers: id, thread, listener, due time, note."""
-    _send(ctx, "introspect", {"what": "timers"})
+def introspect_timers(ctx: click.Context, thread: Any, limit: int | None) -> None:
+    """Pending timers: id, thread, listener, due time, note (the soonest first)."""
+    _send(ctx, "introspect", _listing_args(thread, limit, what="timers"))
 
 
 @main.command()
+@_listing
 @click.pass_context
-def approvals(ctx: click.Context) -> None:
+def approvals(ctx: click.Context, thread: Any, limit: int | None) -> None:
     """Messages parked at approval gates, waiting for a decision."""
-    _send(ctx, "approvals", {})
+    _send(ctx, "approvals", _listing_args(thread, limit))
 
 
 @main.command()

@@ -12,9 +12,10 @@ private call-chain path is revealed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import sys
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from lxml import etree
 
@@ -75,7 +76,7 @@ class DaemonCommands:
             if name == "journal":
                 return await self._journal(args)
             if name == "approvals":
-                return self._approvals()
+                return self._approvals(args)
             if name in ("approve", "deny"):
                 return await self._decide(name == "approve", args)
             if name == END_THREAD and d.pump is not None:
@@ -129,6 +130,7 @@ class DaemonCommands:
                 return f"sha256 {prompt.sha256}\n\n{prompt.system_prompt}"
             return "\n\n".join(spec_of(s.cls).prompt for s in named.payload_specs)
         if what == "threads":
+            thread = args.get("thread")
             return result_element(
                 "threads",
                 [
@@ -138,8 +140,9 @@ class DaemonCommands:
                         "profile": frame.profile.name,
                         "root": frame.is_root,
                     }
-                    for frame in d.pump.registry
-                    if frame.state is ThreadState.ACTIVE
+                    for frame in _first(
+                        (f for f in d.pump.registry if f.state is ThreadState.ACTIVE
+                         and (thread is None or f.root.uuid == thread)), args)
                 ],
             )
         if what == "thread":
@@ -162,10 +165,13 @@ class DaemonCommands:
                 },
             )
         if what == "timers":
+            thread = args.get("thread")
+            timers = [t for t in d.pump.durable.timers.values()
+                      if thread is None or t.conversation == thread]
             return result_element("timers", [
                 {"id": t.id, "thread": t.conversation, "listener": t.listener,
                  "due": format_time(t.due), "note": t.note}
-                for t in sorted(d.pump.durable.timers.values(), key=lambda t: (t.due, t.id))
+                for t in _first(sorted(timers, key=lambda t: (t.due, t.id)), args)
             ])
         raise CommandFailed("invalid", f"unknown introspection {what!r}")
 
@@ -246,14 +252,17 @@ class DaemonCommands:
         ranking = await d.router.rank(text, profile)
         return result_element("route", {"profile": name, **ranking.as_json()})
 
-    def _approvals(self) -> etree._Element:
+    def _approvals(self, args: Mapping[str, str]) -> etree._Element:
         d = self.daemon
         assert d.pump is not None
+        thread = args.get("thread")
+        rows = [r for r in d.pump.durable.parked.values()
+                if thread is None or r.conversation == thread]
         return result_element("approvals", [
             {"id": r.id, "listener": r.listener, "thread": r.conversation,
              "payload_sha256": r.payload_sha256, "expires": format_time(r.deadline),
              "approvers": list(r.approvers)}
-            for r in sorted(d.pump.durable.parked.values(), key=lambda r: (r.created, r.id))
+            for r in _first(sorted(rows, key=lambda r: (r.created, r.id)), args)
         ])
 
     async def _decide(self, approve: bool, args: Mapping[str, str]) -> etree._Element:
@@ -302,3 +311,17 @@ class DaemonCommands:
                 for e in entries
             ],
         )
+
+
+T = TypeVar("T")
+LIST_LIMIT = 500  # what a listing shows unless asked: well within a 1 MiB response
+
+
+def _first(rows: Iterable[T], args: Mapping[str, str]) -> list[T]:
+    """The first `limit` rows (argument `limit`, 1 to 10,000; default LIST_LIMIT): a
+    listing of everything could pass the response's 1 MiB and be refused whole."""
+    limit = int(args.get("limit", str(LIST_LIMIT)))
+    if not 0 < limit <= 10_000:
+        raise ValueError("limit must be between 1 and 10000")
+    return list(itertools.islice(rows, limit))
+

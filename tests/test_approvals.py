@@ -172,6 +172,26 @@ async def test_a_conversation_cannot_park_more_than_its_share() -> None:
         assert durable.CALLS == []
 
 
+async def test_a_client_cannot_park_more_than_its_share_of_the_daemon(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One client filling the daemon's 10,000 parked messages (one a conversation)
+    had every other client's gated request refused for an hour: a client parks at
+    most MAX_PARKED_PER_CLIENT."""
+    from agentd.pump import durable as waits
+
+    monkeypatch.setattr(waits, "MAX_PARKED_PER_CLIENT", 3)
+    async with harness(FakeClock()) as h:
+        for _ in range(3):
+            await park(h)  # three conversations
+        refused = await h.send("alice", Pay(amount=1))
+        assert [tag(f) for f in refused] == ["huh"] and child(refused[0], "code") == "denied"
+        await park(h, "bob")  # another client still parks
+        assert len(h.pump.durable.parked) == 4
+        first = next(iter(h.pump.durable.parked.values()))
+        await h.end_conversation(first.conversation)  # a decision frees alice's share
+        await park(h)
+
+
 async def test_approved_by_the_client_runs_once() -> None:
     async with harness(FakeClock()) as h:
         thread, approval, sha = await park(h)

@@ -98,6 +98,11 @@ async def test_a_parked_call_survives_kill_9_and_an_approval_runs_it_once(
     assert pending["thread"] == thread and pending["listener"] == "pay"
     assert pending["approvers"] == ["operator", "client"]
     assert f"<approval>{pending['id']}</approval>".encode() in required
+    # Listings narrow (a listing of everything could pass the 1 MiB response).
+    assert (await ctl(d, "approvals", "--thread", thread, "--limit", "1"))["approvals"] == [
+        pending]
+    other = "00000000-0000-4000-8000-000000000000"
+    assert (await ctl(d, "approvals", "--thread", other))["approvals"] == []
     assert (await ctl(d, "status"))["status"]["approvals_pending"] == 1
     await d.stop(signal.SIGKILL)
 

@@ -67,9 +67,14 @@ _ACTIVE = ThreadState.ACTIVE
 _WOKE = spec_of(Woke)
 TIMER, APPROVAL = "timer", "approval"
 # Messages waiting for a human decision: a handler (or a client) cannot park more,
-# in one conversation or in all, whatever its fan-out and rate.
+# in one conversation, in one client's conversations or in all, whatever its fan-out
+# and rate (so one client cannot fill the daemon's share for everyone).
 MAX_PARKED_PER_CONVERSATION = 64
+MAX_PARKED_PER_CLIENT = 1_000
 MAX_PARKED = 10_000
+# Pending timers in all (the timer tool bounds them per conversation too): each keeps
+# its call's frame in memory.
+MAX_TIMERS = 100_000
 _NOTHING = ResponsePlan((), None, False, None, b"", None, None)
 
 
@@ -80,6 +85,8 @@ class DurableWaits:
         self.book = StateBook(pump.settings.max_state_bytes_per_thread)
         self.timers: dict[str, TimerRow] = {}
         self.parked: dict[str, ApprovalRow] = {}
+        self._parked_of: dict[str, set[str]] = {}  # conversation -> approval ids
+        self._parked_by_owner: dict[str, int] = {}  # client -> how many parked
         self._timers_of: dict[str, set[str]] = {}  # conversation -> timer ids
         self.live: set[tuple[str, str]] = set()  # (kind, id) still pending
         self.holds: dict[str, int] = {}  # frame uuid -> pending timers and parked messages
@@ -112,10 +119,11 @@ class DurableWaits:
                   hops: int, batch: Batch | None) -> ResponsePlan:
         """The timer tool answered `wait`: keep the call open, durable with this step."""
         conversation = frame.root.uuid
-        if len(self._timers_of.get(conversation, ())) >= req.max_pending:
+        if (len(self._timers_of.get(conversation, ())) >= req.max_pending
+                or len(self.timers) >= MAX_TIMERS):
             self._pump._security_event("tool-denied", {
-                "listener": listener.name, "cause": "too many pending timers on the thread",
-                "thread": conversation})
+                "listener": listener.name, "cause": "too many pending timers", "thread":
+                conversation, "pending": str(len(self.timers))})
             return plan_failure(msg, frame, HuhCode.DENIED)
         now = self.clock()
         row = TimerRow(new_approval_id(), conversation, frame.uuid, listener.name,
@@ -177,17 +185,17 @@ class DurableWaits:
 
     def parking_full(self, msg: Message) -> bool:
         """Whether `msg` may not be parked: its conversation already has
-        `MAX_PARKED_PER_CONVERSATION` messages waiting, or all have `MAX_PARKED` (a
-        security event; the sender is answered `huh denied`). A scan: parking is
-        human-paced, and what it scans is bounded by these caps."""
-        root = msg.frame.root.uuid
+        `MAX_PARKED_PER_CONVERSATION` messages waiting, its client's conversations
+        `MAX_PARKED_PER_CLIENT`, or all `MAX_PARKED` (a security event; the sender is
+        answered `huh denied`)."""
+        root = msg.frame.root
         parked = self.parked
-        if len(parked) < MAX_PARKED and sum(
-                1 for r in parked.values() if r.conversation == root
-        ) < MAX_PARKED_PER_CONVERSATION:
+        if (len(parked) < MAX_PARKED
+                and len(self._parked_of.get(root.uuid, ())) < MAX_PARKED_PER_CONVERSATION
+                and self._parked_by_owner.get(root.owner, 0) < MAX_PARKED_PER_CLIENT):
             return False
         self._pump._security_event("approval-limit", {
-            "thread": root, "sender": msg.sender, "pending": str(len(parked))})
+            "thread": root.uuid, "sender": msg.sender, "pending": str(len(parked))})
         return True
 
     def park(self, msg: Message, gate: ApprovalRules, batch: Batch | None) -> ApprovalRow:
@@ -200,9 +208,7 @@ class DurableWaits:
         row = ApprovalRow(new_approval_id(), root.uuid, frame.uuid, root.owner, gated,
                           msg.sender, msg.hops, msg.envelope, payload,
                           payload_sha256(payload), gate.approvers, now, now + gate.timeout_s)
-        self.parked[row.id] = row
-        self.live.add((APPROVAL, row.id))
-        self._hold(frame.uuid)
+        self._add_parked(row)
         self.deadlines.schedule(row.deadline, APPROVAL, row.id)
         if batch is not None:
             tx = batch.tx
@@ -373,11 +379,28 @@ class DurableWaits:
         msg.hops = row.hops
         return msg
 
+    def _add_parked(self, row: ApprovalRow) -> None:
+        self.parked[row.id] = row
+        self._parked_of.setdefault(row.conversation, set()).add(row.id)
+        self._parked_by_owner[row.owner] = self._parked_by_owner.get(row.owner, 0) + 1
+        self.live.add((APPROVAL, row.id))
+        self._hold(row.frame)
+
     def _unpark(self, approval_id: str) -> None:
         row = self.parked.pop(approval_id, None)
-        if row is not None:
-            self.live.discard((APPROVAL, approval_id))
-            self._release(row.frame)
+        if row is None:
+            return
+        ids = self._parked_of[row.conversation]
+        ids.discard(approval_id)
+        if not ids:
+            del self._parked_of[row.conversation]
+        left = self._parked_by_owner[row.owner] - 1
+        if left:
+            self._parked_by_owner[row.owner] = left
+        else:
+            del self._parked_by_owner[row.owner]
+        self.live.discard((APPROVAL, approval_id))
+        self._release(row.frame)
 
     # ---- the end of a conversation, recovery, the scheduler -----------------------
 
@@ -386,8 +409,9 @@ class DurableWaits:
             self._drop_timer(timer_id, batch)
         if self.book.drop(conversation) and batch is not None:
             batch.tx.state_drop(conversation)
-        for row in [r for r in self.parked.values() if r.conversation == conversation]:
-            self.settle(row, ApprovalEvent.THREAD_ENDED, "thread-ended", "", batch)
+        for approval_id in list(self._parked_of.get(conversation, ())):
+            self.settle(self.parked[approval_id], ApprovalEvent.THREAD_ENDED, "thread-ended",
+                        "", batch)
 
     async def recover(self, kernel: Kernel) -> None:
         """Load what was pending before the restart; timers whose call no longer
@@ -401,9 +425,7 @@ class DurableWaits:
             else:
                 self._add_timer(timer)
         for row in await kernel.approvals():
-            self.parked[row.id] = row
-            self.live.add((APPROVAL, row.id))
-            self._hold(row.frame)
+            self._add_parked(row)
             self.deadlines.schedule(row.deadline, APPROVAL, row.id)
         if stale:
             tx = kernel.transaction()
