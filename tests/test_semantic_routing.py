@@ -343,6 +343,33 @@ async def test_an_accepted_intent_is_routed_after_a_restart(tmp_path: Path) -> N
     assert len(fill_requests(server)) == 1
 
 
+async def test_an_intent_is_bounded_in_time_and_in_slots() -> None:
+    """A resolver that never answers (a blackholed embeddings endpoint): the intent
+    is refused after handler_timeout_s, not held for ever; meanwhile at most a
+    quarter of the pump's slots resolve intents (one more is `rate-limited` at once)
+    and other traffic runs. One intent used to hold a slot for minutes, and two
+    stalled a pump of two slots."""
+    async with FakeLLM("openai", good_filler) as server:
+        text = organism_text(server).replace(
+            "pump: {max_hops: 20, handler_timeout_s: 20}",
+            "pump: {max_hops: 20, handler_timeout_s: 0.5, max_concurrency: 4}")
+        config = load_config_text(text, base_dir=TESTS)
+        async with Harness(config, {"alice": "users"}) as h:
+            stuck = StuckResolver()
+            h.pump.intents = stuck
+            first = intent("alice", "read the contents of main.rs")
+            assert (await h.pump.submit("alice", first)).accepted
+            await stuck.started.wait()
+            second = await h.send("alice", intent("alice", "list the files in /tmp"))
+            assert b"<code>rate-limited</code>" in second[-1]
+            listed = await h.send("alice", build_envelope(
+                "alice", new_uuid(), PAYLOADS["files.list"].encode()))
+            assert frame_kind(listed[-1])[:2] == ("files.list", "done")
+            await h.run_until_idle()  # the stuck intent ends at its timeout
+            refused = h.frames("alice", parse_envelope(first).thread)
+            assert b"no matching capability in your profile" in refused[-1]
+
+
 # ---------------------------------------------------------------- the pure parts
 
 

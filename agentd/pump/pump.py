@@ -44,7 +44,7 @@ from agentd._envelope import (
     parse_built_envelope,
     parse_envelope,
 )
-from agentd._errors import HuhCode, Rejection
+from agentd._errors import AgentdError, HuhCode, Rejection
 from agentd._handler import ChainStopped, HandlerMetadata
 from agentd._routing import Listener, Routing
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
@@ -119,6 +119,9 @@ class Pump:
         # Semantic routing of core `intent` (set by the daemon); None: every intent is
         # unroutable, and said so in the log.
         self.intents: IntentResolver | None = None
+        # Intents being resolved (embeddings and model calls): at most a quarter of
+        # the pump's slots, so a slow embeddings endpoint cannot stall other traffic.
+        self._intents_running = 0
         self._scheduler = Scheduler(
             self._handle, self.settings.max_concurrency, self.settings.max_queue
         )
@@ -547,12 +550,28 @@ class Pump:
         outcome: IntentOutcome | None = None
         if self.intents is None:
             log.warning("intent refused: semantic routing is not configured %s", frame.log_ids)
+        elif self._intents_running >= max(1, self.settings.max_concurrency // 4):
+            log.warning("intent refused: %d intents are being resolved %s",
+                        self._intents_running, frame.log_ids)
+            batch = self._open()
+            self._huh_to(frame, HuhCode.RATE_LIMITED, hops, batch)
+            self._close(batch, msg)
+            return
         elif frame.is_root or listener is not None:
             text = msg.payload.findtext(_INTENT_TEXT) or ""
+            self._intents_running += 1
             try:
-                outcome = await self.intents.resolve(text, sender, listener, frame)
+                async with asyncio.timeout(self.settings.handler_timeout_s):
+                    outcome = await self.intents.resolve(text, sender, listener, frame)
+            except TimeoutError:
+                log.warning("intent refused: not resolved within handler_timeout_s (%g s) %s",
+                            self.settings.handler_timeout_s, frame.log_ids)
+            except AgentdError as exc:  # an endpoint's outage (embeddings, model): one line
+                log.warning("intent refused: %s %s", exc, frame.log_ids)
             except Exception:  # a resolver bug: refused, loudly, never half-done
                 log.exception("intent resolver failed %s", frame.log_ids)
+            finally:
+                self._intents_running -= 1
         batch = self._open()
         if outcome is not None and batch is not None:
             batch.tx.journal(
