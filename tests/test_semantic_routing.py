@@ -263,6 +263,21 @@ async def test_the_next_model_fills_when_the_first_fails_the_schema() -> None:
     assert [s.json["model"] for s in fill_requests(server)] == ["cheap-1", "strong-1"]
 
 
+async def test_only_the_ladders_models_see_the_intent_text() -> None:
+    """`fill_models` says which models may read an intent's text: when the one on the
+    ladder fails, the text is not failed over to another backend (it went to every
+    backend of the router, and a ladder of N retried each rung on all N)."""
+    def script(seen: Seen) -> Reply | str:
+        if seen.json["model"] == "cheap-1":
+            return Reply(status=503)
+        return good_filler(seen)
+
+    async with organism(script, "[cheap]") as (h, server):
+        frames = await h.send("alice", intent("alice", "read the contents of main.rs"))
+    assert b"no matching capability in your profile" in frames[-1]
+    assert [s.json["model"] for s in fill_requests(server)] == ["cheap-1"]
+
+
 def worker_script(intent_text: str) -> Callable[[Seen], str]:
     """The worker agent sends one intent, then answers with what came back; the
     filler fills correctly."""

@@ -78,8 +78,12 @@ class LlmRouter:
         self.cache = ResponseCache(config.cache_ttl_s, self.clock)
         self._ring = 0
 
-    def order(self, prefer: str | None = None) -> list[Backend]:
-        """The backends one call may try, in order."""
+    def order(self, prefer: str | None = None, *, only: bool = False) -> list[Backend]:
+        """The backends one call may try, in order. `only`: `prefer` alone (no
+        failover, no rotation): a caller whose data may go to that backend only."""
+        if only:
+            chosen = self.backends.get(prefer) if prefer is not None else None
+            return [chosen] if chosen is not None else []
         ring = list(self.backends.values())
         if not ring:
             return []
@@ -97,7 +101,8 @@ class LlmRouter:
         ceiling = min(self.backoff_max_s, self.backoff_base_s * (2**attempt))
         return ceiling / 2 + self._rng() * ceiling / 2  # "equal jitter"
 
-    async def complete(self, request: LlmRequest, *, prefer: str | None = None) -> LlmResponse:
+    async def complete(self, request: LlmRequest, *, prefer: str | None = None,
+                       only: bool = False) -> LlmResponse:
         cache_key = f"{prefer or ''}\n{request.key}"
         hit = self.cache.get(cache_key)
         if hit is not None:
@@ -106,7 +111,7 @@ class LlmRouter:
         errors: list[BackendError | LlmError] = []
         attempts = 0
         transport_s = 0.0
-        for backend in self.order(prefer):
+        for backend in self.order(prefer, only=only):
             try:
                 backend.precheck(request)
             except RequestTooLarge as exc:

@@ -664,7 +664,9 @@ class Platform:
         if reservation.max_output != request.max_tokens:
             request = request.with_max_tokens(reservation.max_output)
         try:
-            response = await self._router.complete(request, prefer=backend)
+            # That backend alone: the operator's ladder says which models may read
+            # the intent text (the next rung is the caller's to try).
+            response = await self._router.complete(request, prefer=backend, only=True)
         except BaseException:
             self.budgets.settle(reservation, None)
             raise
