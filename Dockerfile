@@ -22,6 +22,12 @@ FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="agentd" \
       org.opencontainers.image.description="A zero-trust runtime for multi-agent LLM systems" \
       org.opencontainers.image.licenses="Apache-2.0"
+# tini is PID 1: a handler worker's processes killed with it are re-parented to PID 1,
+# and agentd (which reaps only the children it started) must not be the one to inherit
+# them, or they would stay zombies and count against the container's process limit.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends tini=0.19.0-1 \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 agentd \
     && useradd --system --uid 10001 --gid agentd --home-dir /var/lib/agentd \
        --no-create-home --shell /usr/sbin/nologin agentd \
@@ -41,5 +47,5 @@ EXPOSE 8765 9464
 HEALTHCHECK --interval=30s --timeout=3s --start-period=20s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:9464/healthz', timeout=2).status == 200 else 1)"]
 STOPSIGNAL SIGTERM
-ENTRYPOINT ["agentd"]
+ENTRYPOINT ["/usr/bin/tini", "--", "agentd"]
 CMD ["run", "--config", "/etc/agentd/organism.yaml", "--state-dir", "/var/lib/agentd"]

@@ -98,6 +98,37 @@ async def test_grandchild_that_leaves_the_group_cannot_outlive_kill_group() -> N
     assert await gone(grandchild)
 
 
+async def test_a_child_cannot_make_the_daemon_its_grandchilds_parent() -> None:
+    """clone(CLONE_PARENT) made the new process a child of the confined process's
+    parent (the daemon): killed with the group, it stayed a zombie of the daemon for
+    ever, and 200 of them exhausted the service's TasksMax. Refused; clone3, whose
+    flags a filter cannot read, says ENOSYS so the C library uses clone; threads,
+    fork and subprocesses still work."""
+    code, out, err = await run_python("""
+        import ctypes, os, subprocess, sys, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        SIGCHLD, CLONE_PARENT = 17, 0x8000
+        pid = libc.syscall(56, CLONE_PARENT | SIGCHLD, 0, 0, 0, 0)
+        if pid == 0:
+            os._exit(0)
+        print("clone-parent", pid, ctypes.get_errno())
+        print("clone3", libc.syscall(435, 0, 0), ctypes.get_errno())
+        t = threading.Thread(target=lambda: print("thread-ran"))
+        t.start(); t.join()
+        child = os.fork()
+        if child == 0:
+            os._exit(7)
+        print("fork", os.waitpid(child, 0)[1] >> 8)
+        print("spawn", subprocess.run([sys.executable, "-c", "print(1)"],
+                                      capture_output=True).stdout.strip().decode())
+    """, python_policy())
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "clone-parent -1 1"  # EPERM
+    assert lines[1] == "clone3 -1 38"  # ENOSYS
+    assert lines[2:] == ["thread-ran", "fork 7", "spawn 1"]
+
+
 @needs_landlock
 async def test_reading_outside_read_paths_is_denied(tmp_path) -> None:
     secret = tmp_path / "clients.yaml"

@@ -157,15 +157,24 @@ def _landlock_restrict(abi: int, read: list[str], write: list[str], listing: lis
         os.close(ruleset)
 
 
-# A classic-BPF seccomp filter (x86_64) that refuses setsid(2) and setpgid(2) with
-# EPERM, so nothing the child starts can leave its process group and outlive
-# kill_group; every non-x86_64 syscall ABI (i386 via int 0x80, x32) is refused too.
+# A classic-BPF seccomp filter (x86_64) that keeps everything the child starts in
+# its process group and below it, so kill_group kills it all and the daemon is never
+# left a child of its own to reap: setsid(2) and setpgid(2) are refused with EPERM,
+# clone(2) with CLONE_PARENT too (the new process would be the daemon's child, a
+# zombie of the daemon for ever once killed), and clone3(2), whose flags a filter
+# cannot read, with ENOSYS (the C library then falls back to clone). Every
+# non-x86_64 syscall ABI (i386 via int 0x80, x32) is refused.
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _X32_BIT = 0x40000000
+_NR_CLONE = 56
 _NR_SETPGID = 109
 _NR_SETSID = 112
+_NR_CLONE3 = 435
+_CLONE_PARENT = 0x00008000
+_ARG0_LOW = 16  # offsetof(struct seccomp_data, args[0]), its low 32 bits (little-endian)
 _RET_ALLOW = 0x7FFF0000
 _RET_EPERM = 0x00050000 | 1
+_RET_ENOSYS = 0x00050000 | 38
 
 
 def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
@@ -173,17 +182,23 @@ def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
 
 
 def _seccomp_program() -> bytes:
-    ld_w_abs, jeq_k, jge_k, ret_k = 0x20, 0x15, 0x35, 0x06
+    ld_w_abs, jeq_k, jge_k, jset_k, ret_k = 0x20, 0x15, 0x35, 0x45, 0x06
+    # Jump offsets count the instructions skipped after the jump itself.
     return b"".join([
-        _bpf(ld_w_abs, 0, 0, 4),                       # A = arch
-        _bpf(jeq_k, 1, 0, _AUDIT_ARCH_X86_64),
-        _bpf(ret_k, 0, 0, _RET_EPERM),
-        _bpf(ld_w_abs, 0, 0, 0),                       # A = syscall number
-        _bpf(jge_k, 2, 0, _X32_BIT),
-        _bpf(jeq_k, 1, 0, _NR_SETSID),
-        _bpf(jeq_k, 0, 1, _NR_SETPGID),
-        _bpf(ret_k, 0, 0, _RET_EPERM),
-        _bpf(ret_k, 0, 0, _RET_ALLOW),
+        _bpf(ld_w_abs, 0, 0, 4),                       # 0  A = arch
+        _bpf(jeq_k, 1, 0, _AUDIT_ARCH_X86_64),         # 1
+        _bpf(ret_k, 0, 0, _RET_EPERM),                 # 2
+        _bpf(ld_w_abs, 0, 0, 0),                       # 3  A = syscall number
+        _bpf(jge_k, 7, 0, _X32_BIT),                   # 4  -> 12 EPERM
+        _bpf(jeq_k, 6, 0, _NR_SETSID),                 # 5  -> 12 EPERM
+        _bpf(jeq_k, 5, 0, _NR_SETPGID),                # 6  -> 12 EPERM
+        _bpf(jeq_k, 5, 0, _NR_CLONE3),                 # 7  -> 13 ENOSYS
+        _bpf(jeq_k, 0, 2, _NR_CLONE),                  # 8  else -> 11 ALLOW
+        _bpf(ld_w_abs, 0, 0, _ARG0_LOW),               # 9  A = clone's flags
+        _bpf(jset_k, 1, 0, _CLONE_PARENT),             # 10 -> 12 EPERM
+        _bpf(ret_k, 0, 0, _RET_ALLOW),                 # 11
+        _bpf(ret_k, 0, 0, _RET_EPERM),                 # 12
+        _bpf(ret_k, 0, 0, _RET_ENOSYS),                # 13
     ])
 
 
