@@ -12,6 +12,7 @@ import sys
 import textwrap
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from lxml import etree
@@ -207,6 +208,67 @@ async def test_a_worker_flooding_stderr_is_read_no_faster_than_its_rate(
               and r.getMessage().endswith("x" * 20)]
     assert len(logged) < _STDERR_BURST + 3 * STDERR_LINES_PER_S  # 1 s of call, and margin
     assert sum("read no faster" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_stderr_without_newlines_is_read_no_faster_either(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Chunks of stderr with no newline (each over the reader's 64 KiB line limit)
+    skipped the rate limit: the daemon read them as fast as the worker wrote, 68 % of
+    a core for one worker. They are charged like lines now."""
+    config = load_config(organism(tmp_path, "{workers: 1}", timeout_s=1))
+    (tmp_path / "state").mkdir()
+    caplog.set_level("INFO", logger="agentd.isolation")
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        assert await ask(h, "stderr-long", "5000") == ("huh", "timeout")  # it blocked
+        await settled(h, 1)
+        assert await ask(h, "echo", "ok") == ("outcome", "ok")
+    assert sum("read no faster" in r.getMessage() for r in caplog.records) == 1
+
+
+async def test_a_worker_that_dies_as_it_starts_is_restarted_ever_more_slowly(
+        h: Harness) -> None:
+    """A worker that exits right after it is ready used to be restarted in a tight
+    loop (84 restarts, 1.35 cores in 10 s); each quick death doubles the pause."""
+    pool = h.isolation.pools["prober"]
+    await settled(h, 0)
+    assert pool._backoff == 0.0
+    assert await ask(h, "exit-soon") == ("outcome", "exiting")
+    await settled(h, 1)
+    assert pool._backoff == 0.1
+    assert await ask(h, "exit-soon") == ("outcome", "exiting")
+    await settled(h, 2)
+    assert pool._backoff == 0.2
+    assert await ask(h, "echo", "ok") == ("outcome", "ok")
+
+
+async def test_a_pool_keeps_restarting_when_the_system_refuses_a_process(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon out of processes or descriptors when it starts a replacement (a
+    hostile worker can cause both): the restart loop stopped for good on the first
+    OSError and the listener answered `huh timeout` for ever. It retries."""
+    import errno
+
+    from agentd.isolation import _pool
+
+    await settled(h, 0)
+    real = _pool.spawn
+    refusals = [OSError(errno.EAGAIN, "Resource temporarily unavailable")] * 2
+
+    async def refusing(*args: Any, **kw: Any) -> Any:
+        if refusals:
+            raise refusals.pop()
+        return await real(*args, **kw)
+
+    monkeypatch.setattr(_pool, "spawn", refusing)
+    assert await ask(h, "exit") == ("huh", "internal")
+    pool = h.isolation.pools["prober"]
+    for _ in range(3000):  # the spare took over; its successor is refused twice
+        if not refusals and pool.status()["spare"]:
+            break
+        await asyncio.sleep(0.01)
+    assert not refusals and pool.status()["spare"] == 1, pool.status()
+    assert await ask(h, "echo", "ok") == ("outcome", "ok")
 
 
 async def test_cpu_limit_stops_a_busy_loop(tmp_path: Path) -> None:

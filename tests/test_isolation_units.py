@@ -257,3 +257,32 @@ def test_an_agent_worker_imports_the_loop_without_the_platform() -> None:
 def test_a_worker_spins_only_where_it_takes_no_core_from_the_daemon_under_load(
         waiting: bool, workers: int, others: int, cores: int, spin: bool) -> None:
     assert spins(waiting, workers, others, cores) is spin
+
+
+def test_a_secret_beneath_any_path_a_worker_reads_is_refused(tmp_path: Path) -> None:
+    """A clients file under /usr (a system folder every worker reads) was accepted
+    and readable by the worker; so was one reached through a symbolic link."""
+    from agentd._errors import ConfigError
+    from agentd.config import load_config_text
+    from agentd.isolation._plan import worker_policy
+
+    config = load_config_text(textwrap.dedent("""
+        organism: {name: units}
+        listeners:
+          - name: calc
+            payload_class: agentd.tools.calculator:Add
+            response_class: agentd.tools.calculator:Sum
+            handler: agentd.tools.calculator:add
+            description: Adds.
+            isolation: {workers: 1}
+    """), base_dir=tmp_path)
+    lst = config.listener("calc")
+    iso = lst.isolation
+    assert iso is not None
+    worker_policy(lst, iso, [tmp_path / "clients.yaml"], [])  # nothing to read there
+    with pytest.raises(ConfigError, match="would be able to read /usr/local/share/x/clients"):
+        worker_policy(lst, iso, [Path("/usr/local/share/x/clients.yaml")], [])
+    link = tmp_path / "secrets"
+    link.symlink_to("/usr/share")
+    with pytest.raises(ConfigError, match="would be able to read"):
+        worker_policy(lst, iso, [link / "clients.yaml"], [])

@@ -94,8 +94,9 @@ def worker_policy(lst: ListenerConfig, iso: IsolationConfig, secrets: Iterable[P
         if grant is not None:
             grants.add(grant)
     for secret in secrets:
-        for grant in grants:
-            if grant not in SYSTEM_READ_PATHS and _beneath(secret, grant):
+        real = Path(os.path.realpath(secret))
+        for grant in grants:  # the system's folders too: a secret under /usr is readable
+            if _beneath(secret, grant) or _beneath(real, os.path.realpath(grant)):
                 raise ConfigError([
                     f"{lst.location}: listeners: {lst.name}: isolation: the worker would be "
                     f"able to read {secret} (beneath {grant}); move the handler's code or "

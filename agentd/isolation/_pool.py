@@ -60,6 +60,10 @@ STDERR_LINES_PER_S = 50.0
 _STDERR_BURST = 200
 _START_TIMEOUT_S = 60.0
 _RESTART_BACKOFF_MAX_S = 5.0
+# A worker that dies on its own this soon after READY (a crash at import, a thread
+# that exits the process) is restarted after a growing pause, not in a tight loop.
+_QUICK_DEATH_S = 1.0
+_NOT_SELF_INFLICTED = frozenset({"timeout", "recycle"})
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 PIPELINE = 2  # calls written to one worker at most (1 running, the rest queued)
 _MAX_REDISPATCH = 4  # a call whose worker died before starting it: tries elsewhere
@@ -147,6 +151,7 @@ class Worker:
     worn_out: bool = False  # takes no new call; retired once its queue is empty
     last_words: str = ""  # its last stderr line (why a confinement failed, at start)
     asking: asyncio.Future[Any] | None = None  # an agent's request being answered
+    ready_at: float = 0.0  # the event loop's time when it said READY
 
     @property
     def pid(self) -> int:
@@ -522,6 +527,7 @@ class WorkerPool:
             raise WorkerFailed(f"worker for {spec.listener} did not start "
                                f"(exit {proc.returncode}){why}") from None
         self._set(worker, WorkerEvent.READY)
+        worker.ready_at = asyncio.get_running_loop().time()
         worker.tasks.append(asyncio.create_task(self._read_answers(worker)))
         self._watch(worker)
         if spare:
@@ -541,8 +547,8 @@ class WorkerPool:
         while True:
             try:
                 line = await stream.readline()
-            except ValueError:  # a line over the stream limit: drop it
-                continue
+            except ValueError:  # a line over the stream limit (readline dropped it):
+                line = b"(a stderr line over 64 KiB, dropped)"  # charged like any line
             if not line:
                 if dropped:
                     log.warning("worker stderr listener=%s pid=%s: %d lines dropped after "
@@ -627,14 +633,21 @@ class WorkerPool:
         if spare is not None and spare is not worker:
             self._idle.append(spare)  # serves at once; a new spare starts behind it
             self._wake()
+        lived = asyncio.get_running_loop().time() - worker.ready_at
+        if reason not in _NOT_SELF_INFLICTED and worker.ready_at and lived < _QUICK_DEATH_S:
+            self._slower()  # it dies as soon as it starts: no tight restart loop
+        elif worker.ready_at:
+            self._backoff = 0.0
         while not self._stopping:
             if self._backoff:
                 await asyncio.sleep(self._backoff)
             try:
                 await self._start_one(want_spare)
-                self._backoff = 0.0
                 return
-            except WorkerFailed as exc:
-                self._backoff = min(_RESTART_BACKOFF_MAX_S, max(0.1, self._backoff * 2))
+            except Exception as exc:  # WorkerFailed; or the daemon out of pids, fds
+                self._slower()
                 log.error("isolated worker restart failed listener=%s: %s",
                           self.spec.listener, exc)
+
+    def _slower(self) -> None:
+        self._backoff = min(_RESTART_BACKOFF_MAX_S, max(0.1, self._backoff * 2))

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -92,6 +93,14 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
         for _ in range(int(arg)):
             os.write(2, line)
         text = "written"
+    elif action == "stderr-long":  # arg chunks of 70 KB with no newline, then answers
+        chunk = b"y" * 70_000
+        for _ in range(int(arg)):
+            os.write(2, chunk)
+        text = "written"
+    elif action == "exit-soon":  # answers, then the process exits (a crash loop's step)
+        threading.Timer(0.02, os._exit, (0,)).start()
+        text = "exiting"
     elif action == "grandchild":
         text = _grandchild()
     elif action == "read":
