@@ -341,3 +341,13 @@ def test_local_embeddings_resolve_the_path_against_the_file(tmp_path: Path) -> N
     )
     embedder = build_embedder(config.embeddings, config.llm)
     assert isinstance(embedder, LocalEmbedder)
+
+
+def test_a_reply_of_number_strings_is_refused_and_huge_coordinates_keep_their_direction(
+) -> None:
+    """`["1", "2"]` was read as numbers; coordinates near float32's limit overflowed
+    when squared and the vector became all zeros (it then matched nothing)."""
+    with pytest.raises(EmbeddingsError, match="non-numeric"):
+        decode_response(json.dumps({"data": [{"embedding": ["1", "2"]}]}).encode(), 1)
+    rows, _ = decode_response(json.dumps({"data": [{"embedding": [3e38, 3e38]}]}).encode(), 1)
+    assert rows[0].tolist() == pytest.approx([0.70710677, 0.70710677])

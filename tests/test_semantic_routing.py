@@ -497,3 +497,36 @@ async def test_openai_embeddings_never_see_a_masked_description() -> None:
     for seen in server.requests:
         assert not any(text in seen.body.decode() for text in masked)
     assert "files.erase" not in {name for name, _ in ranking.entries}
+
+
+async def test_concurrent_intents_embed_a_cold_candidate_set_once() -> None:
+    """Twenty intents at once over a cold cache made twenty requests embedding the
+    same descriptions; they wait for one now. A listener a reload retired leaves the
+    candidates even of a warm ranker (its cache is per table, and a reload retires
+    the removed listeners of the tables threads still hold)."""
+    from agentd.config import LlmBackendConfig
+    from agentd.embeddings import OpenAIEmbedder
+
+    def embed(text: str) -> list[float]:
+        words = text.lower().split()
+        return [1.0 + sum(w.startswith(p) for w in words) for p in ("read", "list", "mail")]
+
+    routing = _routing()
+    users = routing.profiles["users"]
+    async with FakeLLM("openai", embed=embed) as server:
+        backend = LlmBackendConfig(name="emb", provider="openai", base_url=server.base_url,
+                                   model="chat", max_concurrency=32)
+        router = SemanticRouter(OpenAIEmbedder(backend, "embed-1"), lambda: None)
+        try:
+            await asyncio.gather(*(router.rank(f"read file {i}", users) for i in range(20)))
+            documents = [s for s in server.requests if len(s.json["input"]) > 1]
+            assert len(documents) == 1
+            assert (await router.rank("send mail to bob", users)).selected == "mail.send"
+            users.table.listeners["mail.send"].retired = True  # what a reload's swap does
+            try:
+                ranking = await router.rank("send mail to bob", users)
+            finally:
+                users.table.listeners["mail.send"].retired = False
+        finally:
+            await router.aclose()
+    assert "mail.send" not in {name for name, _ in ranking.entries}

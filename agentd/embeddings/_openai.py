@@ -80,9 +80,12 @@ def decode_response(body: bytes, count: int) -> tuple[Matrix, int | None]:
             raise EmbeddingsError(f"embeddings reply has more than {MAX_DIMENSIONS} dimensions")
         rows[index] = vector
     try:
-        wide = np.asarray(rows, dtype=np.float64)
+        wide = np.asarray(rows)  # numbers only: "1" (a string) or true is no coordinate
     except (ValueError, TypeError):
         raise EmbeddingsError("embeddings reply holds vectors of different sizes") from None
+    if wide.dtype.kind not in "if":
+        raise EmbeddingsError("embeddings reply holds non-numeric or non-finite values")
+    wide = wide.astype(np.float64)
     limit = float(np.finfo(np.float32).max)
     if wide.ndim != 2 or not np.all(np.isfinite(wide)) or np.any(np.abs(wide) > limit):
         raise EmbeddingsError("embeddings reply holds non-numeric or non-finite values")

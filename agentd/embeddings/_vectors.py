@@ -28,9 +28,13 @@ _BLOB_DTYPE = np.dtype("<f4")  # little-endian float32, whatever the host's orde
 
 def unit_rows(matrix: npt.ArrayLike) -> Matrix:
     """Rows scaled to length 1; all-zero rows stay zero (and match nothing)."""
-    out = np.asarray(matrix, dtype=np.float32)
+    out = np.array(matrix, dtype=np.float32)  # a copy: scaled in place below
     if out.ndim != 2:
         raise ValueError(f"expected a matrix, got an array of {out.ndim} dimensions")
+    # Scaled by each row's largest magnitude first: the squares of coordinates near
+    # float32's limit overflow, and the row would have become all zeros.
+    peaks = np.max(np.abs(out), axis=1, keepdims=True, initial=0.0)
+    np.divide(out, peaks, out=out, where=peaks > 0)
     norms = np.linalg.norm(out, axis=1, keepdims=True)
     np.divide(out, norms, out=out, where=norms > 0)
     return out

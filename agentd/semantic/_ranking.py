@@ -12,6 +12,7 @@ table order) and the selected listener: the best one scoring at least `threshold
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,6 +64,12 @@ def select(
     return Ranking(entries, chosen, threshold)
 
 
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """Its waiters got the outcome, or all left: no "exception never retrieved"."""
+    if not task.cancelled():
+        task.exception()
+
+
 class Ranker:
     """Scores an intent over candidates with one embedder; keeps the candidates'
     vectors per candidate set (an absolute provider embeds each set once)."""
@@ -70,6 +77,8 @@ class Ranker:
     def __init__(self, embedder: Embedder) -> None:
         self.embedder = embedder
         self._documents: OrderedDict[tuple[str, ...], Matrix] = OrderedDict()
+        # A candidate set being embedded: concurrent intents wait for the one request.
+        self._embedding: dict[tuple[str, ...], asyncio.Task[Matrix]] = {}
         self._candidates: WeakKeyDictionary[
             DispatchTable, dict[str | None, tuple[tuple[Listener, ...], tuple[str, ...]]]
         ] = WeakKeyDictionary()
@@ -78,25 +87,36 @@ class Ranker:
         if self.embedder.corpus_relative:
             return await self.embedder.embed_documents(texts)  # the provider caches its fit
         found = self._documents.get(texts)
-        if found is None:
-            found = self._documents[texts] = await self.embedder.embed_documents(texts)
-            if len(self._documents) > _DOCUMENTS_KEPT:
-                self._documents.popitem(last=False)
-        else:
+        if found is not None:
             self._documents.move_to_end(texts)
+            return found
+        task = self._embedding.get(texts)
+        if task is None:
+            task = self._embedding[texts] = asyncio.ensure_future(self._embed(texts))
+            task.add_done_callback(_retrieved)
+        return await asyncio.shield(task)  # a waiter cancelled leaves it to the others
+
+    async def _embed(self, texts: tuple[str, ...]) -> Matrix:
+        try:
+            found = self._documents[texts] = await self.embedder.embed_documents(texts)
+        finally:
+            del self._embedding[texts]
+        if len(self._documents) > _DOCUMENTS_KEPT:
+            self._documents.popitem(last=False)
         return found
 
     def candidates(
         self, profile: Profile, sender: Listener | None
     ) -> tuple[tuple[Listener, ...], tuple[str, ...]]:
         """`permitted(profile, sender)` and their texts, computed once per table and
-        sender: tables are immutable (a reload builds new ones)."""
+        sender: tables are immutable (a reload builds new ones), except that a reload
+        retires the listeners it removes from the tables threads still hold."""
         per_table = self._candidates.get(profile.table)
         if per_table is None:
             per_table = self._candidates[profile.table] = {}
         key = None if sender is None else sender.name
         found = per_table.get(key)
-        if found is None:
+        if found is None or any(x.retired for x in found[0]):
             listeners = permitted(profile, sender)
             found = per_table[key] = (listeners, tuple(candidate_text(x) for x in listeners))
         return found
