@@ -82,3 +82,41 @@ def test_a_module_cannot_plant_a_symlink_in_its_preopen(tmp_path: Path) -> None:
     out = module(tmp_path, wat, preopens={"/data": data}).run(b"<x/>")  # type: ignore[attr-defined]
     assert out.failure is HuhCode.INTERNAL and "exit code 63" in out.reason
     assert list(data.iterdir()) == []
+
+
+@pytest.mark.parametrize("wat", [
+    '(module (memory (export "memory") 1))',
+    '(module (memory (export "_start") 1))',
+    '(module (func (export "_start") (param i32)))',
+])
+def test_a_module_that_is_no_wasi_command_is_refused_at_load(tmp_path: Path, wat: str) -> None:
+    """No `_start() -> ()`: every call raised KeyError or an assertion (gone under
+    `python -O`); the configuration loaded."""
+    with pytest.raises(ToolUnavailable, match="not a WASI command"):
+        module(tmp_path, wat)
+
+
+@pytest.mark.parametrize(("body", "reason"), [
+    ("unreachable", "unreachable"),
+    ("(call $exit (i32.const 1))", "exit code 1"),
+])
+def test_a_start_section_that_fails_is_internal_not_a_memory_budget(
+        tmp_path: Path, body: str, reason: str) -> None:
+    wat = f"""(module {EXIT} (memory (export "memory") 1)
+      (func $init {body}) (start $init) (func (export "_start")))"""
+    out = module(tmp_path, wat).run(b"<x/>")  # type: ignore[attr-defined]
+    assert out.failure is HuhCode.INTERNAL and reason in out.reason
+    over = """(module (memory (export "memory") 1000) (func (export "_start")))"""
+    out = module(tmp_path, over, memory_mb=4).run(b"<x/>")  # type: ignore[attr-defined]
+    assert out.failure is HuhCode.BUDGET_EXCEEDED
+
+
+def test_each_listener_runs_its_modules_on_threads_of_its_own() -> None:
+    """One pool of four threads for every module: twelve long calls of one listener
+    made another listener's instant module time out."""
+    from agentd.tools.wasm import runtime
+
+    rt = runtime()
+    spin, echo = rt.executor("spin"), rt.executor("echo")
+    assert spin is not echo and rt.executor("spin") is spin
+    assert spin._max_workers == echo._max_workers == rt.threads

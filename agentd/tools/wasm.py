@@ -94,25 +94,41 @@ class _EpochTicker:
 
 class WasmRuntime:
     """The process's one engine, its compiled modules, the epoch ticker and the
-    threads calls run on."""
+    threads calls run on: each listener has threads of its own, so a listener whose
+    modules run long delays its own calls, never another listener's."""
 
-    def __init__(self, threads: int = 4) -> None:
+    def __init__(self, threads: int = 2) -> None:
         config = wasmtime.Config()
         config.consume_fuel = True
         config.epoch_interruption = True
         config.wasm_multi_memory = False  # one memory, the one `memory_mb` caps
         self.engine = wasmtime.Engine(config)
         self.ticker = _EpochTicker(self.engine)
-        self.executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wasm")
+        self.threads = threads
+        self._executors: dict[str, ThreadPoolExecutor] = {}  # by listener, kept by reloads
         self._compiled: dict[str, wasmtime.InstancePre] = {}
         self._lock = threading.Lock()
 
+    def executor(self, listener: str) -> ThreadPoolExecutor:
+        """The threads `listener`'s calls run on."""
+        found = self._executors.get(listener)
+        if found is None:
+            found = self._executors[listener] = ThreadPoolExecutor(
+                max_workers=self.threads, thread_name_prefix=f"wasm-{listener}"[:15])
+        return found
+
     def prepare(self, data: bytes, digest: str) -> wasmtime.InstancePre:
-        """The module compiled and linked against our WASI; once per content."""
+        """The module compiled and linked against our WASI; once per content. Raises
+        ValueError for a module that is no WASI command (no `_start() -> ()`)."""
         with self._lock:
             pre = self._compiled.get(digest)
             if pre is None:
                 module = wasmtime.Module(self.engine, data)
+                start = next((e.type for e in module.exports if e.name == "_start"), None)
+                if not (isinstance(start, wasmtime.FuncType) and not start.params
+                        and not start.results):
+                    raise ValueError("it is not a WASI command: no `_start` function "
+                                     "taking and returning nothing")
                 pre = _linker(self.engine).instantiate_pre(module)
                 self._compiled[digest] = pre
             return pre
@@ -256,8 +272,9 @@ class WasmModule:
         instance = None
         try:
             instance = self.pre.instantiate(store)
-            start = instance.exports(store)["_start"]
-            assert isinstance(start, wasmtime.Func)
+            start = instance.exports(store)["_start"]  # a function: checked at load
+            if not isinstance(start, wasmtime.Func):
+                return RunOutcome(failure=HuhCode.INTERNAL, reason="_start is no function")
             start(store)
         except wasmtime.ExitTrap as exc:
             if exc.code == 0:
@@ -278,8 +295,10 @@ class WasmModule:
         reason: str,
     ) -> RunOutcome:
         """A failed run whose memory reached the cap failed for want of memory."""
-        if instance is None:  # could not even be instantiated within the cap
-            return RunOutcome(failure=HuhCode.BUDGET_EXCEEDED, reason=f"{reason} (memory)")
+        if instance is None:  # not instantiated: over the caps, or its start section failed
+            if "exceeds memory limits" in reason or "exceeds table limits" in reason:
+                return RunOutcome(failure=HuhCode.BUDGET_EXCEEDED, reason=f"{reason} (memory)")
+            return RunOutcome(failure=code, reason=reason)
         memory = instance.exports(store).get("memory")
         at_cap = (isinstance(memory, wasmtime.Memory)
                   and memory.data_len(store) + WASM_PAGE > self.memory_bytes)
@@ -298,8 +317,8 @@ class WasmHandler:
 
     async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
         loop = asyncio.get_running_loop()
-        outcome = await loop.run_in_executor(self.module.rt.executor, self.module.run,
-                                             to_xml(payload))
+        outcome = await loop.run_in_executor(self.module.rt.executor(self.listener),
+                                             self.module.run, to_xml(payload))
         if outcome.failure is not None:
             log.warning("wasm call failed listener=%s thread=%s reason=%s", self.listener,
                         meta.thread_id, outcome.reason)
@@ -321,7 +340,7 @@ def build(config: WasmTool, listener: str) -> Sequence[Tool]:
     rt = runtime()
     try:
         pre = rt.prepare(data, digest)
-    except wasmtime.WasmtimeError as exc:
+    except (wasmtime.WasmtimeError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else "invalid module"
         raise ToolUnavailable(f"module {config.module} cannot be loaded: {first}") from None
     payloads = tuple(ref.value for ref in config.payload_class)
