@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -273,7 +274,11 @@ async def _reload(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
     assert daemon.pump is not None and daemon.routing is not None
     if daemon.config_path is None:
         raise ConfigError(["the daemon was not started from a configuration file"])
-    new = preflight(load_config(daemon.config_path, state_dir_override=daemon.config.state_dir))
+    path, state_dir = daemon.config_path, daemon.config.state_dir
+    # Off the event loop: loading compiles WASM modules (seconds for a large one) and
+    # reads every file the configuration names; the daemon serves meanwhile.
+    new = await asyncio.to_thread(
+        lambda: preflight(load_config(path, state_dir_override=state_dir)))
     plan = plan_reload(daemon.checked, new, daemon.started_with)
     version = daemon.routing.version + 1
     if dry_run:

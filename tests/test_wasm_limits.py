@@ -120,3 +120,21 @@ def test_each_listener_runs_its_modules_on_threads_of_its_own() -> None:
     spin, echo = rt.executor("spin"), rt.executor("echo")
     assert spin is not echo and rt.executor("spin") is spin
     assert spin._max_workers == echo._max_workers == rt.threads
+
+
+def test_compiled_code_goes_with_the_last_listener_using_it(tmp_path: Path) -> None:
+    """Every module a reload (or a dry run) compiled stayed in memory for the
+    daemon's life (148 -> 654 MiB over four reloads of a 7 MiB module)."""
+    import gc
+    import hashlib
+
+    from agentd.tools.wasm import runtime
+
+    wat = ('(module (memory (export "memory") 1) (func (export "_start"))'
+           ' (data (i32.const 0) "once"))')
+    digest = hashlib.sha256(wasmtime.wat2wasm(wat)).hexdigest()
+    held = module(tmp_path, wat)
+    assert digest in runtime()._compiled
+    del held
+    gc.collect()
+    assert digest not in runtime()._compiled

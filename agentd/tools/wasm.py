@@ -33,6 +33,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -106,7 +107,10 @@ class WasmRuntime:
         self.ticker = _EpochTicker(self.engine)
         self.threads = threads
         self._executors: dict[str, ThreadPoolExecutor] = {}  # by listener, kept by reloads
-        self._compiled: dict[str, wasmtime.InstancePre] = {}
+        # Kept while a listener's module uses it (a reload that drops or changes a
+        # module lets its compiled code go; a dry run keeps nothing).
+        self._compiled: weakref.WeakValueDictionary[str, wasmtime.InstancePre] = (
+            weakref.WeakValueDictionary())
         self._lock = threading.Lock()
 
     def executor(self, listener: str) -> ThreadPoolExecutor:
