@@ -4,9 +4,11 @@ done by the library."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -91,7 +93,7 @@ def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_l
             for line in next_steps(home):
                 click.echo(f"  {line}", err=True)
         _install_uvloop()
-        sys.exit(asyncio.run(run_daemon(config_file, state_dir)))
+        _exit(asyncio.run(run_daemon(config_file, state_dir)))
     except ConfigError as exc:
         for issue in exc.issues:
             click.echo(issue, err=True)
@@ -101,6 +103,20 @@ def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_l
     except OSError as exc:  # a state dir that is a file, or cannot be made: one line
         where = f" ({exc.filename})" if exc.filename else ""
         raise click.ClickException(f"{exc.strerror or exc}{where}") from None
+
+
+def _exit(code: int) -> NoReturn:
+    """End `agentd run` once the daemon has stopped (everything committed, the writer
+    gone). With WASM modules loaded, without the interpreter's finalization: wasmtime's
+    runtime threads, torn down under a finalizing interpreter, can abort the process
+    (SIGABRT, "panic in a function that cannot unwind") after a clean stop."""
+    wasm = sys.modules.get("agentd.tools.wasm")
+    if wasm is not None and getattr(wasm, "_runtime", None) is not None:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _install_uvloop() -> None:
