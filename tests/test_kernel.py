@@ -893,6 +893,28 @@ async def test_a_batch_committed_by_a_writer_that_died_before_answering_is_not_w
         assert ok, message
 
 
+async def test_delivery_marks_whose_answer_was_lost_are_written_again_harmlessly(
+        state_dir: Path) -> None:
+    """A commit of deletes and updates only records no number (it costs the head's
+    page nothing): when its answer is lost with the writer, it is sent again, which
+    changes nothing."""
+    async with await Kernel.open(state_dir) as k:
+        k.fold = False
+        tx = k.transaction()
+        oid = tx.outbox_put("alice", "t1", b"<answer/>")
+        await k.commit(tx)
+        mark = k.transaction()
+        mark.outbox_delivered("alice", oid)
+        committing = k.commit(mark)
+        await until_sent(k)
+        take_answer_then_kill_writer(k)
+        async with asyncio.timeout(10):
+            await committing
+        assert await k.outbox("alice") == []
+        ok, _, message = await k.verify()
+        assert ok, message
+
+
 async def test_a_rejected_transaction_of_a_batch_whose_writer_died_stays_rejected(
         state_dir: Path) -> None:
     """Rejections are recorded durably too: a transaction the database refused, in a

@@ -158,7 +158,8 @@ _V3_DURABLE = (
 
 # The outcome of the writer's last batch: every batch the kernel sends numbers its
 # transactions in sending order (the writer commits in that order), and each commit
-# records in `head.txn` the number of the last transaction it made durable;
+# that could not be written twice records in `head.txn` the number of the last
+# transaction it made durable;
 # `rejected_txns` holds the numbers of transactions the database refused on their own.
 # When the writer process dies with batches in flight, the next writer reads both and
 # the kernel resolves each of those transactions exactly: committed, rejected, or

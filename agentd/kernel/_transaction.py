@@ -441,6 +441,10 @@ class BatchPlan:
     max_outbox_id: int = 0
     ops: int = 0
     full_sync: bool = False
+    # Writing it twice would duplicate rows or fail (journal entries, outbox rows,
+    # context slots, approvals): its commit must record that it happened (the head's
+    # `txn`). A plan without (deletes, updates, replaces) may simply be written again.
+    once: bool = False
 
 
 def plan_batch(txs: Iterable[tuple]) -> BatchPlan:
@@ -465,6 +469,8 @@ def plan_batch(txs: Iterable[tuple]) -> BatchPlan:
             for op in tx_ops:
                 _apply_op(plan, op)
     plan.ops = ops
+    if journal or plan.outbox_insert or plan.context_insert:
+        plan.once = True
     return plan
 
 
@@ -519,6 +525,8 @@ def _apply_op(plan: BatchPlan, op: tuple) -> None:
         plan.memory_ops.append(op)
     elif code in _DURABLE_SQL:
         plan.durable.append((_DURABLE_SQL[code], op[1]))
+        if code == OP_APPROVAL_PUT:  # an INSERT: a second one fails
+            plan.once = True
     else:  # pragma: no cover - ops are only built by Transaction
         raise AssertionError(f"unknown op {code}")
 

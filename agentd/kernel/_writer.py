@@ -213,8 +213,9 @@ class _Served:
         self.store: Any = None
         # Batches applied in the open SQLite transaction of a fold (see `fold`), with
         # the number of their first transaction, the seconds each took to plan and
-        # apply and its operations, not yet committed or answered.
-        self._folded: list[tuple[list[tuple], int | None, float, int]] = []
+        # apply, its operations and whether it must be written once (`_write`), not
+        # yet committed or answered.
+        self._folded: list[tuple[list[tuple], int | None, float, int, bool]] = []
 
     def open(self, db: str, options: dict[str, Any]) -> tuple[int, int, int, int, dict]:
         self.store = Store.open(Path(db), **options)
@@ -266,7 +267,9 @@ class _Served:
     def _write(self, txs: list[tuple], txn: int | None) -> int:
         plan = plan_batch(txs)
         if plan.ops:  # empty transactions (flush barriers) need no SQLite transaction
-            self.store.write(plan, txn)
+            # Recorded only where writing it again would not do (see BatchPlan.once):
+            # the others leave the head untouched, as before numbering.
+            self.store.write(plan, txn if plan.once else None)
         return plan.ops
 
     @property
@@ -289,10 +292,10 @@ class _Served:
                 raise _Unfoldable
             if not self._folded:
                 self.store.begin()
-            self._folded.append((txs, first, 0.0, plan.ops))
+            self._folded.append((txs, first, 0.0, plan.ops, plan.once))
             if plan.ops:
                 self.store.apply(plan)
-            self._folded[-1] = (txs, first, time.perf_counter() - t0, plan.ops)
+            self._folded[-1] = (txs, first, time.perf_counter() - t0, plan.ops, plan.once)
             if more:
                 return None
             return self._commit_fold()
@@ -310,9 +313,10 @@ class _Served:
         """COMMIT; one commit, so the last part's reply carries the fold's seconds and
         operations and the others none (the daemon counts commits, not parts)."""
         t0 = time.perf_counter()
-        lasts = [last for txs, first, _, _ in self._folded
+        once = any(part[4] for part in self._folded)  # else nothing to record (`_write`)
+        lasts = [last for txs, first, _, _, _ in self._folded
                  if (last := _last(first, txs)) is not None]
-        self.store.commit(max(lasts, default=None))
+        self.store.commit(max(lasts, default=None) if once else None)
         folded, self._folded = self._folded, []
         seconds = sum(part[2] for part in folded) + time.perf_counter() - t0
         ops = sum(part[3] for part in folded)
@@ -322,7 +326,7 @@ class _Served:
 
     def _unfold(self, txs: list[tuple] | None, first: int | None, exc: Exception
                 ) -> list[tuple]:
-        batches = [(t, f) for t, f, _, _ in self._folded]
+        batches = [(t, f) for t, f, _, _, _ in self._folded]
         if txs is not None and (not batches or batches[-1][0] is not txs):
             batches.append((txs, first))
         self._folded = []
