@@ -39,6 +39,7 @@ from agentd.config.values import (
     Names,
     NonNegative,
     NonNegativeNumber,
+    PerSecond,
     Port,
     Positive,
     Problem,
@@ -156,7 +157,7 @@ class BusConfig:
     max_connections: Positive = 1024
     max_unauthenticated: Positive = 256  # connections not yet authenticated, in all
     max_unauthenticated_per_ip: Positive = 16  # the same, from one source address
-    rate_per_s: Seconds = 200.0  # per-client message rate (token bucket refill)
+    rate_per_s: PerSecond = 200.0  # per-client message rate (token bucket refill)
     rate_burst: Positive = 400
     auth_timeout_s: Seconds = 10.0
     compression: Bool = False
@@ -389,7 +390,7 @@ class FederationConfig:
     max_frame_bytes: Annotated[int, Strict(), Field(ge=MIN_FRAME_BYTES)] = DEFAULT_FRAME_BYTES
     backoff_initial_s: Seconds = 0.5
     backoff_max_s: Seconds = 30.0
-    rate_per_s: Seconds = 200.0  # a peer's calls per second (token bucket refill), per link
+    rate_per_s: PerSecond = 200.0  # a peer's calls per second (token bucket refill), per link
     rate_burst: Positive = 400
     max_inflight_calls: Positive = 256  # a peer's calls being admitted at once, per link
 

@@ -253,6 +253,7 @@ Port = Annotated[int, Strict(), Field(ge=0, le=65535)]
 MAX_SECONDS = 315_576_000.0
 Seconds = Annotated[float, Strict(), Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
 NonNegativeNumber = Annotated[float, Strict(), Field(ge=0, allow_inf_nan=False)]
+PerSecond = Annotated[float, Strict(), Field(gt=0, allow_inf_nan=False)]  # a rate
 Bool = Annotated[bool, Strict()]
 Text = Annotated[str, Strict(), AfterValidator(_not_empty)]
 AnyText = Annotated[str, Strict()]  # may be empty
