@@ -209,8 +209,12 @@ class ThreadRegistry:
         mine.move_to_end(uuid)
         pushed: list[Frame] = []
         while len(resting) > self.max_resting:
-            # The owner with the most at rest gives up its least recently used one.
-            owner, most = max(self._resting_of.items(), key=lambda item: len(item[1]))
+            # A client at or over its fair share gives up its own least recently used
+            # one (a client opening conversations by the thousand: one step, no scan);
+            # one under it rests at the expense of the client holding the most.
+            owner, most = root.owner, mine
+            if len(mine) * len(self._resting_of) < self.max_resting:
+                owner, most = max(self._resting_of.items(), key=lambda item: len(item[1]))
             frame = most.popitem(last=False)[1]
             if not most:
                 del self._resting_of[owner]
