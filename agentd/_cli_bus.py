@@ -192,16 +192,21 @@ def next_steps(home: Path, client: str = "alice") -> list[str]:
     secret = (home / f"{client}.totp").absolute()
     socket = config.oob.socket or config.state_dir / "oob.sock"
     key = (home / "operator.key").absolute()
+    # bus.port 0: the daemon takes a free port at each start and logs it ("bus
+    # listening url=..."); the lines say where to put it.
+    port = config.bus.port or "PORT"
     return [
         f"export AGENTCTL_SOCKET={shlex.quote(str(socket.absolute()))} "
         f"AGENTCTL_KEY={shlex.quote(str(key))}",
         f"{shlex.quote(executable('agentctl'))} status",
         f"echo {shlex.quote(DEMO_QUESTION)} | {shlex.quote(executable('agentd'))} send "
-        f"--url wss://{_url_host(config.bus.host)}:{config.bus.port}/bus --client {client} "
+        f"--url wss://{_url_host(config.bus.host)}:{port}/bus --client {client} "
         f"--secret-file {shlex.quote(str(secret))}{cafile} -",
         f"echo {shlex.quote(DEMO_READ)} | {shlex.quote(executable('agentd'))} send "
-        f"--url wss://{_url_host(config.bus.host)}:{config.bus.port}/bus --client {client} "
+        f"--url wss://{_url_host(config.bus.host)}:{port}/bus --client {client} "
         f"--secret-file {shlex.quote(str(secret))}{cafile} -",
+        *(["# PORT: the port the daemon logs at start (bus listening url=...); "
+           "bus.port 0 takes a free one each time"] if not config.bus.port else []),
     ]
 
 

@@ -163,6 +163,18 @@ def test_next_steps_name_the_files_init_wrote_by_absolute_path(tmp_path: Path) -
     assert read.startswith("echo '<read-file ") and read.endswith(send.split(" | ")[1])
 
 
+def test_next_steps_of_a_home_on_port_0_say_where_the_port_comes_from(tmp_path: Path) -> None:
+    """`init --port 0` printed a URL with port 0, which no client can reach: the
+    daemon takes a free port at each start and logs it."""
+    from agentd._cli_bus import init_home, next_steps
+
+    home = tmp_path / "agentd-home"
+    init_home(home, port=0)
+    _, _, send, read, note = next_steps(home)
+    assert "--url wss://127.0.0.1:PORT/bus " in send and ":PORT/bus " in read
+    assert note.startswith("# PORT: the port the daemon logs at start")
+
+
 def test_init_home_is_self_contained_and_movable(tmp_path: Path) -> None:
     from agentd._cli_bus import init_home
 
