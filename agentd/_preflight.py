@@ -85,6 +85,21 @@ def _bus_tls(config: OrganismConfig) -> Mapping[str, Any]:
         raise ConfigError([str(exc)]) from None
 
 
+def _bus_host(config: OrganismConfig) -> Mapping[str, Any]:
+    """A name the bus could not listen on: found here, not when the daemon starts."""
+    if config.bus.tls is None:  # no bus is served
+        return {}
+    import socket
+
+    host = config.bus.host
+    try:
+        socket.getaddrinfo(host, config.bus.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise ConfigError([f"{host!r} cannot be resolved ({why})"]) from None
+    return {}
+
+
 def _prompts(config: OrganismConfig) -> Mapping[str, Any]:
     if not any(lst.agent is not None for lst in config.listeners):
         return {}
@@ -186,6 +201,7 @@ PREFLIGHT_CHECKS: tuple[PreflightCheck, ...] = (
     PreflightCheck("auth.clients_file", _clients),
     PreflightCheck("oob.authorized_keys", _authorized_keys),
     PreflightCheck("bus.tls", _bus_tls),
+    PreflightCheck("bus.host", _bus_host),
     PreflightCheck("prompts", _prompts),
     PreflightCheck("llm.backends", _cassettes),
     PreflightCheck("listeners", _listeners),

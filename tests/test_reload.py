@@ -347,12 +347,18 @@ def test_a_port_in_use_is_one_line_naming_the_setting(
 
 
 def test_a_bus_host_that_does_not_resolve_is_blamed_on_bus_host(home: Path) -> None:
-    """It said `bus.port: cannot listen on 999.1.1.1:...`: the port was fine."""
+    """It said `bus.port: cannot listen on 999.1.1.1:...`: the port was fine; and
+    check-config passed it. Both refuse it now, before anything listens."""
     edit_config(home, lambda doc: doc["bus"].update(host="999.1.1.1"))
     done = run_agentd(home)
     assert done.returncode == 1
-    assert "bus.host: cannot resolve 999.1.1.1:" in done.stderr, done.stderr
+    assert "bus.host: '999.1.1.1' cannot be resolved (" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+    checked = subprocess.run([sys.executable, "-m", "agentd.cli", "check-config",
+                              str(home / "organism.yaml")], capture_output=True, text=True,
+                             timeout=120)
+    assert checked.returncode == 1
+    assert "bus.host: '999.1.1.1' cannot be resolved (" in checked.stderr
 
 
 def test_run_refuses_an_rsa_operator_key_before_listening(home: Path) -> None:
