@@ -541,7 +541,7 @@ def mcp_serve_cmd(url: str, client: str, secret_file: Path | None, session_file:
         sys.exit(EXIT_USAGE)
     try:
         asyncio.run(serve(bus, timeout))
-    except BusError as exc:
+    except (BusError, AgentdError) as exc:  # AgentdError: the daemon offers nothing
         click.echo(f"agentd mcp-serve: {exc}", err=True)
         sys.exit(EXIT_CONNECT)
 

@@ -68,3 +68,26 @@ def test_the_input_schema_and_payload_come_from_the_xsd() -> None:
     assert payload_xml(shape, {"a": 1, "b": 2}) == spec_of(Add).to_bytes(Add(a=1, b=2))
     with pytest.raises(ValueError):
         payload_xml(shape, {"a": 1, "c": 2})
+
+
+async def test_a_daemon_that_offers_nothing_is_one_line_not_a_traceback(
+        tmp_path: Path) -> None:
+    """Without meta.allow_list_capabilities the daemon answers no capability list:
+    `mcp-serve` ended in a RuntimeError traceback; it says why, in one line."""
+    import asyncio
+
+    r = await start_rig(tmp_path)  # meta questions all refused: the default
+    try:
+        p = params(r, "alice")
+        proc = await asyncio.create_subprocess_exec(
+            p.command, *p.args, env=p.env, stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        _, err = await asyncio.wait_for(proc.communicate(b""), 60)
+    finally:
+        await stop_rig(r)
+    assert proc.returncode == 3, err
+    text = err.decode()
+    assert "Traceback" not in text
+    assert text.strip().splitlines()[-1] == (
+        "agentd mcp-serve: the daemon does not answer list-capabilities for this client "
+        "(it needs meta.allow_list_capabilities and allow_schema_requests)")

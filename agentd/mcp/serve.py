@@ -24,6 +24,7 @@ from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
 from agentd._envelope import build_envelope, parse_envelope
+from agentd._errors import AgentdError
 from agentd._schemas import NS_CORE
 from agentd._threads import new_uuid
 from agentd._xml import c14n, escape_text
@@ -211,6 +212,10 @@ class Bridge:
             self._waiting.pop(thread, None)
 
 
+class NotOffered(AgentdError):
+    """The daemon tells this client nothing it could offer as MCP tools."""
+
+
 @dataclass
 class Offered:
     name: str
@@ -224,8 +229,8 @@ async def discover(bridge: Bridge) -> dict[str, Offered]:
         f'<list-capabilities xmlns="{NS_CORE}"/>'.encode()))
     core = "{" + NS_CORE + "}"
     if answer.payload.tag != core + "capabilities":
-        raise RuntimeError("the daemon does not answer list-capabilities for this client "
-                           "(meta.allow_list_capabilities and allow_schema_requests)")
+        raise NotOffered("the daemon does not answer list-capabilities for this client "
+                         "(it needs meta.allow_list_capabilities and allow_schema_requests)")
     offered: dict[str, Offered] = {}
     for cap in answer.payload.iterfind(core + "capability"):
         name = cap.findtext(core + "name") or ""
