@@ -435,6 +435,47 @@ async def test_a_task_is_restored_from_durable_history_after_a_restart(tmp_path:
     assert server.requests[1].conversation().replies == [add_call(2, 3)]
 
 
+async def test_a_result_redelivered_after_a_crash_mid_call_is_seen_once(
+        tmp_path: Path) -> None:
+    """kill -9 while the model answered the turn after a tool result: the result was
+    in the durable history already, its message was redelivered, and the model's next
+    turn saw that one result twice. The history keeps each result's journal seq."""
+    import asyncio
+    import contextlib
+
+    thread = "6c8d2e63-4caf-4d2f-8b68-3c2f1d4e5f60"
+    answered = asyncio.Event()
+
+    def script(seen: Seen) -> Reply | str:
+        if not seen.conversation().results:
+            return add_call(2, 3)
+        answered.set()
+        return Reply("It is 5.", delay_s=30 if len(server.requests) == 2 else 0)
+
+    async with FakeLLM("openai", script) as server:
+        config = load(organism_yaml(openai_backend(server)))
+        async with await Kernel.open(tmp_path) as kernel:
+            first = make_agent_handlers(config, kernel=kernel)
+            await first["tutor"](MathQuestion(text="2 + 3?"),
+                                 HandlerMetadata(thread, "alice", "tutor", _seq=41))
+            thinking = asyncio.ensure_future(first["tutor"](
+                Sum(value=5), HandlerMetadata(thread, "calculator.add", "tutor", _seq=42)))
+            await answered.wait()  # the result is recorded; the model call is in flight
+            await kernel.flush()
+            # The crash: that process is gone (nothing of it runs again); a new one
+            # gets the result's message again, marked redelivered.
+            second = make_agent_handlers(config, kernel=kernel)
+            out = await second["tutor"](Sum(value=5), HandlerMetadata(
+                thread, "calculator.add", "tutor", redelivered=True, _seq=42))
+            await second.platform.aclose()
+            thinking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await thinking
+            await first.platform.aclose()
+    assert out is not None and out.payload == Answer(text="It is 5.")
+    assert len(server.requests[-1].conversation().results) == 1
+
+
 # ---- reading replies ----------------------------------------------------------------------
 
 

@@ -571,3 +571,13 @@ def test_in_memory_history_is_bounded() -> None:
 
     with pytest.raises(HistoryFull):
         store.append(THREAD, Turn("result", "r"))
+
+
+def test_a_turns_role_label_keeps_its_journal_seq() -> None:
+    from agentd.platform._history import Turn
+
+    turn = Turn("result", "<sum/>", "calculator.add", True, 42)
+    assert turn.role_label == "result:calculator.add+xml@42"
+    assert Turn.from_slot(turn.role_label, b"<sum/>") == turn
+    assert Turn.from_slot("result:calculator.add+xml", b"x").seq == 0  # stored before seqs
+    assert Turn.from_slot("notice:odd@name", b"x").source == "odd@name"

@@ -186,7 +186,9 @@ class AgentBridge:
                 raise ProtocolError("a result recorded that this call does not carry")
             ctx.recorded = True
             source, content, xml = render_result(ctx.payload, ctx.meta.from_id)
-            session.record(thread, content, source=source, xml=xml)
+            if not session.record(thread, content, source=source, xml=xml,
+                                  seq=ctx.meta._seq):
+                return {"duplicate": True}, b""  # in the restored history already
         elif op == "complete":
             done = self.iterations.get(thread)
             if done is None:
@@ -274,8 +276,12 @@ class WorkerSession:
         self._request("begin")
 
     def record(self, thread: str, content: str, *, source: str, xml: bool = False,
-               notice: bool = False) -> None:
-        self._request("record", {"notice": notice}, content.encode() if notice else b"")
+               notice: bool = False, seq: int = 0) -> bool:
+        """The daemon records the call's own result (`content` is not sent): False
+        when its restored history holds it already."""
+        header, _ = self._request("record", {"notice": notice},
+                                  content.encode() if notice else b"")
+        return header.get("duplicate") is not True
 
     async def restore(self, thread: str) -> tuple[Turn, ...] | None:
         header, body = self._request("restore")

@@ -142,10 +142,12 @@ class AgentLoop:
         else:
             source, content, xml = render_result(payload, meta.from_id)
             try:
-                self.session.record(thread, content, source=source, xml=xml)
+                recorded = self.session.record(thread, content, source=source, xml=xml,
+                                               seq=meta._seq)
             except HistoryFull:
                 return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
-            state.result_arrived()
+            if recorded:  # else: in the restored history, and counted by _restore
+                state.result_arrived()
             if state.phase is Phase.WAITING:
                 return None  # more results to come
         return await self._think(thread, state)

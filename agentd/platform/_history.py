@@ -35,19 +35,25 @@ class Turn:
     content: str
     source: str = ""  # for results: the sender (a peer's name, or "platform")
     xml: bool = False  # content is a C14N payload
+    # For results: the journal seq of the message that carried it (0: none), the same
+    # when that message is redelivered after a crash, so it is recorded once.
+    seq: int = 0
 
     @property
     def role_label(self) -> str:
-        """The slot's role as stored by the kernel: `kind[:source][+xml]`."""
+        """The slot's role as stored by the kernel: `kind[:source][+xml][@seq]`."""
         label = f"{self.kind}:{self.source}" if self.source else self.kind
-        return label + ("+xml" if self.xml else "")
+        return label + ("+xml" if self.xml else "") + (f"@{self.seq}" if self.seq else "")
 
     @classmethod
     def from_slot(cls, role: str, content: bytes) -> Turn:
+        role, at, seq = role.rpartition("@") if "@" in role else (role, "", "")
+        if at and not seq.isdigit():  # not ours: keep the label whole
+            role, seq = f"{role}@{seq}", ""
         xml = role.endswith("+xml")
         role = role.removesuffix("+xml")
         kind, _, source = role.partition(":")
-        return cls(kind, content.decode("utf-8", "replace"), source, xml)
+        return cls(kind, content.decode("utf-8", "replace"), source, xml, int(seq or 0))
 
 
 class HistoryStore(Protocol):

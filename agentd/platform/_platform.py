@@ -142,6 +142,9 @@ class _Task:
     reported: set[tuple[str, str, str]] = field(default_factory=set)
     # Segments grown by results since the model's last call, written before its next.
     unsaved: dict[int, Segment] = field(default_factory=dict)
+    # The journal seqs of the results a restored task's history holds: the message of
+    # one of them, redelivered after the crash, is not recorded again.
+    restored: frozenset[int] = frozenset()
 
 
 def _null_audit(kind: str, thread: str, fields: Mapping[str, Any]) -> None:
@@ -360,12 +363,19 @@ class Platform:
         task.unsaved.clear()
 
     def record(
-        self, agent: str, thread: str, content: str, source: str, xml: bool, notice: bool = False
-    ) -> None:
+        self, agent: str, thread: str, content: str, source: str, xml: bool, notice: bool = False,
+        seq: int = 0,
+    ) -> bool:
+        """Add a result (or a notice) to the task's history; False when the result of
+        message `seq` is already there (its message redelivered after a crash: the
+        model sees each result once)."""
         task = self._own(agent, thread)
-        turn = Turn(NOTICE if notice else RESULT, content, source, xml)
+        if seq and seq in task.restored:
+            return False
+        turn = Turn(NOTICE if notice else RESULT, content, source, xml, seq)
         self.history.append(thread, turn)
         self._working(task, thread, turn)
+        return True
 
     async def restore(self, agent: str, thread: str) -> tuple[Turn, ...] | None:
         """Rebuild a task from its stored history (after a restart, with a durable
@@ -378,6 +388,7 @@ class Platform:
         task = self._start(agent, thread, turns[0].content)
         for turn in turns[1:]:
             self._working(task, thread, turn, persist=False)
+        task.restored = frozenset(t.seq for t in turns if t.kind == RESULT and t.seq)
         task.context.adopt(await self.segments.load(thread))
         for seg in task.context.segments:
             self.segments.put(thread, self.conversation(thread), agent, seg)
@@ -745,9 +756,10 @@ class AgentSession:
         self._platform.begin(self.agent, thread, task_xml, again=again)
 
     def record(
-        self, thread: str, content: str, *, source: str, xml: bool = False, notice: bool = False
-    ) -> None:
-        self._platform.record(self.agent, thread, content, source, xml, notice)
+        self, thread: str, content: str, *, source: str, xml: bool = False, notice: bool = False,
+        seq: int = 0,
+    ) -> bool:
+        return self._platform.record(self.agent, thread, content, source, xml, notice, seq)
 
     async def restore(self, thread: str) -> tuple[Turn, ...] | None:
         return await self._platform.restore(self.agent, thread)
