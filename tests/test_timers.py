@@ -150,6 +150,24 @@ async def test_pending_timers_per_thread_are_capped() -> None:
         assert len(h.pump.durable.timers) == 3
 
 
+async def test_pending_timers_per_client_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client's calls on thousands of threads, each leaving a timer, could fill
+    the daemon's timers for every other client; each client has its share."""
+    from agentd.pump import durable as waits
+
+    monkeypatch.setattr(waits, "MAX_TIMERS_PER_CLIENT", 2)
+    async with harness(FakeClock()) as h:
+        for _ in range(2):
+            assert tags(await h.send("alice", Wait(seconds=Decimal("10")))) == ["accepted"]
+        frames = await h.send("alice", Wait(seconds=Decimal("10")))
+        assert tags(frames) == ["accepted", "huh"] and text_of(frames[1], "code") == "denied"
+        assert tags(await h.send("bob", Wait(seconds=Decimal("10")))) == ["accepted"]
+        first = next(iter(h.pump.durable.timers.values()))
+        await h.end_conversation(first.conversation)  # its timer cancelled: room again
+        assert tags(await h.send("alice", Wait(seconds=Decimal("10")))) == ["accepted"]
+        assert h.pump.durable._timers_by_owner == {"alice": 2, "bob": 1}
+
+
 async def test_a_timer_survives_a_restart_and_fires_late_exactly_once(tmp_path: Path) -> None:
     clock = FakeClock()
     async with harness(clock, tmp_path) as h:

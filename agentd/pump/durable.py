@@ -72,9 +72,10 @@ TIMER, APPROVAL = "timer", "approval"
 MAX_PARKED_PER_CONVERSATION = 64
 MAX_PARKED_PER_CLIENT = 1_000
 MAX_PARKED = 10_000
-# Pending timers in all (the timer tool bounds them per conversation too): each keeps
-# its call's frame in memory.
+# Pending timers in all and per client (the timer tool bounds them per conversation
+# too): each keeps its call's frame in memory.
 MAX_TIMERS = 100_000
+MAX_TIMERS_PER_CLIENT = 10_000
 _NOTHING = ResponsePlan((), None, False, None, b"", None, None)
 
 
@@ -88,6 +89,8 @@ class DurableWaits:
         self._parked_of: dict[str, set[str]] = {}  # conversation -> approval ids
         self._parked_by_owner: dict[str, int] = {}  # client -> how many parked
         self._timers_of: dict[str, set[str]] = {}  # conversation -> timer ids
+        self._timer_owner: dict[str, str] = {}  # conversation with timers -> its client
+        self._timers_by_owner: dict[str, int] = {}  # client -> pending timers
         self.live: set[tuple[str, str]] = set()  # (kind, id) still pending
         self.holds: dict[str, int] = {}  # frame uuid -> pending timers and parked messages
         self.deadlines = DeadlineScheduler(self._fire, self.live, clock)
@@ -120,7 +123,8 @@ class DurableWaits:
         """The timer tool answered `wait`: keep the call open, durable with this step."""
         conversation = frame.root.uuid
         if (len(self._timers_of.get(conversation, ())) >= req.max_pending
-                or len(self.timers) >= MAX_TIMERS):
+                or len(self.timers) >= MAX_TIMERS
+                or self._timers_by_owner.get(frame.root.owner, 0) >= MAX_TIMERS_PER_CLIENT):
             self._pump._security_event("tool-denied", {
                 "listener": listener.name, "cause": "too many pending timers", "thread":
                 conversation, "pending": str(len(self.timers))})
@@ -128,14 +132,16 @@ class DurableWaits:
         now = self.clock()
         row = TimerRow(new_approval_id(), conversation, frame.uuid, listener.name,
                        now + req.seconds, req.note, hops, now)
-        self._add_timer(row)
+        self._add_timer(row, frame.root.owner)
         if batch is not None:
             batch.tx.timer_put(row)
         return _NOTHING
 
-    def _add_timer(self, row: TimerRow) -> None:
+    def _add_timer(self, row: TimerRow, owner: str) -> None:
         self.timers[row.id] = row
         self._timers_of.setdefault(row.conversation, set()).add(row.id)
+        self._timer_owner[row.conversation] = owner
+        self._timers_by_owner[owner] = self._timers_by_owner.get(owner, 0) + 1
         self._hold(row.frame)
         self.live.add((TIMER, row.id))
         self.deadlines.schedule(row.due, TIMER, row.id)
@@ -150,6 +156,14 @@ class DurableWaits:
             ids.discard(timer_id)
             if not ids:
                 del self._timers_of[row.conversation]
+        owner = (self._timer_owner.get(row.conversation) if ids
+                 else self._timer_owner.pop(row.conversation, None))
+        if owner is not None:
+            left = self._timers_by_owner[owner] - 1
+            if left:
+                self._timers_by_owner[owner] = left
+            else:
+                del self._timers_by_owner[owner]
         self._release(row.frame)
         if batch is not None:
             batch.tx.timer_delete(timer_id)
@@ -420,10 +434,11 @@ class DurableWaits:
         registry = self._pump.registry
         stale: list[str] = []
         for timer in await kernel.timers():
-            if registry.get(timer.frame) is None:
+            frame = registry.get(timer.frame)
+            if frame is None:
                 stale.append(timer.id)
             else:
-                self._add_timer(timer)
+                self._add_timer(timer, frame.root.owner)
         for row in await kernel.approvals():
             self._add_parked(row)
             self.deadlines.schedule(row.deadline, APPROVAL, row.id)
