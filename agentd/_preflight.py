@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -89,8 +90,6 @@ def _bus_host(config: OrganismConfig) -> Mapping[str, Any]:
     """A name the bus could not listen on: found here, not when the daemon starts."""
     if config.bus.tls is None:  # no bus is served
         return {}
-    import socket
-
     host = config.bus.host
     try:
         socket.getaddrinfo(host, config.bus.port, type=socket.SOCK_STREAM)

@@ -123,10 +123,13 @@ def encode_call(meta: HandlerMetadata, key: str | None, payload_xml: bytes,
                          "key": key, **(extra or {})}, payload_xml)
 
 
-def decode_call(header: dict[str, Any]) -> HandlerMetadata:
-    """The worker's side: the daemon is trusted, so this only restores the value."""
-    return HandlerMetadata(str(header["thread_id"]), str(header["from_id"]),
-                           str(header["own_name"]), bool(header["redelivered"]))
+def decode_call(header: dict[str, Any], book: Any = None) -> HandlerMetadata:
+    """The worker's side: the daemon is trusted, so this only restores the value.
+    `book`: what `meta.state` reads (the slice the call carried), scoped to the call's
+    thread as the daemon scoped it to the conversation."""
+    thread = str(header["thread_id"])
+    return HandlerMetadata(thread, str(header["from_id"]), str(header["own_name"]),
+                           bool(header["redelivered"]), _book=book, _conversation=thread)
 
 
 def encode_answer(result: HandlerResponse | None, payload_xml: bytes,

@@ -21,10 +21,8 @@ import importlib
 import os
 import select
 import sys
-from dataclasses import replace
 from typing import Any
 
-from agentd._handler import HandlerMetadata
 from agentd._spin import wait_readable
 from agentd.durable.state import DEFAULT_MAX_BYTES, StateBook
 from agentd.isolation import _protocol as p
@@ -100,10 +98,11 @@ def _payload_bytes(payload: object) -> bytes:
     return to_xml(payload) if to_bytes is None else bytes(to_bytes())
 
 
-def _book(max_bytes: int, meta: HandlerMetadata, entries: Any) -> StateBook:
+def _book(max_bytes: int, header: dict[str, Any], entries: Any) -> StateBook:
     """The slice of `meta.state` the daemon sent with a call."""
     book = StateBook(max_bytes)
-    book.load((meta.own_name, meta.thread_id, str(k), str(v)) for k, v in entries.items())
+    listener, thread = str(header["own_name"]), str(header["thread_id"])
+    book.load((listener, thread, str(k), str(v)) for k, v in entries.items())
     return book
 
 
@@ -146,10 +145,9 @@ def serve(fd_in: int, fd_out: int) -> None:
             kind, header, body = _read_frame(fd_in)
         except EOFError:
             return
-        meta = p.decode_call(header)
         entries = header.get("meta_state")
-        book = state_book if entries is None else _book(state_max, meta, entries)
-        meta = replace(meta, _book=book, _conversation=meta.thread_id)
+        book = state_book if entries is None else _book(state_max, header, entries)
+        meta = p.decode_call(header, book)
         key = header.get("key")
         spin = header.get("spin") is True  # the daemon's pool had calls to spare
         extra = None

@@ -222,10 +222,9 @@ class Store:
     def record_rejected(self, txn: int) -> None:
         """Transaction `txn` was refused by the database on its own: say so durably,
         so its outcome is known even if the writer dies before answering."""
-        self.conn.execute("BEGIN")
+        self.begin()
         try:
             self.conn.execute("INSERT OR IGNORE INTO rejected_txns VALUES (?)", (txn,))
-            self._open_head = self.head
             self.commit(txn)
         except BaseException:
             self.rollback()

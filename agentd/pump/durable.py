@@ -141,8 +141,8 @@ class DurableWaits:
         self.timers[row.id] = row
         self._timers_of.setdefault(row.conversation, set()).add(row.id)
         self._timer_owner[row.conversation] = owner
-        self._timers_by_owner[owner] = self._timers_by_owner.get(owner, 0) + 1
-        self._hold(row.frame)
+        _count_up(self._timers_by_owner, owner)
+        _count_up(self.holds, row.frame)
         self.live.add((TIMER, row.id))
         self.deadlines.schedule(row.due, TIMER, row.id)
 
@@ -151,20 +151,12 @@ class DurableWaits:
         if row is None:
             return None
         self.live.discard((TIMER, timer_id))
-        ids = self._timers_of.get(row.conversation)
-        if ids is not None:
-            ids.discard(timer_id)
-            if not ids:
-                del self._timers_of[row.conversation]
-        owner = (self._timer_owner.get(row.conversation) if ids
+        more = _unindex(self._timers_of, row.conversation, timer_id)
+        owner = (self._timer_owner.get(row.conversation) if more
                  else self._timer_owner.pop(row.conversation, None))
         if owner is not None:
-            left = self._timers_by_owner[owner] - 1
-            if left:
-                self._timers_by_owner[owner] = left
-            else:
-                del self._timers_by_owner[owner]
-        self._release(row.frame)
+            _count_down(self._timers_by_owner, owner)
+        _count_down(self.holds, row.frame)
         if batch is not None:
             batch.tx.timer_delete(timer_id)
         return row
@@ -396,25 +388,18 @@ class DurableWaits:
     def _add_parked(self, row: ApprovalRow) -> None:
         self.parked[row.id] = row
         self._parked_of.setdefault(row.conversation, set()).add(row.id)
-        self._parked_by_owner[row.owner] = self._parked_by_owner.get(row.owner, 0) + 1
+        _count_up(self._parked_by_owner, row.owner)
         self.live.add((APPROVAL, row.id))
-        self._hold(row.frame)
+        _count_up(self.holds, row.frame)
 
     def _unpark(self, approval_id: str) -> None:
         row = self.parked.pop(approval_id, None)
         if row is None:
             return
-        ids = self._parked_of[row.conversation]
-        ids.discard(approval_id)
-        if not ids:
-            del self._parked_of[row.conversation]
-        left = self._parked_by_owner[row.owner] - 1
-        if left:
-            self._parked_by_owner[row.owner] = left
-        else:
-            del self._parked_by_owner[row.owner]
+        _unindex(self._parked_of, row.conversation, approval_id)
+        _count_down(self._parked_by_owner, row.owner)
         self.live.discard((APPROVAL, approval_id))
-        self._release(row.frame)
+        _count_down(self.holds, row.frame)
 
     # ---- the end of a conversation, recovery, the scheduler -----------------------
 
@@ -463,16 +448,6 @@ class DurableWaits:
                     self.settle(row, ApprovalEvent.EXPIRE, "deadline", "", batch)
         pump._close(batch, None)
 
-    def _hold(self, frame: str) -> None:
-        self.holds[frame] = self.holds.get(frame, 0) + 1
-
-    def _release(self, frame: str) -> None:
-        n = self.holds.get(frame, 0) - 1
-        if n > 0:
-            self.holds[frame] = n
-        else:
-            self.holds.pop(frame, None)
-
     def _to_owner(self, row: ApprovalRow, payload: bytes, batch: Batch | None) -> None:
         """A core frame for the thread's owner, through the durable outbox. Not for a
         peer organism: everything it is sent on a call's thread is taken as the call's
@@ -496,3 +471,31 @@ class DurableWaits:
         tx.journal(thread=row.conversation, direction="audit", kind=kind,
                    handler=row.listener, sender=fields.get("by", row.sender),
                    payload=json.dumps(body, sort_keys=True).encode())
+
+
+# Counts and indexes of what is pending (holds by frame, parked and timers by client,
+# ids by conversation): a key leaves with its last item, so each map holds only
+# what is pending.
+
+
+def _count_up(counts: dict[str, int], key: str) -> None:
+    counts[key] = counts.get(key, 0) + 1
+
+
+def _count_down(counts: dict[str, int], key: str) -> None:
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
+
+
+def _unindex(index: dict[str, set[str]], key: str, item: str) -> bool:
+    """Take `item` out of `index[key]`; whether `key` still holds any."""
+    items = index.get(key)
+    if items is None:
+        return False
+    items.discard(item)
+    if not items:
+        del index[key]
+    return bool(items)
