@@ -212,13 +212,11 @@ class ThreadRegistry:
             # A client at or over its fair share gives up its own least recently used
             # one (a client opening conversations by the thousand: one step, no scan);
             # one under it rests at the expense of the client holding the most.
-            owner, most = root.owner, mine
+            most = mine
             if len(mine) * len(self._resting_of) < self.max_resting:
-                owner, most = max(self._resting_of.items(), key=lambda item: len(item[1]))
-            frame = most.popitem(last=False)[1]
-            if not most:
-                del self._resting_of[owner]
-            del resting[frame.uuid]
+                most = max(self._resting_of.values(), key=len)
+            frame = next(iter(most.values()))  # that client's least recently used
+            self._unrest(frame)
             pushed.append(frame)
         return pushed
 
