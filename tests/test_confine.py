@@ -129,6 +129,37 @@ async def test_a_child_cannot_make_the_daemon_its_grandchilds_parent() -> None:
     assert lines[2:] == ["thread-ran", "fork 7", "spawn 1"]
 
 
+async def test_an_orphaned_grandchild_stays_the_confined_processs_child() -> None:
+    """The confined process is a subreaper it cannot stop being: a grandchild whose
+    parent exits is re-parented to it (not to init), so whoever watches the confined
+    process sees every process it left behind among its children."""
+    code, out, err = await run_python("""
+        import ctypes, os, time
+        libc = ctypes.CDLL(None, use_errno=True)
+        flag = ctypes.c_int(0)
+        libc.prctl(37, ctypes.byref(flag), 0, 0, 0)
+        print("subreaper", flag.value)
+        print("unset", libc.prctl(36, 0, 0, 0, 0), ctypes.get_errno())
+        r, w = os.pipe()
+        child = os.fork()
+        if child == 0:
+            grandchild = os.fork()
+            if grandchild == 0:
+                time.sleep(600)
+            os.write(w, str(grandchild).encode())
+            os._exit(0)
+        os.waitpid(child, 0)
+        grandchild = int(os.read(r, 32))
+        with open(f"/proc/{grandchild}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        print("parent", "self" if parent == os.getpid() else parent)
+        os.kill(grandchild, 9)
+        os.waitpid(grandchild, 0)
+    """, python_policy(read_paths=(*PYTHON_READ, "/proc")))
+    assert code == 0, err
+    assert out.splitlines() == ["subreaper 1", "unset -1 1", "parent self"]
+
+
 @needs_landlock
 async def test_reading_outside_read_paths_is_denied(tmp_path) -> None:
     secret = tmp_path / "clients.yaml"

@@ -281,17 +281,58 @@ async def test_cpu_limit_stops_a_busy_loop(tmp_path: Path) -> None:
 
 
 async def test_grandchild_does_not_outlive_its_worker(h: Harness) -> None:
-    # The handler forks a grandchild that tries setsid() to leave the worker's
-    # process group, and answers with its pid.
-    grandchild = int((await ask(h, "grandchild"))[1])
+    # While its call runs, the handler's grandchild (it tried setsid() to leave the
+    # worker's process group) lives; the worker crashes: its whole group goes.
+    call = asyncio.ensure_future(ask(h, "grandchild", "30"))
+    found: list[tuple[int, int]] = []
+    for _ in range(3000):
+        found = [(pid, int(child)) for pid in pool_pids(h)
+                 for child in children_of(pid)]
+        if found:
+            break
+        await asyncio.sleep(0.01)
+    [(worker_pid, grandchild)] = found
     assert alive(grandchild)
-    with open(f"/proc/{grandchild}/stat") as f:
-        worker_pid = int(f.read().rsplit(")", 1)[1].split()[1])
-    assert worker_pid in pool_pids(h)
-    os.kill(worker_pid, signal.SIGKILL)  # the worker crashes: its whole group goes
-    await settled(h, 1)
+    os.kill(worker_pid, signal.SIGKILL)
     assert await gone(grandchild)
+    assert await call == ("huh", "internal")
+    await settled(h, 1)
     await other_conversation_completes(h)
+
+
+def children_of(pid: int) -> list[str]:
+    try:
+        return [child for tid in os.listdir(f"/proc/{pid}/task")
+                for child in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("action", ["grandchild", "orphan", "thread-child"])
+async def test_processes_a_handler_leaves_behind_end_with_its_call(
+        h: Harness, action: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A child left running (one trying setsid, an orphan whose parent exited, one
+    forked by a thread that lives on) is found once the worker has finished its call:
+    the worker is replaced with its whole group, after its answer was delivered."""
+    before = _metrics.REGISTRY.get_sample_value(
+        "agentd_worker_restarts_total", {"listener": "prober", "reason": "leftover"}) or 0
+    kind, text = await ask(h, action)
+    assert kind == "outcome"
+    assert await gone(int(text))
+    await settled(h, 1)
+    assert (_metrics.REGISTRY.get_sample_value(
+        "agentd_worker_restarts_total", {"listener": "prober", "reason": "leftover"})
+        == before + 1)
+    assert "left processes running after its call" in caplog.text
+    await other_conversation_completes(h)
+
+
+async def test_a_child_run_to_its_end_leaves_the_worker_in_place(h: Harness) -> None:
+    """A handler that runs a command and waits for it leaves nothing: no replacement."""
+    assert h.isolation.pools["prober"].status()["leftovers_checked"] == 1
+    for _ in range(3):
+        assert await ask(h, "subprocess") == ("outcome", "7")
+    assert h.isolation.pools["prober"].status()["restarts"] == 0
 
 
 @needs_landlock

@@ -162,15 +162,21 @@ def _landlock_restrict(abi: int, read: list[str], write: list[str], listing: lis
 # left a child of its own to reap: setsid(2) and setpgid(2) are refused with EPERM,
 # clone(2) with CLONE_PARENT too (the new process would be the daemon's child, a
 # zombie of the daemon for ever once killed), and clone3(2), whose flags a filter
-# cannot read, with ENOSYS (the C library then falls back to clone). Every
-# non-x86_64 syscall ABI (i386 via int 0x80, x32) is refused.
+# cannot read, with ENOSYS (the C library then falls back to clone). So is
+# prctl(PR_SET_CHILD_SUBREAPER): the shim makes the child a subreaper (`apply`), so
+# a descendant whose parent exits is re-parented to the child, not to init, and the
+# daemon sees every process the child left behind among its children; the child may
+# not undo that. Every non-x86_64 syscall ABI (i386 via int 0x80, x32) is refused.
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _X32_BIT = 0x40000000
 _NR_CLONE = 56
 _NR_SETPGID = 109
 _NR_SETSID = 112
+_NR_PRCTL = 157
 _NR_CLONE3 = 435
 _CLONE_PARENT = 0x00008000
+_PR_SET_CHILD_SUBREAPER = 36
+_PR_GET_CHILD_SUBREAPER = 37
 _ARG0_LOW = 16  # offsetof(struct seccomp_data, args[0]), its low 32 bits (little-endian)
 _RET_ALLOW = 0x7FFF0000
 _RET_EPERM = 0x00050000 | 1
@@ -189,16 +195,19 @@ def _seccomp_program() -> bytes:
         _bpf(jeq_k, 1, 0, _AUDIT_ARCH_X86_64),         # 1
         _bpf(ret_k, 0, 0, _RET_EPERM),                 # 2
         _bpf(ld_w_abs, 0, 0, 0),                       # 3  A = syscall number
-        _bpf(jge_k, 7, 0, _X32_BIT),                   # 4  -> 12 EPERM
-        _bpf(jeq_k, 6, 0, _NR_SETSID),                 # 5  -> 12 EPERM
-        _bpf(jeq_k, 5, 0, _NR_SETPGID),                # 6  -> 12 EPERM
-        _bpf(jeq_k, 5, 0, _NR_CLONE3),                 # 7  -> 13 ENOSYS
-        _bpf(jeq_k, 0, 2, _NR_CLONE),                  # 8  else -> 11 ALLOW
-        _bpf(ld_w_abs, 0, 0, _ARG0_LOW),               # 9  A = clone's flags
-        _bpf(jset_k, 1, 0, _CLONE_PARENT),             # 10 -> 12 EPERM
-        _bpf(ret_k, 0, 0, _RET_ALLOW),                 # 11
-        _bpf(ret_k, 0, 0, _RET_EPERM),                 # 12
-        _bpf(ret_k, 0, 0, _RET_ENOSYS),                # 13
+        _bpf(jge_k, 10, 0, _X32_BIT),                  # 4  -> 15 EPERM
+        _bpf(jeq_k, 9, 0, _NR_SETSID),                 # 5  -> 15 EPERM
+        _bpf(jeq_k, 8, 0, _NR_SETPGID),                # 6  -> 15 EPERM
+        _bpf(jeq_k, 8, 0, _NR_CLONE3),                 # 7  -> 16 ENOSYS
+        _bpf(jeq_k, 3, 0, _NR_PRCTL),                  # 8  -> 12
+        _bpf(jeq_k, 0, 4, _NR_CLONE),                  # 9  else -> 14 ALLOW
+        _bpf(ld_w_abs, 0, 0, _ARG0_LOW),               # 10 A = clone's flags
+        _bpf(jset_k, 3, 2, _CLONE_PARENT),             # 11 -> 15 EPERM, else -> 14 ALLOW
+        _bpf(ld_w_abs, 0, 0, _ARG0_LOW),               # 12 A = prctl's option
+        _bpf(jeq_k, 1, 0, _PR_SET_CHILD_SUBREAPER),    # 13 -> 15 EPERM, else ALLOW
+        _bpf(ret_k, 0, 0, _RET_ALLOW),                 # 14
+        _bpf(ret_k, 0, 0, _RET_EPERM),                 # 15
+        _bpf(ret_k, 0, 0, _RET_ENOSYS),                # 16
     ])
 
 
@@ -292,6 +301,10 @@ def apply(policy: dict) -> dict:
                            "nor Landlock TCP rules are available")
     if os.geteuid() == 0 or os.getuid() == 0:
         _drop_capabilities()
+    # A subreaper: what the child starts stays among its descendants even when a
+    # parent in between exits (see the seccomp filter above).
+    if _c().prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        _raise_errno("prctl(PR_SET_CHILD_SUBREAPER)")
     sec = False
     if policy.get("seccomp", True) and seccomp_available():
         _install_seccomp()

@@ -20,6 +20,10 @@ Invariants:
 - A worker that dies, breaks the protocol, runs out of memory, is cancelled by the
   timeout watchdog or goes over its call or RSS mark is killed with its whole
   process group and replaced; only the call it was serving fails.
+- A worker that has finished its calls with processes it started still there
+  (running or unreaped: see `_children.py`) is replaced too, after its answer;
+  nothing a handler starts outlives the call that started it by more than the calls
+  queued behind it.
 - Everything a worker sends is decoded by `_protocol.decode_answer`; its stderr is
   logged (capped per line), never parsed.
 """
@@ -50,6 +54,7 @@ from agentd._xmlify import is_xmlified, spec_of
 from agentd.bus import TokenBucket
 from agentd.confine import Policy, kill_group, spawn
 from agentd.isolation import _protocol as p
+from agentd.isolation._children import ChildWatch, children_listed
 
 log = logging.getLogger("agentd.isolation")
 
@@ -152,6 +157,7 @@ class Worker:
     last_words: str = ""  # its last stderr line (why a confinement failed, at start)
     asking: asyncio.Future[Any] | None = None  # an agent's request being answered
     ready_at: float = 0.0  # the event loop's time when it said READY
+    children: ChildWatch | None = None  # None: not checked (see WorkerPool.leftovers)
 
     @property
     def pid(self) -> int:
@@ -234,6 +240,9 @@ class WorkerPool:
         self._spare: Worker | None = None  # started and ready, serving nothing yet
         self._spin = LoopSpin()  # the loop polls while a lone call's answer is due
         self._cores = len(os.sched_getaffinity(0))  # the cores the daemon may run on
+        # Whether processes a handler leaves behind are found after its call: needs
+        # the kernel's /proc children lists (said once, at the pool's start).
+        self.leftovers_checked = children_listed()
         # `agentd_workers{listener,state}` is counted when it is scraped, not kept up
         # to date on every call: a worker of a pool of two goes idle -> busy -> idle
         # for nearly every call, and each gauge update takes the metric's lock.
@@ -247,6 +256,11 @@ class WorkerPool:
 
     async def start(self) -> None:
         """Start every worker and wait until each has imported the handler."""
+        if not self.leftovers_checked:
+            log.warning("isolation listener=%s: this kernel does not list a process's "
+                        "children in /proc (CONFIG_PROC_CHILDREN): processes a handler "
+                        "leaves running after its call are not found; they end only with "
+                        "their worker", self.spec.listener)
         roles = [False] * self.spec.workers + ([True] if self.spec.spare else [])
         started = await asyncio.gather(*(self._start_one(spare) for spare in roles),
                                        return_exceptions=True)
@@ -279,7 +293,8 @@ class WorkerPool:
                 "spare": int(self._spare is not None),
                 "busy": states.count(WorkerState.BUSY),
                 "starting": states.count(WorkerState.STARTING),
-                "restarts": self.restarts}
+                "restarts": self.restarts,
+                "leftovers_checked": int(self.leftovers_checked)}
 
     # ---- calls ---------------------------------------------------------------
 
@@ -473,6 +488,12 @@ class WorkerPool:
         if worker.inflight:
             self._wake()  # room in its queue again
             return
+        if worker.children is not None and worker.children.any():
+            # Nothing runs in it now, yet processes it started are still there.
+            log.warning("isolated worker left processes running after its call; "
+                        "replaced listener=%s pid=%s", self.spec.listener, worker.pid)
+            self._retire(worker, "leftover")
+            return
         if worker.worn_out:
             self._retire(worker, "recycle")
             return
@@ -528,6 +549,9 @@ class WorkerPool:
                                f"(exit {proc.returncode}){why}") from None
         self._set(worker, WorkerEvent.READY)
         worker.ready_at = asyncio.get_running_loop().time()
+        if self.leftovers_checked:
+            with contextlib.suppress(OSError):  # gone already: its pidfd says so
+                worker.children = ChildWatch(worker.pid)
         worker.tasks.append(asyncio.create_task(self._read_answers(worker)))
         self._watch(worker)
         if spare:
@@ -614,6 +638,9 @@ class WorkerPool:
             os.close(worker.pidfd)
             worker.pidfd = -1
         await kill_group(worker.proc)
+        if worker.children is not None:
+            worker.children.close()
+            worker.children = None
         for task in worker.tasks:
             task.cancel()
         self._workers.discard(worker)

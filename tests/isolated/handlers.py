@@ -8,6 +8,8 @@ import contextlib
 import ctypes
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -65,6 +67,43 @@ def _grandchild() -> str:
     return str(pid)
 
 
+def _orphan() -> str:
+    """A grandchild whose parent exits at once: re-parented to the worker."""
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        grandchild = os.fork()
+        if grandchild == 0:
+            time.sleep(600)
+            os._exit(0)
+        os.write(w, str(grandchild).encode())
+        os._exit(0)
+    os.waitpid(child, 0)
+    os.close(w)
+    text = os.read(r, 32).decode()
+    os.close(r)
+    return text
+
+
+def _thread_child() -> str:
+    """A child forked by a thread that stays alive (the child is that thread's)."""
+    forked: list[int] = []
+    ready = threading.Event()
+
+    def run() -> None:
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(600)
+            os._exit(0)
+        forked.append(pid)
+        ready.set()
+        time.sleep(600)
+
+    threading.Thread(target=run, daemon=True).start()
+    ready.wait()
+    return str(forked[0])
+
+
 async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
     action, arg = payload.action, payload.arg
     if action == "echo":
@@ -101,8 +140,18 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
     elif action == "exit-soon":  # answers, then the process exits (a crash loop's step)
         threading.Timer(0.02, os._exit, (0,)).start()
         text = "exiting"
-    elif action == "grandchild":
+    elif action == "grandchild":  # with arg: then sleeps that long before answering
         text = _grandchild()
+        if arg:
+            time.sleep(float(arg))
+    elif action == "orphan":
+        text = _orphan()
+    elif action == "thread-child":
+        text = _thread_child()
+    elif action == "subprocess":  # a child run to its end and reaped: nothing left
+        done = subprocess.run([sys.executable, "-I", "-S", "-c", "print(7)"],
+                              capture_output=True, check=True)
+        text = done.stdout.decode().strip()
     elif action == "read":
         with open(arg, "rb") as f:
             text = f.read().decode(errors="replace")
