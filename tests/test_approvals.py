@@ -510,3 +510,58 @@ async def test_a_peer_organism_gets_the_outcome_not_approval_required() -> None:
         thread = child(frames[0], "thread")
         assert [tag(f) for f in h.frames("alice", thread)] == ["accepted", "paid"]
         assert durable.CALLS == [("pay", 9)]
+
+
+@pytest.mark.parametrize("via_relay", [False, True])
+async def test_a_pending_message_for_a_listener_gated_since_is_parked_on_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, via_relay: bool) -> None:
+    """Accepted while `pay` had no gate (from the client, or from `pay.relay`), then
+    the daemon stopped before `pay` ran; it starts again with a gate on `pay`: the
+    message waits for approval like any new one (it ran unapproved before), and runs
+    once when approved, its answer going where it would have gone."""
+    clock = FakeClock()
+    ungated = ORGANISM.read_text().replace(
+        "    approval: {approvers: [operator, client], timeout_s: 60}\n", "", 1)
+    thread = "7f1d3c52-0a6b-4c53-9d2e-5d2d8a7f0e11"
+    monkeypatch.setenv("AGENTD_TEST_PAY", "block")
+    async with harness(clock, tmp_path, ungated) as h:
+        payload = PayVia(amount=5) if via_relay else Pay(amount=5)
+        assert (await h.pump.submit("alice", build_envelope("alice", thread,
+                                                            to_xml(payload)))).accepted
+        for _ in range(1000):  # until the request for `pay` is journaled (pay blocks)
+            await h.kernel.flush()  # type: ignore[union-attr]
+            pending = await h.kernel.pending_messages()  # type: ignore[union-attr]
+            if any(e.tag.endswith("}pay") for e in pending):
+                break
+        else:
+            raise AssertionError("pay never reached")
+    monkeypatch.delenv("AGENTD_TEST_PAY")
+    async with harness(clock, tmp_path) as h:
+        await h.run_until_idle()
+        assert durable.CALLS == []
+        required = h.frames("alice", thread)[-1]
+        assert tag(required) == "approval-required"
+        assert list(h.pump.durable.parked) == [child(required, "approval")]
+        assert not any(e.tag.endswith("}pay")
+                       for e in await h.kernel.pending_messages())  # type: ignore[union-attr]
+        frames = await h.send("alice", decision("alice", thread, child(required, "approval"),
+                                                child(required, "payload-sha256")))
+        assert [tag(f) for f in frames] == ["accepted", "paid"]
+        assert durable.CALLS == [("pay", 5)]
+
+
+async def test_an_approved_message_pending_at_a_restart_runs_without_asking_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setenv("AGENTD_TEST_PAY", "block")
+    async with harness(clock, tmp_path) as h:
+        thread, approval, sha = await park(h)
+        assert (await h.pump.submit("alice", decision("alice", thread, approval, sha))).accepted
+        await h.kernel.flush()  # type: ignore[union-attr]  # the approval committed
+        assert h.pump.durable.parked == {}
+    monkeypatch.delenv("AGENTD_TEST_PAY")
+    async with harness(clock, tmp_path) as h:
+        await h.run_until_idle()
+        assert durable.CALLS == [("pay", 7)]
+        assert tag(h.frames("alice", thread)[-1]) == "paid"
+        assert h.pump.durable.parked == {}

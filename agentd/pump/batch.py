@@ -28,8 +28,11 @@ log = logging.getLogger("agentd.pump")
 DeliverFn = Callable[[str, str, bytes, "int | None"], None]
 
 # Journal kinds of pump traffic: a request is routed by key, a reply goes to the
-# holder of its frame. The suffix is the message's hop count (kept across restarts).
-REQUEST, REPLY = "request", "reply"
+# holder of its frame; an approved request is a request a human approved at its
+# listener's gate (recovery dispatches it; an unapproved request for a listener
+# gated since is parked instead). The suffix is the message's hop count (kept
+# across restarts).
+REQUEST, REPLY, APPROVED = "request", "reply", "approved"
 
 
 def journal_kind(to_holder: bool, hops: int) -> str:
@@ -66,15 +69,20 @@ class Batch:
                 callback()
 
 
-def journal_message(tx: Transaction, msg: Message) -> int:
-    """Journal an admitted message as pending until handled; returns its seq."""
+def journal_message(tx: Transaction, msg: Message, approved: bool = False) -> int:
+    """Journal an admitted message as pending until handled; returns its seq.
+    `approved`: a request released by its gate's approval."""
     to_holder = msg.kind is MsgKind.TO_HOLDER
     hops, targets = msg.hops, msg.targets
     kinds = _KINDS[to_holder]
+    if approved:
+        kind = f"{APPROVED}/{hops}"
+    else:
+        kind = kinds[hops] if hops < len(kinds) else journal_kind(to_holder, hops)
     return tx.journal(
         thread=msg.frame.uuid,
         direction="in",
-        kind=kinds[hops] if hops < len(kinds) else journal_kind(to_holder, hops),
+        kind=kind,
         handler=targets[0].name if len(targets) == 1 else ",".join(t.name for t in targets),
         sender=msg.sender,
         tag=msg.payload.tag,

@@ -353,7 +353,7 @@ class DurableWaits:
                 pump._enqueue(msg, None)
             return
         if msg is not None:
-            msg.seq = journal_message(own, msg)
+            msg.seq = journal_message(own, msg, approved=True)
 
         def decided(exc: BaseException | None) -> None:
             if exc is not None:

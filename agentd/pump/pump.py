@@ -50,7 +50,7 @@ from agentd._routing import Listener, Routing
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
 from agentd._xml import DEFAULT_SHAPE, ShapeLimits
 from agentd.config import MetaConfig, PumpConfig
-from agentd.durable import StateLimitExceeded, StateView, TimerRequest
+from agentd.durable import ApprovalRules, StateLimitExceeded, StateView, TimerRequest
 from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.pump import admission, recovery
 from agentd.pump.admission import Violation
@@ -396,10 +396,31 @@ class Pump:
         resumed = await recovery.recover(
             self.kernel, self.routing.listeners, self.routing.profiles, self.registry
         )
-        for msg in resumed:
-            self._enqueue(msg, None)
-        await self.durable.recover(self.kernel)
+        await self.durable.recover(self.kernel)  # what is parked, before more is
+        for msg, approved in resumed:
+            gate = None
+            if msg.kind is _REQUEST and not approved and msg.frame.profile.table.gates:
+                gate = self.durable.gate_of(msg)
+            if gate is None:
+                self._enqueue(msg, None)
+            else:
+                self._regate(msg, gate)
         return len(resumed)
+
+    def _regate(self, msg: Message, gate: ApprovalRules) -> None:
+        """A pending request for a listener gated since it was accepted (a new
+        configuration): parked for approval like any new one, never dispatched
+        unapproved; its journal entry is handled (the approval row holds it now)."""
+        log.warning("resumed message for a listener gated since parked for approval "
+                    "listener=%s %s", ",".join(t.name for t in msg.targets), msg.frame.log_ids)
+        batch = self._open()
+        assert batch is not None
+        if self.durable.parking_full(msg):
+            self._huh_to(msg.frame, HuhCode.DENIED, msg.hops, batch)
+        else:
+            self.durable.park(msg, gate, batch)
+        batch.tx.delivered(msg.seq)
+        self._close(batch, None)
 
     # ---- batches ---------------------------------------------------------------
 

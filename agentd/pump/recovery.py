@@ -18,10 +18,12 @@ from agentd._routing import Listener, Profile
 from agentd._threads import Frame, ThreadRegistry, log_ids
 from agentd.kernel import Kernel, ThreadRow
 from agentd.pump.admission import INTENT, intent_message, response_spec, to_holder, validate
-from agentd.pump.batch import REQUEST
+from agentd.pump.batch import APPROVED, REQUEST
 from agentd.pump.message import CORE, Message, MsgKind
 
 log = logging.getLogger("agentd.pump")
+
+_APPROVED_KIND = APPROVED + "/"
 
 
 def rebuild_frames(rows: Iterable[ThreadRow], profiles: Mapping[str, Profile]) -> dict[str, Frame]:
@@ -70,6 +72,8 @@ def resume(
     if frame is None or data is None:
         return None
     base, _, hops = kind.partition("/")
+    if base == APPROVED:  # routed as any request; the pump knows it was approved
+        base = REQUEST
     try:
         env = parse_envelope(data, max_bytes=max(len(data), 1))
         if base == REQUEST and env.key == INTENT:
@@ -101,13 +105,15 @@ def resume(
 
 
 async def recover(kernel: Kernel, listeners: Mapping[str, Listener],
-                  profiles: Mapping[str, Profile], registry: ThreadRegistry) -> list[Message]:
+                  profiles: Mapping[str, Profile], registry: ThreadRegistry
+                  ) -> list[tuple[Message, bool]]:
     """Rebuild the registry's frames from `kernel` and return the pending messages to
-    queue again, in journal order (entries that cannot resume are marked handled)."""
+    queue again, in journal order, each with whether a human approved it at its
+    listener's gate (entries that cannot resume are marked handled)."""
     frames = rebuild_frames(await kernel.threads(state="active"), profiles)
     for frame in frames.values():
         registry.add(frame)
-    resumed: list[Message] = []
+    resumed: list[tuple[Message, bool]] = []
     for entry in await kernel.pending_messages():
         msg = resume(entry.kind, entry.thread, entry.payload, entry.handler, frames, listeners)
         if msg is None:
@@ -118,5 +124,5 @@ async def recover(kernel: Kernel, listeners: Mapping[str, Listener],
             continue
         msg.seq = entry.seq
         msg.redelivered = True
-        resumed.append(msg)
+        resumed.append((msg, entry.kind.startswith(_APPROVED_KIND)))
     return resumed
