@@ -8,6 +8,7 @@ import asyncio
 import hashlib
 import json
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -43,7 +44,8 @@ def organism(tmp_path: Path) -> Path:
     (inside / "escape").symlink_to(tmp_path / "secret.txt")
     mods = {name: W.compile_to(tmp_path / f"{name}.wasm", wat) for name, wat in {
         "echo": W.ECHO, "spin": W.SPIN, "grow": W.GROW, "exit3": W.exit_with(3),
-        "clock": W.CLOCK, "flood": W.FLOOD, "read_inside": W.file_reader("note.txt"),
+        "clock": W.CLOCK, "cpu": W.PROCESS_CLOCK_MS, "cpu.thread": W.THREAD_CLOCK_MS,
+        "flood": W.FLOOD, "read_inside": W.file_reader("note.txt"),
         "read_up": W.file_reader("../secret.txt"), "read_abs": W.file_reader("/etc/passwd"),
         "read_link": W.file_reader("escape"),
     }.items()}
@@ -56,6 +58,8 @@ def organism(tmp_path: Path) -> Path:
         wasm_listener("grow", mods["grow"], memory_mb=2),
         wasm_listener("exit3", mods["exit3"]),
         wasm_listener("clock", mods["clock"]),
+        wasm_listener("cpu", mods["cpu"]),
+        wasm_listener("cpu.thread", mods["cpu.thread"]),
         wasm_listener("flood", mods["flood"]),
         *(wasm_listener(n, mods[n], **preopen)
           for n in ("read_inside", "read_up", "read_abs", "read_link")),
@@ -139,6 +143,18 @@ async def test_module_cannot_read_outside_its_preopen(h: Harness, listener: str)
 async def test_module_sees_clocks_rounded_to_the_millisecond(h: Harness) -> None:
     for _ in range(5):
         assert outcome(await call(h, "clock")) == ("wasmout", "000000")
+
+
+@pytest.mark.parametrize("listener", ["cpu", "cpu.thread"])
+async def test_a_modules_cpu_clocks_count_its_own_call_only(h: Harness, listener: str) -> None:
+    """The process and thread CPU clocks start at the call: they told the daemon's
+    CPU time (how busy every other conversation kept it) and the pool thread's (the
+    calls of other conversations before this one)."""
+    daemon_ms = time.process_time_ns() // 1_000_000
+    assert daemon_ms > 100  # what the old clocks showed, at the least
+    for _ in range(3):
+        name, text = outcome(await call(h, listener))
+        assert name == "wasmout" and int(text) < 50
 
 
 async def test_a_running_module_does_not_block_the_event_loop(h: Harness) -> None:

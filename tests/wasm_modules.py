@@ -127,15 +127,21 @@ def file_reader(path: str) -> str:
 
 # Answers with the wall clock's nanoseconds modulo one million, as 6 digits:
 # always 000000 when the host rounds clocks to the millisecond.
-CLOCK = f"""(module {_IMPORTS}
+def clock_reader(clock: int, millis: bool) -> str:
+    """A module that reads WASI clock `clock` and prints six digits: of its
+    nanoseconds (the sub-millisecond part), or with `millis` of its milliseconds."""
+    value = ("(i64.rem_u (i64.div_u (i64.load (i32.const 40)) (i64.const 1000000)) "
+             "(i64.const 1000000))" if millis
+             else "(i64.rem_u (i64.load (i32.const 40)) (i64.const 1000000))")
+    return f"""(module {_IMPORTS}
   (memory (export "memory") 2)
   (data (i32.const 512) "{_data(_HEAD)}")
   (data (i32.const 768) "{_data(_TAIL)}")
   {_WRITE}
   (func (export "_start")
     (local $ns i64) (local $i i32)
-    (drop (call $clock_time_get (i32.const 0) (i64.const 1) (i32.const 40)))
-    (local.set $ns (i64.rem_u (i64.load (i32.const 40)) (i64.const 1000000)))
+    (drop (call $clock_time_get (i32.const {clock}) (i64.const 1) (i32.const 40)))
+    (local.set $ns {value})
     (local.set $i (i32.const 6))
     (loop $digits
       (local.set $i (i32.sub (local.get $i) (i32.const 1)))
@@ -147,6 +153,11 @@ CLOCK = f"""(module {_IMPORTS}
     (call $write (i32.const 1) (i32.const 1024) (i32.const 6))
     (call $write (i32.const 1) (i32.const 768) (i32.const {len(_TAIL)}))))
 """
+
+
+CLOCK = clock_reader(0, millis=False)
+PROCESS_CLOCK_MS = clock_reader(2, millis=True)
+THREAD_CLOCK_MS = clock_reader(3, millis=True)
 
 
 def compile_to(path: Path, wat: str) -> Path:

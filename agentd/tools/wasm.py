@@ -5,7 +5,8 @@ its response payload, which re-enters the pump and is validated like any handler
 output. The module sees no filesystem except the configured preopens, no network
 (WASI preview 1 has no sockets, and none are linked), no environment, no arguments
 beyond its name, and clocks rounded down to the millisecond (the host's clock
-functions are replaced, so a module cannot time the host finely).
+functions are replaced, so a module cannot time the host finely); its process and
+thread CPU clocks count its own call from its start, not the daemon's CPU time.
 
 Bounds, per call: fuel (instructions; exhausted -> `huh budget-exceeded`), a memory
 cap on the store (a `memory.grow` past it fails; a run that fails with its memory at
@@ -57,8 +58,18 @@ _WASI = "wasi_snapshot_preview1"
 _NS_PER_MS = 1_000_000
 _ERRNO_SUCCESS, _ERRNO_FAULT, _ERRNO_INVAL, _ERRNO_NOTSUP, _ERRNO_PERM = 0, 21, 28, 58, 63
 MAX_TABLES = 4  # a compiler emits one; reference types may add a few
-_CLOCKS = {0: time.time_ns, 1: time.monotonic_ns, 2: time.process_time_ns,
-           3: time.thread_time_ns}
+_call = threading.local()  # cpu0: the pool thread's CPU time when its call started
+
+
+def _call_cpu_ns() -> int:
+    """The CPU time of the running call: what a module reads on its process and
+    thread CPU clocks. The daemon's own (`process_time`) would tell it how busy
+    every other conversation keeps the daemon, and the pool thread's the time of
+    the calls that ran on it before."""
+    return time.thread_time_ns() - _call.cpu0
+
+
+_CLOCKS = {0: time.time_ns, 1: time.monotonic_ns, 2: _call_cpu_ns, 3: _call_cpu_ns}
 
 
 class _EpochTicker:
@@ -263,6 +274,7 @@ class WasmModule:
             store.set_wasi(wasi)
             with self.rt.ticker:
                 store.set_epoch_deadline(self.deadline_ticks)
+                _call.cpu0 = time.thread_time_ns()
                 outcome = self._start(store)
         finally:
             os.close(fd)
