@@ -323,8 +323,105 @@ async def test_processes_a_handler_leaves_behind_end_with_its_call(
     assert (_metrics.REGISTRY.get_sample_value(
         "agentd_worker_restarts_total", {"listener": "prober", "reason": "leftover"})
         == before + 1)
-    assert "left processes running after its call" in caplog.text
+    assert "processes it started still there" in caplog.text
     await other_conversation_completes(h)
+
+
+async def until_gone(pid: int, seconds: float = 10.0) -> bool:
+    """`gone`, for longer: what an idle or draining worker left is found within about
+    a second of checks."""
+    for _ in range(int(seconds * 100)):
+        if not alive(pid):
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+async def child_of_a_worker(h: Harness) -> int:
+    for _ in range(3000):
+        found = [int(c) for pid in pool_pids(h) for c in children_of(pid)]
+        if found:
+            return found[0]
+        await asyncio.sleep(0.01)
+    raise AssertionError("no worker has a child")
+
+
+async def test_a_process_started_after_the_answer_is_found_while_idle(h: Harness) -> None:
+    """A thread the handler left starts a process once the call was answered: the
+    idle worker is checked again, and replaced."""
+    assert await ask(h, "late-fork", "0.3") == ("outcome", "later")
+    child = await child_of_a_worker(h)
+    assert await until_gone(child)
+    await settled(h, 1)
+
+
+async def test_a_leftover_is_found_under_steady_load(tmp_path: Path) -> None:
+    """Calls that keep the one worker busy (one always queued behind the running one)
+    do not postpone the check for ever: a worker due for it is given no more calls
+    until it has gone idle."""
+    async with one_worker(tmp_path) as h:
+        pool = h.isolation.pools["prober"]
+        stop = asyncio.Event()
+        answered = 0
+
+        async def load() -> None:
+            nonlocal answered
+            while not stop.is_set():
+                answer = await pool.call(Probe("sleep", "0.02"), META)
+                assert answer is not None and b"slept" in bytes(answer.payload)
+                answered += 1
+
+        loads = [asyncio.ensure_future(load()) for _ in range(8)]
+        try:
+            for _ in range(3000):  # the load is on: callers wait for room in the queue
+                if len(pool._waiters) >= 4:
+                    break
+                await asyncio.sleep(0.01)
+            async with asyncio.timeout(30):  # a caller that arrived later is not served
+                answer = await pool.call(Probe("grandchild"), META)  # for ever first
+            assert answer is not None
+            grandchild = int(etree.fromstring(bytes(answer.payload)).findtext("{*}text") or 0)
+            before = answered
+            assert await until_gone(grandchild)
+            assert not any(task.done() for task in loads)  # the load went on meanwhile
+        finally:
+            stop.set()
+            await asyncio.gather(*loads, return_exceptions=True)
+        assert answered > before
+
+
+async def test_a_worker_left_with_too_many_threads_is_replaced(h: Harness) -> None:
+    """Each check reads every thread's list, opened and closed each time: a worker
+    left with more than MAX_THREADS threads is replaced instead of checked, and the
+    daemon keeps no descriptor per thread."""
+    from agentd.isolation._children import MAX_THREADS
+
+    fds = len(os.listdir("/proc/self/fd"))
+    assert await ask(h, "threads", "8") == ("outcome", "9")
+    assert abs(len(os.listdir("/proc/self/fd")) - fds) <= 2  # a pipe may come and go
+    assert h.isolation.pools["prober"].status()["restarts"] == 0
+    assert await ask(h, "threads", str(MAX_THREADS + 10))
+    await settled(h, 1)
+
+
+async def test_a_child_on_a_reused_thread_id_is_found(tmp_path: Path) -> None:
+    """A thread ends and a new one gets its id, then forks: found (a descriptor kept
+    for the old thread read nothing, and hid that child for the worker's life)."""
+    config = load_config(organism(tmp_path, "{memory_mb: 1024, workers: 1}", timeout_s=30))
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        assert await ask(h, "tid-reuse", "arm") == ("outcome", "armed")
+        kind, text = await ask(h, "tid-reuse", "fire")
+        if text == "not-reused":
+            pytest.skip("no thread id was reused within 20 s (pid_max too large)")
+        assert kind == "outcome" and text.startswith("reused=")
+        assert await until_gone(int(text.split("=")[1]))
+        pool = h.isolation.pools["prober"]
+        for _ in range(3000):
+            if pool.status()["restarts"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert pool.status()["restarts"] == 1
 
 
 async def test_a_child_run_to_its_end_leaves_the_worker_in_place(h: Harness) -> None:

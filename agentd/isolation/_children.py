@@ -4,22 +4,30 @@ A worker is a subreaper it cannot stop being (the confinement shim sets
 PR_SET_CHILD_SUBREAPER and its seccomp filter refuses to clear it), and no process
 it starts may leave its tree (CLONE_PARENT is refused): a grandchild whose parent
 exits is re-parented to the worker. So the worker has no child at all exactly when
-nothing it started is still there, running or unreaped. The pool asks after each
-call the worker has finished with nothing queued behind it, and replaces a worker
-that answers yes (its process group is killed with it).
+nothing it started is still there, running or unreaped. The pool asks whenever a
+worker has finished its calls with none queued behind, and every second for an idle
+one (a thread the handler left may fork later); it replaces a worker that answers
+with a reason (its process group is killed with it).
 
 Each thread keeps its own children list (`/proc/PID/task/TID/children`, a kernel
-built with CONFIG_PROC_CHILDREN), so every thread's list is read. The descriptors
-stay open between checks: one check costs a listing of the worker's threads and one
-`pread` per thread (about 6 us for a one-thread worker here).
+built with CONFIG_PROC_CHILDREN), so every thread's list is read, each opened anew
+(relative to the worker's task folder, kept open) and closed: a descriptor kept for
+a thread would read nothing once that thread ended, even when a new thread got its
+id. A check costs about 10 us for a one-thread worker and grows with threads, so a
+worker with more than `MAX_THREADS` threads is replaced too; a list that cannot be
+read for any other reason than the thread having ended (the daemon out of
+descriptors, say) counts as a leftover: the check fails closed.
 """
 
 from __future__ import annotations
 
-import contextlib
+import errno
 import os
 
 _FLAGS = os.O_RDONLY | os.O_CLOEXEC
+# A handler's thread pools stay far below (asyncio's default executor: at most 32).
+MAX_THREADS = 128
+_GONE = (errno.ENOENT, errno.ESRCH)
 
 
 def children_listed() -> bool:
@@ -28,42 +36,40 @@ def children_listed() -> bool:
 
 
 class ChildWatch:
-    """The children of one process, through descriptors kept open."""
+    """The children of one process, read from `/proc` on each check."""
 
     def __init__(self, pid: int) -> None:
         """Raises OSError if the process is gone already."""
         self.pid = pid
         self._tasks = os.open(f"/proc/{pid}/task", _FLAGS | os.O_DIRECTORY)
-        self._lists: dict[str, int] = {}
 
-    def any(self) -> bool:
-        """Whether the process has a child (running or a zombie) now. False once the
-        process is gone: its exit is noticed on its own (the pool's pidfd)."""
+    def leftover(self) -> str | None:
+        """None if the process has no child now (or is gone: its exit is noticed on
+        its own); otherwise why it must be replaced."""
         try:
             tids = os.listdir(self._tasks)
-        except OSError:
-            return False
-        lists = self._lists
+        except OSError as exc:
+            return None if exc.errno in _GONE else f"its threads unreadable ({exc.strerror})"
+        if len(tids) > MAX_THREADS:
+            return f"{len(tids)} threads (at most {MAX_THREADS})"
         for tid in tids:
-            fd = lists.get(tid)
-            if fd is None:
-                try:
-                    fd = lists[tid] = os.open(f"/proc/{self.pid}/task/{tid}/children", _FLAGS)
-                except OSError:  # the thread ended meanwhile
-                    continue
             try:
-                if os.pread(fd, 1, 0):
-                    return True
-            except OSError:  # ESRCH: the thread ended meanwhile
-                continue
-        if len(lists) > len(tids):  # threads that ended: their descriptors go
-            for tid in set(lists).difference(tids):
-                os.close(lists.pop(tid))
-        return False
+                fd = os.open(f"{tid}/children", _FLAGS, dir_fd=self._tasks)
+            except OSError as exc:
+                if exc.errno in _GONE:  # the thread ended meanwhile
+                    continue
+                return f"its children unreadable ({exc.strerror})"
+            try:
+                if os.read(fd, 1):
+                    return "processes it started still there"
+            except OSError as exc:
+                if exc.errno not in _GONE:
+                    return f"its children unreadable ({exc.strerror})"
+            finally:
+                os.close(fd)
+        return None
 
     def close(self) -> None:
-        for fd in (self._tasks, *self._lists.values()):
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._lists.clear()
-        self._tasks = -1
+        if self._tasks >= 0:
+            os.close(self._tasks)
+            self._tasks = -1

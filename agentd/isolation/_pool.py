@@ -20,10 +20,15 @@ Invariants:
 - A worker that dies, breaks the protocol, runs out of memory, is cancelled by the
   timeout watchdog or goes over its call or RSS mark is killed with its whole
   process group and replaced; only the call it was serving fails.
-- A worker that has finished its calls with processes it started still there
-  (running or unreaped: see `_children.py`) is replaced too, after its answer;
-  nothing a handler starts outlives the call that started it by more than the calls
-  queued behind it.
+- A worker with processes it started still there (running or unreaped: see
+  `_children.py`) once it has finished its calls is replaced too, after its answer.
+  It is checked whenever nothing is queued behind its last answer, and every
+  `CHECK_S` while idle; a busy worker whose last check is older than that gets no
+  call queued behind its running one, so it goes idle and is checked even under
+  steady load. Nothing a handler starts outlives its call by more than about
+  `CHECK_S` plus the calls already queued.
+- Callers wait for a worker in turn: one arriving while others wait queues behind
+  them.
 - Everything a worker sends is decoded by `_protocol.decode_answer`; its stderr is
   logged (capped per line), never parsed.
 """
@@ -72,6 +77,7 @@ _NOT_SELF_INFLICTED = frozenset({"timeout", "recycle"})
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 PIPELINE = 2  # calls written to one worker at most (1 running, the rest queued)
 _MAX_REDISPATCH = 4  # a call whose worker died before starting it: tries elsewhere
+CHECK_S = 1.0  # an idle worker is checked for leftover processes this often
 _CORE = "{" + NS_CORE + "}"
 
 
@@ -157,7 +163,8 @@ class Worker:
     last_words: str = ""  # its last stderr line (why a confinement failed, at start)
     asking: asyncio.Future[Any] | None = None  # an agent's request being answered
     ready_at: float = 0.0  # the event loop's time when it said READY
-    children: ChildWatch | None = None  # None: not checked (see WorkerPool.leftovers)
+    children: ChildWatch | None = None  # None: not checked (see leftovers_checked)
+    checked_at: float = 0.0  # the event loop's time of its last leftover check
 
     @property
     def pid(self) -> int:
@@ -268,6 +275,10 @@ class WorkerPool:
         if errors:
             await self.stop()
             raise errors[0]
+        if self.leftovers_checked:
+            task = asyncio.get_running_loop().create_task(self._check_idle())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -457,16 +468,24 @@ class WorkerPool:
 
     async def _acquire(self) -> Worker:
         """An idle worker, else a busy one with room in its queue, else wait."""
+        # One arriving while others wait goes behind them (a woken waiter would
+        # otherwise find its worker taken and wait again, for ever under load).
+        behind = bool(self._waiters)
         while True:
-            while self._idle:
-                worker = self._idle.popleft()
-                if worker.state is WorkerState.IDLE and not worker.worn_out:
-                    return worker
-            queued = [w for w in self._workers
-                      if w.state is WorkerState.BUSY and not w.worn_out
-                      and len(w.inflight) < self.pipeline and w is not self._spare]
-            if queued:
-                return min(queued, key=lambda w: len(w.inflight))
+            if not behind:
+                while self._idle:
+                    worker = self._idle.popleft()
+                    if worker.state is WorkerState.IDLE and not worker.worn_out:
+                        return worker
+                # A worker due for its leftover check gets nothing queued: it goes idle.
+                due = asyncio.get_running_loop().time() - CHECK_S
+                queued = [w for w in self._workers
+                          if w.state is WorkerState.BUSY and not w.worn_out
+                          and len(w.inflight) < self.pipeline and w is not self._spare
+                          and (w.children is None or w.checked_at > due)]
+                if queued:
+                    return min(queued, key=lambda w: len(w.inflight))
+            behind = False
             if self._stopping:
                 raise WorkerFailed("stopped")
             waiter = asyncio.get_running_loop().create_future()
@@ -488,11 +507,7 @@ class WorkerPool:
         if worker.inflight:
             self._wake()  # room in its queue again
             return
-        if worker.children is not None and worker.children.any():
-            # Nothing runs in it now, yet processes it started are still there.
-            log.warning("isolated worker left processes running after its call; "
-                        "replaced listener=%s pid=%s", self.spec.listener, worker.pid)
-            self._retire(worker, "leftover")
+        if self._left_over(worker):  # nothing runs in it now: nothing may be left
             return
         if worker.worn_out:
             self._retire(worker, "recycle")
@@ -500,6 +515,32 @@ class WorkerPool:
         self._set(worker, WorkerEvent.DONE)
         self._idle.append(worker)
         self._wake()
+
+    def _left_over(self, worker: Worker) -> bool:
+        """Check a worker running no call for what its handler left behind; replace
+        it (True) if anything is."""
+        watch = worker.children
+        if watch is None:
+            return False
+        worker.checked_at = asyncio.get_running_loop().time()
+        why = watch.leftover()
+        if why is None:
+            return False
+        log.warning("isolated worker replaced after its call: %s listener=%s pid=%s",
+                    why, self.spec.listener, worker.pid)
+        self._retire(worker, "leftover")
+        return True
+
+    async def _check_idle(self) -> None:
+        """Every CHECK_S, the idle workers (and the spare): a thread a handler left
+        may start a process after its call was answered."""
+        loop = asyncio.get_running_loop()
+        while not self._stopping:
+            await asyncio.sleep(CHECK_S)
+            due = loop.time() - CHECK_S
+            for worker in list(self._workers):
+                if worker.state is WorkerState.IDLE and worker.checked_at <= due:
+                    self._left_over(worker)
 
     def _worn_out(self, worker: Worker) -> bool:
         """Over its call count, its RSS mark, or half its CPU seconds (RLIMIT_CPU
@@ -552,6 +593,7 @@ class WorkerPool:
         if self.leftovers_checked:
             with contextlib.suppress(OSError):  # gone already: its pidfd says so
                 worker.children = ChildWatch(worker.pid)
+            worker.checked_at = worker.ready_at
         worker.tasks.append(asyncio.create_task(self._read_answers(worker)))
         self._watch(worker)
         if spare:

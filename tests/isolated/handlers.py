@@ -104,6 +104,72 @@ def _thread_child() -> str:
     return str(forked[0])
 
 
+def _late_fork(delay: float) -> str:
+    """A thread left behind that starts a process `delay` s after the answer."""
+    def later() -> None:
+        time.sleep(delay)
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+        time.sleep(600)
+
+    threading.Thread(target=later, daemon=True).start()
+    return "later"
+
+
+def _threads(n: int) -> str:
+    """`n` threads left alive (sleeping) after the answer."""
+    threading.stack_size(65536)
+    for _ in range(n):
+        threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+    return str(threading.active_count())
+
+
+_TID: dict[str, object] = {}
+
+
+def _tid_reuse(arm: bool) -> str:
+    """arm: leave a thread alive (its id is then one the daemon has seen). Else: end
+    it, start threads until one gets its id again, and have that one fork a process
+    and stay alive; answers "reused=PID" or "not-reused"."""
+    if arm:
+        stop, started = threading.Event(), threading.Event()
+
+        def waiter() -> None:
+            _TID["tid"] = threading.get_native_id()
+            started.set()
+            stop.wait()
+
+        thread = threading.Thread(target=waiter, daemon=True)
+        thread.start()
+        started.wait()
+        _TID.update(stop=stop, thread=thread)
+        return "armed"
+    _TID["stop"].set()  # type: ignore[attr-defined]
+    _TID["thread"].join()  # type: ignore[attr-defined]
+    tid, found, hold = _TID["tid"], threading.Event(), threading.Event()
+    child: list[int] = []
+
+    def attempt() -> None:
+        if threading.get_native_id() == tid:
+            pid = os.fork()
+            if pid == 0:
+                time.sleep(600)
+                os._exit(0)
+            child.append(pid)
+            found.set()
+            hold.wait()
+
+    deadline = time.monotonic() + 20
+    while not found.is_set() and time.monotonic() < deadline:
+        thread = threading.Thread(target=attempt, daemon=True)
+        thread.start()
+        if not found.is_set():
+            thread.join()
+    _TID["hold"] = hold
+    return f"reused={child[0]}" if child else "not-reused"
+
+
 async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
     action, arg = payload.action, payload.arg
     if action == "echo":
@@ -148,6 +214,12 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
         text = _orphan()
     elif action == "thread-child":
         text = _thread_child()
+    elif action == "late-fork":
+        text = _late_fork(float(arg))
+    elif action == "threads":
+        text = _threads(int(arg))
+    elif action == "tid-reuse":
+        text = _tid_reuse(arg == "arm")
     elif action == "subprocess":  # a child run to its end and reaped: nothing left
         done = subprocess.run([sys.executable, "-I", "-S", "-c", "print(7)"],
                               capture_output=True, check=True)
