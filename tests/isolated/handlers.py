@@ -67,16 +67,21 @@ def _grandchild() -> str:
     return str(pid)
 
 
+def _sleeper() -> int:
+    """Fork a process that sleeps ten minutes; its pid (in the parent)."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    return pid
+
+
 def _orphan() -> str:
     """A grandchild whose parent exits at once: re-parented to the worker."""
     r, w = os.pipe()
     child = os.fork()
     if child == 0:
-        grandchild = os.fork()
-        if grandchild == 0:
-            time.sleep(600)
-            os._exit(0)
-        os.write(w, str(grandchild).encode())
+        os.write(w, str(_sleeper()).encode())
         os._exit(0)
     os.waitpid(child, 0)
     os.close(w)
@@ -91,11 +96,7 @@ def _thread_child() -> str:
     ready = threading.Event()
 
     def run() -> None:
-        pid = os.fork()
-        if pid == 0:
-            time.sleep(600)
-            os._exit(0)
-        forked.append(pid)
+        forked.append(_sleeper())
         ready.set()
         time.sleep(600)
 
@@ -108,9 +109,7 @@ def _late_fork(delay: float) -> str:
     """A thread left behind that starts a process `delay` s after the answer."""
     def later() -> None:
         time.sleep(delay)
-        if os.fork() == 0:
-            time.sleep(600)
-            os._exit(0)
+        _sleeper()
         time.sleep(600)
 
     threading.Thread(target=later, daemon=True).start()
@@ -152,11 +151,7 @@ def _tid_reuse(arm: bool) -> str:
 
     def attempt() -> None:
         if threading.get_native_id() == tid:
-            pid = os.fork()
-            if pid == 0:
-                time.sleep(600)
-                os._exit(0)
-            child.append(pid)
+            child.append(_sleeper())
             found.set()
             hold.wait()
 
