@@ -241,6 +241,7 @@ class WorkerPool:
         self._workers: set[Worker] = set()
         self._idle: deque[Worker] = deque()
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._woken = 0  # waiters woken by `_wake` that have not run yet
         self._background: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._backoff = 0.0
@@ -468,9 +469,10 @@ class WorkerPool:
 
     async def _acquire(self) -> Worker:
         """An idle worker, else a busy one with room in its queue, else wait."""
-        # One arriving while others wait goes behind them (a woken waiter would
-        # otherwise find its worker taken and wait again, for ever under load).
-        behind = bool(self._waiters)
+        # One arriving while others wait, or while a woken one has yet to take its
+        # worker, goes behind them (the woken waiter would otherwise find its worker
+        # taken and wait again, for ever under load).
+        behind = bool(self._waiters) or self._woken > 0
         while True:
             if not behind:
                 while self._idle:
@@ -497,8 +499,11 @@ class WorkerPool:
                     with contextlib.suppress(ValueError):
                         self._waiters.remove(waiter)
                 elif waiter.exception() is None:
+                    self._woken -= 1
                     self._wake()  # woken, then cancelled: the room is the next caller's
                 raise
+            if waiter.exception() is None:
+                self._woken -= 1
 
     def _answered(self, worker: Worker) -> None:
         worker.calls += 1
@@ -538,9 +543,13 @@ class WorkerPool:
         while not self._stopping:
             await asyncio.sleep(CHECK_S)
             due = loop.time() - CHECK_S
-            for worker in list(self._workers):
-                if worker.state is WorkerState.IDLE and worker.checked_at <= due:
-                    self._left_over(worker)
+            try:
+                for worker in list(self._workers):
+                    if worker.state is WorkerState.IDLE and worker.checked_at <= due:
+                        self._left_over(worker)
+            except Exception:  # a bug here must not end the checks for good
+                log.exception("isolation listener=%s: leftover check failed",
+                              self.spec.listener)
 
     def _worn_out(self, worker: Worker) -> bool:
         """Over its call count, its RSS mark, or half its CPU seconds (RLIMIT_CPU
@@ -556,6 +565,7 @@ class WorkerPool:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+                self._woken += 1
                 return
 
     # ---- workers -------------------------------------------------------------
