@@ -327,16 +327,6 @@ async def test_processes_a_handler_leaves_behind_end_with_its_call(
     await other_conversation_completes(h)
 
 
-async def until_gone(pid: int, seconds: float = 10.0) -> bool:
-    """`gone`, for longer: what an idle or draining worker left is found within about
-    a second of checks."""
-    for _ in range(int(seconds * 100)):
-        if not alive(pid):
-            return True
-        await asyncio.sleep(0.01)
-    return False
-
-
 async def child_of_a_worker(h: Harness) -> int:
     for _ in range(3000):
         found = [int(c) for pid in pool_pids(h) for c in children_of(pid)]
@@ -351,7 +341,7 @@ async def test_a_process_started_after_the_answer_is_found_while_idle(h: Harness
     idle worker is checked again, and replaced."""
     assert await ask(h, "late-fork", "0.3") == ("outcome", "later")
     child = await child_of_a_worker(h)
-    assert await until_gone(child)
+    assert await gone(child, 10)
     await settled(h, 1)
 
 
@@ -382,7 +372,7 @@ async def test_a_leftover_is_found_under_steady_load(tmp_path: Path) -> None:
             assert answer is not None
             grandchild = int(etree.fromstring(bytes(answer.payload)).findtext("{*}text") or 0)
             before = answered
-            assert await until_gone(grandchild)
+            assert await gone(grandchild, 10)
             assert not any(task.done() for task in loads)  # the load went on meanwhile
         finally:
             stop.set()
@@ -415,7 +405,7 @@ async def test_a_child_on_a_reused_thread_id_is_found(tmp_path: Path) -> None:
         if text == "not-reused":
             pytest.skip("no thread id was reused within 20 s (pid_max too large)")
         assert kind == "outcome" and text.startswith("reused=")
-        assert await until_gone(int(text.split("=")[1]))
+        assert await gone(int(text.split("=")[1]), 10)
         pool = h.isolation.pools["prober"]
         for _ in range(3000):
             if pool.status()["restarts"] == 1:

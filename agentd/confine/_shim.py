@@ -176,7 +176,6 @@ _NR_PRCTL = 157
 _NR_CLONE3 = 435
 _CLONE_PARENT = 0x00008000
 _PR_SET_CHILD_SUBREAPER = 36
-_PR_GET_CHILD_SUBREAPER = 37
 _ARG0_LOW = 16  # offsetof(struct seccomp_data, args[0]), its low 32 bits (little-endian)
 _RET_ALLOW = 0x7FFF0000
 _RET_EPERM = 0x00050000 | 1

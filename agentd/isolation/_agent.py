@@ -277,8 +277,8 @@ class WorkerSession:
 
     def record(self, thread: str, content: str, *, source: str, xml: bool = False,
                notice: bool = False, seq: int = 0) -> bool:
-        """The daemon records the call's own result (`content` is not sent): False
-        when its restored history holds it already."""
+        """The daemon records the call's own result (neither `content` nor `seq` is
+        sent: it has both): False when its restored history holds it already."""
         header, _ = self._request("record", {"notice": notice},
                                   content.encode() if notice else b"")
         return header.get("duplicate") is not True

@@ -40,7 +40,6 @@ class ChildWatch:
 
     def __init__(self, pid: int) -> None:
         """Raises OSError if the process is gone already."""
-        self.pid = pid
         self._tasks = os.open(f"/proc/{pid}/task", _FLAGS | os.O_DIRECTORY)
 
     def leftover(self) -> str | None:

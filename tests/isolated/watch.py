@@ -17,9 +17,9 @@ def alive(pid: int) -> bool:
         return False
 
 
-async def gone(pid: int) -> bool:
+async def gone(pid: int, seconds: float = 3.0) -> bool:
     """Wait (bounded, not timed) for `pid` to be reaped by whoever inherits it."""
-    for _ in range(300):
+    for _ in range(int(seconds * 100)):
         if not alive(pid):
             return True
         await asyncio.sleep(0.01)
