@@ -380,18 +380,21 @@ async def test_a_leftover_is_found_under_steady_load(tmp_path: Path) -> None:
         assert answered > before
 
 
-async def test_a_worker_left_with_too_many_threads_is_replaced(h: Harness) -> None:
+async def test_a_worker_left_with_too_many_threads_is_replaced(tmp_path: Path) -> None:
     """Each check reads every thread's list, opened and closed each time: a worker
     left with more than MAX_THREADS threads is replaced instead of checked, and the
-    daemon keeps no descriptor per thread."""
+    daemon keeps no descriptor per thread. (max_tasks lets it make them.)"""
     from agentd.isolation._children import MAX_THREADS
 
-    fds = len(os.listdir("/proc/self/fd"))
-    assert await ask(h, "threads", "8") == ("outcome", "9")
-    assert abs(len(os.listdir("/proc/self/fd")) - fds) <= 2  # a pipe may come and go
-    assert h.isolation.pools["prober"].status()["restarts"] == 0
-    assert await ask(h, "threads", str(MAX_THREADS + 10))
-    await settled(h, 1)
+    config = load_config(organism(tmp_path, "{memory_mb: 1024, workers: 2, max_tasks: 512}"))
+    (tmp_path / "state").mkdir()
+    async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
+        fds = len(os.listdir("/proc/self/fd"))
+        assert await ask(h, "threads", "8") == ("outcome", "9")
+        assert abs(len(os.listdir("/proc/self/fd")) - fds) <= 2  # a pipe may come and go
+        assert h.isolation.pools["prober"].status()["restarts"] == 0
+        assert await ask(h, "threads", str(MAX_THREADS + 10))
+        await settled(h, 1)
 
 
 async def test_a_child_on_a_reused_thread_id_is_found(tmp_path: Path) -> None:

@@ -244,6 +244,8 @@ class IsolationConfig:
     max_calls: Positive | None = None  # recycle a worker after this many calls
     max_rss_mb: Positive | None = None  # recycle a worker whose RSS is above this
     open_files: Positive = 256
+    # processes and threads of a worker and all it starts, at once (a pids cgroup)
+    max_tasks: Positive = 64
     env: dict[EnvName, AnyText] = Field(default_factory=dict)  # the worker's whole environment
     # run the workers as this user (name or uid; the daemon must run as root)
     user: AnyText | None = None

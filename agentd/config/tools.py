@@ -110,6 +110,7 @@ class ExecTool:
     timeout_s: Seconds = 10.0
     max_output_bytes: Bytes = 64 * 1024
     memory_mb: Megabytes = 256
+    max_tasks: Positive = 64  # processes and threads at once, all it starts included
     network: Bool = False
     env: dict[EnvName, str] = Field(default_factory=dict)
 
@@ -197,6 +198,9 @@ class McpIsolation:
     memory_mb: Megabytes | None = None  # RLIMIT_AS of the server (None: the tool's)
     network: Bool | None = None  # None: the tool's `network`
     open_files: Positive = 256
+    # processes and threads of the server and all it starts, at once (a pids cgroup);
+    # servers that drive a browser run a hundred threads and more
+    max_tasks: Positive = 256
     user: AnyText | None = None  # run the server as this user (the daemon must be root)
 
     _rules = rules(lambda data, _: unknown_user(data), "isolation")

@@ -9,6 +9,9 @@ public surface:
   empty environment plus the policy's, no inherited descriptors; confinement is
   applied in the child before the target runs, by an exec shim).
 - `kill_group(proc)`: SIGKILL the child's whole process group and reap it.
+- `Policy.max_tasks`: the processes and threads a child and all it starts may have
+  at once, enforced by a pids cgroup of its own where one can be made
+  (`cgroups()` says where, or why not; `tasks_limited(policy)`).
 - `confine_self(policy)`: apply a policy to the current process (for a worker
   that confines itself after it started, or a single-threaded child).
 - `landlock_status()`: what this kernel can enforce (for status and health).
@@ -23,6 +26,7 @@ and a one-line reason on its stderr; the target never runs less confined.
 from __future__ import annotations
 
 from agentd.confine import _shim
+from agentd.confine._cgroup import cgroups
 from agentd.confine._policy import (
     SYSTEM_READ_PATHS,
     ConfinementUnavailable,
@@ -31,7 +35,13 @@ from agentd.confine._policy import (
     check_enforceable,
     landlock_status,
 )
-from agentd.confine._spawn import SHIM_FAILED, kill_group, resolve_executable, spawn
+from agentd.confine._spawn import (
+    SHIM_FAILED,
+    kill_group,
+    resolve_executable,
+    spawn,
+    tasks_limited,
+)
 
 
 def confine_self(policy: Policy) -> dict[str, object]:
@@ -50,10 +60,12 @@ __all__ = [
     "ConfinementUnavailable",
     "LandlockStatus",
     "Policy",
+    "cgroups",
     "check_enforceable",
     "confine_self",
     "kill_group",
     "landlock_status",
     "resolve_executable",
     "spawn",
+    "tasks_limited",
 ]

@@ -41,6 +41,9 @@ class Policy:
     cpu_s: int | None = None  # RLIMIT_CPU (SIGXCPU then SIGKILL)
     open_files: int | None = 256  # RLIMIT_NOFILE
     processes: int | None = None  # RLIMIT_NPROC: per uid, and not enforced for root
+    # Processes and threads of the child and all it starts, at once: its own pids
+    # cgroup's pids.max, where a pids cgroup can be made (see _cgroup).
+    max_tasks: int | None = None
     file_size_mb: int | None = None  # RLIMIT_FSIZE
     read_paths: tuple[str, ...] = SYSTEM_READ_PATHS  # read + execute, beneath each
     list_paths: tuple[str, ...] = ()  # directory listing only, beneath each

@@ -262,6 +262,14 @@ def apply(policy: dict) -> dict:
     Returns what was applied: ``{"landlock_abi", "filesystem", "network", "seccomp"}``;
     raises OSError or RuntimeError when a required restriction cannot be applied.
     """
+    # First of all: into its own pids cgroup (see _cgroup), while it may still write
+    # there (before it drops its uid and capabilities, and before Landlock).
+    if policy.get("cgroup_procs"):
+        fd = os.open(policy["cgroup_procs"], os.O_WRONLY)
+        try:
+            os.write(fd, str(os.getpid()).encode())
+        finally:
+            os.close(fd)
     deny_network = not policy.get("network", False)
     net_by: list[str] = []
     if deny_network and policy.get("netns", True) and _unshare_network():

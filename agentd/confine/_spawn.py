@@ -10,26 +10,37 @@ policy pipe is closed by the shim before it execs.
 
 `kill_group` SIGKILLs the whole process group and reaps the child; the shim's
 seccomp filter refuses setsid/setpgid, so nothing the child starts can leave the
-group and outlive it.
+group and outlive it. A child whose policy sets `max_tasks` runs in a pids cgroup of
+its own (`_cgroup`), where one can be made: `kill_group` also kills every process
+in it and removes it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import marshal
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import weakref
 
 from agentd.confine import _shim
+from agentd.confine._cgroup import REMOVE_TRIES, TaskGroup, cgroups
 from agentd.confine._policy import Policy, check_enforceable
+
+log = logging.getLogger("agentd.confine")
 
 SHIM_PATH = os.path.abspath(_shim.__file__)
 SHIM_FAILED = _shim.SHIM_FAILED
 _PIPE_MAX = 60 * 1024  # written before the child reads: must fit a pipe buffer
+# The cgroup of each child that has one, until `kill_group` removes it.
+_GROUPS: weakref.WeakKeyDictionary[asyncio.subprocess.Process, TaskGroup] = (
+    weakref.WeakKeyDictionary())
+_warned_tasks = False
 
 
 def resolve_executable(argv0: str, env: dict[str, str] | None = None) -> str:
@@ -42,13 +53,18 @@ def resolve_executable(argv0: str, env: dict[str, str] | None = None) -> str:
     return os.path.abspath(found)
 
 
-def shim_command(argv: list[str], policy: Policy) -> tuple[list[str], bytes]:
-    """The shim's argv (policy descriptor left as ``{fd}``) and the request it reads."""
+def shim_command(argv: list[str], policy: Policy, group: TaskGroup | None = None
+                 ) -> tuple[list[str], bytes]:
+    """The shim's argv (policy descriptor left as ``{fd}``) and the request it reads;
+    `group`: the cgroup it moves itself into first."""
     if not argv:
         raise ValueError("empty argv")
     env = dict(policy.env)
+    shim_policy = policy.to_shim()
+    if group is not None:
+        shim_policy["cgroup_procs"] = group.procs
     request = marshal.dumps({
-        "policy": policy.to_shim(),
+        "policy": shim_policy,
         "executable": resolve_executable(argv[0], env),
         "argv": list(argv),
         "env": env,
@@ -71,25 +87,70 @@ async def spawn(argv: list[str], policy: Policy, *,
     """
     if check:
         check_enforceable(policy)
-    command, request = shim_command(argv, policy)
-    r, w = os.pipe()
+    group = task_group(policy.max_tasks)
     try:
-        os.write(w, request)
-        os.close(w)
-        w = -1
-        command[-1] = str(r)
-        return await asyncio.create_subprocess_exec(
-            *command, stdin=stdin, stdout=stdout, stderr=stderr, env={},
-            cwd="/", close_fds=True, pass_fds=(r,), start_new_session=True)
-    finally:
-        os.close(r)
-        if w >= 0:
+        command, request = shim_command(argv, policy, group)
+        r, w = os.pipe()
+        try:
+            os.write(w, request)
             os.close(w)
+            w = -1
+            command[-1] = str(r)
+            proc = await asyncio.create_subprocess_exec(
+                *command, stdin=stdin, stdout=stdout, stderr=stderr, env={},
+                cwd="/", close_fds=True, pass_fds=(r,), start_new_session=True)
+        finally:
+            os.close(r)
+            if w >= 0:
+                os.close(w)
+    except BaseException:
+        if group is not None:
+            group.remove()
+        raise
+    if group is not None:
+        _GROUPS[proc] = group
+    return proc
+
+
+def task_group(max_tasks: int | None) -> TaskGroup | None:
+    """A pids cgroup for a child allowed `max_tasks` processes and threads, or None
+    (no limit asked; or none can be made here, said once in a warning)."""
+    global _warned_tasks
+    if max_tasks is None:
+        return None
+    found = cgroups()
+    if not found.available:
+        if not _warned_tasks:
+            _warned_tasks = True
+            log.warning("confine: no pids cgroup (%s); the processes a confined child "
+                        "starts are bounded only by its timeout and the service's "
+                        "TasksMax", found.reason)
+        return None
+    return found.make(max_tasks)
+
+
+def tasks_limited(policy: Policy) -> bool:
+    """Whether children spawned under `policy` get their `max_tasks` bound here."""
+    return policy.max_tasks is not None and cgroups().available
 
 
 async def kill_group(proc: asyncio.subprocess.Process) -> int:
-    """SIGKILL `proc`'s whole process group and reap `proc`; returns its return code."""
+    """SIGKILL `proc`'s whole process group (and every process in its cgroup), reap
+    `proc` and remove its cgroup; returns its return code."""
     # ProcessLookupError: the group is already empty
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
-    return await proc.wait()
+    group = _GROUPS.pop(proc, None)
+    if group is not None:
+        group.kill()
+    code = await proc.wait()
+    if group is not None:
+        for _ in range(REMOVE_TRIES):  # a killed process leaves its cgroup as it exits
+            if group.remove():
+                break
+            group.kill()
+            await asyncio.sleep(0.01)
+        else:
+            log.warning("confine: cgroup %s still has processes; left for the next "
+                        "start to remove", group.path)
+    return code

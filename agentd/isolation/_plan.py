@@ -107,6 +107,7 @@ def worker_policy(lst: ListenerConfig, iso: IsolationConfig, secrets: Iterable[P
                     if os.path.isdir(p) and Path(p) not in hidden)
     return Policy(
         memory_mb=iso.memory_mb, cpu_s=iso.cpu_s, open_files=iso.open_files,
+        max_tasks=iso.max_tasks,
         read_paths=tuple(sorted(grants)), list_paths=listing, network=iso.network,
         env=dict(iso.env), cwd="/", uid=uid, gid=gid,
     )

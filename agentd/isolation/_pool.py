@@ -57,7 +57,7 @@ from agentd._states import step
 from agentd._xml import c14n
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.bus import TokenBucket
-from agentd.confine import Policy, kill_group, spawn
+from agentd.confine import Policy, kill_group, spawn, tasks_limited
 from agentd.isolation import _protocol as p
 from agentd.isolation._children import ChildWatch, children_listed
 
@@ -251,6 +251,9 @@ class WorkerPool:
         # Whether processes a handler leaves behind are found after its call: needs
         # the kernel's /proc children lists (said once, at the pool's start).
         self.leftovers_checked = children_listed()
+        # Whether each worker's processes and threads are bounded (`max_tasks`): needs
+        # a pids cgroup the daemon can make children in.
+        self.tasks_limited = tasks_limited(spec.policy)
         # `agentd_workers{listener,state}` is counted when it is scraped, not kept up
         # to date on every call: a worker of a pool of two goes idle -> busy -> idle
         # for nearly every call, and each gauge update takes the metric's lock.
@@ -306,7 +309,8 @@ class WorkerPool:
                 "busy": states.count(WorkerState.BUSY),
                 "starting": states.count(WorkerState.STARTING),
                 "restarts": self.restarts,
-                "leftovers_checked": int(self.leftovers_checked)}
+                "leftovers_checked": int(self.leftovers_checked),
+                "tasks_limited": int(self.tasks_limited)}
 
     # ---- calls ---------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from agentd._errors import ConfigError
 from agentd.config import OrganismConfig
-from agentd.confine import landlock_status
+from agentd.confine import cgroups, landlock_status
 from agentd.isolation._plan import (
     WORKER_ARGV,
     agent_init,
@@ -145,7 +145,7 @@ class IsolationPools:
         self.retired = []
 
     def status(self) -> Mapping[str, Any]:
-        return {"confinement": landlock_status().as_dict(),
+        return {"confinement": {**landlock_status().as_dict(), "pids_cgroup": cgroups().describe()},
                 "pools": [{"listener": name, **pool.status()}
                           for name, pool in sorted(self.pools.items())],
                 "retired_pools": len(self.retired)}

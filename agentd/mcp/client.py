@@ -40,6 +40,9 @@ log = logging.getLogger("agentd.mcp")
 
 BACKOFF_FIRST_S = 0.1
 BACKOFF_MAX_S = 30.0
+# Processes and threads of a stdio server and all it starts, without an isolation
+# block (with one: its `max_tasks`, the same by default).
+MCP_MAX_TASKS = 256
 
 
 class ServerFailed(AgentdError):
@@ -109,7 +112,7 @@ def stdio_policy(config: Any) -> Policy:
     `env`, rlimits, Landlock, its own process group, network as configured). An
     `isolation:` block's `memory_mb` and `network` have been merged into the tool's
     at load (a contradiction is refused there); its `open_files` and `user` apply
-    here."""
+    here (and its `max_tasks`; else `MCP_MAX_TASKS`)."""
     program = resolve_executable(config.command[0], dict(config.env))
     real = os.path.realpath(program)
     reads = (*SYSTEM_READ_PATHS, os.path.dirname(real), *(str(p) for p in config.read))
@@ -118,6 +121,7 @@ def stdio_policy(config: Any) -> Policy:
     uid, gid = run_as(iso.user if iso is not None else None, "tool (mcp server)")
     return Policy(memory_mb=config.memory_mb, read_paths=reads,
                   open_files=iso.open_files if iso is not None else 256,
+                  max_tasks=iso.max_tasks if iso is not None else MCP_MAX_TASKS,
                   write_paths=(root,) if root else (), network=config.network,
                   env=dict(config.env), cwd=root or "/", uid=uid, gid=gid)
 

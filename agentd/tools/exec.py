@@ -192,6 +192,7 @@ def policy_for(config: Any, program: str) -> Policy:
     reads = SYSTEM_READ_PATHS if own in SYSTEM_READ_PATHS else (*SYSTEM_READ_PATHS, own)
     return Policy(
         memory_mb=config.memory_mb,
+        max_tasks=config.max_tasks,
         cpu_s=max(1, math.ceil(config.timeout_s)),
         read_paths=reads,
         write_paths=() if root is None else (root,),

@@ -116,6 +116,30 @@ def _late_fork(delay: float) -> str:
     return "later"
 
 
+def _fork_bomb(most: int) -> str:
+    """Fork sleeping children until a fork fails or `most` were made:
+    "forked=N errno=E" (E 0: none failed)."""
+    forked, code = 0, 0
+    for _ in range(most):
+        try:
+            _sleeper()
+        except OSError as exc:
+            code = exc.errno or -1
+            break
+        forked += 1
+    return f"forked={forked} errno={code}"
+
+
+def _leave_cgroup(procs: str) -> str:
+    """Write our pid to another cgroup's process list (that of the daemon's)."""
+    try:
+        with open(procs, "w") as f:
+            f.write(str(os.getpid()))
+    except OSError as exc:
+        return f"refused errno={exc.errno}"
+    return "moved"
+
+
 def _threads(n: int) -> str:
     """`n` threads left alive (sleeping) after the answer."""
     threading.stack_size(65536)
@@ -213,6 +237,11 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
         text = _late_fork(float(arg))
     elif action == "threads":
         text = _threads(int(arg))
+    elif action == "fork-bomb":
+        text = _fork_bomb(int(arg))
+    elif action == "leave-cgroup":
+        text = _leave_cgroup(arg)
+
     elif action == "tid-reuse":
         text = _tid_reuse(arg == "arm")
     elif action == "subprocess":  # a child run to its end and reaped: nothing left
