@@ -87,6 +87,11 @@ def test_v2_uses_a_parent_that_already_enables_pids_for_its_children(tmp_path: P
     (daemon / "cgroup.subtree_control").write_text("\n")
     (tmp_path / "cgroup.subtree_control").write_text("pids\n")
     assert prepare(Hierarchy(2, daemon)) == (Hierarchy(2, tmp_path), "")
+    other = tmp_path / "agentd.service"  # not the daemon's sub-cgroup: never its parent
+    other.mkdir()
+    (other / "cgroup.controllers").write_text("pids\n")
+    (other / "cgroup.subtree_control").write_text("")
+    assert prepare(Hierarchy(2, other)) == (Hierarchy(2, other), "")
 
 
 def test_v2_enables_pids_for_its_children_where_it_may(tmp_path: Path) -> None:

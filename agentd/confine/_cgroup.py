@@ -18,8 +18,8 @@ Where: the pids controller of the hierarchy the daemon runs in.
 - cgroup v2: beneath the daemon's own cgroup, if `pids` is in its controllers and it
   may enable it for children. A cgroup that holds processes cannot enable a
   controller for its children (the "no internal processes" rule), so under systemd
-  the daemon runs in a sub-cgroup of its service (`Delegate=pids`,
-  `DelegateSubgroup=daemon`) and the children go beside it.
+  the daemon runs in a sub-cgroup `daemon` of its service (`Delegate=pids`,
+  `DelegateSubgroup=daemon`) and the children go beside it, in the service's cgroup.
 Where neither is possible (no controller, no permission), `available()` says why and
 the callers warn: the children then run without the bound, never silently.
 
@@ -45,6 +45,7 @@ from pathlib import Path
 log = logging.getLogger("agentd.confine")
 
 PREFIX = "agentd-"
+DAEMON_SUBGROUP = "daemon"  # systemd: DelegateSubgroup=daemon (see the unit file)
 _NAME = re.compile(r"agentd-(\d+)-\d+\Z")
 _KILL_ROUNDS = 100  # a cgroup whose processes fork while killed: bounded by pids.max
 REMOVE_TRIES = 50  # a cgroup whose killed processes are still exiting: every 10 ms
@@ -132,7 +133,11 @@ def prepare(found: Hierarchy) -> tuple[Hierarchy | None, str]:
         return None, f"cannot read {base}/cgroup.controllers: {exc.strerror}"
     if "pids" not in controllers:
         return None, f"the pids controller is not delegated to {base}"
-    for candidate in (base, base.parent):
+    # The daemon in its service's sub-cgroup `daemon` (systemd's DelegateSubgroup):
+    # the children go beside it. Never beside any other cgroup: they would leave the
+    # service (its TasksMax) for a slice shared with other services.
+    candidates = (base, base.parent) if base.name == DAEMON_SUBGROUP else (base,)
+    for candidate in candidates:
         if _enabled_for_children(candidate) and os.access(candidate, os.W_OK):
             return Hierarchy(2, candidate), ""
     try:
