@@ -171,21 +171,59 @@ async def test_a_process_that_left_the_group_is_still_killed() -> None:
 
 
 @needs_pids_cgroup
+async def test_a_cgroup_made_beneath_the_childs_is_killed_and_removed_with_it() -> None:
+    """A child without Landlock could make a cgroup inside its own and move a process
+    there: it is killed and removed with the rest."""
+    proc = await spawn([sys.executable, "-I", "-S", "-c", FORKER, "1"], python_policy(8))
+    assert proc.stdout is not None
+    assert (await asyncio.wait_for(proc.stdout.readline(), 30)) == b"forked 1\n"
+    group = _spawn._GROUPS[proc]
+    [grandchild] = [pid for pid in group.pids() if pid != proc.pid]
+    (group.path / "inner").mkdir()
+    (group.path / "inner" / "cgroup.procs").write_text(str(grandchild))
+    assert group.pids().count(grandchild) == 1
+    await kill_group(proc)
+    assert await gone(grandchild)
+    assert not group.path.exists()
+
+
+def test_without_landlock_only_another_uid_is_kept_from_its_cgroup(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cgroup's files are the daemon's, mode 0644: a child of the same uid could
+    raise its own pids.max where no Landlock rule keeps it out. Then the bound is not
+    counted as enforced, unless the child runs as another user."""
+    from agentd.confine._policy import LandlockStatus
+
+    monkeypatch.setattr(_spawn, "landlock_status", lambda: LandlockStatus(
+        abi=0, filesystem=False, network_tcp=False, scopes=False,
+        network_namespace=True, seccomp=True))
+    monkeypatch.setattr(_cgroup, "_cgroups", Cgroups(Hierarchy(1, Path("/nowhere"))))
+    assert not _spawn.tasks_limited(python_policy(4))
+    other = 65534 if os.geteuid() != 65534 else 65533
+    assert _spawn.tasks_limited(Policy(max_tasks=4, uid=other, gid=other))
+
+
+@needs_pids_cgroup
 async def test_cgroups_left_by_a_daemon_killed_with_sigkill_are_removed() -> None:
-    """A cgroup named for a daemon that is gone, with a process still in it: the
-    next daemon kills the process and removes the cgroup; its own are kept."""
+    """A cgroup named for a daemon that is gone, with a process still in a cgroup
+    beneath it: the next daemon kills the process and removes both; one named for
+    this pid with another start time (a reused pid) goes too; its own are kept."""
     hierarchy = FOUND.hierarchy
     assert hierarchy is not None
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                          capture_output=True, text=True, check=True)
+    code = ("import os; from agentd.confine._cgroup import start_time; "
+            "print(f'{os.getpid()}.{start_time(\"self\")}')")
+    dead = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).parent.parent)
     stale = hierarchy.base / f"agentd-{dead.stdout.strip()}-1"
-    stale.mkdir()
+    reused = hierarchy.base / f"agentd-{os.getpid()}.1-1"
+    (stale / "nested").mkdir(parents=True)
+    reused.mkdir()
     sleeper = subprocess.Popen(["sleep", "600"])
     try:
-        (stale / "cgroup.procs").write_text(str(sleeper.pid))
-        assert Cgroups(hierarchy).sweep() >= 1  # (and any an earlier run left)
+        (stale / "nested" / "cgroup.procs").write_text(str(sleeper.pid))
+        assert Cgroups(hierarchy).sweep() >= 2  # (and any an earlier run left)
         assert sleeper.wait(10) == -9
-        assert not stale.exists()
+        assert not stale.exists() and not reused.exists()
         mine = cgroups().make(4)
         try:
             assert Cgroups(hierarchy).sweep() == 0
@@ -195,9 +233,10 @@ async def test_cgroups_left_by_a_daemon_killed_with_sigkill_are_removed() -> Non
     finally:
         sleeper.kill()
         sleeper.wait()
-        if stale.exists():
-            TaskGroup(stale, 0).kill()
-            stale.rmdir()
+        for path in (stale, reused):
+            if path.exists():
+                TaskGroup(path, 0).kill()
+                TaskGroup(path, 0).remove()
 
 
 @needs_pids_cgroup

@@ -4,7 +4,7 @@ everything it starts may have at once, and a list of all of them to kill.
 rlimits cannot bound a process tree: `RLIMIT_NPROC` counts every process of a uid
 (and root is exempt), so a fork bomb in a handler was bounded only by its call's
 timeout and the service's `TasksMax`. A cgroup's `pids.max` is. Each confined child
-gets a cgroup of its own, `agentd-<daemon pid>-<n>`, with `pids.max` set to its
+gets a cgroup of its own, `agentd-<daemon pid>.<its start time>-<n>`, with `pids.max` set to its
 policy's `max_tasks`; the exec shim moves itself into it (writes its pid to
 `cgroup.procs`) first of all, before it drops privileges and long before the target
 runs, so nothing the target starts is outside it. A fork past the limit fails with
@@ -23,9 +23,14 @@ Where: the pids controller of the hierarchy the daemon runs in.
 Where neither is possible (no controller, no permission), `available()` says why and
 the callers warn: the children then run without the bound, never silently.
 
+The bound holds where the child cannot write its cgroup's files (mode 0644, the
+daemon's): under Landlock, or as another uid (`_spawn` warns otherwise). A child
+that could make cgroups beneath its own has them killed and removed with it.
+
 A daemon killed with SIGKILL leaves its cgroups behind; the next daemon removes
-those of daemons no longer running (killing what is left in them) when it first
-needs one.
+those of daemons no longer running (another pid, or the same pid with another start
+time), killing what is left in them, when it first needs one (waiting at most
+`_SWEEP_S` for them to exit).
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ log = logging.getLogger("agentd.confine")
 
 PREFIX = "agentd-"
 DAEMON_SUBGROUP = "daemon"  # systemd: DelegateSubgroup=daemon (see the unit file)
-_NAME = re.compile(r"agentd-(\d+)-\d+\Z")
+# agentd-<daemon pid>.<its start time in clock ticks>-<n>: a pid alone is reused (a
+# new daemon with the pid of one killed would take its cgroups for its own).
+_NAME = re.compile(r"agentd-(\d+)\.(\d+)-\d+\Z")
+_SWEEP_S = 0.5  # the most the first spawn waits for stale cgroups' processes to exit
 _KILL_ROUNDS = 100  # a cgroup whose processes fork while killed: bounded by pids.max
 REMOVE_TRIES = 50  # a cgroup whose killed processes are still exiting: every 10 ms
 _OCTAL = re.compile(r"\\([0-7]{3})")
@@ -171,16 +179,25 @@ class TaskGroup:
         """What the shim writes its pid to."""
         return str(self.path / "cgroup.procs")
 
+    def _tree(self) -> list[str]:
+        """The cgroup and any made beneath it (a child without Landlock could), deepest
+        first. Not through symbolic links (cgroupfs has none)."""
+        return [top for top, _, _ in os.walk(self.path, topdown=False)]
+
     def pids(self) -> list[int]:
-        try:
-            return [int(x) for x in (self.path / "cgroup.procs").read_text().split()]
-        except (OSError, ValueError):
-            return []
+        out: list[int] = []
+        for folder in self._tree():
+            try:
+                with open(os.path.join(folder, "cgroup.procs")) as f:
+                    out.extend(int(x) for x in f.read().split())
+            except (OSError, ValueError):
+                continue
+        return out
 
     def kill(self) -> None:
-        """SIGKILL every process in the cgroup, reading the list again while it has
-        new ones (a process may fork while the others are killed). A killed process
-        stays listed until it has exited: callers wait for `remove` to succeed."""
+        """SIGKILL every process in the cgroup (and beneath it), reading the lists again
+        while they have new ones (a process may fork while the others are killed). A
+        killed process stays listed until it has exited: callers wait for `remove`."""
         killed: set[int] = set()
         for _ in range(_KILL_ROUNDS):
             fresh = [pid for pid in self.pids() if pid not in killed]
@@ -192,14 +209,15 @@ class TaskGroup:
             killed.update(fresh)
 
     def remove(self) -> bool:
-        """Remove the cgroup (False while processes are still in it, or gone already)."""
-        try:
-            self.path.rmdir()
-            return True
-        except FileNotFoundError:
-            return True
-        except OSError:
-            return False
+        """Remove the cgroup, deepest first (False while processes are still in one)."""
+        for folder in self._tree():
+            try:
+                os.rmdir(folder)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return False
+        return True
 
 
 class Cgroups:
@@ -243,7 +261,7 @@ class Cgroups:
             self.sweep()
         with self._lock:
             n = next(self._ids)
-        path = self.hierarchy.base / f"{PREFIX}{os.getpid()}-{n}"
+        path = self.hierarchy.base / f"{PREFIX}{os.getpid()}.{start_time('self') or 0}-{n}"
         path.mkdir(mode=0o755)
         try:
             (path / "pids.max").write_text(str(int(max_tasks)))
@@ -262,15 +280,19 @@ class Cgroups:
             entries = list(self.hierarchy.base.iterdir())
         except OSError:
             return 0
+        deadline = time.monotonic() + _SWEEP_S
         for entry in entries:
             match = _NAME.match(entry.name)
-            if match is None or _alive(int(match.group(1))):
+            if match is None or _alive(int(match.group(1)), int(match.group(2))):
                 continue
             group = TaskGroup(entry, 0)
-            for _ in range(REMOVE_TRIES):
+            while True:
                 group.kill()
                 if group.remove():
                     removed += 1
+                    break
+                if time.monotonic() > deadline:
+                    log.warning("confine: stale cgroup %s still has processes", entry)
                     break
                 time.sleep(0.01)
         if removed:
@@ -279,16 +301,20 @@ class Cgroups:
         return removed
 
 
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
+def start_time(pid: int | str) -> int | None:
+    """A process's start time (clock ticks after boot, /proc/PID/stat field 22): with
+    its pid, it names one process for the machine's uptime."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int, started: int) -> bool:
+    """Whether the daemon that made a cgroup runs still (the same pid and start time)."""
+    return start_time(pid) == started
+
 
 
 _cgroups: Cgroups | None = None

@@ -30,7 +30,7 @@ import weakref
 
 from agentd.confine import _shim
 from agentd.confine._cgroup import REMOVE_TRIES, TaskGroup, cgroups
-from agentd.confine._policy import Policy, check_enforceable
+from agentd.confine._policy import Policy, check_enforceable, landlock_status
 
 log = logging.getLogger("agentd.confine")
 
@@ -41,6 +41,7 @@ _PIPE_MAX = 60 * 1024  # written before the child reads: must fit a pipe buffer
 _GROUPS: weakref.WeakKeyDictionary[asyncio.subprocess.Process, TaskGroup] = (
     weakref.WeakKeyDictionary())
 _warned_tasks = False
+_warned_owner = False
 
 
 def resolve_executable(argv0: str, env: dict[str, str] | None = None) -> str:
@@ -87,7 +88,7 @@ async def spawn(argv: list[str], policy: Policy, *,
     """
     if check:
         check_enforceable(policy)
-    group = task_group(policy.max_tasks)
+    group = task_group(policy)
     try:
         command, request = shim_command(argv, policy, group)
         r, w = os.pipe()
@@ -103,20 +104,23 @@ async def spawn(argv: list[str], policy: Policy, *,
             os.close(r)
             if w >= 0:
                 os.close(w)
-    except BaseException:
+    except BaseException:  # cancelled after the fork, say: its child goes too
         if group is not None:
-            group.remove()
+            group.kill()
+            if not group.remove():
+                log.warning("confine: cgroup %s kept: its process is still exiting",
+                            group.path)
         raise
     if group is not None:
         _GROUPS[proc] = group
     return proc
 
 
-def task_group(max_tasks: int | None) -> TaskGroup | None:
-    """A pids cgroup for a child allowed `max_tasks` processes and threads, or None
-    (no limit asked; or none can be made here, said once in a warning)."""
-    global _warned_tasks
-    if max_tasks is None:
+def task_group(policy: Policy) -> TaskGroup | None:
+    """A pids cgroup for a child allowed `policy.max_tasks` processes and threads, or
+    None (no limit asked; or none can be made here, said once in a warning)."""
+    global _warned_tasks, _warned_owner
+    if policy.max_tasks is None:
         return None
     found = cgroups()
     if not found.available:
@@ -126,12 +130,26 @@ def task_group(max_tasks: int | None) -> TaskGroup | None:
                         "starts are bounded only by its timeout and the service's "
                         "TasksMax", found.reason)
         return None
-    return found.make(max_tasks)
+    if not _cannot_write_cgroups(policy) and not _warned_owner:
+        _warned_owner = True
+        log.warning("confine: without Landlock a child running as the daemon's uid may "
+                    "write its own cgroup's files (raise its pids.max): max_tasks is "
+                    "not enforced; set isolation.user")
+    return found.make(policy.max_tasks)
+
+
+def _cannot_write_cgroups(policy: Policy) -> bool:
+    """Whether a child under `policy` is kept from its cgroup's files (root-owned, or
+    the daemon's: mode 0644): by Landlock, or by running as another uid."""
+    return landlock_status().filesystem or (
+        policy.uid is not None and policy.uid != os.geteuid())
 
 
 def tasks_limited(policy: Policy) -> bool:
-    """Whether children spawned under `policy` get their `max_tasks` bound here."""
-    return policy.max_tasks is not None and cgroups().available
+    """Whether children spawned under `policy` get their `max_tasks` bound here: a
+    pids cgroup, which they cannot change."""
+    return (policy.max_tasks is not None and cgroups().available
+            and _cannot_write_cgroups(policy))
 
 
 async def kill_group(proc: asyncio.subprocess.Process) -> int:
