@@ -164,6 +164,10 @@ class ThreadRegistry:
         self._resting: dict[str, Frame] = {}
         # The same conversations by owner, least recently used first (see `rest`).
         self._resting_of: dict[str, OrderedDict[str, Frame]] = {}
+        # The owners by how many they have at rest, and the most any has: who gives
+        # one up when the set is full, found without scanning the owners.
+        self._owners_with: dict[int, dict[str, None]] = {}
+        self._most = 0
         self.max_resting = max_resting
         self._end_hooks: list[EndHook] = []
 
@@ -202,23 +206,47 @@ class ThreadRegistry:
             return []  # not held (already ended or forgotten)
         resting = self._resting
         resting[uuid] = root
-        mine = self._resting_of.get(root.owner)
+        owner = root.owner
+        mine = self._resting_of.get(owner)
         if mine is None:
-            mine = self._resting_of[root.owner] = OrderedDict()
+            mine = self._resting_of[owner] = OrderedDict()
+        held = len(mine)
         mine[uuid] = root
-        mine.move_to_end(uuid)
+        if len(mine) > held:
+            self._recount(owner, held, held + 1)
+        else:
+            mine.move_to_end(uuid)
         pushed: list[Frame] = []
         while len(resting) > self.max_resting:
             # A client at or over its fair share gives up its own least recently used
-            # one (a client opening conversations by the thousand: one step, no scan);
-            # one under it rests at the expense of the client holding the most.
+            # one (a client opening conversations by the thousand); one under it rests
+            # at the expense of a client holding the most. Neither scans the clients.
             most = mine
             if len(mine) * len(self._resting_of) < self.max_resting:
-                most = max(self._resting_of.values(), key=len)
+                most = self._resting_of[next(iter(self._owners_with[self._most]))]
             frame = next(iter(most.values()))  # that client's least recently used
             self._unrest(frame)
             pushed.append(frame)
         return pushed
+
+    def _recount(self, owner: str, old: int, new: int) -> None:
+        """`owner` now has `new` conversations at rest instead of `old` (one apart)."""
+        owners_with = self._owners_with
+        if old:
+            owners = owners_with[old]
+            del owners[owner]
+            if not owners:
+                del owners_with[old]
+                if old == self._most and new < old:  # `owner`, at `new`, holds the most
+                    self._most = new
+        if new:
+            owners = owners_with.get(new)
+            if owners is None:
+                owners_with[new] = {owner: None}
+            else:
+                owners[owner] = None
+            if new > self._most:
+                self._most = new
 
     def _unrest(self, frame: Frame) -> bool:
         """Take `frame` out of the rest set; whether it was there."""
@@ -226,7 +254,9 @@ class ThreadRegistry:
             return False
         mine = self._resting_of[frame.owner]
         del mine[frame.uuid]
-        if not mine:
+        held = len(mine)
+        self._recount(frame.owner, held + 1, held)
+        if not held:
             del self._resting_of[frame.owner]
         return True
 

@@ -231,6 +231,45 @@ def test_a_client_opening_conversations_by_the_thousand_pushes_out_its_own() -> 
     assert reg.resting == 2  # mallory's last two
 
 
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["rest", "wake", "end"]), st.integers(0, 5),
+                          st.integers(0, 40)), max_size=120))
+def test_the_rest_set_always_takes_from_a_client_holding_the_most(
+        ops: list[tuple[str, int, int]]) -> None:
+    """Random rests, wakes and ends across six clients: who gives one up when the set
+    is full is the resting client itself or a client holding the most, and the counts
+    kept to find that client (no scan of the clients) always match the set."""
+    reg = ThreadRegistry(max_resting=7)
+    p = profile()
+    frames: list[Frame] = []
+    for op, who, pick in ops:
+        if op == "rest":
+            if pick % 3 or not frames:
+                root = start(reg, f"c{who}", p)
+                frames.append(root)
+            else:
+                root = frames[pick % len(frames)]
+            held = {o: len(m) for o, m in reg._resting_of.items()}
+            if reg.get(root.uuid) is not None and root.uuid not in reg._resting:
+                held[root.owner] = held.get(root.owner, 0) + 1
+            for frame in reg.rest(root):
+                assert frame.owner == root.owner or held[frame.owner] == max(held.values())
+                reg.end(frame, ThreadEvent.ABANDONED)
+                frames.remove(frame)
+        elif frames:
+            frame = frames[pick % len(frames)]
+            if op == "wake":
+                reg.wake(frame)
+            else:
+                reg.end(frame, ThreadEvent.ABANDONED)
+                frames.remove(frame)
+        counts = {o: len(m) for o, m in reg._resting_of.items()}
+        assert all(counts.values()) and sum(counts.values()) == reg.resting <= 7
+        assert {n: set(owners) for n, owners in reg._owners_with.items()} == {
+            n: {o for o, c in counts.items() if c == n} for n in set(counts.values())}
+        assert reg._most == max(counts.values(), default=0)
+
+
 def test_a_resting_conversation_can_be_ended_or_forgotten() -> None:
     reg = ThreadRegistry()
     a, b = start(reg, "alice", profile()), start(reg, "bob", profile())
