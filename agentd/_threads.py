@@ -240,11 +240,11 @@ class ThreadRegistry:
                 if old == self._most and new < old:  # `owner`, at `new`, holds the most
                     self._most = new
         if new:
-            owners = owners_with.get(new)
-            if owners is None:
+            level = owners_with.get(new)
+            if level is None:
                 owners_with[new] = {owner: None}
             else:
-                owners[owner] = None
+                level[owner] = None
             if new > self._most:
                 self._most = new
 
