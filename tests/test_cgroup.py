@@ -314,3 +314,35 @@ def test_max_tasks_reaches_each_kind_of_confined_child(tmp_path: Path) -> None:
     assert policy_for(ExecTool(kind="exec", argv=("/bin/true",)), "/bin/true").max_tasks == 64
     assert policy_for(ExecTool(kind="exec", argv=("/bin/true",), max_tasks=3),
                       "/bin/true").max_tasks == 3
+
+
+@needs_pids_cgroup
+async def test_a_daemon_exiting_without_killing_its_children_kills_their_cgroups(
+        tmp_path: Path) -> None:
+    """A confined child still running when the daemon's interpreter exits (an MCP
+    server, say) goes with everything in its cgroup, and the empty cgroup is removed."""
+    script = tmp_path / "leave.py"
+    script.write_text(
+        "import asyncio, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
+        "from agentd.confine import _spawn\n"
+        "from tests.test_cgroup import FORKER, python_policy\n"
+        "async def main():\n"
+        "    proc = await _spawn.spawn([sys.executable, '-I', '-S', '-c', FORKER, '2'],\n"
+        "                              python_policy(8))\n"
+        "    await proc.stdout.readline()\n"
+        "    group = _spawn._GROUPS[proc]\n"
+        "    print(group.path, *group.pids(), flush=True)\n"
+        "asyncio.run(main())\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, cwd=Path(__file__).parent.parent, check=True)
+    path, *pids = done.stdout.split()
+    assert len(pids) == 3
+    for pid in pids:
+        assert await gone(int(pid))
+    for _ in range(100):
+        if not Path(path).exists():
+            break
+        await asyncio.sleep(0.05)
+    else:  # removed by the next start's sweep, at the latest
+        assert Cgroups(FOUND.hierarchy).sweep() == 1  # type: ignore[arg-type]

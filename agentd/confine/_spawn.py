@@ -18,6 +18,7 @@ in it and removes it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import logging
 import marshal
@@ -26,7 +27,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import weakref
 
 from agentd.confine import _shim
 from agentd.confine._cgroup import REMOVE_TRIES, TaskGroup, cgroups
@@ -37,9 +37,10 @@ log = logging.getLogger("agentd.confine")
 SHIM_PATH = os.path.abspath(_shim.__file__)
 SHIM_FAILED = _shim.SHIM_FAILED
 _PIPE_MAX = 60 * 1024  # written before the child reads: must fit a pipe buffer
-# The cgroup of each child that has one, until `kill_group` removes it.
-_GROUPS: weakref.WeakKeyDictionary[asyncio.subprocess.Process, TaskGroup] = (
-    weakref.WeakKeyDictionary())
+# The cgroup of each child that has one, until `kill_group` removes it (held
+# strongly: a child whose process object was dropped still has its cgroup killed at
+# exit).
+_GROUPS: dict[asyncio.subprocess.Process, TaskGroup] = {}
 _warned_tasks = False
 _warned_owner = False
 
@@ -114,6 +115,15 @@ async def spawn(argv: list[str], policy: Policy, *,
     if group is not None:
         _GROUPS[proc] = group
     return proc
+
+
+@atexit.register
+def _kill_live_cgroups() -> None:
+    """At exit, what a child left in its cgroup goes (its process group may not hold
+    it all); the cgroup is removed if it is already empty, else by the next start."""
+    for group in list(_GROUPS.values()):
+        group.kill()
+        group.remove()
 
 
 def task_group(policy: Policy) -> TaskGroup | None:
