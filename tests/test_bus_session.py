@@ -333,3 +333,24 @@ def test_answers_go_to_the_session_that_sent_on_the_thread_else_the_newest() -> 
     assert choose_session([older, newer], str(uuid.uuid4())) == 1
     older.withdraw()
     assert choose_session([older, newer], t) == 1
+
+
+def test_a_row_the_replay_sent_is_not_sent_again_when_its_delivery_comes_after_it() -> None:
+    """The replay reads a row once the writer has committed it; the pump delivers it
+    once the daemon has heard of that commit, which may be after the replay ended:
+    sent once. A delivery of a later row means none below it is still to come."""
+    s = BusSession(LIMITS)
+    s.frame_received(b"<auth/>", 0.0)
+    s.auth_result(("alice", "tok"))
+    s.frames_to_send()
+    t = [str(uuid.uuid4()) for _ in range(4)]
+    s.outbox_loaded([(5, t[0], answer(t[0])), (6, t[1], answer(t[1])),
+                     (7, t[2], answer(t[2]))])
+    assert [i for _, i in s.frames_to_send()] == [5, 6, 7]
+    s.sent()
+    assert s.deliver(t[1], answer(t[1]), 6) == ()  # row 5 was committed long before
+    assert s.deliver(t[3], answer(t[3]), 8) == () and s._replayed is None
+    assert [i for _, i in s.frames_to_send()] == [8]
+    s.sent()
+    assert s.deliver(t[2], answer(t[2]), 7) == ()  # out of order: sent again, at least once
+    assert [i for _, i in s.frames_to_send()] == [7]

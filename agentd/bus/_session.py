@@ -228,6 +228,7 @@ class BusSession:
         "_limits",
         "_owed_until",
         "_paused",
+        "_replayed",
         "_shutdown",
         "bucket",
         "client",
@@ -258,6 +259,12 @@ class BusSession:
         # websockets and TLS cost, plus this object.
         self.sendq: deque[tuple[bytes, int | None]] | None = None  # frames to write
         self._held: list[tuple[str, bytes, int | None]] | None = None  # while REPLAYING
+        # Outbox rows the replay sent whose live delivery may still come, in id order:
+        # the replay's read sees a row once the writer has committed it, the pump
+        # delivers it once the daemon has heard of that commit, which may be after the
+        # replay ended. The pump delivers a client's rows in id order, so a delivery
+        # of id k means none below k is still to come.
+        self._replayed: deque[int] | None = None
         self.threads: dict[str, None] | None = None  # recent threads, for affinity
 
     def _to(self, event: ConnEvent) -> None:
@@ -312,9 +319,14 @@ class BusSession:
         held, self._held = self._held or [], None
         self._to(ConnEvent.REPLAYED)
         actions: list[Action] = []
+        delivered = set()
         for thread, data, held_id in held:
             if held_id is None or held_id not in replayed:
                 actions.extend(self.deliver(thread, data, held_id))
+            else:
+                delivered.add(held_id)  # its live delivery came: sent once, above
+        live = deque(i for i, _, _ in pending if i not in delivered)
+        self._replayed = live or None  # their live delivery may still come (deliver)
         if self.state is ConnState.CLOSED:
             return tuple(actions)  # the held frames overflowed the queue
         if self._shutdown:
@@ -400,6 +412,17 @@ class BusSession:
             return _NOTHING
         if state is ConnState.CLOSED or state is ConnState.AUTHENTICATING:
             return _NOTHING
+        replayed = self._replayed
+        if replayed is not None and outbox_id is not None:
+            while replayed and replayed[0] < outbox_id:
+                replayed.popleft()  # no live delivery is still to come for those
+            if replayed and replayed[0] == outbox_id:
+                replayed.popleft()
+                if not replayed:
+                    self._replayed = None
+                return _NOTHING  # the replay sent it already
+            if not replayed:
+                self._replayed = None
         answered = not is_accepted_frame(data) and self.inflight.answered(thread)
         overflow = self._enqueue(data, outbox_id)
         if overflow:
