@@ -195,7 +195,7 @@ async def test_a_worker_flooding_stderr_is_read_no_faster_than_its_rate(
     """5,000 lines (500 KB, far more than a pipe holds) in one call: the daemon logs at
     most STDERR_LINES_PER_S lines a second past a burst, so the worker blocks on its
     own pipe and the call times out; the daemon's loop and log are not its to use."""
-    from agentd.isolation._pool import _STDERR_BURST, STDERR_LINES_PER_S
+    from agentd.isolation._worker import _STDERR_BURST, STDERR_LINES_PER_S
 
     config = load_config(organism(tmp_path, "{workers: 1}", timeout_s=1))
     (tmp_path / "state").mkdir()

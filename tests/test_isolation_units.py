@@ -20,7 +20,8 @@ from agentd._states import IllegalTransition, step
 from agentd.config import load_config_text
 from agentd.isolation import _protocol as p
 from agentd.isolation import effective_isolation
-from agentd.isolation._pool import TRANSITIONS, WorkerEvent, WorkerState, exit_reason, spins
+from agentd.isolation._pool import spins
+from agentd.isolation._worker import TRANSITIONS, WorkerEvent, WorkerState, exit_reason
 from agentd.isolation.worker import run_handler
 
 

@@ -17,14 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from agentd.isolation._plan import effective_isolation
-    from agentd.isolation._pool import WorkerFailed, WorkerPool, WorkerSpec
+    from agentd.isolation._pool import WorkerPool
     from agentd.isolation._pools import IsolationPools
+    from agentd.isolation._worker import WorkerFailed, WorkerSpec
 
 _EXPORTS = {
     "IsolationPools": "_pools",
-    "WorkerFailed": "_pool",
+    "WorkerFailed": "_worker",
     "WorkerPool": "_pool",
-    "WorkerSpec": "_pool",
+    "WorkerSpec": "_worker",
     "effective_isolation": "_plan",
 }
 

@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import functools
 import logging
 import os
 import signal
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from lxml import etree
@@ -56,148 +54,37 @@ from agentd._spin import LoopSpin
 from agentd._states import step
 from agentd._xml import c14n
 from agentd._xmlify import is_xmlified, spec_of
-from agentd.bus import TokenBucket
-from agentd.confine import Policy, kill_group, spawn, tasks_limited
+from agentd.confine import kill_group, spawn, tasks_limited
 from agentd.isolation import _protocol as p
 from agentd.isolation._children import ChildWatch, children_listed
+from agentd.isolation._worker import (
+    TRANSITIONS,
+    Call,
+    Frame,
+    NotStarted,
+    Worker,
+    WorkerEvent,
+    WorkerFailed,
+    WorkerSpec,
+    WorkerState,
+    drain_stderr,
+    exit_reason,
+    fail_calls,
+)
 
 log = logging.getLogger("agentd.isolation")
 
-_STDERR_LINE_MAX = 512
-# Lines of a worker's stderr logged per second (and a burst): past it the daemon
-# reads more slowly, so a flooding worker blocks on its own pipe, not the daemon.
-STDERR_LINES_PER_S = 50.0
-_STDERR_BURST = 200
 _START_TIMEOUT_S = 60.0
 _RESTART_BACKOFF_MAX_S = 5.0
 # A worker that dies on its own this soon after READY (a crash at import, a thread
 # that exits the process) is restarted after a growing pause, not in a tight loop.
 _QUICK_DEATH_S = 1.0
 _NOT_SELF_INFLICTED = frozenset({"timeout", "recycle"})
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
 PIPELINE = 2  # calls written to one worker at most (1 running, the rest queued)
 _MAX_REDISPATCH = 4  # a call whose worker died before starting it: tries elsewhere
 CHECK_S = 1.0  # an idle worker is checked for leftover processes this often
 _CORE = "{" + NS_CORE + "}"
 
-
-class WorkerState(enum.Enum):
-    STARTING = "starting"
-    IDLE = "idle"
-    BUSY = "busy"
-    DEAD = "dead"
-
-
-class WorkerEvent(enum.Enum):
-    READY = "ready"
-    CALL = "call"
-    DONE = "done"
-    DIE = "die"
-
-
-TRANSITIONS: Mapping[WorkerState, Mapping[WorkerEvent, WorkerState]] = {
-    WorkerState.STARTING: {WorkerEvent.READY: WorkerState.IDLE, WorkerEvent.DIE: WorkerState.DEAD},
-    WorkerState.IDLE: {WorkerEvent.CALL: WorkerState.BUSY, WorkerEvent.DIE: WorkerState.DEAD},
-    WorkerState.BUSY: {WorkerEvent.DONE: WorkerState.IDLE, WorkerEvent.DIE: WorkerState.DEAD},
-    WorkerState.DEAD: {WorkerEvent.DIE: WorkerState.DEAD},
-}
-
-
-class _NotStarted(Exception):
-    """The call was queued in a worker that died before it started it."""
-
-
-class WorkerFailed(Exception):
-    """The worker serving a call failed; the caller gets `huh internal`."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"isolated worker failed: {reason}")
-        self.reason = reason
-
-
-def exit_reason(returncode: int | None, killed_for: str | None) -> str:
-    """Why a worker ended, for `agentd_worker_restarts_total{reason}`."""
-    if killed_for is not None:
-        return killed_for
-    if returncode in (-signal.SIGXCPU,):
-        return "cpu"
-    if returncode is not None and returncode < 0:
-        return "crash"
-    return "exit"
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything needed to start a listener's workers."""
-
-    listener: str
-    argv: tuple[str, ...]
-    policy: Policy
-    init: Mapping[str, Any]  # the INIT frame's header
-    workers: int = 1
-    max_calls: int | None = None
-    max_rss_mb: int | None = None
-    spare: bool = True  # keep one more worker ready, to replace a dead one at once
-
-
-Frame = tuple[bytes, dict[str, Any], bytes]
-
-
-@dataclass(eq=False)
-class _Call:
-    answer: asyncio.Future[Frame]  # the worker's ANSWER or FAILED frame
-    context: Any = None  # an isolated agent's `CallContext` (its requests' scope)
-
-
-@dataclass(eq=False)
-class Worker:
-    proc: asyncio.subprocess.Process
-    state: WorkerState = WorkerState.STARTING
-    calls: int = 0
-    killed_for: str | None = None
-    pidfd: int = -1
-    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
-    # the calls written, in order (the head is running)
-    inflight: deque[_Call] = field(default_factory=deque)
-    worn_out: bool = False  # takes no new call; retired once its queue is empty
-    last_words: str = ""  # its last stderr line (why a confinement failed, at start)
-    asking: asyncio.Future[Any] | None = None  # an agent's request being answered
-    ready_at: float = 0.0  # the event loop's time when it said READY
-    children: ChildWatch | None = None  # None: not checked (see leftovers_checked)
-    checked_at: float = 0.0  # the event loop's time of its last leftover check
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def rss_mb(self) -> float:
-        try:
-            with open(f"/proc/{self.proc.pid}/status", "rb") as f:
-                for line in f:
-                    if line.startswith(b"VmRSS:"):
-                        return int(line.split()[1]) / 1024
-        except (OSError, ValueError):
-            pass
-        return 0.0
-
-    def cpu_s(self) -> float:
-        """CPU seconds used so far (what RLIMIT_CPU counts)."""
-        try:
-            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / _CLK_TCK
-        except (OSError, ValueError, IndexError):
-            return 0.0
-
-
-def _fail_calls(worker: Worker, reason: str | None) -> None:
-    """The worker is gone: its running call fails, the calls queued behind it (never
-    started) go elsewhere."""
-    for i, call in enumerate(worker.inflight):
-        answer = call.answer
-        if not answer.done():
-            answer.set_exception(WorkerFailed(reason or "died") if i == 0 else _NotStarted())
-    worker.inflight.clear()
 
 
 # listener -> its pools not yet stopped (a reload's new pool and the one it retired
@@ -360,7 +247,7 @@ class WorkerPool:
                 self._spin.until(answer)
             try:
                 kind, header, rest = await answer
-            except _NotStarted:
+            except NotStarted:
                 continue  # its worker died before starting it: another one runs it
             except asyncio.CancelledError:
                 # Cancelling the wait cancels `answer` too; unless its answer had come,
@@ -408,7 +295,7 @@ class WorkerPool:
             if worker.state is WorkerState.IDLE:
                 self._set(worker, WorkerEvent.CALL)
             answer: asyncio.Future[Frame] = loop.create_future()
-            worker.inflight.append(_Call(answer, context))
+            worker.inflight.append(Call(answer, context))
             stdin = worker.proc.stdin
             assert stdin is not None
             try:
@@ -582,7 +469,7 @@ class WorkerPool:
         proc = await spawn(list(spec.argv), spec.policy, check=False)
         worker = Worker(proc)
         self._workers.add(worker)
-        worker.tasks.append(asyncio.create_task(self._drain_stderr(worker)))
+        worker.tasks.append(asyncio.create_task(drain_stderr(worker, self.spec.listener)))
         try:
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdin.write(p.encode(p.INIT, dict(spec.init)))
@@ -617,42 +504,6 @@ class WorkerPool:
             self._wake()
         return worker
 
-    async def _drain_stderr(self, worker: Worker) -> None:
-        stream = worker.proc.stderr
-        assert stream is not None
-        loop = asyncio.get_running_loop()
-        bucket = TokenBucket(STDERR_LINES_PER_S, _STDERR_BURST, loop.time())
-        slowed = False
-        dropped = 0
-        while True:
-            try:
-                line = await stream.readline()
-            except ValueError:  # a line over the stream limit (readline dropped it):
-                line = b"(a stderr line over 64 KiB, dropped)"  # charged like any line
-            if not line:
-                if dropped:
-                    log.warning("worker stderr listener=%s pid=%s: %d lines dropped after "
-                                "it ended", self.spec.listener, worker.pid, dropped)
-                return
-            logged = True
-            while not bucket.take(loop.time()):
-                if worker.state is WorkerState.DEAD:
-                    logged = False  # what is left in its pipe: read at once, not logged
-                    break
-                if not slowed:
-                    slowed = True
-                    log.warning("worker stderr listener=%s pid=%s: over %.0f lines/s; "
-                                "read no faster", self.spec.listener, worker.pid,
-                                STDERR_LINES_PER_S)
-                await asyncio.sleep(1 / STDERR_LINES_PER_S)
-            if not logged:
-                dropped += 1
-                continue
-            text = line[:_STDERR_LINE_MAX].decode("utf-8", "replace").rstrip()
-            worker.last_words = text
-            log.info("worker stderr listener=%s pid=%s: %s", self.spec.listener,
-                     worker.pid, text)
-
     def _watch(self, worker: Worker) -> None:
         """Notice the worker's exit at once, through a pidfd. Its pipes are no sign:
         a grandchild may hold them open (and asyncio's `wait()` waits for them too).
@@ -676,7 +527,7 @@ class WorkerPool:
             return
         worker.killed_for = reason
         self._set(worker, WorkerEvent.DIE)
-        _fail_calls(worker, reason)
+        fail_calls(worker, reason)
         if worker.asking is not None:  # a model call for it: abandoned now, not later
             worker.asking.cancel()
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -688,7 +539,7 @@ class WorkerPool:
     async def _kill(self, worker: Worker) -> None:
         if worker.state is not WorkerState.DEAD:
             self._set(worker, WorkerEvent.DIE)
-        _fail_calls(worker, "stopped")
+        fail_calls(worker, "stopped")
         if worker.pidfd >= 0:
             asyncio.get_running_loop().remove_reader(worker.pidfd)
             os.close(worker.pidfd)

@@ -29,7 +29,8 @@ from agentd.isolation._plan import (
     worker_init,
     worker_policy,
 )
-from agentd.isolation._pool import WorkerPool, WorkerSpec
+from agentd.isolation._pool import WorkerPool
+from agentd.isolation._worker import WorkerSpec
 
 log = logging.getLogger("agentd.isolation")
 
