@@ -354,3 +354,19 @@ def test_a_row_the_replay_sent_is_not_sent_again_when_its_delivery_comes_after_i
     s.sent()
     assert s.deliver(t[2], answer(t[2]), 7) == ()  # out of order: sent again, at least once
     assert [i for _, i in s.frames_to_send()] == [7]
+
+
+def test_an_idle_connection_keeps_only_the_newest_replayed_ids() -> None:
+    """Rows replayed long after they were committed get no live delivery: only the
+    newest REPLAY_WINDOW ids are kept for the one that may still come."""
+    from agentd.bus._session import REPLAY_WINDOW
+
+    big = SessionLimits(2, 10.0, send_queue_limit=4 << 20, read_pause_bytes=1 << 20)
+    s = BusSession(big)
+    s.frame_received(b"<auth/>", 0.0)
+    s.auth_result(("alice", "tok"))
+    t = str(uuid.uuid4())
+    s.outbox_loaded([(i, t, answer(t)) for i in range(1, 1001)])
+    assert s._replayed is not None and list(s._replayed) == list(
+        range(1001 - REPLAY_WINDOW, 1001))
+    assert [i for _, i in s.frames_to_send() if i is not None] == list(range(1, 1001))

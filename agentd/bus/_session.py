@@ -48,6 +48,10 @@ from agentd._states import step
 from agentd.bus._auth import auth_ok_frame
 from agentd.bus._limits import InflightWindow, TokenBucket
 
+# Replayed outbox ids (the newest) whose live delivery may still come after the
+# replay: the rows the writer committed while the replay read. Beyond, a duplicate at
+# worst (never a loss), and an idle connection holds at most this many ints.
+REPLAY_WINDOW = 256
 CLOSE_AUTH_FAILED = 4401
 CLOSE_AUTH_TIMEOUT = 4408
 CLOSE_GOING_AWAY = 1001
@@ -325,8 +329,10 @@ class BusSession:
                 actions.extend(self.deliver(thread, data, held_id))
             else:
                 delivered.add(held_id)  # its live delivery came: sent once, above
-        live = deque(i for i, _, _ in pending if i not in delivered)
-        self._replayed = live or None  # their live delivery may still come (deliver)
+        # Their live delivery may still come (see deliver), but only for rows committed
+        # while the replay read: the newest. The rest came to no connection long ago.
+        live = [i for i, _, _ in pending if i not in delivered][-REPLAY_WINDOW:]
+        self._replayed = deque(live) if live else None
         if self.state is ConnState.CLOSED:
             return tuple(actions)  # the held frames overflowed the queue
         if self._shutdown:
