@@ -235,8 +235,8 @@ async def test_cgroups_left_by_a_daemon_killed_with_sigkill_are_removed() -> Non
         sleeper.wait()
         for path in (stale, reused):
             if path.exists():
-                TaskGroup(path, 0).kill()
-                TaskGroup(path, 0).remove()
+                TaskGroup(path).kill()
+                TaskGroup(path).remove()
 
 
 @needs_pids_cgroup

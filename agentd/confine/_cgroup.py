@@ -20,7 +20,7 @@ Where: the pids controller of the hierarchy the daemon runs in.
   controller for its children (the "no internal processes" rule), so under systemd
   the daemon runs in a sub-cgroup `daemon` of its service (`Delegate=pids`,
   `DelegateSubgroup=daemon`) and the children go beside it, in the service's cgroup.
-Where neither is possible (no controller, no permission), `available()` says why and
+Where neither is possible (no controller, no permission), `Cgroups.reason` says why and
 the callers warn: the children then run without the bound, never silently.
 
 The bound holds where the child cannot write its cgroup's files (mode 0644, the
@@ -42,10 +42,11 @@ import logging
 import os
 import re
 import signal
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from agentd._procfs import stat_fields
 
 log = logging.getLogger("agentd.confine")
 
@@ -168,11 +169,10 @@ def _enabled_for_children(path: Path) -> bool:
 class TaskGroup:
     """One child's cgroup."""
 
-    __slots__ = ("max_tasks", "path")
+    __slots__ = ("path",)
 
-    def __init__(self, path: Path, max_tasks: int) -> None:
+    def __init__(self, path: Path) -> None:
         self.path = path
-        self.max_tasks = max_tasks
 
     @property
     def procs(self) -> str:
@@ -228,7 +228,8 @@ class Cgroups:
         self.reason = reason
         self._ids = itertools.count(1)
         self._swept = False
-        self._lock = threading.Lock()
+        # This daemon's cgroups: agentd-<pid>.<start time>-<n> (see _NAME).
+        self._prefix = f"{PREFIX}{os.getpid()}.{start_time('self') or 0}-"
 
     @classmethod
     def discover(cls) -> Cgroups:
@@ -259,9 +260,7 @@ class Cgroups:
         if not self._swept:
             self._swept = True
             self.sweep()
-        with self._lock:
-            n = next(self._ids)
-        path = self.hierarchy.base / f"{PREFIX}{os.getpid()}.{start_time('self') or 0}-{n}"
+        path = self.hierarchy.base / f"{self._prefix}{next(self._ids)}"
         path.mkdir(mode=0o755)
         try:
             (path / "pids.max").write_text(str(int(max_tasks)))
@@ -269,7 +268,7 @@ class Cgroups:
             with contextlib.suppress(OSError):
                 path.rmdir()
             raise
-        return TaskGroup(path, max_tasks)
+        return TaskGroup(path)
 
     def sweep(self) -> int:
         """Remove the cgroups of daemons no longer running, killing what is left in
@@ -285,7 +284,7 @@ class Cgroups:
             match = _NAME.match(entry.name)
             if match is None or _alive(int(match.group(1)), int(match.group(2))):
                 continue
-            group = TaskGroup(entry, 0)
+            group = TaskGroup(entry)
             while True:
                 group.kill()
                 if group.remove():
@@ -305,8 +304,7 @@ def start_time(pid: int | str) -> int | None:
     """A process's start time (clock ticks after boot, /proc/PID/stat field 22): with
     its pid, it names one process for the machine's uptime."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[19])
+        return int(stat_fields(pid)[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -314,7 +312,6 @@ def start_time(pid: int | str) -> int | None:
 def _alive(pid: int, started: int) -> bool:
     """Whether the daemon that made a cgroup runs still (the same pid and start time)."""
     return start_time(pid) == started
-
 
 
 _cgroups: Cgroups | None = None

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentd._procfs import stat_fields
 from agentd.bus import TokenBucket
 from agentd.confine import Policy
 from agentd.isolation._children import ChildWatch
@@ -130,8 +131,7 @@ class Worker:
     def cpu_s(self) -> float:
         """CPU seconds used so far (what RLIMIT_CPU counts)."""
         try:
-            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+            fields = stat_fields(self.proc.pid)
             return (int(fields[11]) + int(fields[12])) / _CLK_TCK
         except (OSError, ValueError, IndexError):
             return 0.0

@@ -18,6 +18,7 @@ import stat
 import time
 from pathlib import Path
 
+from agentd._procfs import stat_fields
 from agentd.kernel._errors import StateDirUnsafe, StateLocked
 
 LOCK_NAME = "agentd.lock"
@@ -114,8 +115,7 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # exists, another user's
         return True
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b") ")[2][:1] != b"Z"
+        return stat_fields(pid)[:1] != [b"Z"]
     except FileNotFoundError:  # gone meanwhile
         return False
     except OSError:  # no /proc: trust kill(0)
