@@ -280,3 +280,68 @@ def test_the_installed_wheel_runs_the_demo_and_answers_agentd_send() -> None:
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "== wheel-smoke: ok" in proc.stdout
+
+
+COMPOSE = ROOT / "docker-compose.yml"
+
+
+def _compose() -> dict:
+    import yaml
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def test_compose_scrapes_the_metrics_where_the_daemon_serves_them() -> None:
+    """Prometheus shares the daemon's network namespace and scrapes the address
+    `agentd init` writes into metrics.listen, the one the image's HEALTHCHECK polls."""
+    import yaml
+    services = _compose()["services"]
+    assert services["prometheus"]["network_mode"] == "service:agentd"
+    assert services["ask"]["network_mode"] == "service:agentd"
+    prometheus = yaml.safe_load((ROOT / "config" / "prometheus.yml").read_text())
+    (target,) = prometheus["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert f"http://{target}/healthz" in DOCKERFILE.read_text()
+    published = {p.rsplit(":", 1)[1] for p in services["agentd"]["ports"]}
+    assert published == {"8765", "9090"}  # the bus, and Prometheus in its namespace
+
+
+def test_compose_services_run_the_demo_and_the_client_gets_its_answer(tmp_path: Path) -> None:
+    """What `docker compose up` runs, without a Docker engine: the init, agentd and ask
+    services' commands, in that order, in a network namespace of their own (the same
+    fixed ports as in the container), with the volume at a scratch folder."""
+    for tool in ("unshare", "ip"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed (Debian package iproute2 / util-linux)")
+    services = _compose()["services"]
+    volume = "/var/lib/agentd"
+    assert services["init"]["volumes"] == [f"agentd-home:{volume}"]
+
+    def command(name: str) -> str:
+        service = services[name]
+        parts = service["command"]
+        if service.get("entrypoint") == ["/bin/sh", "-c"]:
+            (script,) = parts
+        else:
+            script = "agentd " + " ".join(parts)
+        return script.replace(volume, str(tmp_path))
+
+    script = "\n".join([
+        "set -e",
+        "ip link set lo up",
+        command("init"),
+        command("init"),  # a second `up`: the home is kept
+        f"{command('agentd')} & daemon=$!",
+        # The image's HEALTHCHECK, polled as compose's service_healthy condition does.
+        f"{sys.executable} -c 'import time, urllib.request\n"
+        "for _ in range(600):\n"
+        "    try:\n"
+        "        urllib.request.urlopen(\"http://127.0.0.1:9464/healthz\", timeout=2); break\n"
+        "    except OSError: time.sleep(0.05)'",
+        command("ask"),
+        "kill -TERM $daemon; wait $daemon",
+    ])
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    proc = subprocess.run(["unshare", "--net", "--", "sh", "-c", script], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "(2 + 3) * 7 = 35." in proc.stdout
+    assert (tmp_path / "home" / "organism.yaml").is_file()
