@@ -7,11 +7,13 @@ against hypothesis's default 200 ms)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 
 import pytest
+import uvloop
 from hypothesis import settings
 
 from tests.daemon_process import DaemonProcess
@@ -20,6 +22,22 @@ settings.register_profile("local", deadline=None)
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True,
                           deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else "local")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "both_loops: run the test on the default asyncio loop and on uvloop")
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item,
+) -> Mapping[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """A test marked `both_loops` runs twice: on asyncio's own loop and on uvloop, the
+    daemon's (spawning differs between them: uvloop once left descriptors open in a
+    confined child). Every other test keeps the default loop."""
+    if item.get_closest_marker("both_loops") is not None:
+        return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 @pytest.fixture

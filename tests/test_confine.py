@@ -25,6 +25,7 @@ from agentd.confine import (
 )
 from tests.isolated.watch import alive, gone, recording_server
 
+pytestmark = pytest.mark.both_loops  # the daemon spawns on uvloop
 needs_landlock = pytest.mark.skipif(not landlock_status().filesystem,
                                     reason="kernel without Landlock")
 PYTHON_READ = (*SYSTEM_READ_PATHS, sys.base_prefix, sys.prefix, sys.exec_prefix,

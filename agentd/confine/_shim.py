@@ -319,6 +319,11 @@ def apply(policy: dict) -> dict:
     return {"landlock_abi": abi, "filesystem": fs, "network": net_by, "seccomp": sec}
 
 
+_MAX_FD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+if _MAX_FD == resource.RLIM_INFINITY or _MAX_FD > 1 << 20:
+    _MAX_FD = 1 << 20  # os.closerange uses close_range(2): one call whatever the bound
+
+
 def _main(argv: list[str]) -> int:
     try:
         fd = int(argv[1])
@@ -326,6 +331,10 @@ def _main(argv: list[str]) -> int:
         while chunk := os.read(fd, 65536):
             chunks.append(chunk)
         os.close(fd)
+        # Nothing of the daemon's beyond 0-2 reaches the target, whatever spawned the
+        # shim: uvloop's spawn leaves copies of the child's own pipes (and /dev/null)
+        # open above 2, which `close_fds` does not see.
+        os.closerange(3, _MAX_FD)
         request = marshal.loads(b"".join(chunks))
         apply(request["policy"])
         os.execve(request["executable"], request["argv"], request["env"])

@@ -6,7 +6,8 @@ restrictions are applied in the child, before the target runs, without
 `preexec_fn` (unsafe in a threaded parent). The child starts in a new session
 (its own process group), with an empty environment plus the policy's, and no
 descriptor of ours except its three pipes: `close_fds` closes the rest, and the
-policy pipe is closed by the shim before it execs.
+shim closes everything beyond 0-2 before it execs (uvloop's spawn leaves copies of
+the pipes open above 2), the policy pipe included.
 
 `kill_group` SIGKILLs the whole process group and reaps the child; the shim's
 seccomp filter refuses setsid/setpgid, so nothing the child starts can leave the
