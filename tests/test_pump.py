@@ -690,3 +690,31 @@ async def test_a_burst_of_blocking_handlers_gets_the_whole_worker_pool(h: Harnes
         assert all(kinds(r)[-1] == ("hold", "done") for r in results)
     finally:
         L.GATE["event"] = None
+
+
+async def test_finished_large_messages_are_not_kept_in_memory() -> None:
+    """Each idle worker kept the last message it had handled (envelope, payload and
+    parsed tree) until its next one, so a daemon held up to `max_concurrency` finished
+    messages: about 160 of ~240 KB each after 1,200 (110 MiB). Once answered, a
+    message holds nothing."""
+    import gc
+    import tracemalloc
+
+    size = 240_000
+    bulk = Path(__file__).parent / "organisms" / "bulk.yaml"
+    async with Harness.from_config(bulk, clients={"alice": "public"}) as h:
+        assert h.pump.settings.max_concurrency == 8
+        await h.send("alice", L.Bulk(text="warm"))  # first-use caches are not growth
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(32):  # four rounds of the eight workers
+                frames = await h.send("alice", L.Bulk(text=f"{i:06d}" * (size // 6)))
+                assert kinds(frames)[-1] == ("bulk", "done")
+            gc.collect()
+            retained = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+    # The 32 conversations at rest and their answers, far below one large message.
+    assert retained < size // 2, retained

@@ -125,11 +125,15 @@ class Scheduler:
                 log.exception("pump error while handling a message")
             finally:
                 self.running -= 1
+                # An idle worker must not keep its last message (and its payload)
+                # alive until its next one: every worker would hold one.
+                del msg
             if inbox.items:
                 ready.append(inbox)
             else:
                 inbox.scheduled = False
                 del self._inboxes[inbox.frame.uuid]
+            del inbox
             if self.room_waiters and self.queued < self.max_queue:
                 self.room_waiters.wake_one()
             if not self.queued and not self.running and self._idle_waiters:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Annotated
 
 from agentd import HandlerMetadata, HandlerResponse, xmlify
 from agentd._core import Ack, Huh
+from agentd._xmlify import MaxLen
 from agentd.tools import Denied
 from agentd.tools.calculator import Sum
 
@@ -224,3 +226,15 @@ class SupportTask:
 
     user: str
     instructions: str
+
+
+@xmlify(namespace=f"{NS}/bulk/v1")
+@dataclass
+class Bulk:
+    """A large payload (up to the bus's default envelope size) for memory tests."""
+
+    text: Annotated[str, MaxLen(250_000)]
+
+
+async def bulk(payload: Bulk, meta: HandlerMetadata) -> HandlerResponse:
+    return HandlerResponse.respond(Done(seq=len(payload.text), by="bulk"))
