@@ -51,9 +51,9 @@ from agentd.context import (
     extract,
     text_vectors,
 )
-from agentd.llm import ChatMessage, LlmError, LlmRequest, LlmResponse, LlmRouter
+from agentd.llm import ChatMessage, LlmRequest, LlmResponse, LlmRouter
 from agentd.llm._types import Role
-from agentd.platform._budget import BudgetExceeded, BudgetLedger, Reservation, Scope
+from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
 from agentd.platform._context import (
     AssembledContext,
     Fragment,
@@ -130,6 +130,20 @@ class Completion:
     cached: bool
     request_key: str
     transport_s: float = 0.0  # time waiting on the backend (the rest is platform overhead)
+
+
+@dataclass(frozen=True)
+class Meter:
+    """Whom one LLM call is charged to and how it is journaled: `who` is the metrics
+    label and the record's `agent`, `audit` the record's kind, `fields` ride on it
+    (a segment id, a prompt hash), `failed` is the outcome a failure records."""
+
+    who: str
+    thread: str
+    scopes: Sequence[Scope]
+    audit: str = "llm-call"
+    fields: Mapping[str, Any] = field(default_factory=dict)
+    failed: str = "error"
 
 
 @dataclass
@@ -419,13 +433,16 @@ class Platform:
         self._audit_sink(kind, conversation, fields)
 
     def _scopes(self, agent: str, thread: str) -> list[Scope]:
+        conversation = self._conversation_scope(thread)
+        name = conversation.name.removeprefix("conversation:")
+        return [Scope(f"agent:{agent}:{name}", self._agents[agent].token_budget), conversation]
+
+    def _conversation_scope(self, thread: str) -> Scope:
+        """The budget of the client conversation `thread` serves (its profile's)."""
         scope = self._resolve(thread) if self._resolve is not None else None
-        conversation = scope.conversation if scope is not None else thread
-        budget = scope.token_budget if scope is not None else None
-        return [
-            Scope(f"agent:{agent}:{conversation}", self._agents[agent].token_budget),
-            Scope(f"conversation:{conversation}", budget),
-        ]
+        if scope is None:
+            return Scope(f"conversation:{thread}", None)
+        return Scope(f"conversation:{scope.conversation}", scope.token_budget)
 
     async def _recall(self, agent: str, thread: str, task: _Task) -> list[Fragment]:
         """Layer 6: the memories most similar to the task, minus any keyed one that
@@ -546,35 +563,17 @@ class Platform:
             max_tokens=512,
             agent=agent,
         )
-        scopes = self._scopes(agent, thread)
+        meter = Meter(agent, thread, self._scopes(agent, thread), audit="summary",
+                      fields={"segment": seg.id}, failed="fallback")
         try:
-            reservation = self.budgets.reserve(scopes, request.estimated_input_tokens, 512)
+            _, response = await self._metered(request, meter, prefer=backend)
         except BudgetExceeded as exc:
             log.warning("summary of segment %d by the extract: %s", seg.id, exc)
             return extract(text)
-        try:
-            response = await self._router.complete(request, prefer=backend)
-        except Exception as exc:  # any failure: the extract, loudly
-            self.budgets.settle(reservation, None)
+        except Exception as exc:  # any failure: the extract, loudly (audited)
             log.warning("summarizer %s failed for segment %d (%s): the extract is used",
                         backend, seg.id, type(exc).__name__)
-            self._audit("summary", thread, {"agent": agent, "segment": seg.id,
-                                            "backend": backend, "outcome": "fallback",
-                                            "error": type(exc).__name__})
             return extract(text)
-        except BaseException:
-            self.budgets.settle(reservation, None)
-            raise
-        self.budgets.settle(reservation, 0 if response.cached else response.total_tokens)
-        if not response.cached:
-            metrics.llm_tokens.labels(agent, response.backend, "input").inc(response.input_tokens)
-            metrics.llm_tokens.labels(agent, response.backend, "output").inc(
-                response.output_tokens)
-        self._audit("summary", thread, {
-            "agent": agent, "segment": seg.id, "backend": response.backend,
-            "input_tokens": response.input_tokens, "output_tokens": response.output_tokens,
-            "outcome": "ok",
-        })
         summary = response.text.strip()
         return complete_with_facts(summary, text) if summary else extract(text)
 
@@ -603,48 +602,21 @@ class Platform:
             nonce=ctx.nonce,
             agent=agent,
         )
-        scopes = self._scopes(agent, thread)
+        meter = Meter(agent, thread, self._scopes(agent, thread),
+                      fields={"prompt_sha256": prompt.sha256})
         try:
-            reservation = self.budgets.reserve(
-                scopes, request.estimated_input_tokens, cfg.max_tokens
-            )
+            request, response = await self._metered(request, meter, prefer=cfg.model)
         except BudgetExceeded as exc:
             self._audit("budget-exceeded", thread, {
                 "agent": agent, "scope": exc.scope, "limit": exc.limit, "spent": exc.spent,
             })
             raise
-        if reservation.max_output != request.max_tokens:
-            request = request.with_max_tokens(reservation.max_output)
-        try:
-            response = await self._router.complete(request, prefer=cfg.model)
-        except LlmError as exc:
-            self.budgets.settle(reservation, None)
-            self._audit("llm-call", thread, {
-                "agent": agent, "prompt_sha256": prompt.sha256, "request_sha256": request.key,
-                "outcome": "error", "error": type(exc).__name__,
-            })
-            raise
-        except BaseException:  # cancelled (handler timeout): the reservation is freed
-            self.budgets.settle(reservation, None)
-            raise
-        self._settle(agent, reservation, response)
         if thread in self._tasks:  # what was unfolded has been shown
             self._tasks[thread].context.unpin()
         if not response.cached:
             self.tokens.observe(response.backend,
                                 -(-_request_bytes(request.system, request.messages) // 4),
                                 response.input_tokens)
-        self._audit("llm-call", thread, {
-            "agent": agent,
-            "backend": response.backend,
-            "prompt_sha256": prompt.sha256,
-            "request_sha256": request.key,
-            "input_tokens": response.input_tokens,
-            "output_tokens": response.output_tokens,
-            "cached": response.cached,
-            "attempts": response.attempts,
-            "outcome": "ok",
-        })
         turn = Turn(ASSISTANT, response.text)
         self.history.append(thread, turn)
         self._working(self._tasks[thread], thread, turn)
@@ -668,40 +640,51 @@ class Platform:
             messages=(ChatMessage("user", spotlit),),
             max_tokens=max_tokens, temperature=0.0, nonce=nonce, agent=ROUTER,
         )  # fmt: skip
-        scope = self._resolve(thread) if self._resolve is not None else None
-        conversation = scope.conversation if scope is not None else thread
-        scopes = [Scope(f"conversation:{conversation}", scope.token_budget if scope else None)]
-        reservation = self.budgets.reserve(scopes, request.estimated_input_tokens, max_tokens)
-        if reservation.max_output != request.max_tokens:
-            request = request.with_max_tokens(reservation.max_output)
-        try:
-            # That backend alone: the operator's ladder says which models may read
-            # the intent text (the next rung is the caller's to try).
-            response = await self._router.complete(request, prefer=backend, only=True)
-        except BaseException:
-            self.budgets.settle(reservation, None)
-            raise
-        self._settle(ROUTER, reservation, response)
-        self._audit_sink("llm-call", conversation, {
-            "agent": ROUTER, "backend": response.backend, "request_sha256": request.key,
-            "input_tokens": response.input_tokens, "output_tokens": response.output_tokens,
-            "cached": response.cached, "outcome": "ok",
-            **({"frame": thread} if thread != conversation else {}),
-        })  # fmt: skip
+        scopes = [self._conversation_scope(thread)]
+        # That backend alone: the operator's ladder says which models may read the
+        # intent text (the next rung is the caller's to try).
+        request, response = await self._metered(
+            request, Meter(ROUTER, thread, scopes), prefer=backend, only=True)
         return Completion(
             response.text, response.input_tokens, response.output_tokens, response.backend,
             response.cached, request.key, response.transport_s,
         )
 
-    def _settle(self, agent: str, reservation: Reservation, response: LlmResponse) -> None:
-        """Charge the budgets what the provider reported (a cache hit costs nothing)
-        and count the tokens in `agentd_llm_tokens_total`."""
+    async def _metered(self, request: LlmRequest, meter: Meter, *, prefer: str,
+                       only: bool = False) -> tuple[LlmRequest, LlmResponse]:
+        """The one way the platform calls a model: reserve the budgets (raises
+        `BudgetExceeded` before anything is sent), call the router, charge what the
+        provider reported (a cache hit costs nothing), count the tokens in
+        `agentd_llm_tokens_total`, and journal the call, failed or not. Returns the
+        request as sent (its output lowered to what the budgets grant)."""
+        reservation = self.budgets.reserve(
+            meter.scopes, request.estimated_input_tokens, request.max_tokens)
+        if reservation.max_output != request.max_tokens:
+            request = request.with_max_tokens(reservation.max_output)
+        try:
+            response = await self._router.complete(request, prefer=prefer, only=only)
+        except BaseException as exc:  # cancelled too (handler timeout): freed
+            self.budgets.settle(reservation, None)
+            if isinstance(exc, Exception):
+                self._audit(meter.audit, meter.thread, {
+                    "agent": meter.who, "backend": prefer, **meter.fields,
+                    "request_sha256": request.key, "outcome": meter.failed,
+                    "error": type(exc).__name__,
+                })
+            raise
         self.budgets.settle(reservation, 0 if response.cached else response.total_tokens)
         if not response.cached:
-            metrics.llm_tokens.labels(agent, response.backend, "input").inc(response.input_tokens)
-            metrics.llm_tokens.labels(agent, response.backend, "output").inc(
-                response.output_tokens
-            )
+            metrics.llm_tokens.labels(meter.who, response.backend, "input").inc(
+                response.input_tokens)
+            metrics.llm_tokens.labels(meter.who, response.backend, "output").inc(
+                response.output_tokens)
+        self._audit(meter.audit, meter.thread, {
+            "agent": meter.who, "backend": response.backend, **meter.fields,
+            "request_sha256": request.key, "input_tokens": response.input_tokens,
+            "output_tokens": response.output_tokens, "cached": response.cached,
+            "attempts": response.attempts, "outcome": "ok",
+        })
+        return request, response
 
     def _report(self, agent: str, thread: str, event: SecurityEvent,
                 seen: set[tuple[str, str, str]]) -> None:
