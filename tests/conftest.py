@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Callable, Mapping
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 
 import pytest
 import uvloop
 from hypothesis import settings
 
+from tests import postgres_cluster
 from tests.daemon_process import DaemonProcess
 
 settings.register_profile("local", deadline=None)
@@ -48,3 +50,44 @@ async def daemons() -> AsyncIterator[list[DaemonProcess]]:
     for d in started:
         if d.proc is not None and d.proc.returncode is None:
             await d.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def postgres_dsn() -> Iterator[str]:
+    """A PostgreSQL server only the tests use: CI's (AGENTD_TEST_POSTGRES_DSN) or one
+    started here from the installed binaries. Absent, the test skips (under CI it
+    fails: CI always has one)."""
+    try:
+        import psycopg  # noqa: F401
+    except ImportError:
+        _unavailable("psycopg is not installed (pip install -e '.[postgres]')")
+    dsn = os.environ.get(postgres_cluster.ENV_DSN)
+    if dsn:
+        yield dsn
+        return
+    try:
+        with postgres_cluster.cluster() as started:
+            yield started
+    except (FileNotFoundError, KeyError) as exc:
+        _unavailable(f"no PostgreSQL for the tests ({exc}); set "
+                     f"{postgres_cluster.ENV_DSN} or install postgresql-15")
+
+
+@pytest.fixture
+def postgres_db(postgres_dsn: str) -> Iterator[str]:
+    """The DSN of a new, empty database of its own (dropped afterwards)."""
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield make_conninfo(postgres_dsn, dbname=name)
+    with psycopg.connect(postgres_dsn, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must have PostgreSQL: {reason}")
+    pytest.skip(reason)
