@@ -61,7 +61,7 @@ class ReloadPlan:
     clients: ClientsDiff | None = None  # None: the daemon has no clients file
     tls_cert: str | None = None  # the certificate new bus connections will get
     restart_needed: tuple[str, ...] = ()  # changed settings read only at start
-    new_platform: bool = False  # an agent is added or changed: build a new platform
+    new_platform: bool = False  # an agent is added or changed, or `llm`: a new platform
 
     def result(self, version: int, dry_run: bool) -> dict[str, Any]:
         """The operator's view (`agentctl reload`)."""
@@ -131,7 +131,9 @@ def plan_reload(current: CheckedConfig, new: CheckedConfig,
         # Against what the daemon started with, not the last reload: settings read
         # at start keep their first values until a restart, whatever reloads said.
         restart_needed=_restart_needed(started or current, new),
-        new_platform=bool(agents & {*added, *changed}),
+        # Without agents the platform still serves semantic routing: a new `llm`
+        # section is a new platform too.
+        new_platform=bool(agents & {*added, *changed}) or llm,
     )
 
 
@@ -228,8 +230,10 @@ def build_agent_handlers(
     kernel: Kernel | None,
     audit: Callable[[str, Mapping[str, str]], None],
 ) -> AgentHandlers | None:
-    """A new platform and its handlers for the agents of `config` (none: None)."""
-    if not any(lst.agent is not None for lst in config.listeners):
+    """A new platform and its handlers for the agents of `config`; None when it has
+    neither agents nor an `llm` section. An organism of tools only with `llm` still
+    gets the platform: semantic routing fills intents through it."""
+    if config.llm is None and not any(lst.agent is not None for lst in config.listeners):
         return None
     from agentd.platform import make_agent_handlers
 

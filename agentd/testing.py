@@ -80,7 +80,10 @@ class Harness:
         # Without a kernel no writer process competes with the workers for a core.
         self.isolation = IsolationPools(others=2 if durable else 1)
         self._own_platform: Any = None
-        if agent_handlers is None and any(lst.agent is not None for lst in config.listeners):
+        # As the daemon: a platform whenever `llm` is configured (semantic routing
+        # fills through it) or an agent needs one.
+        if agent_handlers is None and (
+                config.llm is not None or any(lst.agent is not None for lst in config.listeners)):
             from agentd.platform import make_agent_handlers
 
             agent_handlers = built = make_agent_handlers(config)

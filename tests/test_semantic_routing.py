@@ -160,6 +160,19 @@ async def test_a_client_intent_is_filled_and_dispatched_as_its_own_request() -> 
     assert "request/1 files.read alice" in journal  # dispatched as alice's, one hop on
 
 
+async def test_a_router_organism_of_tools_only_fills_an_intent() -> None:
+    """No agent listener: the platform exists because `llm` does, and fills."""
+    async with FakeLLM("openai", good_filler) as server:
+        text = organism_text(server).split("  - name: worker")[0]
+        config = load_config_text(text, base_dir=TESTS)
+        assert not any(lst.agent for lst in config.listeners)
+        async with Harness(config, {"alice": "users"}) as h:
+            frames = await h.send("alice", intent("alice", "read the contents of main.rs"))
+    assert [frame_kind(f)[:2] for f in frames] == [("core", "accepted"), ("files.read", "done")]
+    [fill] = fill_requests(server)
+    assert capability(fill) == "files.read"
+
+
 async def test_delete_the_temp_files_never_reaches_erase_outside_the_profile(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
