@@ -31,6 +31,7 @@ from agentd.config import (
     load_config_text,
     read_clients_text,
 )
+from agentd.llm.tools import TOOL_NAME, ToolNameError, tool_name, tool_names
 
 TESTS_DIR = Path(__file__).resolve().parent
 SOURCE = "organism.yaml"
@@ -971,3 +972,56 @@ def test_an_invalid_profile_name_is_reported_at_the_key(tmp_path: Path) -> None:
             "invalid profile name 'bad name': use letters, digits, '_', '.', '-'",
         )
     ]
+
+
+# ------------------------------------------------------- native tool calling: tool names
+
+
+def test_tool_names_map_dots_and_colons_reversibly_within_an_agent() -> None:
+    table = tool_names(["calculator.add", "hub:search", "echo", "a-b_c"])
+    assert table == {"calculator__add": "calculator.add", "hub--search": "hub:search",
+                     "echo": "echo", "a-b_c": "a-b_c"}
+    assert all(TOOL_NAME.fullmatch(name) for name in table)
+
+
+def test_a_name_with_another_character_has_no_tool_name() -> None:
+    with pytest.raises(ToolNameError, match=r"'a/b'.*letters, digits"):
+        tool_name("a/b")
+
+
+def two_peer_agent(peers: str, tool_calling: str = "") -> str:
+    calling = f", tool_calling: {tool_calling}" if tool_calling else ""
+    return (AGENT_HEAD + handler_listener("a.b") + handler_listener("a__b")
+            + handler_listener("x" * 65)
+            + agent_listener("g", f"{{prompt: base, model: local{calling}}}")
+            + f"    peers: {peers}\n")
+
+
+def test_two_peers_mapping_to_one_tool_name_are_refused_at_load(tmp_path: Path) -> None:
+    text = body(two_peer_agent("[a.b, a__b]"))
+    [issue] = issues_of(text, tmp_path)
+    assert "listeners[3].peers" in issue
+    assert "'a.b' and 'a__b' both map to the provider tool name 'a__b'" in issue
+
+
+def test_a_peer_longer_than_64_characters_once_mapped_is_refused(tmp_path: Path) -> None:
+    text = body(two_peer_agent(f"[{'x' * 65}]", "native"))
+    [issue] = issues_of(text, tmp_path)
+    assert f"listener {'x' * 65!r} cannot be a provider tool" in issue
+    assert "at most 64" in issue
+
+
+def test_xml_tool_calling_lifts_the_tool_name_rules(tmp_path: Path) -> None:
+    text = body(two_peer_agent(f"[a.b, a__b, {'x' * 65}]", "xml"))
+    agent = load(text, tmp_path).listeners[3].agent
+    assert agent is not None and agent.tool_calling == "xml"
+
+
+def test_tool_calling_defaults_to_auto_and_refuses_other_values(tmp_path: Path) -> None:
+    text = body(AGENT_HEAD + agent_listener("g", "{prompt: base, model: local}"))
+    agent = load(text, tmp_path).listeners[0].agent
+    assert agent is not None and agent.tool_calling == "auto"
+    bad = body(AGENT_HEAD + agent_listener("g", "{prompt: base, model: local, tool_calling: "
+                                                "json}"))
+    [issue] = issues_of(bad, tmp_path)
+    assert "listeners[0].agent.tool_calling" in issue

@@ -16,6 +16,7 @@ from agentd.config import imports
 from agentd.config.embeddings import embeddings_references
 from agentd.config.routing import routing_references
 from agentd.config.values import NAME_PATTERN, REMOTE_PATTERN, Problem
+from agentd.llm.tools import XML, ToolNameError, tool_names
 
 LineOf = Callable[[tuple[str | int, ...]], int]
 
@@ -129,6 +130,11 @@ def _agents(listeners: list[tuple[int, dict[str, Any]]], data: dict[str, Any]) -
             problems.append(Problem(("listeners", i, "agent", "context", "summarizer"),
                                     f"no backend named {summarizer!r} in llm.backends "
                                     "(or `extractive`)", summarizer))
+        if agent.get("tool_calling") != XML:
+            try:  # its peers are offered as provider tools
+                tool_names(peer for _, peer in _strings(entry.get("peers")))
+            except ToolNameError as exc:
+                problems.append(Problem(("listeners", i, "peers"), str(exc), entry.get("peers")))
         if not isinstance(prompt, str) or not prompt.strip():
             continue
         at = ("listeners", i, "agent", "prompt")

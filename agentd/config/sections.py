@@ -345,6 +345,9 @@ class AgentConfig:
     token_budget: Positive | None = None
     temperature: Annotated[float, Strict(), Field(ge=0.0, le=2.0)] | None = None
     context: AgentContextConfig = AgentContextConfig()
+    # How the model calls its peers: provider tools, XML payloads in its text, or
+    # provider tools where the backend's protocol has them.
+    tool_calling: Literal["native", "xml", "auto"] = "auto"
 
     @property
     def prompt_names(self) -> tuple[str, ...]:
