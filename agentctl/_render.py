@@ -13,7 +13,7 @@ from lxml import etree
 
 from agentd.oob import result_to_json
 
-__all__ = ["render_text", "result_to_json", "result_to_text"]
+__all__ = ["render_text", "render_trace", "result_to_json", "result_to_text"]
 
 
 def result_to_text(result: etree._Element | None) -> str:
@@ -71,3 +71,34 @@ def _entry(head: str, item: Any, depth: int, lines: list[str]) -> None:
     else:
         lines.append(head)
         _outline(item, depth + 1, lines)
+
+
+def render_trace(value: Any) -> str:
+    """`agentctl trace`: one line a node, indented by depth: kind, from -> to,
+    [listener], outcome, duration, and the LLM call's backend, model and tokens."""
+    if not isinstance(value, dict) or not isinstance(value.get("root"), dict):
+        return render_text(value)
+    lines = [f"thread {value.get('thread', '')}"]
+    _trace_node(value["root"], 0, lines)
+    return "\n".join(lines)
+
+
+def _trace_node(node: dict[str, Any], depth: int, lines: list[str]) -> None:
+    parts = [str(node.get("kind", "?")), f"{node.get('from') or '-'} -> {node.get('to') or '-'}"]
+    if node.get("listener") and node.get("listener") != node.get("to"):
+        parts.append(f"[{node['listener']}]")
+    parts.append(str(node.get("outcome") or "-"))
+    if node.get("duration_ms") is not None:
+        parts.append(f"{node['duration_ms']:.1f} ms")
+    if node.get("code"):
+        parts.append(f"code={node['code']}")
+    for key in ("backend", "model", "attempts"):
+        if node.get(key) not in (None, ""):
+            parts.append(f"{key}={node[key]}")
+    tokens = node.get("tokens")
+    if isinstance(tokens, dict):
+        parts.append(f"tokens={tokens.get('input')}+{tokens.get('output')}")
+    lines.append("  " * depth + "  ".join(parts))
+    for child in node.get("children") or []:
+        if isinstance(child, dict):
+            _trace_node(child, depth + 1, lines)

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 
 import click
 
-from agentctl._render import render_text, result_to_json
+from agentctl._render import render_text, render_trace, result_to_json
 from agentd import __version__
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CONNECT, EXIT_REJECTED = 0, 1, 2, 3, 4
@@ -123,8 +123,8 @@ def _signing_key(settings: Settings) -> tuple[Any, str]:
     return private, key_id
 
 
-def _send(ctx: click.Context, command: str, args: dict[str, str], unwrap: str = ""
-          ) -> NoReturn:
+def _send(ctx: click.Context, command: str, args: dict[str, str], unwrap: str = "",
+          text: Callable[[Any], str] = render_text) -> NoReturn:
     """Sign and send one command, print its result, exit. `unwrap`: the result's root
     element whose content is the command's document (`{"thread", "segments"}` rather
     than `{"context": {...}}`)."""
@@ -150,9 +150,9 @@ def _send(ctx: click.Context, command: str, args: dict[str, str], unwrap: str = 
     if settings.as_json:
         _emit_json(True, value)
     else:
-        text = render_text(value)
-        if text:
-            click.echo(text.rstrip("\n"))
+        shown = text(value)
+        if shown:
+            click.echo(shown.rstrip("\n"))
     sys.exit(EXIT_OK)
 
 
@@ -421,6 +421,20 @@ def journal(ctx: click.Context, thread: Any, limit: int | None) -> None:
     if limit is not None:
         args["limit"] = str(limit)
     _send(ctx, "journal", args)
+
+
+@main.command()
+@click.argument("thread", type=click.UUID, metavar="THREAD")
+@click.option("--limit", type=click.IntRange(min=1, max=10_000), metavar="N",
+              help="Build the tree from at most the first N journal entries (2000).")
+@click.pass_context
+def trace(ctx: click.Context, thread: Any, limit: int | None) -> None:
+    """The conversation of client thread THREAD as a tree, from the journal: each
+    hop, LLM call, tool call and result, approval and federation hop."""
+    args = {"thread": str(thread)}
+    if limit is not None:
+        args["limit"] = str(limit)
+    _send(ctx, "trace", args, unwrap="trace", text=render_trace)
 
 
 @main.command()

@@ -75,6 +75,8 @@ class DaemonCommands:
                 return await self._memory(args)
             if name == "journal":
                 return await self._journal(args)
+            if name == "trace":
+                return await self._trace(args)
             if name == "approvals":
                 return self._approvals(args)
             if name in ("approve", "deny"):
@@ -286,6 +288,28 @@ class DaemonCommands:
             await d.kernel.flush()  # answered once the decision is durable
         return result_element("approve" if approve else "deny", {
             "id": approval, "outcome": "approved" if approve else "denied"})
+
+    async def _trace(self, args: Mapping[str, str]) -> etree._Element:
+        """A client's thread as a tree from the journal (no exporter needed)."""
+        from agentd.oob import CommandFailed
+        from agentd.telemetry import conversation_tree
+
+        d = self.daemon
+        assert d.kernel is not None
+        uuid = args.get("thread", "")
+        row = await d.kernel.thread(uuid)
+        entries = await d.kernel.conversation_journal(uuid, limit=int(args.get("limit", "2000")))
+        if row is None and not entries:
+            raise CommandFailed("invalid", f"no thread {uuid!r} in the journal")
+        listeners = d.routing.listeners.values() if d.routing is not None else ()
+        tree = conversation_tree(
+            uuid, entries, state=row.state if row is not None else None,
+            agents=[lst.name for lst in listeners if lst.is_agent],
+            remote=[lst.name for lst in listeners
+                    if str(getattr(lst.config, "handler_ref", "")).startswith("federation:")])
+        root = dict(tree)
+        root.pop("thread", None)
+        return result_element("trace", {"thread": uuid, "root": root})
 
     async def _journal(self, args: Mapping[str, str]) -> etree._Element:
         d = self.daemon

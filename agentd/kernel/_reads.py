@@ -85,6 +85,17 @@ class KernelReads:
             (*args, limit))
         return [entry_from_row(tuple(r)) for r in reversed(list(rows))]
 
+    async def conversation_journal(self, root: str, limit: int = 2000) -> list[JournalEntry]:
+        """The first `limit` entries of the client's thread `root` and of every frame
+        under it (by the threads' parent links), in commit order: what the
+        conversation view is built from. Scans the journal, as `journal` does."""
+        rows = await self._reader.execute_fetchall(
+            "WITH RECURSIVE tree(uuid) AS (SELECT ? UNION "
+            "SELECT t.uuid FROM threads t JOIN tree ON t.parent = tree.uuid) "
+            f"SELECT {JOURNAL_COLUMNS} FROM journal WHERE thread IN (SELECT uuid FROM tree) "
+            "ORDER BY pos LIMIT ?", (root, limit))
+        return [entry_from_row(tuple(r)) for r in rows]
+
     async def context(self, thread: str) -> list[tuple[int, str, bytes]]:
         """`thread`'s context buffer: (index, role, content), oldest first."""
         rows = await self._reader.execute_fetchall(

@@ -53,7 +53,8 @@ MAX_FRAME_BYTES = 1 << 20
 DEFAULT_SKEW_S = 60.0
 DEFAULT_MAX_NONCES = 65536
 COMMAND_NAMES = frozenset({"status", "reload", "introspect", "journal", "shutdown",
-                           "approvals", "approve", "deny", "end-thread", "memory"})
+                           "approvals", "approve", "deny", "end-thread", "memory",
+                           "trace"})
 
 _Q = f"{{{NS_PRIV}}}"
 PRIVILEGED = _Q + "privileged"
