@@ -78,6 +78,7 @@ def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_l
     from agentd._cli_bus import init_home, next_steps
     from agentd._daemon import run_daemon
     from agentd._observability import setup_logging
+    from agentd.isolation import WorkerFailed
     from agentd.kernel import StateLocked
 
     setup_logging(log_format, log_level.upper())
@@ -98,7 +99,7 @@ def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_l
         for issue in exc.issues:
             click.echo(issue, err=True)
         sys.exit(1)
-    except (StateLocked, AgentdError) as exc:
+    except (StateLocked, AgentdError, WorkerFailed) as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:  # a state dir that is a file, or cannot be made: one line
         where = f" ({exc.filename})" if exc.filename else ""

@@ -741,3 +741,101 @@ async def test_an_isolated_handlers_state_is_bounded_in_the_worker_and_at_commit
         assert await ask(h, "state-smuggle", "2000") == ("huh", "too-large")
         assert h.kernel is not None
         assert all(len(r[3]) <= 1024 for r in await h.kernel.handler_state())
+
+
+
+SIBLING_HANDLER = '''
+import importlib
+from dataclasses import dataclass
+
+from agentd import HandlerMetadata, HandlerResponse, xmlify
+{import_line}
+
+
+@xmlify(namespace="https://example.org/ns/sibling/say/v1")
+@dataclass
+class Say:
+    text: str
+
+
+@xmlify(namespace="https://example.org/ns/sibling/said/v1")
+@dataclass
+class Said:
+    text: str
+
+
+async def say(payload: Say, meta: HandlerMetadata) -> HandlerResponse:
+    return HandlerResponse.respond(Said(shout(payload.text)))
+'''
+
+
+def sibling_organism(tmp: Path, module: str, import_line: str, extra: str = "") -> Path:
+    """Handler module `module` beside its helper module `module`_help and beside the
+    organism file itself (a secret: so the folder as a whole cannot be granted).
+    Each test names its own modules: an imported module stays in sys.modules."""
+    helper = f"{module}_help"
+    (tmp / f"{module}.py").write_text(SIBLING_HANDLER.format(
+        import_line=import_line.format(helper=helper)))
+    (tmp / f"{helper}.py").write_text("def shout(text):\n    return text.upper() + '!'\n")
+    path = tmp / "organism.yaml"
+    path.write_text(textwrap.dedent(f"""
+        organism: {{name: sibling-tests}}
+        state_dir: state
+        python_path: [.]
+        listeners:
+          - name: speaker
+            payload_class: {module}:Say
+            response_class: {module}:Said
+            handler: {module}:say
+            description: Says it louder.
+            isolation: {{workers: 1{extra}}}
+        profiles:
+          public: {{listeners: all}}
+    """))
+    return path
+
+
+async def say_hi(path: Path, module: str) -> bytes:
+    config = load_config(path)
+    async with Harness(config, {"alice": "public"}) as h:
+        frames = await h.send("alice", sys.modules[module].Say("hi"))
+    return frames[-1]
+
+
+@needs_landlock
+async def test_an_isolated_handler_imports_its_sibling_module(tmp_path: Path) -> None:
+    path = sibling_organism(tmp_path, "speaker_a", "from {helper} import shout")
+    assert b"<text>HI!</text>" in await say_hi(path, "speaker_a")
+
+
+RUN_TIME_IMPORT = "shout = importlib.import_module('{helper}').shout"
+
+
+@needs_landlock
+def test_a_module_imported_at_run_time_stops_the_start_in_one_line(tmp_path: Path) -> None:
+    import subprocess
+
+    path = sibling_organism(tmp_path, "speaker_b", RUN_TIME_IMPORT)
+    run = subprocess.run([sys.executable, "-m", "agentd.cli", "run", "--config", str(path)],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 1
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: isolated worker failed: worker for speaker did not start")
+    assert "speaker_b_help.py" in last and "isolation: read of listener speaker" in last
+    # The worker's own stderr is logged line by line; the daemon's output has no traceback.
+    daemon = [line for line in run.stderr.splitlines() if "worker stderr" not in line]
+    assert not any("Traceback" in line for line in daemon)
+
+
+@needs_landlock
+async def test_isolation_read_grants_a_module_imported_at_run_time(tmp_path: Path) -> None:
+    path = sibling_organism(tmp_path, "speaker_c", RUN_TIME_IMPORT,
+                            extra=", read: [speaker_c_help.py]")
+    assert b"<text>HI!</text>" in await say_hi(path, "speaker_c")
+
+
+def test_isolation_read_cannot_grant_a_secret(tmp_path: Path) -> None:
+    path = sibling_organism(tmp_path, "speaker_d", "from {helper} import shout",
+                            extra=", read: [.]")
+    with pytest.raises(ConfigError, match=r"would be able to read .*/(state|organism.yaml) "):
+        IsolationPools.specs(load_config(path))

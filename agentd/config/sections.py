@@ -249,6 +249,8 @@ class IsolationConfig:
     env: dict[EnvName, AnyText] = Field(default_factory=dict)  # the worker's whole environment
     # run the workers as this user (name or uid; the daemon must run as root)
     user: AnyText | None = None
+    # more files or folders the workers may read (a module imported at run time, data)
+    read: tuple[FilePath, ...] = ()
 
     _rules = rules(lambda data, _: _isolation_rules(data), "isolation")
 

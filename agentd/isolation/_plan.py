@@ -6,16 +6,19 @@
   agent loop and asks the daemon for every model call (`_agent.py`). Tools confine
   themselves. `process: false` means in the daemon.
 - `worker_policy`: what a worker may read. Read and execute: the Python
-  installation, the system libraries, the agentd package and exactly the
-  packages (or single module files) that hold the listener's handler and payload
-  classes. Directory listing only: the other `sys.path` folders, so imports
-  still resolve. Nothing else: not the state directory, the TLS key, the clients
+  installation, the system libraries, the agentd package, exactly the packages
+  (or single module files) that hold the listener's handler and payload classes,
+  the modules of the configuration's folders that those import by name (found in
+  their source: a handler's helper module beside it), and the listener's
+  `isolation.read` paths. Directory listing only: the other `sys.path` folders,
+  so imports still resolve. Nothing else: not the state directory, the TLS key, the clients
   file, the operator keys, nor `/proc`. A secret that lies beneath a path the
   worker may read is a configuration error, not a silent exposure.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import sys
 from collections.abc import Iterable, Mapping
@@ -73,6 +76,43 @@ def _module_grant(module_name: str) -> str | None:
     return os.path.abspath(file) if file else None
 
 
+def _imported_grants(module_names: Iterable[str], granted: set[str]) -> set[str]:
+    """What the worker needs to read to import `module_names` beyond `granted`: the
+    modules they import by name (absolute imports in their source), and those
+    modules' own, found among the modules loading the configuration imported. A
+    module under a granted path (the installation, a granted package) is not
+    followed; a name imported only at run time (importlib) is not seen."""
+    found: set[str] = set()
+    queue = list(dict.fromkeys(module_names))
+    seen: set[str] = set()
+    while queue:
+        name = queue.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if not file or not file.endswith(".py"):
+            continue
+        try:
+            tree = ast.parse(Path(file).read_bytes(), file)
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for imported in names:
+                grant = _module_grant(imported)
+                if grant is None or any(_beneath(Path(grant), g) for g in granted | found):
+                    continue
+                found.add(grant)
+                queue.append(imported.split(".")[0])
+    return found
+
+
 def _beneath(path: Path, root: str) -> bool:
     return path == Path(root) or Path(root) in path.parents
 
@@ -89,10 +129,19 @@ def worker_policy(lst: ListenerConfig, iso: IsolationConfig, secrets: Iterable[P
     import agentd
 
     grants = {*SYSTEM_READ_PATHS, *python_read_paths(), os.path.dirname(agentd.__file__)}
-    for ref in (lst.handler_ref, *lst.payload_refs, *lst.response_refs, *reply_refs):
-        grant = _module_grant(ref.partition(":")[0]) if ref else None
+    refs = [ref.partition(":")[0] for ref in (
+        lst.handler_ref, *lst.payload_refs, *lst.response_refs, *reply_refs) if ref]
+    for module in refs:
+        grant = _module_grant(module)
         if grant is not None:
             grants.add(grant)
+    grants |= _imported_grants(refs, grants)
+    for extra in iso.read:
+        if not os.path.exists(extra):
+            raise ConfigError([
+                f"{lst.location}: listeners: {lst.name}: isolation: read: no such file or "
+                f"folder: {extra}"])
+        grants.add(os.path.abspath(extra))
     for secret in secrets:
         real = Path(os.path.realpath(secret))
         for grant in grants:  # the system's folders too: a secret under /usr is readable
@@ -100,7 +149,7 @@ def worker_policy(lst: ListenerConfig, iso: IsolationConfig, secrets: Iterable[P
                 raise ConfigError([
                     f"{lst.location}: listeners: {lst.name}: isolation: the worker would be "
                     f"able to read {secret} (beneath {grant}); move the handler's code or "
-                    "the secret"])
+                    "the secret, or narrow its isolation: read"])
     uid, gid = run_as(iso.user, f"{lst.location}: listeners: {lst.name}")
     hidden = set(secrets)
     listing = tuple(p for p in (os.path.abspath(x) for x in sys_path if x)

@@ -487,6 +487,10 @@ class WorkerPool:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             why = f": {worker.last_words}" if worker.last_words else ""
+            if "PermissionError" in why:  # Landlock: a file not granted (see _plan)
+                why += (f"; a file the handler reads as it starts (a module it imports "
+                        f"at run time, data) must be listed in the isolation: read of "
+                        f"listener {spec.listener}")
             raise WorkerFailed(f"worker for {spec.listener} did not start "
                                f"(exit {proc.returncode}){why}") from None
         self._set(worker, WorkerEvent.READY)
