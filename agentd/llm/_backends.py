@@ -175,7 +175,8 @@ class HttpBackend(Backend):
             decoded = self.protocol.decode(content)
         except BackendError as err:
             raise dataclasses.replace(err, backend=self.name) from None
-        estimate = (len(decoded.text.encode()) + 3) // 4
+        estimate = (len(decoded.text.encode())
+                    + sum(len(c.arguments.encode()) + len(c.name) for c in decoded.calls) + 3) // 4
         response = LlmResponse(
             text=decoded.text,
             input_tokens=self._bounded(
@@ -188,6 +189,7 @@ class HttpBackend(Backend):
             model=decoded.model or self.model,
             finish_reason=decoded.finish_reason,
             transport_s=transport_s,
+            calls=decoded.calls,
         )
         if self.recorder is not None:
             self.recorder.append(request, response)

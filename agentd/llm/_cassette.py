@@ -3,7 +3,11 @@
 A cassette is a JSON Lines file, one exchange a line:
 
     {"key": "<sha256>", "conversation": "<sha256>", "request": {...normalised...},
-     "response": {"text": "...", "input_tokens": 12, "output_tokens": 7, "model": "..."}}
+     "response": {"text": "...", "input_tokens": 12, "output_tokens": 7, "model": "...",
+                  "calls": [["call_1", "calculator__add", "{\"a\": 2}"]]}}
+
+`calls` (id, tool name, arguments as JSON text) are the model's native tool calls,
+absent when it made none.
 
 `request` is `LlmRequest.normalised()` (the spotlight nonce replaced by a fixed
 placeholder), so a recording replays although every live call had its own nonce.
@@ -27,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from agentd._errors import ConfigError
-from agentd.llm._types import LlmRequest, LlmResponse
+from agentd.llm._types import LlmRequest, LlmResponse, ToolCall
 
 log = logging.getLogger("agentd.llm.cassette")
 
@@ -48,6 +52,7 @@ class Exchange:
             backend=backend,
             model=str(r.get("model", "")),
             finish_reason=str(r.get("finish_reason", "")),
+            calls=tuple(ToolCall(str(i), str(n), str(a)) for i, n, a in r.get("calls", ())),
         )
 
 
@@ -88,6 +93,7 @@ class Cassette:
                     request=dict(obj.get("request", {})),
                     response=dict(obj["response"]),
                 )
+                ex.to_response("")  # a malformed response is refused here, not at replay
             except (ValueError, KeyError, TypeError) as exc:
                 issues.append(f"{where}: {path}:{n}: not a cassette exchange ({exc})")
                 continue
@@ -134,6 +140,8 @@ class CassetteRecorder:
                     "output_tokens": response.output_tokens,
                     "model": response.model,
                     "finish_reason": response.finish_reason,
+                    **({"calls": [[c.id, c.name, c.arguments] for c in response.calls]}
+                       if response.calls else {}),
                 },
             },
             ensure_ascii=False,

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
 from typing import Any, Literal
 
@@ -22,9 +23,60 @@ NONCE_PLACEHOLDER = "NONCE"
 
 
 @dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """One provider tool offered with a request: its name, what it does, and the
+    JSON Schema of its arguments."""
+
+    name: str
+    description: str
+    parameters: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A model's call of a tool, as the provider reported it. `arguments` is the
+    JSON text as the model wrote it (it may not even be JSON: the caller checks)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What came of one call, sent back under its id. `is_error`: the call failed
+    (a `huh`, arguments that are not JSON or fail the schema)."""
+
+    call_id: str
+    content: str
+    is_error: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class ChatMessage:
+    """One turn. An assistant turn may carry the model's tool calls; a user turn may
+    carry tool results, which the wire puts before its text (both providers want
+    the results of a reply's calls directly after it)."""
+
     role: Role
     content: str
+    calls: tuple[ToolCall, ...] = ()
+    results: tuple[ToolResult, ...] = ()
+
+    def normalised(self, norm: Callable[[str], str]) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": norm(self.content)}
+        if self.calls:
+            out["calls"] = [[c.id, c.name, norm(c.arguments)] for c in self.calls]
+        if self.results:
+            out["results"] = [[r.call_id, norm(r.content), r.is_error] for r in self.results]
+        return out
+
+    @property
+    def size(self) -> int:
+        """Characters of the turn, tool calls and results included."""
+        return (len(self.content) + sum(len(c.name) + len(c.arguments) + len(c.id)
+                                        for c in self.calls)
+                + sum(len(r.content) + len(r.call_id) for r in self.results))
 
 
 @dataclass(frozen=True)
@@ -39,6 +91,7 @@ class LlmRequest:
     temperature: float | None = None
     nonce: str = ""  # the spotlight nonce of this call; normalised out of `key`
     agent: str = ""  # for metrics and audit; never sent
+    tools: tuple[ToolSpec, ...] = ()  # provider tools (native tool calling)
 
     def normalised(self, *, with_system: bool = True) -> dict[str, Any]:
         """The request as stored in cassettes: the nonce replaced by a placeholder."""
@@ -47,10 +100,12 @@ class LlmRequest:
             return text.replace(self.nonce, NONCE_PLACEHOLDER) if self.nonce else text
 
         out: dict[str, Any] = {
-            "messages": [{"role": m.role, "content": norm(m.content)} for m in self.messages],
+            "messages": [m.normalised(norm) for m in self.messages],
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
         }
+        if self.tools:  # absent when empty: keys of requests without tools do not move
+            out["tools"] = [[t.name, t.description, t.parameters] for t in self.tools]
         if with_system:
             out["system"] = norm(self.system)
         return out
@@ -74,13 +129,16 @@ class LlmRequest:
     def estimated_input_tokens(self) -> int:
         """A provider-independent estimate (4 characters a token, rounded up), used
         for budgets and token buckets before the provider reports the real figure."""
-        size = len(self.system) + sum(len(m.content) + 4 for m in self.messages)
+        size = len(self.system) + sum(m.size + 4 for m in self.messages)
+        size += sum(len(json.dumps(t.parameters)) + len(t.description) + len(t.name)
+                    for t in self.tools)
         return (size + 3) // 4
 
     def with_max_tokens(self, max_tokens: int) -> LlmRequest:
-        return LlmRequest(
-            self.system, self.messages, max_tokens, self.temperature, self.nonce, self.agent
-        )
+        return replace(self, max_tokens=max_tokens)
+
+    def without_tools(self) -> LlmRequest:
+        return replace(self, tools=())
 
 
 @lru_cache(maxsize=256)
@@ -104,6 +162,7 @@ class LlmResponse:
     cached: bool = False
     attempts: int = 1  # HTTP attempts, all backends together
     transport_s: float = 0.0  # time spent waiting on the backend (excluded from overhead)
+    calls: tuple[ToolCall, ...] = ()  # the model's tool calls, in its order
 
     @property
     def total_tokens(self) -> int:
