@@ -82,3 +82,13 @@ def test_the_schema_refuses_what_the_loader_refuses() -> None:
     assert errors({"bus": {}})  # organism is required
     assert errors({**base, "journal": {"retention": {"retain_days": 7}}}) == []
     assert errors({**base, "profiles": {"p": {"listeners": "all"}}}) == []
+
+
+def test_every_listener_key_is_in_the_configuration_reference() -> None:
+    """Each key a listener may have (`tool:` among them) is a row of the reference."""
+    schema = json.loads(CHECKED_IN.read_text())
+    keys = schema["$defs"]["ListenerSection"]["properties"]
+    reference = (CHECKED_IN.parent / "configuration.md").read_text()
+    chapter = reference.split("## `listeners`", 1)[1].split("\n## ", 1)[0]
+    assert "tool" in keys
+    assert [k for k in keys if f"\n| `{k}` |" not in chapter] == []
