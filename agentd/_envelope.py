@@ -44,6 +44,9 @@ from agentd._schemas import NS_ENV, NS_PRIV, schema
 from agentd._xml import DEFAULT_MAX_BYTES, ShapeLimits, escape_text, parse_untrusted
 
 NIL_THREAD = "00000000-0000-0000-0000-000000000000"
+_THREAD_RE = re.compile(
+    rb"<thread>\s*([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\s*</thread>"
+)
 _MESSAGE = "{" + NS_ENV + "}message"
 _TO = "{" + NS_ENV + "}to"
 _IN_ENV = "{" + NS_ENV + "}"
@@ -115,7 +118,7 @@ def parse_envelope(
     if attributed and _ENVELOPE_ATTRIBUTES(root, env=NS_ENV):
         raise Rejection(HuhCode.INVALID_ENVELOPE, "attribute on an envelope element")
     if not _ENV_SCHEMA.validate(root):
-        raise Rejection(HuhCode.INVALID_ENVELOPE, _first_error())
+        raise Rejection(HuhCode.INVALID_ENVELOPE, _first_error(), _no_namespace(root))
     sender, to, thread = _addressing(root)
     return Envelope(sender, to, thread, root[1], attributed)
 
@@ -177,6 +180,15 @@ def _addressing(root: etree._Element) -> tuple[str, str | None, str]:
     return sender, None, meta[1].text or ""
 
 
+def thread_hint(data: bytes) -> str:
+    """The thread an envelope names, read before (or without) a parse: the first
+    `<thread>` holding a canonical UUID in its first 4 KiB, else the nil thread. The
+    bus counts a frame in flight under it, and a refusal of bytes that never became
+    an `Envelope` is answered on it, so a client can tell its refusals apart."""
+    m = _THREAD_RE.search(data, 0, 4096)
+    return m.group(1).decode() if m else NIL_THREAD
+
+
 def may_have_attributes(data: bytes) -> bool:
     """False if the bytes hold no attribute besides namespace declarations."""
     equals = data.count(b"=")
@@ -184,6 +196,20 @@ def may_have_attributes(data: bytes) -> bool:
         return False
     declarations = data.count(b"xmlns")
     return equals > declarations or declarations > _FEW_DECLARATIONS
+
+
+def _no_namespace(root: etree._Element) -> str | None:
+    """What a client is told when its payload has no namespace of its own (written
+    without `xmlns`, it inherits the envelope's or has none): the most common
+    mistake of a hand-written envelope, named; None for any other invalid one."""
+    last = root[-1] if len(root) else None
+    if last is None or not isinstance(last.tag, str) or len(root) < 2:
+        return None
+    if last.tag[:1] == "{" and not last.tag.startswith(_IN_ENV):
+        return None
+    local = last.tag.rsplit("}", 1)[-1]
+    return (f"The envelope is not valid: its payload <{local}> has no namespace of its "
+            "own; give it the listener's (xmlns=\"...\").")
 
 
 def _first_error() -> str:

@@ -54,12 +54,16 @@ class AgentdError(Exception):
 
 
 class Rejection(AgentdError):
-    """Input refused with a `huh` code. `detail` is for the logs only."""
+    """Input refused with a `huh` code. `detail` is for the logs only. `public`, when
+    set, is what a client is told instead of the generic text when the refused
+    input is its own envelope: it names only what that input holds (an element of
+    its payload, a missing namespace), never a route, a listener or a peer."""
 
-    def __init__(self, code: HuhCode, detail: str = "") -> None:
+    def __init__(self, code: HuhCode, detail: str = "", public: str | None = None) -> None:
         super().__init__(f"{code.value}: {detail}" if detail else code.value)
         self.code = code
         self.detail = detail
+        self.public = public
 
     @property
     def public_message(self) -> str:

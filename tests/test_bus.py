@@ -127,6 +127,28 @@ async def test_unknown_client_gets_the_same_close_as_a_wrong_code(rig: Rig) -> N
     )
 
 
+async def test_the_log_says_which_cause_refused_a_login(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client reads one `authentication failed` for every cause; the daemon's log
+    tells a wrong code, a reused code, an unknown session and a lockout apart (a
+    wrong and a reused code were both `wrong-or-reused-code`)."""
+    caplog.set_level("INFO", logger="agentd.auth")
+    code = rig.code("alice")
+    async with rig.client("alice", totp=code):
+        pass
+    await refused(rig, "alice", totp=code)
+    await refused(rig, "alice", totp=f"{(int(code) + 1) % 1_000_000:06d}")
+    await refused(rig, "alice", session="x" * 43)
+    await refused(rig, "alice", totp="000000" if code != "000000" else "111111")
+    await refused(rig, "alice", totp="000000" if code != "000000" else "111111")
+    await refused(rig, "alice", totp=rig.code("alice", +1))  # locked out by now
+    reasons = [r.getMessage().rsplit("reason=", 1)[1] for r in caplog.records
+               if "auth failed" in r.getMessage()]
+    assert reasons == ["reused-code", "wrong-code", "unknown-session", "wrong-code",
+                       "wrong-code", "locked-out"]
+
+
 @pytest.mark.parametrize("first", [
     b"hello",
     b"<auth/>",
@@ -505,6 +527,83 @@ async def test_privileged_payload_on_the_bus_is_refused(rig: Rig) -> None:
         )
         frames = await c.exchange(priv, timeout=30)
     assert value(frames[-1], "code") == "unroutable"
+
+
+async def test_every_ingress_refusal_is_answered_on_the_thread_the_envelope_names(
+    rig: Rig,
+) -> None:
+    """One rule (docs/protocol.md): a refusal comes on the thread the refused bytes
+    name, so a client sending several can tell which was refused; the nil thread only
+    for bytes that name none. A `priv` element was answered on the nil thread, and so
+    was any envelope that failed the envelope schema."""
+    add = spec_of(Add).to_bytes(Add(a=1, b=2))
+    priv = b'<privileged xmlns="https://xml-pipeline.org/ns/privileged/v1"></privileged>'
+    sent = {
+        "priv payload": build_envelope("alice", str(uuid.uuid4()), priv),
+        "priv in meta": build_envelope("alice", str(uuid.uuid4()), add).replace(
+            b"</thread></meta>",
+            b'</thread><x xmlns="https://xml-pipeline.org/ns/privileged/v1"/></meta>'),
+        "no namespace": build_envelope("alice", str(uuid.uuid4()), b"<add><a>1</a></add>"),
+        "forged from": build_envelope("bob", str(uuid.uuid4()), add),
+        "unroutable": build_envelope("alice", str(uuid.uuid4()), b'<nope xmlns="urn:x"/>'),
+        "bad payload": build_envelope("alice", str(uuid.uuid4()), add.replace(b">1<", b">x<")),
+    }
+    async with rig.client("alice") as c:
+        for data in sent.values():
+            await c.send_raw(data)
+        answers = [await c.recv(timeout=30) for _ in sent]
+        await c.send_raw(b"<message><unclosed>")
+        broken = await c.recv(timeout=30)
+    threads = {frame_kind(f)[2]: value(f, "code") for f in answers}
+    assert threads == {
+        parse_thread(sent["priv payload"]): "unroutable",
+        parse_thread(sent["priv in meta"]): "unroutable",
+        parse_thread(sent["no namespace"]): "invalid-envelope",
+        parse_thread(sent["forged from"]): "invalid-envelope",
+        parse_thread(sent["unroutable"]): "unroutable",
+        parse_thread(sent["bad payload"]): "invalid-payload",
+    }
+    assert frame_kind(broken)[2] == "00000000-0000-0000-0000-000000000000"
+
+
+def parse_thread(data: bytes) -> str:
+    return data.split(b"<thread>")[1].split(b"</thread>")[0].decode()
+
+
+async def test_a_payload_that_fails_its_schema_is_told_which_element_of_it_failed(
+    rig: Rig,
+) -> None:
+    """The sender learns what of its own input failed (it was told only "The payload
+    does not match its schema."); nothing of the schema beyond that element."""
+    async with rig.client("alice") as c:
+        bad_value = await c.exchange(
+            b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>x</a><b>3</b>'
+            b"</add>", timeout=30)
+        extra = await c.exchange(
+            b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>1</a><c>3</c>'
+            b"</add>", timeout=30)
+        attribute = await c.exchange(
+            b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1" k="v"><a>1</a>'
+            b"<b>3</b></add>", timeout=30)
+    assert value(bad_value[-1], "code") == "invalid-payload"
+    assert value(bad_value[-1], "message") == (
+        "The payload does not match its schema: <a>: 'x' is not a valid value of the "
+        "local atomic type.")
+    assert value(extra[-1], "message") == (
+        "The payload does not match its schema: <c>: This element is not expected.")
+    assert "Expected" not in value(extra[-1], "message")  # the listener's contract is not told
+    assert value(attribute[-1], "message") == (
+        "The payload does not match its schema: attributes are not allowed in a payload.")
+
+
+async def test_a_payload_without_a_namespace_is_told_so(rig: Rig) -> None:
+    """It read `The envelope is not valid.` (the payload took the envelope's namespace)."""
+    async with rig.client("alice") as c:
+        frames = await c.exchange(b"<add><a>1</a><b>2</b></add>", timeout=30)
+    assert value(frames[-1], "code") == "invalid-envelope"
+    assert value(frames[-1], "message") == (
+        'The envelope is not valid: its payload <add> has no namespace of its own; give it '
+        'the listener\'s (xmlns="...").')
 
 
 async def test_a_thread_of_another_client_is_unroutable(rig: Rig) -> None:

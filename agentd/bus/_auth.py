@@ -268,9 +268,10 @@ class ClientAuth:
         secret = entry.totp_secret if entry is not None else DUMMY_TOTP_SECRET
         st = self._state[req.client] if entry is not None else _ClientState()
         step: int | None = None
+        reused = False
         session_expires: float | None = None
         if req.totp is not None:
-            step = self._match_totp(secret, st, req.totp, now)
+            step, reused = self._match_totp(secret, st, req.totp, now)
         elif req.session is not None:
             session_expires = st.sessions.get(_hash_token(req.session))
         if entry is None:
@@ -281,7 +282,7 @@ class ClientAuth:
             return None
         if req.totp is not None:
             if step is None:
-                self._fail(req.client, st, now, "wrong-or-reused-code")
+                self._fail(req.client, st, now, "reused-code" if reused else "wrong-code")
                 return None
             st.last_step = step
             token = secrets.token_urlsafe(32)
@@ -290,7 +291,8 @@ class ClientAuth:
             log.info("auth ok client=%s method=totp", req.client)
             return req.client, token
         if req.session is None or session_expires is None or session_expires <= now:
-            self._fail(req.client, st, now, "bad-session")
+            self._fail(req.client, st, now,
+                       "unknown-session" if session_expires is None else "expired-session")
             return None
         log.info("auth ok client=%s method=session", req.client)
         return req.client, req.session
@@ -320,15 +322,21 @@ class ClientAuth:
 
     # -- decisions
 
-    def _match_totp(self, secret: str, st: _ClientState, code: str, now: float) -> int | None:
+    def _match_totp(
+        self, secret: str, st: _ClientState, code: str, now: float
+    ) -> tuple[int | None, bool]:
+        """(the step `code` is good for, or None; whether it matched a step already
+        used: a reused code, which only the log is told)."""
         current = int(now // TOTP_STEP_S)
         found: int | None = None
+        used = False
         for step in (current - 1, current, current + 1):
             # Compare all three so the time taken does not depend on which matched.
             same = hmac.compare_digest(self._code_at(secret, step), code)
             if same and step > st.last_step and found is None:
                 found = step
-        return found
+            used |= same and step <= st.last_step
+        return found, used
 
     def _fail(self, client: str, st: _ClientState, now: float, reason: str) -> None:
         """Count a failure of a known client; lock it out at `max_failures`."""

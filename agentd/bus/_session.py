@@ -33,7 +33,6 @@ Invariants:
 
 from __future__ import annotations
 
-import re
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from enum import Enum
 
 from agentd import _metrics as metrics
 from agentd._core import Huh
-from agentd._envelope import NIL_THREAD, build_envelope
+from agentd._envelope import build_envelope, thread_hint
 from agentd._errors import HuhCode
 from agentd._schemas import NS_ENV
 from agentd._states import step
@@ -66,9 +65,6 @@ OVERFLOW_REASON = "send queue overflow"
 BATCH_BYTES = 256 * 1024
 
 _CORE_HEAD = f'<message xmlns="{NS_ENV}"><meta><from>core</from>'.encode()
-_THREAD_RE = re.compile(
-    rb"<thread>\s*([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})\s*</thread>"
-)
 _RATE_LIMITED = Huh.of(HuhCode.RATE_LIMITED).to_bytes()
 # A frame refused for what it is costs its sender one more token per KiB: the work
 # of refusing it (parsing it to the error) grows with its size, and it is the
@@ -84,13 +80,6 @@ def is_accepted_frame(data: bytes) -> bool:
     """True for the pump's `accepted` envelopes (the only frames that do not answer
     an envelope). `from` = core is reserved, so a listener cannot fake this."""
     return data.startswith(_CORE_HEAD) and b"</meta><accepted " in data[: len(_CORE_HEAD) + 400]
-
-
-def thread_hint(data: bytes) -> str:
-    """The `thread` of an envelope before it is parsed (for routing the answer back
-    to this connection and for `huh rate-limited`); NIL if not found."""
-    m = _THREAD_RE.search(data, 0, 4096)
-    return m.group(1).decode() if m else NIL_THREAD
 
 
 # ---- the state machine ---------------------------------------------------------------

@@ -17,13 +17,14 @@ Invariants:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 from lxml import etree
 
 from agentd import _meta as meta
 from agentd._envelope import Envelope, build_envelope, parse_envelope
-from agentd._errors import HuhCode, Rejection
+from agentd._errors import GENERIC_MESSAGES, HuhCode, Rejection
 from agentd._routing import Listener, Profile
 from agentd._schemas import NS_CORE, schema
 from agentd._threads import Frame, ThreadState
@@ -176,6 +177,25 @@ def _validate(schema: etree.XMLSchema, env: Envelope) -> None:
     # undeclared attribute (tens of milliseconds for a frame of them): refuse them
     # before the validator sees them, so a rejection costs one error at most.
     if env.payload_has_attributes():
-        raise Rejection(HuhCode.INVALID_PAYLOAD, "attributes are not allowed in a payload")
+        raise Rejection(HuhCode.INVALID_PAYLOAD, "attributes are not allowed in a payload",
+                        f"{_SCHEMA_TEXT}: attributes are not allowed in a payload.")
     if not schema.validate(env.payload):
-        raise Rejection(HuhCode.INVALID_PAYLOAD, str(schema.error_log.last_error))
+        error = schema.error_log.last_error
+        raise Rejection(HuhCode.INVALID_PAYLOAD, str(error), public_schema_error(error.message))
+
+
+_SCHEMA_TEXT = GENERIC_MESSAGES[HuhCode.INVALID_PAYLOAD].rstrip(".")
+_CLARK = re.compile(r"'?\{[^}]*\}([^\s',)]+)'?")
+_PUBLIC_MAX = 300
+
+
+def public_schema_error(message: str) -> str:
+    """What the sender is told of a schema error in its own payload: the element of
+    its input that failed and why, as libxml2 says it, with names as local tags.
+    What the schema expected instead (`Expected is ...`) is left out: the sender
+    sees its own input, not the listener's contract (meta and agentctl give that)."""
+    text = message.split(" Expected is ", 1)[0].removeprefix("Element ")
+    text = _CLARK.sub(lambda m: f"<{m.group(1)}>", text).strip()
+    if len(text) > _PUBLIC_MAX:
+        text = text[: _PUBLIC_MAX - 3] + "..."
+    return f"{_SCHEMA_TEXT}: {text}"

@@ -43,6 +43,7 @@ from agentd._envelope import (
     build_envelope,
     parse_built_envelope,
     parse_envelope,
+    thread_hint,
 )
 from agentd._errors import AgentdError, HuhCode, Rejection
 from agentd._handler import ChainStopped, HandlerMetadata
@@ -227,13 +228,15 @@ class Pump:
             )  # fmt: skip
         except PrivilegedOnBus:
             self._security_event("priv-on-bus", {"client": client})
-            return self._refuse_client(client, thread, HuhCode.UNROUTABLE)
+            return self._refuse_client(client, thread_hint(data), HuhCode.UNROUTABLE)
         except Rejection as rej:
             if isinstance(rej, Violation):
                 self._security_event(rej.event, rej.fields)
+            if thread == NIL_THREAD:  # refused before its meta was read (docs/protocol.md)
+                thread = thread_hint(data)
             log.info("rejected client=%s code=%s thread=%s detail=%s",
                      client, rej.code.value, thread, rej.detail)
-            return self._refuse_client(client, thread, rej.code)
+            return self._refuse_client(client, thread, rej.code, rej.public)
         if msg.__class__ is not Message:  # a client's decision on a parked message
             return self.durable.client_decision(client, env, data, msg)  # type: ignore[arg-type]
         assert isinstance(msg, Message)
@@ -325,9 +328,13 @@ class Pump:
             return outcome
         return refused or SubmitResult(frame.uuid, seq=seq)
 
-    def _refuse_client(self, client: str, thread: str, code: HuhCode) -> SubmitResult:
+    def _refuse_client(
+        self, client: str, thread: str, code: HuhCode, message: str | None = None
+    ) -> SubmitResult:
+        """`huh code` to the client on `thread`; `message` (a `Rejection.public`,
+        about the client's own input) replaces the code's generic text."""
         metrics.envelopes_rejected.labels(code.value).inc()
-        self._emit_core(client, thread, Huh.of(code).to_bytes())
+        self._emit_core(client, thread, Huh.of(code, message).to_bytes())
         return SubmitResult(thread, code=code)
 
     def _emit_core(
