@@ -177,6 +177,34 @@ async def test_addresses_listed_in_allow_hosts_are_still_refused(url: str, cause
     assert rec.seen == []
 
 
+PUBLIC_V6 = "2606:4700:4700::1111"
+
+
+@pytest.mark.parametrize("listed", [PUBLIC_V6, f"[{PUBLIC_V6}]", "2606:4700:4700:0:0:0:0:1111",
+                                    "[2606:4700:4700::1111]".upper()])
+async def test_an_ipv6_literal_in_allow_hosts_is_fetched(listed: str) -> None:
+    rec = Recorder()
+    tool = fetcher(rec, allow_hosts=(listed,))
+    fetched = await tool.fetch(Fetch(url="https://[2606:4700:4700:0::1111]:8443/x"))
+    assert fetched.status == 200
+    sent = rec.seen[0]
+    assert str(sent.url) == f"https://[{PUBLIC_V6}]:8443/x"
+    assert sent.headers["host"] == f"[{PUBLIC_V6}]:8443"
+    assert (await denied(tool, "https://[2606:4700:4700::1112]/")).cause == "host not allowed"
+
+
+@pytest.mark.parametrize(("listed", "url", "cause"), [
+    ("::1", "http://[::1]/", "loopback address"),
+    ("[fd00::7]", "http://[fd00::7]/", "private address"),
+    ("::ffff:169.254.169.254", "http://[::ffff:169.254.169.254]/", "cloud metadata address"),
+])
+async def test_an_ipv6_literal_in_allow_hosts_still_obeys_the_address_rules(
+        listed: str, url: str, cause: str) -> None:
+    rec = Recorder()
+    assert (await denied(fetcher(rec, allow_hosts=(listed,)), url)).cause == cause
+    assert rec.seen == []
+
+
 async def test_ipv4_mapped_loopback_literal_is_refused() -> None:
     rec = Recorder()
     assert (await denied(fetcher(rec), "https://[::ffff:127.0.0.1]/")).cause == \

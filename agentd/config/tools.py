@@ -57,10 +57,19 @@ def _cidr(value: str) -> str:
 
 
 def _host_pattern(value: str) -> str:
-    """An exact host name or `*.suffix`; never a bare `*`."""
+    """An exact host name, `*.suffix`, or an IPv6 literal, bracketed or bare (kept in
+    its compressed form, as the tool compares it); never a bare `*`."""
+    literal = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    if ":" in literal and "%" in literal:
+        raise problem(f"an IPv6 literal with a zone cannot be allowed: {value!r}")
+    if ":" in literal:
+        try:
+            return ipaddress.IPv6Address(literal).compressed
+        except ValueError:
+            pass
     name = value[2:] if value.startswith("*.") else value
-    if not name or "*" in name or "/" in name or ":" in name:
-        raise problem(f"not a host name or *.suffix pattern: {value!r}")
+    if not name or any(c in name for c in "*/:[]"):
+        raise problem(f"not a host name, *.suffix pattern or IPv6 literal: {value!r}")
     return value.lower()
 
 

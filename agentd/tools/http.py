@@ -143,8 +143,14 @@ def address_refusal(address: Address, allow_private: Sequence[Network] = ()) -> 
 
 def host_allowed(host: str, patterns: Sequence[str]) -> bool:
     """Exact names, or `*.suffix` for any name below the suffix (not the suffix
-    itself). Case and a trailing dot do not matter."""
+    itself), or IPv6 literals (any spelling: compared compressed). Case and a trailing
+    dot do not matter."""
     host = host.lower().rstrip(".")
+    if ":" in host:
+        try:
+            host = ipaddress.IPv6Address(host).compressed
+        except ValueError:
+            return False
     for pattern in patterns:
         if pattern.startswith("*."):
             if host.endswith(pattern[1:]) and len(host) > len(pattern) - 1:
@@ -170,8 +176,9 @@ class Hop:
 
     @property
     def host_header(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
         port = self.url.port
-        return self.host if port is None else f"{self.host}:{port}"
+        return host if port is None else f"{host}:{port}"
 
 
 # --- the tool ----------------------------------------------------------------------
@@ -222,6 +229,8 @@ class HttpFetcher:
         literal = literal_address(host)
         if literal is not None:
             addresses = [literal]
+            if literal.version == 6:
+                host = literal.compressed  # one spelling in the Host header
         else:
             try:
                 answers = await self.resolver(host, url.port or _default_port(url))
