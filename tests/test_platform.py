@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentd._errors import ConfigError
+from agentd.config import ListenerConfig
 from agentd.kernel import Kernel
 from agentd.platform import (
     AssembledContext,
@@ -36,7 +37,7 @@ from agentd.platform import (
     validate_no_override,
 )
 from agentd.platform._context import OPEN, Fragment, assemble, block
-from agentd.platform._prompts import MANIFESTO
+from agentd.platform._prompts import MANIFESTO, tool_notes
 from tests.llm_servers import CONFIG_DIR, FakeLLM, Reply, load, openai_backend, organism_yaml
 
 THREAD = "0b7c1d52-3b9e-4c1e-9a57-2b1f0c3d4e5f"
@@ -98,6 +99,36 @@ def test_an_agent_with_tools_is_told_how_to_send_an_intent_one_without_is_not() 
     alone = PromptRegistry.build(load(organism_yaml(REPLAY, peers="[]"))).get("tutor")
     assert "<intent" not in alone.system_prompt
     assert "(no tools: answer directly)" in alone.core
+
+
+def tool_peers_yaml(root: Path) -> str:
+    return organism_yaml(REPLAY, peers="[run, web, notes]", extra_listeners=f"""\
+  - name: run
+    tool: {{kind: exec, argv: [/bin/echo, '{{word}}', '--n={{count}}'],
+           allow_args: {{word: '[a-z]{{1,12}}', count: '[0-9]+'}}}}
+    approval: {{approvers: [operator]}}
+  - name: web
+    tool: {{kind: http-fetch, allow_hosts: [example.org, '*.example.net'],
+           allow_schemes: [https, http]}}
+  - name: notes
+    tool: {{kind: file-read, root: {json.dumps(str(root))}}}
+""")
+
+
+def test_a_tool_description_says_what_a_call_needs(tmp_path: Path) -> None:
+    root = tmp_path / "private-host-folder"
+    root.mkdir()
+    prompt = PromptRegistry.build(load(tool_peers_yaml(root))).get("tutor")
+    run = prompt.catalogue.by_key["{https://xml-pipeline.org/ns/tools/exec/v1}run"]
+    assert "`word` (matching `[a-z]{1,12}`), `count` (matching `[0-9]+`)" in run.notes[0]
+    assert "needs a human's approval" in run.notes[1]
+    text = prompt.core
+    assert "Allowed URL schemes: https, http. Allowed hosts: example.org, *.example.net" \
+        in text
+    assert "Its folder is `/` to you" in text
+    assert str(root) not in prompt.system_prompt  # never the host path
+    remote = ListenerConfig(name="hub:search", payload_classes=())
+    assert tool_notes(remote) == ("Served by the peer organism `hub`.",)
 
 
 def test_the_manifesto_comes_first_even_when_listed_later() -> None:

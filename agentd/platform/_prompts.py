@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING
 from agentd._errors import ConfigError
 from agentd._schemas import NS_CORE
 from agentd._xmlify import XmlSpec, spec_of
+from agentd.config.tools import ExecTool, FileListTool, FileReadTool, FileWriteTool, HttpFetchTool
 from agentd.demo import MANIFESTO_FILE
+from agentd.tools.command import PLACEHOLDER
 
 if TYPE_CHECKING:
     from agentd.config import AgentConfig, ListenerConfig, OrganismConfig
@@ -101,6 +103,7 @@ class Tool:
     description: str
     responses: tuple[XmlSpec, ...]
     is_self: bool = False
+    notes: tuple[str, ...] = ()  # what a call needs, from the peer's configuration
 
 
 @dataclass(frozen=True)
@@ -211,16 +214,50 @@ def _tools(lst: ListenerConfig, by_name: Mapping[str, ListenerConfig]) -> list[T
         responses = tuple(spec_of(c) for c in peer_cfg.response_classes)
         for cls in peer_cfg.payload_classes:
             spec = spec_of(cls)
-            tools.append(Tool(peer, spec, peer_cfg.description or spec.description, responses))
+            tools.append(Tool(peer, spec, peer_cfg.description or spec.description, responses,
+                              notes=tool_notes(peer_cfg)))
     for cls in lst.payload_classes:
         spec = spec_of(cls)
         tools.append(Tool(lst.name, spec, lst.description or spec.description, (), is_self=True))
     return tools
 
 
+def tool_notes(peer: ListenerConfig) -> tuple[str, ...]:
+    """What a call of `peer` needs that its payload schema does not say: an exec
+    tool's placeholders and their patterns, an http-fetch tool's hosts and schemes,
+    a file tool's folder (shown as `/`, never the host path), an approval gate, a
+    peer organism. A model cannot call well what it cannot see."""
+    notes: list[str] = []
+    tool = peer.tool
+    if isinstance(tool, ExecTool):
+        names = dict.fromkeys(PLACEHOLDER.findall(" ".join(tool.argv)))
+        patterns = tool.allow_args
+        if names:
+            parts = [f"`{n}` (matching `{patterns[n]}`)" if n in patterns else f"`{n}`"
+                     for n in names]
+            notes.append("Give one `<arg>` per placeholder, its `<name>` one of: "
+                         + ", ".join(parts) + "; each value must match in full.")
+        else:
+            notes.append("It takes no arguments: send `<run>` with no `<arg>`.")
+    elif isinstance(tool, HttpFetchTool):
+        hosts = ", ".join(tool.allow_hosts)
+        schemes = ", ".join(tool.allow_schemes)
+        notes.append(f"Allowed URL schemes: {schemes}. Allowed hosts: {hosts} "
+                     "(`*.x` is any name under x); any other URL is refused.")
+    elif isinstance(tool, FileReadTool | FileWriteTool | FileListTool):
+        notes.append("Its folder is `/` to you: give paths relative to it, without a "
+                     "leading `/` (`notes/a.txt` is `/notes/a.txt`).")
+    if peer.approval is not None and peer.approval.required:
+        notes.append("Each call needs a human's approval before it runs: its answer can "
+                     "take long, or be a refusal.")
+    if ":" in peer.name:
+        notes.append(f"Served by the peer organism `{peer.name.partition(':')[0]}`.")
+    return tuple(notes)
+
+
 def _tool_text(tool: Tool) -> str:
     head = f"### {tool.peer}: {tool.description}".rstrip(": ")
-    lines = [head, tool.spec.prompt]
+    lines = [head, *tool.notes, tool.spec.prompt]
     if tool.responses:
         answers = ", ".join(f"<{r.tag}> ({r.namespace})" for r in tool.responses)
         lines.append(f"Answers with: {answers}")
