@@ -495,6 +495,7 @@ class Daemon:
             "gateways": self.federation.status() if self.federation is not None else [],
             **mcp_status(),
             "approvals_pending": len(self.pump.durable.parked),
+            "approvals_parked_bytes": self.pump.durable.parked_bytes,
             "timers_pending": len(self.pump.durable.timers),
         }
 

@@ -192,6 +192,32 @@ async def test_a_client_cannot_park_more_than_its_share_of_the_daemon(
         await park(h)
 
 
+async def test_parked_bytes_are_capped_per_client_and_in_all() -> None:
+    """Parked envelopes are held in memory until decided: one client parking large
+    payloads grew the daemon by ~0.44 MiB each, up to the count caps (~440 MiB per
+    client). Past `pump.max_parked_bytes_per_client`, or everyone's past
+    `pump.max_parked_bytes`, the sender is answered `huh rate-limited` (retry once a
+    decision has made room), with an `approval-limit` security event."""
+    size = len(build_envelope("alice", "0" * 36, to_xml(Pay(amount=1))))
+    text = ORGANISM.read_text().replace(
+        "pump: {", f"pump: {{max_parked_bytes_per_client: {3 * size + 1}, "
+                   f"max_parked_bytes: {4 * size + 1}, ", 1)
+    async with harness(FakeClock(), text=text) as h:
+        parked = [await park(h, payload=Pay(amount=1)) for _ in range(3)]
+        refused = await h.send("alice", Pay(amount=1))  # past alice's share
+        assert [tag(f) for f in refused] == ["huh"]
+        assert child(refused[0], "code") == "rate-limited"
+        await park(h, "bob", Pay(amount=1))  # bob still parks, up to the total
+        refused = await h.send("bob", Pay(amount=1))
+        assert child(refused[0], "code") == "rate-limited"
+        assert [k for k, _ in h.events] == ["approval-limit"] * 2  # type: ignore[attr-defined]
+        thread, approval, _ = parked[0]
+        frames = await h.send("alice", decision("alice", thread, approval, None, False))
+        assert [tag(f) for f in frames] == ["accepted", "huh"]  # denied: room again
+        await park(h, "bob", Pay(amount=1))
+        assert durable.CALLS == []
+
+
 async def test_approved_by_the_client_runs_once() -> None:
     async with harness(FakeClock()) as h:
         thread, approval, sha = await park(h)

@@ -371,3 +371,67 @@ async def test_an_isolated_agent_answers_before_and_after_a_reload_that_replaces
         assert [(p["listener"], p["restarts"]) for p in pools] == [("tutor", 0)]
     finally:
         assert await d.stop() == 0
+
+
+# ---- parked bytes are bounded, across kill -9 ----------------------------------------------
+
+BULK_SIZE = 240_000
+PARKED_CAP = 1_300_000  # five parked envelopes of ~240 KB fit, a sixth does not
+
+
+async def test_a_client_parking_large_payloads_is_bounded_in_bytes_across_kill_9(
+        tmp_path: Path) -> None:
+    """900 envelopes of ~240 KB to an operator-only gate all parked (RSS 235 -> 627 MiB,
+    and the restart after kill -9 loaded every one again): parked bytes are capped per
+    client, past it the sender is answered `huh rate-limited`, nothing parked is lost
+    across kill -9, and the cap still holds after the restart."""
+    from agentd.client import frame_kind
+    from tests.daemon_process import edit_config
+    from tests.organisms.listeners import Bulk
+
+    home = tmp_path / "home"
+    make_home(home, [{
+        "name": "bulk", "payload_class": "tests.organisms.listeners:Bulk",
+        "response_class": "tests.organisms.listeners:Done",
+        "handler": "tests.organisms.listeners:bulk", "description": "Takes a lot.",
+        "approval": {"approvers": ["operator"], "timeout_s": 600}}])
+    edit_config(home, lambda doc: doc["pump"].update(max_parked_bytes_per_client=PARKED_CAP))
+
+    async def send_bulk(bus: BusClient, i: int) -> str:
+        """Send one large envelope: what its sender hears first after `accepted` (or
+        instead of it)."""
+        thread = await bus.send(Bulk(text=f"{i:06d}" * (BULK_SIZE // 6)))
+        while True:
+            frame = await bus.recv(timeout=30)
+            _, kind, on = frame_kind(frame)
+            if on == thread and kind == "huh":
+                return "huh " + frame.split(b"<code>")[1].split(b"</code>")[0].decode()
+            if on == thread and kind != "accepted":
+                return kind
+
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            heard = [await send_bulk(bus, i) for i in range(8)]
+            session = bus.session
+        assert heard == ["approval-required"] * 5 + ["huh rate-limited"] * 3
+        assert any("approval-limit" in line for line in d.log)
+        parked = (await ctl(d, "approvals"))["approvals"]
+        held = (await ctl(d, "status"))["status"]["approvals_parked_bytes"]
+        assert len(parked) == 5 and 5 * BULK_SIZE < held <= PARKED_CAP
+    finally:
+        await d.stop(signal.SIGKILL)
+
+    d = await DaemonProcess(home).start()
+    try:
+        # Everything accepted is still parked, holding what it held, and no more.
+        assert [p["id"] for p in (await ctl(d, "approvals"))["approvals"]] == [
+            p["id"] for p in parked]
+        assert (await ctl(d, "status"))["status"]["approvals_parked_bytes"] == held
+        async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
+            assert await send_bulk(bus, 8) == "huh rate-limited"
+            await ctl(d, "deny", parked[0]["id"])  # a decision makes room
+            assert await send_bulk(bus, 9) == "approval-required"
+        assert (await ctl(d, "status"))["status"]["approvals_parked_bytes"] <= PARKED_CAP
+    finally:
+        assert await d.stop() == 0

@@ -200,6 +200,9 @@ class PumpConfig:
     max_fanout: Positive = 64
     thread_idle_s: Seconds = 86400.0  # conversations idle this long are ended and forgotten
     max_state_bytes_per_thread: Positive = 65536  # handler state per listener and conversation
+    # envelopes parked for approval, held in memory until decided: per client, in all
+    max_parked_bytes_per_client: Positive = 64 << 20
+    max_parked_bytes: Positive = 256 << 20
 
 
 _KERNEL = DEFAULT_KERNEL_OPTIONS  # the journal's defaults are the kernel's own

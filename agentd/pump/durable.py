@@ -88,6 +88,8 @@ class DurableWaits:
         self.parked: dict[str, ApprovalRow] = {}
         self._parked_of: dict[str, set[str]] = {}  # conversation -> approval ids
         self._parked_by_owner: dict[str, int] = {}  # client -> how many parked
+        self._parked_bytes_of: dict[str, int] = {}  # client -> bytes parked
+        self.parked_bytes = 0  # envelope bytes of every parked message
         self._timers_of: dict[str, set[str]] = {}  # conversation -> timer ids
         self._timer_owner: dict[str, str] = {}  # conversation with timers -> its client
         self._timers_by_owner: dict[str, int] = {}  # client -> pending timers
@@ -189,20 +191,32 @@ class DurableWaits:
                 return gate
         return None
 
-    def parking_full(self, msg: Message) -> bool:
-        """Whether `msg` may not be parked: its conversation already has
+    def parking_refusal(self, msg: Message) -> HuhCode | None:
+        """Why `msg` may not be parked, as the code its sender is answered (a
+        security event), or None. `huh denied`: its conversation already has
         `MAX_PARKED_PER_CONVERSATION` messages waiting, its client's conversations
-        `MAX_PARKED_PER_CLIENT`, or all `MAX_PARKED` (a security event; the sender is
-        answered `huh denied`)."""
+        `MAX_PARKED_PER_CLIENT`, or all `MAX_PARKED`. `huh rate-limited`: its envelope
+        would take its client's parked bytes past `pump.max_parked_bytes_per_client`
+        or everyone's past `pump.max_parked_bytes` (parked envelopes are held in
+        memory until decided; a decision makes room)."""
         root = msg.frame.root
         parked = self.parked
-        if (len(parked) < MAX_PARKED
-                and len(self._parked_of.get(root.uuid, ())) < MAX_PARKED_PER_CONVERSATION
-                and self._parked_by_owner.get(root.owner, 0) < MAX_PARKED_PER_CLIENT):
-            return False
-        self._pump._security_event("approval-limit", {
-            "thread": root.uuid, "sender": msg.sender, "pending": str(len(parked))})
-        return True
+        size = len(msg.envelope)
+        settings = self._pump.settings
+        code: HuhCode | None = None
+        if (len(parked) >= MAX_PARKED
+                or len(self._parked_of.get(root.uuid, ())) >= MAX_PARKED_PER_CONVERSATION
+                or self._parked_by_owner.get(root.owner, 0) >= MAX_PARKED_PER_CLIENT):
+            code = HuhCode.DENIED
+        elif (self.parked_bytes + size > settings.max_parked_bytes
+              or self._parked_bytes_of.get(root.owner, 0) + size
+              > settings.max_parked_bytes_per_client):
+            code = HuhCode.RATE_LIMITED
+        if code is not None:
+            self._pump._security_event("approval-limit", {
+                "thread": root.uuid, "sender": msg.sender, "pending": str(len(parked)),
+                "parked_bytes": str(self.parked_bytes), "refused": code.value})
+        return code
 
     def park(self, msg: Message, gate: ApprovalRules, batch: Batch | None) -> ApprovalRow:
         """Park `msg` instead of dispatching it; its thread's owner is told."""
@@ -222,6 +236,9 @@ class DurableWaits:
             self._audit(tx, "approval-request", row, {"sender": row.sender,
                                                       "approvers": ",".join(row.approvers)})
         self._to_owner(row, approval_required(row), batch)
+        # Only the envelope is held until the decision: it is what runs; the payload
+        # bytes were for the owner and the hash, both done.
+        self.parked[row.id] = row._replace(payload=b"")
         log.info("message parked for approval approval=%s listener=%s %s", row.id,
                  row.listener, frame.log_ids)
         return row
@@ -389,6 +406,9 @@ class DurableWaits:
         self.parked[row.id] = row
         self._parked_of.setdefault(row.conversation, set()).add(row.id)
         _count_up(self._parked_by_owner, row.owner)
+        size = len(row.envelope)
+        self.parked_bytes += size
+        self._parked_bytes_of[row.owner] = self._parked_bytes_of.get(row.owner, 0) + size
         self.live.add((APPROVAL, row.id))
         _count_up(self.holds, row.frame)
 
@@ -398,6 +418,11 @@ class DurableWaits:
             return
         _unindex(self._parked_of, row.conversation, approval_id)
         _count_down(self._parked_by_owner, row.owner)
+        size = len(row.envelope)
+        self.parked_bytes -= size
+        left = self._parked_bytes_of.pop(row.owner, 0) - size
+        if left > 0:
+            self._parked_bytes_of[row.owner] = left
         self.live.discard((APPROVAL, approval_id))
         _count_down(self.holds, row.frame)
 
@@ -425,7 +450,7 @@ class DurableWaits:
             else:
                 self._add_timer(timer, frame.root.owner)
         for row in await kernel.approvals():
-            self._add_parked(row)
+            self._add_parked(row._replace(payload=b""))
             self.deadlines.schedule(row.deadline, APPROVAL, row.id)
         if stale:
             tx = kernel.transaction()

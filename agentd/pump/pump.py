@@ -246,8 +246,9 @@ class Pump:
             msg.hops = hops
         frame = msg.frame
         gate = self.durable.gate_of(msg) if frame.profile.table.gates else None
-        if gate is not None and msg.sender != CORE and self.durable.parking_full(msg):
-            return self._refuse_client(client, frame.uuid, HuhCode.DENIED)
+        if gate is not None and msg.sender != CORE and (
+                refused := self.durable.parking_refusal(msg)) is not None:
+            return self._refuse_client(client, frame.uuid, refused)
         if known is None:
             self.registry.add(frame)  # registered only once every check has passed
         else:
@@ -422,8 +423,8 @@ class Pump:
                     "listener=%s %s", ",".join(t.name for t in msg.targets), msg.frame.log_ids)
         batch = self._open()
         assert batch is not None
-        if self.durable.parking_full(msg):
-            self._huh_to(msg.frame, HuhCode.DENIED, msg.hops, batch)
+        if (refused := self.durable.parking_refusal(msg)) is not None:
+            self._huh_to(msg.frame, refused, msg.hops, batch)
         else:
             self.durable.park(msg, gate, batch)
         batch.tx.delivered(msg.seq)
@@ -635,8 +636,8 @@ class Pump:
         if frame.profile.table.gates:  # gated as the client's own envelope would be
             gate = self.durable.gate_of(filled)
             if gate is not None:
-                if self.durable.parking_full(filled):
-                    self._huh_to(frame, HuhCode.DENIED, hops, batch)
+                if (refused := self.durable.parking_refusal(filled)) is not None:
+                    self._huh_to(frame, refused, hops, batch)
                 else:
                     self.durable.park(filled, gate, batch)
                 return
@@ -684,8 +685,8 @@ class Pump:
                 if frame.profile.table.gates:
                     gate = self.durable.gate_of(msg)
                     if gate is not None:
-                        if self.durable.parking_full(msg):
-                            self._huh_to(own, HuhCode.DENIED, hops, batch)
+                        if (refused := self.durable.parking_refusal(msg)) is not None:
+                            self._huh_to(own, refused, hops, batch)
                             return False
                         msg.hops = hops
                         self.durable.park(msg, gate, batch)
