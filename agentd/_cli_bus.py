@@ -26,6 +26,7 @@ import click
 import pyotp
 import yaml
 
+from agentd._credentials import read_secret, read_session_file
 from agentd._errors import AgentdError, Rejection
 from agentd._xml import c14n, parse_untrusted
 from agentd.demo import AGENT_FILES, AGENT_ORGANISM, DEMO_DIR, ORGANISM, SAMPLE_FILES
@@ -271,22 +272,6 @@ def _url_host(host: str) -> str:
 # ---------------------------------------------------------------------------- totp
 
 
-def read_secret(path: Path) -> str:
-    """A TOTP secret file: the base32 secret, or an otpauth:// URI, on one line."""
-    from agentd.config import normalise_secret
-
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise AgentdError(f"cannot read secret file {path}: {exc.strerror or exc}") from None
-    if text.startswith("otpauth://"):
-        text = pyotp.parse_uri(text).secret
-    try:
-        return normalise_secret(text)
-    except ValueError as exc:
-        raise AgentdError(f"secret file {path}: {exc}") from None
-
-
 def _secret_for(client: str, secret_file: Path | None, clients_file: Path | None) -> str:
     if clients_file is not None:
         from agentd.bus import read_clients_file
@@ -341,106 +326,138 @@ def read_input(data: bytes) -> list[bytes]:
     return docs
 
 
-def read_session_file(path: Path) -> tuple[str | None, str | None]:
-    """(the bus URL the token was issued by, the token) from a session file: `agentd
-    send` caches "URL\\nTOKEN"; a file of one line is a bare token (URL None).
-    (None, None) if there is none."""
-    try:
-        lines = path.read_text(encoding="utf-8").split()
-    except OSError:
-        return None, None
-    if len(lines) == 1:
-        return None, lines[0]
-    if len(lines) == 2:
-        return lines[0], lines[1]
-    return None, None
+def _hint(exc: BaseException, client: str) -> str:
+    """What to do next about an error of `agentd send` (indented lines, or "")."""
+    from agentd.client import AuthenticationFailed, BusError, Huh
+
+    if isinstance(exc, AuthenticationFailed):
+        return (
+            "  The daemon does not say why a login failed. Check:\n"
+            "  - this machine's clock (a TOTP code is good for 30 s; `date -u`);\n"
+            f"  - --secret-file holds {client}'s secret as in the daemon's clients file;\n"
+            "  - another process that logged in as the same client within the last 30 s\n"
+            "    (a code is accepted once): give both the same --session-file;\n"
+            "  - 5 failures within 60 s lock the client out for 60 s: wait, then retry.\n"
+            "  The daemon's log says which it was (`auth failed client=... reason=...`)."
+        )
+    if isinstance(exc, BusError) and exc.certificate:
+        return ("  The daemon's certificate is not trusted: name it with --cafile (for a home\n"
+                "  made by `agentd init`, its tls/cert.pem).")
+    if isinstance(exc, Huh) and exc.code == "unroutable":
+        return (
+            "  Nothing this client may call takes that payload: check its root tag and\n"
+            "  namespace against the listener's. A valid one: `agentctl introspect example\n"
+            "  LISTENER`, or send <request-example xmlns=\"https://xml-pipeline.org/ns/core/v1\">"
+            "\n  <name>LISTENER</name></request-example> (when meta.allow_example_requests is on)."
+        )
+    return ""
 
 
 async def _send_main(
-    url: str, client: str, secret_file: Path | None, session_file: Path | None,
-    thread: str | None, timeout: float, cafile: Path | None, verify: bool,
+    urls: list[str], client: str, secret_file: Path | None, session_file: Path | None,
+    thread: str | None, to: str | None, timeout: float, cafile: Path | None, verify: bool,
     docs: list[bytes], emit: Any,
 ) -> tuple[int, dict[str, Any]]:
-    from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind, is_answer
+    from agentd.client import (
+        Answer,
+        ApprovalRequired,
+        AuthenticationFailed,
+        BusError,
+        Client,
+        Event,
+        Huh,
+    )
 
     secret_path = secret_file or DEFAULT_HOME / f"{client}.totp"
     secret = read_secret(secret_path)
     session_path = session_file or secret_path.with_suffix(".session")
     if cafile is None and verify:
         cafile = default_cafile(secret_path)
-    issued_by, session = read_session_file(session_path)
-    if issued_by != url:  # a token is sent only to the bus that issued it
-        session = None
-    report: dict[str, Any] = {"url": url, "client": client, "sent": [], "frames": []}
+    report: dict[str, Any] = {"url": urls[0], "urls": urls, "client": client, "sent": [],
+                              "frames": [], "others": []}
+
+    def entry(event: Event, kind: str) -> dict[str, Any]:
+        return {"thread": event.thread, "from": event.sender, "kind": kind,
+                "xml": event.frame.decode("utf-8", "replace")}
+
+    def other(event: Any) -> None:
+        item = entry(event, event.tag.rsplit("}", 1)[-1])
+        report["others"].append(item)
+        emit("other", item)
+
     try:
-        bus = BusClient(url, client, secret=secret, session=session, cafile=cafile,
-                        verify=verify)
+        bus = Client(urls, client, secret=secret, session_file=session_path, cafile=cafile,
+                     verify=verify, on_other=other)
     except ValueError as exc:  # not a wss:// URL
         report["error"] = str(exc)
         return EXIT_CONNECT, report
     try:
-        try:
-            await bus.connect()
-        except AuthenticationFailed:
-            if session is None:
-                raise
-            session_path.unlink(missing_ok=True)  # stale: log in with TOTP instead
-            bus = BusClient(url, client, secret=secret, cafile=cafile, verify=verify)
-            await bus.connect()
+        await bus.open()
     except AuthenticationFailed as exc:
-        report["error"] = str(exc)
+        report["error"], report["hint"] = str(exc), _hint(exc, client)
         return EXIT_AUTH, report
     except BusError as exc:
-        report["error"] = str(exc)
+        report["error"], report["hint"] = str(exc), _hint(exc, client)
         return EXIT_CONNECT, report
-    if bus.session and bus.session != session:
-        try:
-            from agentd.bus import write_private_atomic
-
-            write_private_atomic(session_path, f"{url}\n{bus.session}\n".encode())
-        except OSError:
-            pass  # the cache is a convenience
-    open_threads: dict[str, bool] = {}
+    report["url"] = bus.url
     code = EXIT_OK
+    open_threads: list[str] = []
+    errors: list[str] = []
+    hints: list[str] = []
+
+    async def follow(exchange: Any) -> None:
+        nonlocal code
+        try:
+            async for event in exchange.events():
+                kind = ("accepted" if not isinstance(event, Answer | ApprovalRequired)
+                        else "approval-required" if isinstance(event, ApprovalRequired)
+                        else event.tag.rsplit("}", 1)[-1])
+                item = entry(event, kind)
+                report["frames"].append(item)
+                emit("frame", item)
+                if isinstance(event, ApprovalRequired):
+                    emit("waiting", {"thread": event.thread, "approval": event.approval,
+                                     "listener": event.listener, "expires": event.expires})
+            open_threads.remove(exchange.thread)
+        except Huh as exc:
+            item = {"thread": exc.thread, "from": exc.sender, "kind": "huh",
+                    "xml": exc.frame.decode("utf-8", "replace")}
+            report["frames"].append(item)
+            emit("frame", item)
+            open_threads.remove(exchange.thread)
+            code = EXIT_FAILED
+            hint = _hint(exc, client)
+            if hint and hint not in hints:
+                hints.append(hint)
+        except TimeoutError as exc:
+            errors.append(str(exc))
+            code = EXIT_FAILED
+        except BusError as exc:
+            errors.append(str(exc))
+            code = EXIT_FAILED
+
     try:
+        exchanges = []
         for doc in docs:
-            frame, sent_thread = bus.wrap(doc, thread)
-            await bus.send_raw(frame)
-            open_threads[sent_thread] = True
-            report["sent"].append(sent_thread)
-            emit("sent", {"thread": sent_thread})
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while any(open_threads.values()):
-            left = deadline - loop.time()
-            if left <= 0:
-                raise TimeoutError
-            frame = await bus.recv(timeout=left)
-            sender, kind, frame_thread = frame_kind(frame)
-            entry = {"thread": frame_thread, "from": sender, "kind": kind,
-                     "xml": frame.decode("utf-8", "replace")}
-            report["frames"].append(entry)
-            emit("frame", entry)
-            if is_answer(frame):
-                if sender == "core" and kind == "huh":
-                    code = EXIT_FAILED
-                if frame_thread in open_threads:
-                    open_threads[frame_thread] = False
-                elif "" in open_threads or frame_thread == "00000000-0000-0000-0000-000000000000":
-                    # the answer to input too broken to have a thread
-                    for key, still in open_threads.items():
-                        if still:
-                            open_threads[key] = False
-                            break
-    except TimeoutError:
-        report["error"] = f"no answer within {timeout} s"
-        code = EXIT_FAILED
+            exchange = await bus.start(doc, to=to, thread=thread, timeout=timeout)
+            exchanges.append(exchange)
+            open_threads.append(exchange.thread)
+            report["sent"].append(exchange.thread)
+            emit("sent", {"thread": exchange.thread})
+        await asyncio.gather(*(follow(e) for e in exchanges))
+    except ValueError as exc:  # --to with a whole envelope
+        report["error"] = str(exc)
+        code = EXIT_USAGE
     except BusError as exc:
         report["error"] = str(exc)
         code = EXIT_FAILED
     finally:
-        await bus.close()
-    report["complete"] = not any(open_threads.values())
+        await bus.aclose()
+    if errors and "error" not in report:
+        report["error"] = "; ".join(dict.fromkeys(errors))
+    if hints:
+        report["hint"] = "\n".join(hints)
+    report["complete"] = not open_threads
     return code, report
 
 
@@ -453,7 +470,9 @@ def default_cafile(secret_file: Path) -> Path | None:
 
 
 @click.command("send", context_settings=HELP_OPTIONS)
-@click.option("--url", default=DEFAULT_URL, show_default=True, help="The bus URL.")
+@click.option("--url", "urls", multiple=True, default=[DEFAULT_URL], show_default=True,
+              help="The bus URL; repeat it to name others, tried in order when one cannot "
+                   "be reached.")
 @click.option("--client", default="alice", show_default=True, help="The client id.")
 @click.option("--secret-file", type=click.Path(dir_okay=False, path_type=Path),
               help="TOTP secret file [default: agentd-home/CLIENT.totp].")
@@ -463,8 +482,12 @@ def default_cafile(secret_file: Path) -> Path | None:
 @click.option("--thread", type=click.UUID, metavar="UUID",
               callback=lambda _c, _p, v: None if v is None else str(v),
               help="Send bare payloads on this thread (a UUID; default: a new one each).")
+@click.option("--to", metavar="LISTENER",
+              help="Address bare payloads to this listener (meta/to): among the listeners "
+                   "that take the payload, only it.")
 @click.option("--timeout", default=30.0, show_default=True, type=float,
-              help="Seconds to wait for the answers.")
+              help="Seconds to wait for each answer (a call parked for approval waits "
+                   "until the approval expires, then this long).")
 @click.option("--cafile", type=click.Path(dir_okay=False, path_type=Path),
               help="CA or self-signed certificate to trust [default: tls/cert.pem beside "
                    "the secret file, if it exists; else the system's CAs].")
@@ -472,12 +495,14 @@ def default_cafile(secret_file: Path) -> Path | None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
 @click.argument("file", type=click.File("rb"))
 def send_cmd(
-    url: str, client: str, secret_file: Path | None, session_file: Path | None,
-    thread: str | None, timeout: float, cafile: Path | None, insecure: bool, as_json: bool,
-    file: Any,
+    urls: tuple[str, ...], client: str, secret_file: Path | None, session_file: Path | None,
+    thread: str | None, to: str | None, timeout: float, cafile: Path | None, insecure: bool,
+    as_json: bool, file: Any,
 ) -> None:
-    """Send envelopes or bare payloads from FILE (or - for stdin) and print every frame
-    received until each conversation is answered or --timeout passes."""
+    """Send envelopes or bare payloads from FILE (or - for stdin) and print the frames of
+    their threads until each has its outcome (waiting through approval-required) or
+    --timeout passes. Frames of other threads (answers an earlier run left behind) go
+    to stderr, marked."""
     try:
         docs = read_input(file.read())
     except AgentdError as exc:
@@ -485,6 +510,15 @@ def send_cmd(
         sys.exit(EXIT_USAGE)
 
     def emit(what: str, entry: dict[str, Any]) -> None:
+        if what == "other":  # not this run's: never mixed with its answers
+            click.echo(f"<- [other thread] {entry['kind']} from {entry['from']} on thread "
+                       f"{entry['thread']}\n   {entry['xml']}", err=True)
+            return
+        if what == "waiting":
+            click.echo(f"agentd send: waiting for approval {entry['approval']} of a call to "
+                       f"{entry['listener']} (expires {entry['expires']}): "
+                       f"agentctl approve {entry['approval']}", err=True)
+            return
         if as_json:
             return
         if what == "sent":
@@ -495,54 +529,64 @@ def send_cmd(
 
     try:
         code, report = asyncio.run(_send_main(
-            url, client, secret_file, session_file, thread, timeout, cafile, not insecure,
-            docs, emit,
+            list(urls), client, secret_file, session_file, thread, to, timeout, cafile,
+            not insecure, docs, emit,
         ))
     except AgentdError as exc:
         click.echo(f"agentd send: {exc}", err=True)
         sys.exit(EXIT_USAGE)
     if as_json:
         click.echo(json.dumps(report))
-    elif "error" in report:
+    if "error" in report:
         click.echo(f"agentd send: {report['error']}", err=True)
+    if report.get("hint"):
+        click.echo(report["hint"], err=True)
     sys.exit(code)
 
 
 @click.command("mcp-serve", context_settings=HELP_OPTIONS)
-@click.option("--url", default=DEFAULT_URL, show_default=True, help="The bus URL.")
+@click.option("--url", "urls", multiple=True, default=[DEFAULT_URL], show_default=True,
+              help="The bus URL; repeat it to name others, tried in order when one cannot "
+                   "be reached.")
 @click.option("--client", required=True, help="The client id (its profile decides the tools).")
 @click.option("--secret-file", type=click.Path(dir_okay=False, path_type=Path),
               help="TOTP secret file [default: agentd-home/CLIENT.totp].")
 @click.option("--session-file", type=click.Path(dir_okay=False, path_type=Path),
-              help="A session token to log in with instead of a TOTP code, if present.")
+              help="Where the session token is kept: logged in with when present, written "
+                   "after a TOTP login (so a second process within 30 s needs no code).")
 @click.option("--cafile", type=click.Path(dir_okay=False, path_type=Path),
               help="CA or self-signed certificate to trust [default: tls/cert.pem beside "
                    "the secret file, if it exists; else the system's CAs].")
 @click.option("--timeout", default=60.0, show_default=True, type=float,
               help="Seconds a tool call waits for its answer.")
-def mcp_serve_cmd(url: str, client: str, secret_file: Path | None, session_file: Path | None,
-                  cafile: Path | None, timeout: float) -> None:
+def mcp_serve_cmd(urls: tuple[str, ...], client: str, secret_file: Path | None,
+                  session_file: Path | None, cafile: Path | None, timeout: float) -> None:
     """An MCP server on stdin/stdout offering the listeners CLIENT's profile permits."""
-    from agentd.client import BusClient, BusError
+    from agentd.client import AuthenticationFailed, BusError, Client
     from agentd.mcp.serve import serve
 
     secret_path = secret_file or DEFAULT_HOME / f"{client}.totp"
-    session = None
-    if session_file is not None:  # a bare token, or `agentd send`'s cache for this URL
-        issued_by, session = read_session_file(session_file)
-        if issued_by not in (None, url):
-            session = None
     try:
-        secret = read_secret(secret_path) if session is None else None
-        bus = BusClient(url, client, secret=secret, session=session,
-                        cafile=cafile or default_cafile(secret_path))
+        try:
+            secret: str | None = read_secret(secret_path)
+        except AgentdError:
+            if session_file is None or read_session_file(session_file)[1] is None:
+                raise
+            secret = None  # a session token alone
+        bus = Client(list(urls), client, secret=secret, session_file=session_file,
+                     cafile=cafile or default_cafile(secret_path))
     except (AgentdError, ValueError) as exc:
         click.echo(f"agentd mcp-serve: {exc}", err=True)
         sys.exit(EXIT_USAGE)
     try:
         asyncio.run(serve(bus, timeout))
+    except AuthenticationFailed as exc:
+        click.echo(f"agentd mcp-serve: {exc}\n{_hint(exc, client)}", err=True)
+        sys.exit(EXIT_AUTH)
     except (BusError, AgentdError) as exc:  # AgentdError: the daemon offers nothing
         click.echo(f"agentd mcp-serve: {exc}", err=True)
+        if isinstance(exc, BusError) and exc.certificate:
+            click.echo(_hint(exc, client), err=True)
         sys.exit(EXIT_CONNECT)
 
 

@@ -27,6 +27,7 @@ import re
 import sys
 import types
 import typing
+import weakref
 from collections import ChainMap
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
@@ -275,9 +276,25 @@ def xmlify(
             localns=caller_locals,
         )
         target.__xmlify__ = spec  # type: ignore[attr-defined]
+        _BY_TAG.setdefault(spec.clark, weakref.WeakSet()).add(target)
         return target
 
     return decorate if cls is None else decorate(cls)
+
+
+# Every @xmlify class of this process by its element's Clark name, so a client can
+# read an answer back into its class (`class_for`). Weak: a class that goes away
+# (a test's local class) leaves.
+_BY_TAG: dict[str, weakref.WeakSet[type]] = {}
+
+
+def class_for(clark: str) -> type | None:
+    """The @xmlify class for element `clark` ("{ns}tag") if exactly one is defined
+    in this process, else None."""
+    found = _BY_TAG.get(clark)
+    if not found or len(found) != 1:
+        return None
+    return next(iter(found))
 
 
 def spec_of(cls_or_obj: Any) -> XmlSpec:

@@ -1,5 +1,7 @@
-"""The importable BusClient and the bus-side commands (`agentd init`, `totp`, `send`),
-against a real TLS bus on 127.0.0.1 (docs/commands.md)."""
+"""The client library (`Client` and the `BusClient` connection under it) and the
+bus-side commands (`agentd init`, `totp`, `send`), against a real TLS bus on
+127.0.0.1 (docs/user-guide.md, docs/commands.md). A real `agentd run` with an
+approval gate is in test_client_daemon.py."""
 
 from __future__ import annotations
 
@@ -20,11 +22,21 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from agentd._cli_bus import init_cmd, totp_cmd
 from agentd._routing import Routing
 from agentd.bus import BusServer, ClientAuth, TlsSetupError, client_context, server_context
-from agentd.client import AuthenticationFailed, BusClient, BusError, frame_kind
+from agentd.client import (
+    Accepted,
+    Answer,
+    AuthenticationFailed,
+    BusClient,
+    BusError,
+    Client,
+    Huh,
+    Other,
+    frame_kind,
+)
 from agentd.config import load_config
 from agentd.pump import Pump
-from agentd.tools.calculator import Add
-from tests.test_bus_support import Rig, start_rig, stop_rig
+from agentd.tools.calculator import Add, Sum
+from tests.test_bus_support import GATE, Gate, Gated, Rig, gate_entered, start_rig, stop_rig
 
 ROOT = Path(__file__).resolve().parent.parent
 ADD = b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>2</a><b>3</b></add>'
@@ -92,6 +104,180 @@ async def test_client_refuses_non_xml_payloads(rig: Rig) -> None:
             await c.send(b"not xml")
         with pytest.raises(TypeError):
             await c.send(object())
+
+
+# ---- Client ----------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _gate():
+    GATE.update(event=None, entered=0, watch=None, times=[])
+    yield
+    event = GATE["event"]
+    if event is not None:
+        event.set()
+
+
+def _client(rig: Rig, urls: str | list[str] | None = None, **kw) -> Client:
+    kw.setdefault("secret", rig.secrets["alice"])
+    return Client.connect(urls or rig.url, "alice", cafile=rig.cafile, **kw)
+
+
+async def test_call_returns_the_answer_as_its_xmlify_class(rig: Rig) -> None:
+    async with _client(rig) as c:
+        assert await c.call(Add(a=2, b=3)) == Sum(value=5)
+        as_bytes = await c.call(ADD, to="calculator.add")
+        events = [e async for e in c.stream(Add(a=1, b=1))]
+    assert as_bytes == Sum(value=5)
+    assert [type(e) for e in events] == [Accepted, Answer]
+    assert events[-1].payload == Sum(value=2) and events[-1].sender == "calculator.add"
+    assert events[-1].xml == b'<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1">' \
+        b"<value>2</value></sum>"
+
+
+async def test_a_refusal_raises_huh_with_its_code_message_and_retry_flag(rig: Rig) -> None:
+    async with _client(rig) as c:
+        with pytest.raises(Huh) as bad:
+            await c.call(ADD.replace(b">2<", b">x<"))
+        with pytest.raises(Huh) as narrowed:  # `to` narrows to a listener that does not take it
+            await c.call(Add(a=1, b=1), to="echo")
+        assert await c.call(Add(a=1, b=1)) == Sum(value=2)  # the client goes on
+    assert (bad.value.code, bad.value.retry_allowed) == ("invalid-payload", True)
+    assert bad.value.message.startswith("The payload does not match its schema: <a>:")
+    assert narrowed.value.code == "unroutable"
+
+
+async def test_concurrent_calls_each_get_their_own_answer(rig: Rig) -> None:
+    async with _client(rig) as c:
+        sums = await asyncio.gather(*(c.call(Add(a=i, b=i)) for i in range(20)))
+    assert sums == [Sum(value=2 * i) for i in range(20)]
+
+
+async def test_frames_of_threads_it_did_not_start_go_to_on_other(tmp_path: Path) -> None:
+    """An answer an earlier connection left in the outbox is not taken for this
+    client's own answer: it goes to `on_other` (and `others`)."""
+    rig = await start_rig(tmp_path, kernel=True)
+    try:
+        GATE["event"] = asyncio.Event()
+        earlier = await rig.login("alice")
+        left = await earlier.send(Gate(n=7))
+        await gate_entered(1)
+        await earlier.close()
+        GATE["event"].set()
+        seen: list[Other] = []
+        replayed = asyncio.Event()
+
+        def other(event: Other) -> None:
+            seen.append(event)
+            if event.tag.endswith("}gated"):
+                replayed.set()
+
+        async with _client(rig, session=earlier.session, secret=None, on_other=other) as c:
+            assert await c.call(Add(a=1, b=2)) == Sum(value=3)
+            await asyncio.wait_for(replayed.wait(), 30)  # the replay runs beside the call
+        gated = [o for o in seen if o.tag.endswith("}gated")]
+        assert [o.thread for o in gated] == [left] and list(c.others) == seen
+    finally:
+        await stop_rig(rig)
+
+
+class Cutter:
+    """A TCP relay on 127.0.0.1 whose connections the test can cut (TLS passes
+    through it end to end): a dropped network, as the client sees it."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(65536):
+                    w.write(data)
+                    await w.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                w.close()
+
+        async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            ur, uw = await asyncio.open_connection("127.0.0.1", self.port)
+            self.writers += [w, uw]
+            await asyncio.gather(pipe(r, uw), pipe(ur, w))
+
+        self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return f"wss://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/bus"
+
+    def cut(self) -> None:
+        for w in self.writers:
+            w.transport.abort()
+        self.writers.clear()
+
+    def close(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+
+
+async def test_a_dropped_connection_is_resumed_and_the_answer_still_arrives(
+    tmp_path: Path,
+) -> None:
+    rig = await start_rig(tmp_path, kernel=True)
+    cutter = Cutter(rig.bus.port)
+    try:
+        url = await cutter.start()
+        GATE["event"] = asyncio.Event()
+        async with _client(rig, url) as c:
+            call = asyncio.create_task(c.call(Gate(n=5), timeout=30))
+            await gate_entered(1)
+            token = c.session
+            gone = asyncio.Event()
+            rig.bus.on_session_closed = lambda _session: gone.set()
+            cutter.cut()
+            await asyncio.wait_for(gone.wait(), 30)
+            GATE["event"].set()  # answered while the client is away: kept in the outbox
+            assert await call == Gated(n=5)
+            assert c.session == token  # resumed with its session, no new TOTP code
+            assert await c.call(Add(a=2, b=2)) == Sum(value=4)
+    finally:
+        cutter.close()
+        await stop_rig(rig)
+
+
+async def test_urls_are_tried_in_order_until_one_answers(rig: Rig) -> None:
+    dead = f"wss://127.0.0.1:{_free_port()}/bus"
+    async with _client(rig, [dead, rig.url]) as c:
+        assert c.url == rig.url and await c.call(Add(a=1, b=1)) == Sum(value=2)
+    with pytest.raises(BusError, match="cannot connect to any of 2 URLs") as info:
+        await _client(rig, [dead, f"wss://127.0.0.1:{_free_port()}/bus"]).open()
+    assert dead in str(info.value)
+    with pytest.raises(ValueError, match="TLS only"):
+        _client(rig, [rig.url, "ws://127.0.0.1:1/bus"])
+
+
+async def test_a_session_file_spares_a_second_process_the_used_code(
+    rig: Rig, tmp_path: Path
+) -> None:
+    """Two logins within one 30 s step: the second reuses the code and is refused,
+    unless both keep the session token in one file."""
+    session = tmp_path / "alice.session"
+    async with _client(rig, session_file=session) as first:
+        assert session.read_text().split() == [rig.url, first.session]
+        assert stat.S_IMODE(session.stat().st_mode) == 0o600
+    async with _client(rig, session_file=session) as second:  # same step: the token
+        assert second.session == first.session
+    with pytest.raises(AuthenticationFailed):  # without it: a reused code
+        await _client(rig).open()
+    session.write_text("wss://elsewhere.example:8765/bus\nstolen\n")
+    with pytest.raises(ValueError, match="TOTP secret"):  # never sent to another bus
+        Client.connect(rig.url, "alice", session_file=session)
+
+
+async def test_an_untrusted_certificate_is_a_certificate_error(rig: Rig) -> None:
+    with pytest.raises(BusError, match="self-signed certificate") as info:
+        await Client.connect(rig.url, "alice", secret=rig.secrets["alice"]).open()
+    assert info.value.certificate
 
 
 # ---- agentd init --------------------------------------------------------------------------
@@ -405,3 +591,79 @@ def test_send_refuses_a_thread_that_is_not_a_uuid(tmp_path: Path) -> None:
     result = CliRunner().invoke(send_cmd, ["--secret-file", str(tmp_path / "s"),
                                            "--thread", "notauuid", "-"], input="<x/>")
     assert result.exit_code == 2 and "'notauuid' is not a valid UUID" in result.output
+
+
+# ---- agentd send: what to do next -------------------------------------------------------------
+
+
+def _secret_file(rig: Rig, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "alice.totp"
+    path.write_text(rig.secrets["alice"] + "\n")
+    path.chmod(0o600)
+    return path
+
+
+async def test_send_says_what_to_check_when_its_login_is_refused(rig: Rig, tmp_path: Path) -> None:
+    """Every cause reads `authentication failed (close code 4401)`; the user is told
+    what to check (the daemon's log says which it was)."""
+    secret = _secret_file(rig, tmp_path / "wrong")
+    secret.write_text(pyotp.random_base32())
+    code, _out, err = await _agentd("--url", rig.url, "--secret-file", str(secret),
+                                   "--cafile", str(rig.cafile), "-", stdin=ADD)
+    assert code == 4 and "authentication failed (close code 4401" in err
+    for what in ("clock", "--secret-file holds alice's secret", "--session-file",
+                 "lock the client out", "daemon's log"):
+        assert what in err, (what, err)
+
+
+async def test_send_names_cafile_when_the_certificate_is_not_trusted(
+    rig: Rig, tmp_path: Path
+) -> None:
+    secret = _secret_file(rig, tmp_path / "elsewhere")  # no tls/cert.pem beside it
+    code, _out, err = await _agentd("--url", rig.url, "--secret-file", str(secret), "-",
+                                   stdin=ADD)
+    assert code == 3 and "self-signed certificate" in err
+    assert "--cafile" in err and "tls/cert.pem" in err
+
+
+async def test_send_tells_what_its_own_payload_got_wrong(rig: Rig) -> None:
+    """A wrong root tag is `unroutable` and nothing more: send suggests where a valid
+    payload comes from. A payload without xmlns and one that fails its schema say so."""
+    secret = _secret_file(rig, rig.home)
+    common = ["--url", rig.url, "--secret-file", str(secret)]
+    wrong_tag = b'<count-words xmlns="https://xml-pipeline.org/ns/echo/v1"><text>a</text>' \
+        b"</count-words>"
+    code, out, err = await _agentd(*common, "-", stdin=wrong_tag)
+    assert code == 1 and "<code>unroutable</code>" in out
+    assert "agentctl introspect example" in err and "request-example" in err
+    code, out, err = await _agentd(*common, "-", stdin=b"<add><a>1</a><b>2</b></add>")
+    assert code == 1 and "its payload &lt;add&gt; has no namespace of its own" in out
+    code, out, err = await _agentd(*common, "-", stdin=ADD.replace(b">2<", b">two<"))
+    assert code == 1 and "<a>: 'two' is not a valid value" in out.replace("&lt;", "<").replace(
+        "&gt;", ">")
+    assert "introspect" not in err  # the hint is for unroutable only
+
+
+async def test_send_to_addresses_one_listener(rig: Rig) -> None:
+    secret = _secret_file(rig, rig.home)
+    common = ["--url", rig.url, "--secret-file", str(secret)]
+    code, out, err = await _agentd(*common, "--to", "calculator.add", "-", stdin=ADD)
+    assert code == 0 and "<- sum from calculator.add" in out, err
+    code, out, err = await _agentd(*common, "--to", "echo", "-", stdin=ADD)
+    assert code == 1 and "<code>unroutable</code>" in out  # `to` narrows, never widens
+
+
+async def test_send_tries_every_url_in_order(rig: Rig) -> None:
+    """Only the last --url was used, silently."""
+    secret = _secret_file(rig, rig.home)
+    dead = f"wss://127.0.0.1:{_free_port()}/bus"
+    for urls in ([dead, rig.url], [rig.url, dead]):
+        args = [a for url in urls for a in ("--url", url)]
+        code, out, err = await _agentd(*args, "--secret-file", str(secret), "--json", "-",
+                                       stdin=ADD)
+        assert code == 0, err
+        assert json.loads(out)["url"] == rig.url
+    code, out, err = await _agentd("--url", dead, "--url", dead.replace("/bus", "/x"),
+                                   "--secret-file", str(secret), "-", stdin=ADD)
+    assert code == 3 and "cannot connect to any of 2 URLs" in err

@@ -61,6 +61,22 @@ async def test_arguments_the_daemon_refuses_come_back_as_is_error(rig: Rig) -> N
         assert unknown.isError
 
 
+async def test_a_second_server_within_the_totp_step_logs_in_with_the_session_file(
+        rig: Rig) -> None:
+    """An MCP client that starts the server twice within 30 s (the Inspector does):
+    the second reused the TOTP code and got 4401, since mcp-serve only read the
+    session file. Now the first writes its token there and the second uses it."""
+    first = params(rig, "alice")
+    session = rig.home / "alice.mcp-session"
+    first.args += ["--session-file", str(session)]
+    for _ in range(2):
+        async with stdio_client(first) as (read, write), \
+                ClientSession(read, write) as mcp:
+            await mcp.initialize()
+            assert "calculator.add" in {t.name for t in (await mcp.list_tools()).tools}
+        assert session.read_text().split()[0] == rig.url
+
+
 def test_the_input_schema_and_payload_come_from_the_xsd() -> None:
     shape = shape_of_xsd(spec_of(Add).xsd)
     schema = input_schema(shape)

@@ -7,15 +7,13 @@ daemon, not this bridge, decides what is visible. Each tool's `inputSchema` is
 derived from the listener's payload XSD by the mapping native tool calling
 uses too (`agentd.llm.tools`); a call shapes the JSON
 arguments into the payload element (the daemon validates it like any input),
-sends it on a new thread, and returns the answer's C14N XML as text, with
-`isError` for a `huh`. Frames are read by one task and handed to the call
-waiting on their thread, so calls may run concurrently.
+sends it on a new thread through `agentd.client.Client` (so calls run
+concurrently, wait through an approval gate, and survive a dropped connection), and
+returns the answer's C14N XML as text, with `isError` for a `huh`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,56 +21,33 @@ from mcp import types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
-from agentd._envelope import build_envelope, parse_envelope
+from agentd._envelope import parse_envelope
 from agentd._errors import AgentdError
 from agentd._schemas import NS_CORE
-from agentd._threads import new_uuid
 from agentd._xml import c14n, escape_text
-from agentd.client import BusClient, frame_kind, is_answer
+from agentd.client import Answer, Client, Huh
 from agentd.llm.tools import Shape, input_schema, payload_xml, shape_of_xsd
 
 
 class Bridge:
-    """One bus connection shared by every MCP call; answers routed by thread."""
+    """The MCP tools' calls over one `Client`: each waits for its outcome (through an
+    approval gate too) and returns that frame."""
 
-    def __init__(self, bus: BusClient, timeout_s: float) -> None:
-        self.bus = bus
+    def __init__(self, client: Client, timeout_s: float) -> None:
+        self.client = client
         self.timeout_s = timeout_s
-        self._waiting: dict[str, asyncio.Future[bytes]] = {}
-        self._reader: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self._reader = asyncio.create_task(self._read(), name="mcp-serve:bus")
-
-    async def aclose(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._reader
-
-    async def _read(self) -> None:
-        try:
-            async for frame in self.bus:
-                if not is_answer(frame):
-                    continue
-                waiter = self._waiting.pop(frame_kind(frame)[2], None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(frame)
-        finally:
-            for waiter in self._waiting.values():
-                if not waiter.done():
-                    waiter.set_exception(ConnectionError("the bus connection ended"))
 
     async def ask(self, payload: bytes, to: str | None = None) -> bytes:
-        """Send `payload` on a new thread; the first answer on it (C14N envelope)."""
-        thread = new_uuid()
-        waiter: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self._waiting[thread] = waiter
+        """Send `payload` on a new thread; its outcome (C14N envelope: the answer, or
+        the `huh`)."""
+        exchange = await self.client.start(payload, to=to, timeout=self.timeout_s)
         try:
-            await self.bus.send_raw(build_envelope(self.bus.client, thread, payload, to=to))
-            return await asyncio.wait_for(waiter, self.timeout_s)
-        finally:
-            self._waiting.pop(thread, None)
+            async for event in exchange.events():
+                if isinstance(event, Answer):
+                    return event.frame
+        except Huh as huh:
+            return huh.frame
+        raise ConnectionError("the call ended without an outcome")  # pragma: no cover
 
 
 class NotOffered(AgentdError):
@@ -141,18 +116,14 @@ def _error(text: str) -> types.CallToolResult:
                                 isError=True)
 
 
-async def serve(bus: BusClient, timeout_s: float = 60.0) -> None:
+async def serve(client: Client, timeout_s: float = 60.0) -> None:
     """Run the MCP server on this process's stdin/stdout until the client leaves."""
-    async with bus:
-        bridge = Bridge(bus, timeout_s)
-        await bridge.start()
-        try:
-            offered = await discover(bridge)
-            server = mcp_server(bridge, offered)
-            async with stdio_server() as (read, write):
-                await server.run(read, write, server.create_initialization_options())
-        finally:
-            await bridge.aclose()
+    async with client:
+        bridge = Bridge(client, timeout_s)
+        offered = await discover(bridge)
+        server = mcp_server(bridge, offered)
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
 
 
 __all__ = ["Bridge", "Shape", "discover", "input_schema", "payload_xml", "serve",

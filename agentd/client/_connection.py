@@ -1,4 +1,7 @@
-"""A small async client for the main bus, for programs that talk to agentd.
+"""The bus connection under `Client`: one authenticated WebSocket, frames in and out.
+
+Tests and benchmarks use it directly for what `Client` hides (raw frames, hostile
+input, a chosen TOTP code):
 
     async with BusClient("wss://127.0.0.1:8765/bus", "alice", secret=SECRET,
                          cafile="agentd-home/tls/cert.pem") as bus:
@@ -26,7 +29,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from agentd._envelope import build_envelope, parse_envelope
+from agentd._envelope import build_envelope, parse_envelope, thread_hint
 from agentd._errors import AgentdError, Rejection
 from agentd._schemas import NS_CORE, NS_ENV
 from agentd._threads import new_uuid
@@ -34,14 +37,19 @@ from agentd._xml import c14n, parse_untrusted
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.bus import auth_frame, client_context, current_totp, parse_auth_ok
 
-__all__ = ["AuthenticationFailed", "BusClient", "BusError", "frame_kind"]
+__all__ = ["AuthenticationFailed", "BusClient", "BusError", "frame_kind", "is_answer"]
 
 _MESSAGE = "{" + NS_ENV + "}message"
 _CORE = "{" + NS_CORE + "}"
 
 
 class BusError(AgentdError):
-    """The bus could not be reached or the connection broke."""
+    """The bus could not be reached or the connection broke. `certificate` is True
+    when the server's certificate was not trusted (the fix is a CA file)."""
+
+    def __init__(self, message: str, *, certificate: bool = False) -> None:
+        super().__init__(message)
+        self.certificate = certificate
 
 
 class AuthenticationFailed(BusError):
@@ -124,6 +132,9 @@ class BusClient:
             )
         except InvalidStatus as exc:
             raise BusError(f"{self.url}: HTTP {exc.response.status_code}") from None
+        except ssl.SSLCertVerificationError as exc:
+            raise BusError(f"cannot connect to {self.url}: {exc.verify_message or exc}",
+                           certificate=True) from None
         except (OSError, ssl.SSLError, TimeoutError, ConnectionClosed) as exc:
             raise BusError(f"cannot connect to {self.url}: {exc}") from None
         if self.session is not None and self._totp is None:
@@ -163,30 +174,40 @@ class BusClient:
 
     # ---- frames --------------------------------------------------------------------
 
-    def wrap(self, data: bytes | str | Any, thread: str | None = None) -> tuple[bytes, str]:
-        """An envelope for `data` (envelope bytes are passed through) and its thread."""
+    def wrap(
+        self, data: bytes | str | Any, thread: str | None = None, to: str | None = None
+    ) -> tuple[bytes, str]:
+        """An envelope for `data` (envelope bytes are passed through) and the thread
+        the server answers it on: its `thread`, or for bytes too broken to parse the
+        daemon's reading of them (`thread_hint`: the nil thread if none). `to` names
+        the listener for a bare payload; an envelope names its own."""
         if not isinstance(data, bytes | bytearray | str):
             if not is_xmlified(data):
                 raise TypeError("send() takes envelope or payload bytes, or an @xmlify object")
             thread = thread or new_uuid()
-            return build_envelope(self.client, thread, spec_of(data).to_bytes(data)), thread
+            return build_envelope(self.client, thread, spec_of(data).to_bytes(data), to), thread
         raw = data.encode() if isinstance(data, str) else bytes(data)
         try:
             root = parse_untrusted(raw, max_bytes=self.max_size)
         except Rejection as exc:
             raise ValueError(f"not well-formed XML: {exc.detail or exc}") from None
         if root.tag == _MESSAGE:
+            if to is not None:
+                raise ValueError("an envelope names its own recipient (meta/to); "
+                                 "`to` is for bare payloads")
             try:
                 return raw, parse_envelope(raw, max_bytes=self.max_size).thread
             except Rejection:
-                return raw, thread or ""  # sent as is: the server answers with its huh
+                return raw, thread_hint(raw)  # sent as is: the server answers with its huh
         thread = thread or new_uuid()
-        return build_envelope(self.client, thread, c14n(root)), thread
+        return build_envelope(self.client, thread, c14n(root), to), thread
 
-    async def send(self, data: bytes | str | Any, thread: str | None = None) -> str:
+    async def send(
+        self, data: bytes | str | Any, thread: str | None = None, to: str | None = None
+    ) -> str:
         """Send an envelope, or a bare payload (bytes or an @xmlify object) wrapped
         with `from` = this client on `thread` (new if None). Returns the thread."""
-        frame, thread_id = self.wrap(data, thread)
+        frame, thread_id = self.wrap(data, thread, to)
         await self.send_raw(frame)
         return thread_id
 

@@ -1,0 +1,42 @@
+"""agentd's one bus client (docs/user-guide.md, "From Python").
+
+`Client` makes calls: `await c.call(payload)` returns the answer or raises `Huh`;
+`c.stream(payload)` yields its events (`Accepted`, `ApprovalRequired`, the
+`Answer` last). `agentd send` and `agentd mcp-serve` use it. `BusClient` is the
+connection underneath (raw frames; tests use it for hostile input).
+"""
+
+from agentd.client._calls import (
+    Accepted,
+    Answer,
+    ApprovalRequired,
+    Event,
+    Huh,
+    Other,
+)
+from agentd.client._client import Client, Exchange, read_secret, read_session_file
+from agentd.client._connection import (
+    AuthenticationFailed,
+    BusClient,
+    BusError,
+    frame_kind,
+    is_answer,
+)
+
+__all__ = [
+    "Accepted",
+    "Answer",
+    "ApprovalRequired",
+    "AuthenticationFailed",
+    "BusClient",
+    "BusError",
+    "Client",
+    "Event",
+    "Exchange",
+    "Huh",
+    "Other",
+    "frame_kind",
+    "is_answer",
+    "read_secret",
+    "read_session_file",
+]

@@ -1,0 +1,227 @@
+"""The client's calls as values: which frame belongs to which call, and what it means.
+
+Sans-I/O: `Calls.feed(frame)` takes one envelope as the daemon sent it and returns
+the call it belongs to (or None: a frame of a thread this client did not start,
+such as an earlier process's answer replayed from the outbox) and the event it
+makes; `Client` only moves bytes. Each call is a small state machine:
+
+    SENT --accepted--> ACCEPTED --approval-required--> PARKED (--approval-required-->)
+      |                   |                               |
+      +-------------------+---- outcome (answer or huh) --+--> DONE
+
+An outcome is any frame on the call's thread that is not `accepted` or
+`approval-required`: the listener's response, core `ack`, core `answer`, or a
+`huh` (raised as `Huh`). A refusal of bytes too broken to name a thread comes on
+the nil thread: it goes to the oldest call sent on it (the daemon answers a
+connection's frames in order). New kinds of frames (streamed previews, agent
+steps) are new events of the same feed, not a new path.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentd._envelope import NIL_THREAD, parse_envelope
+from agentd._errors import AgentdError, HuhCode
+from agentd._schemas import NS_CORE
+from agentd._states import step
+from agentd._xml import c14n
+from agentd._xmlify import class_for, from_xml
+
+_CORE = "{" + NS_CORE + "}"
+_ACCEPTED, _APPROVAL, _HUH = _CORE + "accepted", _CORE + "approval-required", _CORE + "huh"
+
+
+class Huh(AgentdError):
+    """The daemon refused a call, or its handler failed: core `huh`. `code` is one
+    of the contract's codes (`unroutable`, `invalid-payload`, `denied`, ...);
+    `message` the daemon's text; `retry_allowed` whether sending it again may
+    succeed. `thread` and `frame` (the envelope as received) locate it."""
+
+    def __init__(self, code: str, message: str, retry_allowed: bool, *, thread: str = "",
+                 frame: bytes = b"") -> None:
+        super().__init__(f"huh {code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_allowed = retry_allowed
+        self.thread = thread
+        self.frame = frame
+        self.sender = "core"
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the daemon said about a call. `frame` is the envelope as received."""
+
+    thread: str
+    sender: str
+    frame: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Accepted(Event):
+    """The envelope passed every check and is durably journaled (`seq`)."""
+
+    seq: int
+
+
+@dataclass(frozen=True)
+class ApprovalRequired(Event):
+    """The message is parked until a human decides (`agentctl approve ID`, or this
+    client's core `approve` when the gate allows it). The call goes on waiting."""
+
+    approval: str
+    listener: str
+    payload: bytes
+    payload_sha256: str
+    expires: str
+
+
+@dataclass(frozen=True)
+class Answer(Event):
+    """The call's outcome: the response `payload` (an @xmlify instance when its class
+    is known in this process, else its C14N XML), `tag` its Clark name."""
+
+    tag: str
+    payload: Any
+    xml: bytes = field(repr=False)
+
+    @property
+    def text(self) -> str | None:
+        """The text of an LLM agent's core `answer`, else None."""
+        if self.tag != _CORE + "answer":
+            return None
+        el = parse_envelope(self.frame).payload
+        return "".join(c.text or "" for c in el)
+
+
+@dataclass(frozen=True)
+class Other(Event):
+    """A frame of a thread this client did not start (for instance an answer an
+    earlier process left in the outbox): not any call's."""
+
+    tag: str
+
+
+class CallState(enum.Enum):
+    SENT = "sent"
+    ACCEPTED = "accepted"
+    PARKED = "parked"
+    DONE = "done"
+
+
+class CallEvent(enum.Enum):
+    ACCEPTED = "accepted"
+    PARKED = "approval-required"
+    OUTCOME = "outcome"
+
+
+_S, _E = CallState, CallEvent
+# SENT also takes approval-required and an outcome: after a reconnect the `accepted`
+# may be gone (it is not kept in the outbox); PARKED takes approval-required again
+# (an agent's next gated call on the same thread).
+TRANSITIONS: dict[CallState, dict[CallEvent, CallState]] = {
+    _S.SENT: {_E.ACCEPTED: _S.ACCEPTED, _E.PARKED: _S.PARKED, _E.OUTCOME: _S.DONE},
+    _S.ACCEPTED: {_E.PARKED: _S.PARKED, _E.OUTCOME: _S.DONE},
+    _S.PARKED: {_E.PARKED: _S.PARKED, _E.OUTCOME: _S.DONE},
+    _S.DONE: {},
+}
+
+
+@dataclass
+class Call:
+    thread: str
+    state: CallState = CallState.SENT
+
+
+class Calls:
+    """The calls in flight, by thread (insertion order: the order they were sent)."""
+
+    def __init__(self) -> None:
+        self._open: OrderedDict[str, list[Call]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._open.values())
+
+    def start(self, thread: str) -> Call:
+        call = Call(thread)
+        self._open.setdefault(thread, []).append(call)
+        return call
+
+    def forget(self, call: Call) -> None:
+        """A call given up (timed out or cancelled): its later frames are `Other`."""
+        calls = self._open.get(call.thread)
+        if calls is not None and call in calls:
+            calls.remove(call)
+            if not calls:
+                del self._open[call.thread]
+
+    def feed(self, frame: bytes) -> tuple[Call | None, Event | Huh]:
+        """The call `frame` belongs to (None if none) and what it says. Raises
+        `AgentdError` for a frame that is not an envelope."""
+        env = parse_envelope(frame, max_bytes=max(len(frame), 1))
+        tag = env.payload.tag if isinstance(env.payload.tag, str) else "?"
+        thread, sender = env.thread, env.sender
+        calls = self._open.get(thread, ())
+        kind = CallEvent.OUTCOME
+        if sender == "core" and tag == _ACCEPTED:
+            kind = CallEvent.ACCEPTED
+        elif sender == "core" and tag == _APPROVAL:
+            kind = CallEvent.PARKED
+        # The oldest call on the thread this frame can move (several calls may share
+        # a thread: `agentd send --thread`).
+        call = next((c for c in calls if kind in TRANSITIONS[c.state]), None)
+        if call is None:
+            return None, Other(thread, sender, frame, tag)
+        call.state = step("call", TRANSITIONS, call.state, kind)
+        if kind is CallEvent.ACCEPTED:
+            kids = _children(env.payload)
+            return call, Accepted(thread, sender, frame, int(kids.get("seq", "0") or 0))
+        if kind is CallEvent.PARKED:
+            kids = _children(env.payload)
+            # The parked payload's exact C14N bytes, carried as text.
+            held = next((c for c in env.payload if _local(c.tag) == "payload"), None)
+            inner = (held.text or "").encode() if held is not None else b""
+            return call, ApprovalRequired(
+                thread, sender, frame, kids.get("approval", ""), kids.get("listener", ""),
+                inner, kids.get("payload-sha256", ""), kids.get("expires", ""))
+        event: Event | Huh
+        self.forget(call)
+        if sender == "core" and tag == _HUH:
+            kids = _children(env.payload)
+            event = Huh(kids.get("code", HuhCode.INTERNAL.value), kids.get("message", ""),
+                        kids.get("retry-allowed", "") in ("true", "1"), thread=thread,
+                        frame=frame)
+        else:
+            xml = c14n(env.payload)
+            event = Answer(thread, sender, frame, tag, typed(tag, xml), xml)
+        return call, event
+
+
+def typed(tag: str, xml: bytes) -> Any:
+    """`xml` as an instance of the one @xmlify class of this process for `tag`, or
+    the bytes themselves (no such class, several, or it does not validate)."""
+    cls = class_for(tag)
+    if cls is None:
+        return xml
+    try:
+        return from_xml(cls, xml)
+    except AgentdError:
+        return xml
+
+
+def _local(tag: Any) -> str:
+    return tag.rsplit("}", 1)[-1] if isinstance(tag, str) else ""
+
+
+def _children(el: Any) -> dict[str, str]:
+    return {_local(c.tag): (c.text or "").strip() for c in el}
+
+
+__all__ = [
+    "NIL_THREAD", "Accepted", "Answer", "ApprovalRequired", "Call", "CallState", "Calls",
+    "Event", "Huh", "Other", "typed",
+]
