@@ -5,6 +5,8 @@ moves them, fold summaries, durable long-term memory and the vectors both use.
 - `plan_tiers` (pure): the librarian's decision for the next call;
 - `extract`, `facts`, `complete_with_facts` (pure): fold summaries that keep facts;
 - `WorkingMemory`, `KernelSegmentLog`: a task's segments, written through;
+- `replan`: the librarian's pass for one call, planned again while the measured
+  request is over budget;
 - `LongTermMemory`: layer 6, durable per agent, recalled by similarity;
 - `TextVectors`, `ProviderVectors`, `HashedTerms`, `text_vectors`, `VectorIndex`:
   storable vectors (from `agentd.embeddings` or hashed terms) and exact search;
@@ -23,6 +25,7 @@ from agentd.context._librarian import (
     plan_tiers,
 )
 from agentd.context._memory import LongTermMemory, MemoryRecord
+from agentd.context._replan import Arrangement, Planned, replan
 from agentd.context._segments import (
     ASSISTANT_PART,
     KINDS,
@@ -66,6 +69,7 @@ __all__ = [
     "RESULT_PART",
     "TIERS",
     "TOOL",
+    "Arrangement",
     "Costs",
     "HashedTerms",
     "IntegrityError",
@@ -76,6 +80,7 @@ __all__ = [
     "NoSegmentLog",
     "Part",
     "Plan",
+    "Planned",
     "ProviderVectors",
     "Segment",
     "SegmentLog",
@@ -91,5 +96,6 @@ __all__ = [
     "extract",
     "facts",
     "plan_tiers",
+    "replan",
     "text_vectors",
 ]

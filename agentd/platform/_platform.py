@@ -45,10 +45,10 @@ from agentd.context import (
     Segment,
     SegmentLog,
     TextVectors,
-    Tier,
     TokenCalibration,
     complete_with_facts,
     extract,
+    replan,
     text_vectors,
 )
 from agentd.llm import ChatMessage, LlmRequest, LlmResponse, LlmRouter
@@ -516,23 +516,12 @@ class Platform:
                          shared=self._shared[agent][0], working=(), memories=memories)
         fixed = self._request_tokens(empty, cfg.model)
         query = f"{task.query}\n{context.segments[-1].text}"
-        budget = cfg.context.budget_tokens
-        for _ in range(4):
-            rules = LibrarianRules(budget, cfg.context.fold_below, cfg.context.keep_recent)
-            plan = await context.plan(query, rules, tokens, fixed)
-            moved = context.apply(plan)
-            for seg in moved:  # a segment is summarised when it is first folded
-                if seg.tier is Tier.FOLDED and not seg.summary:
-                    seg.summary = await self._summarise(agent, thread, seg)
-                    context.summarised(seg)
-            for seg in moved:
-                self.segments.move(thread, seg)
-            ctx, prompt = self._assemble(agent, thread, task, memories)
-            used = self._request_tokens(ctx, cfg.model)
-            if used <= cfg.context.budget_tokens:
-                return ctx, prompt
-            budget -= used - cfg.context.budget_tokens  # short by this much: plan tighter
-        self._check_budget(agent, thread, ctx)
+        rules = LibrarianRules(cfg.context.budget_tokens, cfg.context.fold_below,
+                               cfg.context.keep_recent)
+        caller = _Arranged(self, agent, thread, task, memories)
+        (ctx, prompt), used = await replan(context, query, rules, tokens, fixed, caller)
+        if used > cfg.context.budget_tokens:
+            self._check_budget(agent, thread, ctx)
         return ctx, prompt
 
     def _request_tokens(self, ctx: AssembledContext, backend: str) -> int:
@@ -700,6 +689,29 @@ class Platform:
             "event": event.kind, "agent": agent, "layer": int(event.layer),
             "source": event.source, "detail": event.detail,
         })
+
+
+@dataclass(frozen=True, slots=True)
+class _Arranged:
+    """The platform's side of the librarian's pass (`agentd.context.replan`) for one
+    task's next call."""
+
+    platform: Platform
+    agent: str
+    thread: str
+    task: _Task
+    memories: list[Fragment]
+
+    async def summary(self, seg: Segment) -> str:
+        return await self.platform._summarise(self.agent, self.thread, seg)
+
+    def moved(self, seg: Segment) -> None:
+        self.platform.segments.move(self.thread, seg)
+
+    def assemble(self) -> tuple[tuple[AssembledContext, AgentPrompt], int]:
+        p = self.platform
+        ctx, prompt = p._assemble(self.agent, self.thread, self.task, self.memories)
+        return (ctx, prompt), p._request_tokens(ctx, p._agents[self.agent].model)
 
 
 SUMMARY_PROMPT = (
