@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import re
 import sys
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -331,10 +333,38 @@ class DaemonCommands:
                     "sender": e.sender,
                     "tag": e.tag,
                     "hash": e.payload_hash,
+                    **audit_details(e.direction, e.payload),
                 }
                 for e in entries
             ],
         )
+
+
+_DETAIL_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
+_DETAIL_MAX = 1024
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def audit_details(direction: str, payload: bytes | None) -> dict[str, Any]:
+    """`{"details": {...}}` for an audit or security entry: the fields it was
+    journaled with (an approval decision's `by`, `reason` and `outcome`; a
+    security event's cause), each value as text of at most 1 KiB. Message
+    entries show no payload here (their hash stands for it); {} for them."""
+    if direction not in ("audit", "security") or not payload:
+        return {}
+    try:
+        fields = json.loads(payload)
+    except ValueError:
+        return {}
+    if not isinstance(fields, dict):
+        return {}
+    details: dict[str, Any] = {}
+    for key, value in fields.items():
+        if not isinstance(key, str) or not _DETAIL_KEY.fullmatch(key):
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        details[key] = _NOT_XML.sub("\ufffd", text[:_DETAIL_MAX])
+    return {"details": details}
 
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """`Client` and `agentd send` against a real `agentd run` process with an approval
 gate (a home made by `agentd init`), decided with a real `agentctl`: a call waits
-through `approval-required` to its outcome, and `agentd send` prints only its own
-threads."""
+through `approval-required` to its outcome, `agentd send` prints only its own
+threads, and `agentctl journal` shows who decided what and why."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pytest
 
 from agentd import to_xml
-from agentd.client import ApprovalRequired, Client, Event
+from agentd.client import ApprovalRequired, Client, Event, Huh
 from agentd.tools.echo import Echo
 from tests.daemon_process import ROOT, DaemonProcess, make_home
 from tests.organisms.durable import Paid, Pay
@@ -132,3 +133,33 @@ async def test_send_prints_only_its_own_threads_and_marks_the_others_on_stderr(
     report = json.loads(out)
     assert [f["kind"] for f in report["frames"]] == ["accepted", "echoreply"]
     assert report["others"] == []  # delivered once
+
+
+async def test_journal_shows_who_decided_an_approval_and_why(daemon: DaemonProcess) -> None:
+    """The decision's `by`, `reason` and `outcome` were in the database but not in
+    `agentctl journal`."""
+    d = daemon
+    async with Client.connect(d.url, "alice", secret_file=d.home / "alice.totp",
+                              cafile=d.cafile) as c:
+        exchange = await c.start(Pay(amount=5))
+        with pytest.raises(Huh) as denied:
+            async for event in exchange.events():
+                if isinstance(event, ApprovalRequired):
+                    await ctl(d, "deny", event.approval, "--reason", "not on a Friday")
+    assert (denied.value.code, denied.value.message) == ("denied", "not approved")
+    journal = (await ctl(d, "journal", "--thread", exchange.thread))["journal"]
+    (decision,) = [e for e in journal if e["kind"] == "approval-decision"]
+    details = decision["details"]
+    assert details["reason"] == "not on a Friday" and details["outcome"] == "denied"
+    assert details["by"].startswith("operator") and details["listener"] == "pay"
+    (request,) = [e for e in journal if e["kind"] == "approval-request"]
+    assert request["details"]["sender"] == "alice"
+    assert all("details" not in e for e in journal if e["direction"] in ("in", "out"))
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "agentctl", "--socket", d.socket, "--key",
+         str(d.home / "operator.key"), "--key-id", "ops-1", "journal", "--thread",
+         exchange.thread], capture_output=True, text=True, timeout=60, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    text = done.stdout
+    assert "reason: not on a Friday" in text and "outcome: denied" in text
