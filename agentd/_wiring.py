@@ -3,6 +3,8 @@ place for the daemon and the test harness alike."""
 
 from __future__ import annotations
 
+from agentd._errors import ConfigError
+from agentd._secrets import SecretFileError, read_secret_file
 from agentd._xml import ShapeLimits
 from agentd.config import BusConfig, OrganismConfig
 from agentd.kernel import KernelOptions, Retention
@@ -35,4 +37,25 @@ def kernel_options(config: OrganismConfig) -> KernelOptions:
         full_sync_profiles=frozenset(
             name for name, p in config.profiles.items() if p.synchronous == "FULL"
         ),
+        dsn=kernel_dsn(config),
     )
+
+
+def kernel_dsn(config: OrganismConfig) -> str | None:
+    """The postgres backend's DSN (read from `kernel.dsn_file` if given); None for
+    sqlite. The file holds a password: read as every secret file is (owned by us,
+    not readable by others, no link). Raises ConfigError if it fails or is empty."""
+    k = config.kernel
+    if k.backend != "postgres":
+        return None
+    if k.dsn is not None:
+        return k.dsn
+    assert k.dsn_file is not None  # the section's rules
+    try:
+        dsn = read_secret_file(k.dsn_file, "kernel.dsn_file").decode("utf-8").strip()
+    except (SecretFileError, UnicodeDecodeError) as exc:
+        raise ConfigError([str(exc)]) from None
+    if not dsn:
+        raise ConfigError([f"kernel.dsn_file: {k.dsn_file} is empty; write the "
+                           "database's DSN there (postgresql://...)"])
+    return dsn

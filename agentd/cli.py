@@ -135,11 +135,24 @@ def _install_uvloop() -> None:
     default=Path("agentd-home/state"),
     show_default=True,
 )
-def verify_journal(state_dir: Path) -> None:
+@click.option("--config", "config_file", type=click.Path(dir_okay=False, path_type=Path),
+              help="organism.yaml: verify the journal its `kernel` names (either backend)")
+def verify_journal(state_dir: Path, config_file: Path | None) -> None:
     """Walk the journal's hash chain; exit 1 if an entry was modified or removed."""
     from agentd.kernel import verify_journal_main
 
-    sys.exit(verify_journal_main(state_dir))
+    if config_file is None:
+        sys.exit(verify_journal_main(state_dir))
+    from agentd._wiring import kernel_dsn
+    from agentd.config import load_config
+
+    try:
+        config = load_config(config_file)
+        dsn = kernel_dsn(config)
+    except AgentdError as exc:
+        print(f"verify-journal: {exc}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(verify_journal_main(config.state_dir, dsn))
 
 
 @main.command("eval-routes")

@@ -87,6 +87,15 @@ def postgres_db(postgres_dsn: str) -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(params=["sqlite", "postgres"])
+def backend(request: pytest.FixtureRequest) -> dict:
+    """The kernel contract holds on both backends: the options of Kernel.open that
+    choose one ({}: SQLite in the state directory; postgres: a new database)."""
+    if request.param == "sqlite":
+        return {}
+    return {"dsn": request.getfixturevalue("postgres_db")}
+
+
 def _unavailable(reason: str) -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI must have PostgreSQL: {reason}")

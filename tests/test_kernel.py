@@ -1,4 +1,5 @@
-"""The kernel against real SQLite files: each test tries to break one guarantee."""
+"""The kernel against real SQLite files, and those of its tests that take `backend`
+against real PostgreSQL too: each test tries to break one guarantee."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import stat
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from agentd.kernel import (
@@ -83,8 +85,9 @@ async def journal_one(kernel: Kernel, thread: str = "t1", *, payload: bytes = b"
 # -- durability and batching -----------------------------------------------------------
 
 
-async def test_committed_transaction_is_readable_after_reopen(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir) as kernel:
+async def test_committed_transaction_is_readable_after_reopen(
+        state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend) as kernel:
         tx = kernel.transaction()
         seq = tx.journal(thread="t1", direction="in", handler="echo", sender="alice",
                          tag="{urn:test}m", payload=b"<m>hi</m>", profile="public", pending=True)
@@ -93,7 +96,7 @@ async def test_committed_transaction_is_readable_after_reopen(state_dir: Path) -
         oid = tx.outbox_put("alice", "t1", b"<reply/>")
         tx.context_append("t1", "user", b"hi")
         await kernel.commit(tx)
-    async with await Kernel.open(state_dir) as kernel:
+    async with await Kernel.open(state_dir, **backend) as kernel:
         [entry] = await kernel.journal()
         assert (entry.seq, entry.thread, entry.direction, entry.handler, entry.sender,
                 entry.tag, entry.payload, entry.profile, entry.pending) == (
@@ -105,9 +108,11 @@ async def test_committed_transaction_is_readable_after_reopen(state_dir: Path) -
         assert [e.seq for e in await kernel.pending_messages()] == [seq]
 
 
-async def test_group_commit_batches_many_transactions_into_few_commits(state_dir: Path) -> None:
+async def test_group_commit_batches_many_transactions_into_few_commits(
+        state_dir: Path, backend: dict) -> None:
     commits: list[tuple[float, int]] = []
-    async with await Kernel.open(state_dir, on_commit=lambda s, n: commits.append((s, n))) as k:
+    async with await Kernel.open(state_dir, **backend,
+                                 on_commit=lambda s, n: commits.append((s, n))) as k:
         futures = []
         for i in range(300):
             tx = k.transaction()
@@ -119,9 +124,9 @@ async def test_group_commit_batches_many_transactions_into_few_commits(state_dir
     assert all(seconds >= 0 for seconds, _ in commits)
 
 
-async def test_commit_max_entries_bounds_a_batch(state_dir: Path) -> None:
+async def test_commit_max_entries_bounds_a_batch(state_dir: Path, backend: dict) -> None:
     commits: list[int] = []
-    async with await Kernel.open(state_dir, commit_max_entries=16, commit_interval_s=0.5,
+    async with await Kernel.open(state_dir, **backend, commit_max_entries=16, commit_interval_s=0.5,
                                  on_commit=lambda s, n: commits.append(n)) as k:
         started = time.monotonic()
         futures = []
@@ -135,16 +140,17 @@ async def test_commit_max_entries_bounds_a_batch(state_dir: Path) -> None:
     assert elapsed < 1.0, "full batches must not wait for the interval"
 
 
-async def test_single_transaction_commits_within_the_interval(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir, commit_interval_s=0.002) as k:
+async def test_single_transaction_commits_within_the_interval(
+        state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend, commit_interval_s=0.002) as k:
         await journal_one(k)  # warm up
         started = time.monotonic()
         await journal_one(k)
         assert time.monotonic() - started < 0.5
 
 
-async def test_transactions_commit_in_submission_order(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir, commit_max_entries=7) as k:
+async def test_transactions_commit_in_submission_order(state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend, commit_max_entries=7) as k:
         built_first = k.transaction()
         early_seq = built_first.journal(thread="a", direction="in")
         built_second = k.transaction()
@@ -170,8 +176,8 @@ async def test_transactions_commit_in_submission_order(state_dir: Path) -> None:
         assert (await k.verify())[:2] == (True, None)
 
 
-async def test_flush_waits_for_everything_submitted(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir, commit_interval_s=0.01) as k:
+async def test_flush_waits_for_everything_submitted(state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend, commit_interval_s=0.01) as k:
         futures = []
         for _ in range(50):
             tx = k.transaction()
@@ -182,20 +188,22 @@ async def test_flush_waits_for_everything_submitted(state_dir: Path) -> None:
         assert len(await k.journal(limit=100)) == 50
 
 
-async def test_close_commits_what_was_submitted_without_waiting(state_dir: Path) -> None:
-    k = await Kernel.open(state_dir, commit_interval_s=0.5)
+async def test_close_commits_what_was_submitted_without_waiting(
+        state_dir: Path, backend: dict) -> None:
+    k = await Kernel.open(state_dir, **backend, commit_interval_s=0.5)
     tx = k.transaction()
     seq = tx.journal(thread="t", direction="in", pending=True)
     k.commit(tx)  # not awaited
     await k.close()
-    async with await Kernel.open(state_dir) as k:
+    async with await Kernel.open(state_dir, **backend) as k:
         assert [e.seq for e in await k.pending_messages()] == [seq]
 
 
-async def test_seqs_are_monotonic_across_reopen_even_after_pruning(state_dir: Path) -> None:
+async def test_seqs_are_monotonic_across_reopen_even_after_pruning(
+        state_dir: Path, backend: dict) -> None:
     seen: list[int] = []
     for _ in range(3):
-        async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY) as k:
+        async with await Kernel.open(state_dir, **backend, retention=PRUNE_ON_DELIVERY) as k:
             for _ in range(5):
                 seen.append(await journal_one(k))
             tx = k.transaction()
@@ -204,7 +212,7 @@ async def test_seqs_are_monotonic_across_reopen_even_after_pruning(state_dir: Pa
             await k.sweep()
             assert await k.journal() == []  # everything pruned: seqs come from the head
     assert seen == sorted(seen) and len(set(seen)) == len(seen)
-    async with await Kernel.open(state_dir) as k:
+    async with await Kernel.open(state_dir, **backend) as k:
         tx = k.transaction()
         oid = tx.outbox_put("alice", "t", b"y")
         await k.commit(tx)
@@ -212,8 +220,9 @@ async def test_seqs_are_monotonic_across_reopen_even_after_pruning(state_dir: Pa
         assert (await k.verify())[0]
 
 
-async def test_pending_messages_after_reopen_are_the_undelivered_ones(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir) as k:
+async def test_pending_messages_after_reopen_are_the_undelivered_ones(
+        state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend) as k:
         seqs = [await journal_one(k, f"t{i}", pending=True) for i in range(6)]
         await journal_one(k, "t9", pending=False)
         tx = k.transaction()
@@ -231,7 +240,7 @@ async def test_pending_messages_after_reopen_are_the_undelivered_ones(state_dir:
         tx = k.transaction()
         tx.delivered(later)
         await k.commit(tx)
-    async with await Kernel.open(state_dir) as k:
+    async with await Kernel.open(state_dir, **backend) as k:
         pending = await k.pending_messages()
         assert [e.seq for e in pending] == [seqs[0], seqs[2], seqs[3], seqs[5]]
         assert all(e.pending and e.payload == b"<m/>" for e in pending)
@@ -240,20 +249,28 @@ async def test_pending_messages_after_reopen_are_the_undelivered_ones(state_dir:
 # -- atomicity -------------------------------------------------------------------------
 
 
-def install_poison_trigger(state_dir: Path) -> None:
-    """A real SQLite failure on demand: inserting an outbox row for client 'poison'."""
+def install_poison_trigger(state_dir: Path, backend: dict) -> None:
+    """A real database failure on demand: inserting an outbox row for client 'poison'."""
+    if backend:
+        with psycopg.connect(backend["dsn"], autocommit=True) as pg:
+            pg.execute("CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ "
+                       "BEGIN IF NEW.client = 'poison' THEN "
+                       "RAISE EXCEPTION 'poisoned outbox row'; END IF; RETURN NEW; END $$")
+            pg.execute("CREATE TRIGGER poison BEFORE INSERT ON outbox FOR EACH ROW "
+                       "EXECUTE FUNCTION poison()")
+        return
     with db_conn(state_dir) as conn:
         conn.execute("CREATE TRIGGER poison BEFORE INSERT ON outbox WHEN NEW.client = 'poison' "
                      "BEGIN SELECT RAISE(ABORT, 'poisoned outbox row'); END")
 
 
 async def test_transaction_is_all_or_nothing_and_cannot_poison_its_batch(
-        state_dir: Path) -> None:
-    async with await Kernel.open(state_dir):
+        state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend):
         pass
-    install_poison_trigger(state_dir)
+    install_poison_trigger(state_dir, backend)
     commits: list[int] = []
-    async with await Kernel.open(state_dir, commit_interval_s=0.05,
+    async with await Kernel.open(state_dir, **backend, commit_interval_s=0.05,
                                  on_commit=lambda s, n: commits.append(n)) as k:
         good_before = k.transaction()
         seq_before = good_before.journal(thread="g1", direction="in", pending=True)
@@ -360,8 +377,9 @@ async def test_verify_journal_runs_beside_a_live_kernel(
     assert verify_journal_main(state_dir / "nope") == 1
 
 
-async def test_fields_are_validated_when_the_transaction_is_built(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir) as k:
+async def test_fields_are_validated_when_the_transaction_is_built(
+        state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend) as k:
         tx = k.transaction()
         with pytest.raises(ValueError, match="direction"):
             tx.journal(thread="t", direction="sideways")
@@ -410,8 +428,9 @@ async def test_prune_on_delivery_deletes_delivered_entries_and_keeps_the_chain(
 
 
 async def test_retention_never_deletes_an_undelivered_pending_entry(
-        state_dir: Path, clock: FakeClock) -> None:
-    async with await Kernel.open(state_dir, retention=retain_days(1e-9), clock=clock) as k:
+        state_dir: Path, clock: FakeClock, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend,
+                                 retention=retain_days(1e-9), clock=clock) as k:
         seq = await journal_one(k, pending=True)
         other = await journal_one(k)
         clock.advance(0.01)
@@ -422,9 +441,9 @@ async def test_retention_never_deletes_an_undelivered_pending_entry(
 
 
 async def test_retain_days_deletes_only_expired_entries(
-        state_dir: Path, clock: FakeClock) -> None:
+        state_dir: Path, clock: FakeClock, backend: dict) -> None:
     policy = {"short": retain_days(0.5 / 86400), "*": retain_days(30)}
-    async with await Kernel.open(state_dir, retention=policy, clock=clock) as k:
+    async with await Kernel.open(state_dir, **backend, retention=policy, clock=clock) as k:
         short = [await journal_one(k, profile="short") for _ in range(3)]
         long = [await journal_one(k, profile="other") for _ in range(2)]
         clock.advance(0.4)
@@ -437,9 +456,10 @@ async def test_retain_days_deletes_only_expired_entries(
         assert short and (await k.verify())[0]
 
 
-async def test_policies_per_profile_interleave_with_retain_forever(state_dir: Path) -> None:
+async def test_policies_per_profile_interleave_with_retain_forever(
+        state_dir: Path, backend: dict) -> None:
     policy = {"concierge": PRUNE_ON_DELIVERY, "coder": Retention("retain_forever")}
-    async with await Kernel.open(state_dir, retention=policy, sweep_chunk=3) as k:
+    async with await Kernel.open(state_dir, **backend, retention=policy, sweep_chunk=3) as k:
         kept = []
         for i in range(20):
             if i % 3 == 0:
@@ -456,8 +476,8 @@ async def test_policies_per_profile_interleave_with_retain_forever(state_dir: Pa
 
 
 async def test_audit_entries_follow_the_audit_retention(
-        state_dir: Path, clock: FakeClock) -> None:
-    async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY,
+        state_dir: Path, clock: FakeClock, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend, retention=PRUNE_ON_DELIVERY,
                                  audit_retention=retain_days(1e-9), clock=clock) as k:
         tx = k.transaction()
         tx.journal(thread="", direction="security", kind="forged-from", sender="mallory")
@@ -467,7 +487,7 @@ async def test_audit_entries_follow_the_audit_retention(
             "forged-from", "reload"}
         clock.advance(0.01)
         assert (await k.sweep()).journal_deleted == 2
-    async with await Kernel.open(state_dir, retention=PRUNE_ON_DELIVERY) as k:
+    async with await Kernel.open(state_dir, **backend, retention=PRUNE_ON_DELIVERY) as k:
         tx = k.transaction()
         tx.journal(thread="", direction="security", kind="lockout", sender="mallory")
         await k.commit(tx)
@@ -484,8 +504,9 @@ async def test_retention_refuses_an_unknown_mode_and_non_positive_days() -> None
         Retention("retain_days", 0)
 
 
-async def test_journal_query_filters_and_returns_newest_oldest_first(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir) as k:
+async def test_journal_query_filters_and_returns_newest_oldest_first(
+        state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend) as k:
         for i in range(10):
             await journal_one(k, "a" if i % 2 else "b")
         tx = k.transaction()
@@ -502,8 +523,8 @@ async def test_journal_query_filters_and_returns_newest_oldest_first(state_dir: 
 # -- threads, outboxes, context buffers -------------------------------------------------
 
 
-async def test_thread_rows_survive_reopen_and_states_update(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir) as k:
+async def test_thread_rows_survive_reopen_and_states_update(state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend) as k:
         tx = k.transaction()
         tx.thread_put(thread_row("root"))
         tx.thread_put(thread_row("child", parent="root", profile="restricted"))
@@ -516,7 +537,7 @@ async def test_thread_rows_survive_reopen_and_states_update(state_dir: Path) -> 
         tx = k.transaction()
         tx.thread_state("root", "active")  # hops unchanged when not given
         await k.commit(tx)
-    async with await Kernel.open(state_dir) as k:
+    async with await Kernel.open(state_dir, **backend) as k:
         root, child = await k.thread("root"), await k.thread("child")
         assert root is not None and child is not None
         assert (root.state, root.hops, root.path) == ("active", 2, ("client", "echo"))
@@ -530,9 +551,10 @@ async def test_thread_rows_survive_reopen_and_states_update(state_dir: Path) -> 
 
 
 async def test_finished_threads_are_collected_after_the_ttl(
-        state_dir: Path, clock: FakeClock) -> None:
+        state_dir: Path, clock: FakeClock, backend: dict) -> None:
     ttl_hours = 0.5 / 3600
-    async with await Kernel.open(state_dir, context_ttl_hours=ttl_hours, clock=clock) as k:
+    async with await Kernel.open(state_dir, **backend,
+                                 context_ttl_hours=ttl_hours, clock=clock) as k:
         tx = k.transaction()
         tx.thread_put(thread_row("done", "completed", updated=clock.now))
         tx.thread_put(thread_row("broken", "failed", updated=clock.now))
@@ -545,8 +567,8 @@ async def test_finished_threads_are_collected_after_the_ttl(
         assert [t.uuid for t in await k.threads(None)] == ["alive"]
 
 
-async def test_outbox_reads_in_order_and_delivery_deletes(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir) as k:
+async def test_outbox_reads_in_order_and_delivery_deletes(state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend) as k:
         ids = []
         for i in range(5):
             tx = k.transaction()
@@ -568,13 +590,14 @@ async def test_outbox_reads_in_order_and_delivery_deletes(state_dir: Path) -> No
         await k.commit(tx)
         assert await k.outbox("alice") == []
         assert len(await k.outbox("bob")) == 5
-    async with await Kernel.open(state_dir) as k:
+    async with await Kernel.open(state_dir, **backend) as k:
         assert await k.outbox("alice") == []
         assert next(row[2] for row in await k.outbox("bob")) == b"<b0/>"
 
 
-async def test_context_buffer_is_append_only_and_drops_whole(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir) as k:
+async def test_context_buffer_is_append_only_and_drops_whole(
+        state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend) as k:
         tx = k.transaction()
         tx.context_append("t", "user", b"one")
         tx.context_append("t", "assistant", b"two")
@@ -592,8 +615,8 @@ async def test_context_buffer_is_append_only_and_drops_whole(state_dir: Path) ->
         assert await k.context("u") == []
 
 
-async def test_context_limits_are_enforced_when_building(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir, max_slots_per_thread=3, max_threads=2) as k:
+async def test_context_limits_are_enforced_when_building(state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend, max_slots_per_thread=3, max_threads=2) as k:
         tx = k.transaction()
         for i in range(3):
             tx.context_append("t", "user", f"{i}".encode())
@@ -616,14 +639,16 @@ async def test_context_limits_are_enforced_when_building(state_dir: Path) -> Non
         await k.commit(a)
         with pytest.raises(ContextLimitExceeded, match="max_threads"):
             k.commit(b)  # u was dropped by a: b would start a third buffer
-    async with await Kernel.open(state_dir, max_slots_per_thread=3, max_threads=2) as k:
+    async with await Kernel.open(state_dir, **backend, max_slots_per_thread=3, max_threads=2) as k:
         tx = k.transaction()
         with pytest.raises(ContextLimitExceeded):  # counters are reloaded on open
             tx.context_append("t", "user", b"after reopen")
 
 
-async def test_idle_context_buffers_are_collected(state_dir: Path, clock: FakeClock) -> None:
-    async with await Kernel.open(state_dir, context_ttl_hours=0.3 / 3600, clock=clock) as k:
+async def test_idle_context_buffers_are_collected(
+        state_dir: Path, clock: FakeClock, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend,
+                                 context_ttl_hours=0.3 / 3600, clock=clock) as k:
         tx = k.transaction()
         tx.context_append("idle", "user", b"old")
         await k.commit(tx)
@@ -774,8 +799,8 @@ async def recovers_with_nothing_lost(k: Kernel, acknowledged: list[int]) -> None
 
 
 async def test_a_killed_writer_process_is_replaced_and_nothing_acknowledged_is_lost(
-        state_dir: Path) -> None:
-    async with await Kernel.open(state_dir) as k:
+        state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend) as k:
         acknowledged = [await journal_one(k, pending=True) for _ in range(5)]
         first = k.writer_pid
         assert k.writer_restarts == 0
@@ -789,13 +814,13 @@ async def test_a_killed_writer_process_is_replaced_and_nothing_acknowledged_is_l
 
 
 async def test_delivery_marks_lost_with_a_killed_writer_are_kept_and_written_later(
-        state_dir: Path) -> None:
+        state_dir: Path, backend: dict) -> None:
     """Frames the bus wrote are marked delivered in a coalesced transaction. If the
     writer dies under it, the marks used to be dropped: the rows stayed, and the
     client got every one of those answers a second time at its next connection."""
     from agentd._daemon import KernelOutbox
 
-    async with await Kernel.open(state_dir) as k:
+    async with await Kernel.open(state_dir, **backend) as k:
         tx = k.transaction()
         ids = [tx.outbox_put("alice", "t", b"<answer/>") for _ in range(3)]
         await k.commit(tx)
@@ -846,11 +871,11 @@ def take_answer_then_kill_writer(k: Kernel) -> None:
 
 
 async def test_a_batch_the_dying_writer_never_wrote_is_written_by_the_next(
-        state_dir: Path) -> None:
+        state_dir: Path, backend: dict) -> None:
     """A writer killed with a batch in flight (the OOM killer, say): the batch used to
     fail, and a handler's answer in it reached nobody until the daemon restarted. The
     next writer finds it was never written and writes it; its caller is acknowledged."""
-    async with await Kernel.open(state_dir) as k:
+    async with await Kernel.open(state_dir, **backend) as k:
         before = await journal_one(k, pending=True)
         os.kill(k._writer_proc.pid, signal.SIGSTOP)  # takes the batch, never writes it
         tx = k.transaction()
@@ -894,11 +919,11 @@ async def test_a_batch_committed_by_a_writer_that_died_before_answering_is_not_w
 
 
 async def test_delivery_marks_whose_answer_was_lost_are_written_again_harmlessly(
-        state_dir: Path) -> None:
+        state_dir: Path, backend: dict) -> None:
     """A commit of deletes and updates only records no number (it costs the head's
     page nothing): when its answer is lost with the writer, it is sent again, which
     changes nothing."""
-    async with await Kernel.open(state_dir) as k:
+    async with await Kernel.open(state_dir, **backend) as k:
         k.fold = False
         tx = k.transaction()
         oid = tx.outbox_put("alice", "t1", b"<answer/>")
@@ -916,13 +941,13 @@ async def test_delivery_marks_whose_answer_was_lost_are_written_again_harmlessly
 
 
 async def test_a_rejected_transaction_of_a_batch_whose_writer_died_stays_rejected(
-        state_dir: Path) -> None:
+        state_dir: Path, backend: dict) -> None:
     """Rejections are recorded durably too: a transaction the database refused, in a
     batch whose answer was lost with its writer, fails; its neighbours committed."""
-    async with await Kernel.open(state_dir):
+    async with await Kernel.open(state_dir, **backend):
         pass
-    install_poison_trigger(state_dir)
-    async with await Kernel.open(state_dir, commit_interval_s=0.05) as k:
+    install_poison_trigger(state_dir, backend)
+    async with await Kernel.open(state_dir, **backend, commit_interval_s=0.05) as k:
         txs = [k.transaction() for _ in range(3)]
         for tx, client in zip(txs, ("alice", "poison", "alice"), strict=True):
             tx.outbox_put(client, "t1", client.encode())
@@ -938,22 +963,22 @@ async def test_a_rejected_transaction_of_a_batch_whose_writer_died_stays_rejecte
 
 
 async def test_a_writer_that_cannot_start_fails_the_open_clearly_and_frees_the_lock(
-        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch, backend: dict) -> None:
     from agentd.kernel import _writer
 
     monkeypatch.setattr(_writer, "_CHILD", "import sys; sys.exit(3)")
     with pytest.raises(KernelUnavailable, match=r"kernel writer process \d+ exited \(status 3\)"):
-        await Kernel.open(state_dir)
+        await Kernel.open(state_dir, **backend)
     monkeypatch.undo()
-    async with await Kernel.open(state_dir) as k:  # nothing left behind: lock released
+    async with await Kernel.open(state_dir, **backend) as k:  # nothing left behind: lock released
         await journal_one(k)
 
 
 async def test_the_writer_process_ignores_sigterm_and_exits_with_its_parent(
-        state_dir: Path) -> None:
+        state_dir: Path, backend: dict) -> None:
     """systemd signals the whole control group; the writer must finish what the daemon
     sends it and stop when the daemon closes it, not on its own."""
-    async with await Kernel.open(state_dir) as k:
+    async with await Kernel.open(state_dir, **backend) as k:
         os.kill(k._writer_proc.pid, signal.SIGTERM)
         os.kill(k._writer_proc.pid, signal.SIGINT)
         await journal_one(k, pending=True)
@@ -963,8 +988,8 @@ async def test_the_writer_process_ignores_sigterm_and_exits_with_its_parent(
         os.kill(pid, 0)
 
 
-async def test_commit_after_close_is_refused(state_dir: Path) -> None:
-    k = await Kernel.open(state_dir)
+async def test_commit_after_close_is_refused(state_dir: Path, backend: dict) -> None:
+    k = await Kernel.open(state_dir, **backend)
     tx = k.transaction()
     tx.journal(thread="t", direction="in")
     await k.close()
@@ -973,14 +998,15 @@ async def test_commit_after_close_is_refused(state_dir: Path) -> None:
     await k.close()  # idempotent
 
 
-async def test_two_concurrent_closes_both_wait_for_the_drain(state_dir: Path) -> None:
-    k = await Kernel.open(state_dir)
+async def test_two_concurrent_closes_both_wait_for_the_drain(
+        state_dir: Path, backend: dict) -> None:
+    k = await Kernel.open(state_dir, **backend)
     tx = k.transaction()
     seq = tx.journal(thread="t", direction="in", pending=True)
     committed = k.commit(tx)
     await asyncio.gather(k.close(), k.close())
     assert committed.done() and committed.exception() is None
-    async with await Kernel.open(state_dir) as again:  # lock released once, cleanly
+    async with await Kernel.open(state_dir, **backend) as again:  # lock released once, cleanly
         assert [e.seq for e in await again.pending_messages()] == [seq]
 
 
@@ -1074,8 +1100,9 @@ async def test_full_sync_profiles_commit_with_synchronous_full(state_dir: Path) 
         pass
 
 
-async def test_outbox_of_an_absent_client_is_capped_keeping_the_newest(state_dir: Path) -> None:
-    async with await Kernel.open(state_dir, max_outbox_per_client=5) as k:
+async def test_outbox_of_an_absent_client_is_capped_keeping_the_newest(
+        state_dir: Path, backend: dict) -> None:
+    async with await Kernel.open(state_dir, **backend, max_outbox_per_client=5) as k:
         for i in range(12):
             tx = k.transaction()
             tx.outbox_put("gone", "t", f"<f{i}/>".encode())

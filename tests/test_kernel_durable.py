@@ -1,5 +1,5 @@
-"""The kernel's durable waits on real SQLite: timers, handler state and parked
-approvals commit with the transaction that carries them, or not at all."""
+"""The kernel's durable waits on real SQLite and PostgreSQL (`backend`): timers,
+handler state and parked approvals commit with the transaction that carries them, or not at all."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ def approval(aid: str) -> ApprovalRow:
                        b"<pay/>", "ab" * 32, ("operator", "client"), 1.0, 2.0)
 
 
-async def test_timers_state_and_approvals_round_trip(tmp_path: Path) -> None:
-    async with await Kernel.open(tmp_path / "s") as k:
+async def test_timers_state_and_approvals_round_trip(tmp_path: Path, backend: dict) -> None:
+    async with await Kernel.open(tmp_path / "s", **backend) as k:
         tx = k.transaction()
         tx.timer_put(timer("t2", 200.0))
         tx.timer_put(timer("t1", 100.0))
@@ -48,8 +48,8 @@ async def test_timers_state_and_approvals_round_trip(tmp_path: Path) -> None:
             "approved", "operator:ops-1", "ok")
 
 
-async def test_a_second_decision_changes_nothing(tmp_path: Path) -> None:
-    async with await Kernel.open(tmp_path / "s") as k:
+async def test_a_second_decision_changes_nothing(tmp_path: Path, backend: dict) -> None:
+    async with await Kernel.open(tmp_path / "s", **backend) as k:
         tx = k.transaction()
         tx.approval_put(approval("a1"))
         tx.approval_decide("a1", "denied", "alice", "", 3.0)
@@ -59,8 +59,8 @@ async def test_a_second_decision_changes_nothing(tmp_path: Path) -> None:
         assert (row.state, row.decided_by) == ("denied", "alice")
 
 
-async def test_a_rejected_transaction_writes_no_timer(tmp_path: Path) -> None:
-    async with await Kernel.open(tmp_path / "s") as k:
+async def test_a_rejected_transaction_writes_no_timer(tmp_path: Path, backend: dict) -> None:
+    async with await Kernel.open(tmp_path / "s", **backend) as k:
         tx = k.transaction()
         tx.approval_put(approval("a1"))
         await k.commit(tx)
@@ -82,9 +82,10 @@ def test_decided_state_must_be_final(tmp_path: Path) -> None:
         tx.approval_decide("a1", "pending", "x", "", 1.0)
 
 
-async def test_decided_approvals_are_collected_with_old_threads(tmp_path: Path) -> None:
+async def test_decided_approvals_are_collected_with_old_threads(
+        tmp_path: Path, backend: dict) -> None:
     now = time.time()
-    async with await Kernel.open(tmp_path / "s", clock=lambda: now + 10 * 86400) as k:
+    async with await Kernel.open(tmp_path / "s", **backend, clock=lambda: now + 10 * 86400) as k:
         tx = k.transaction()
         tx.approval_put(approval("old"))
         tx.approval_decide("old", "denied", "ops", "", now)

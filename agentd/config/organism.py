@@ -99,6 +99,7 @@ class OrganismConfig:
     metrics: sections.MetricsConfig = field(default_factory=sections.MetricsConfig)
     pump: sections.PumpConfig = field(default_factory=sections.PumpConfig)
     journal: sections.JournalConfig = field(default_factory=sections.JournalConfig)
+    kernel: sections.KernelConfig = field(default_factory=sections.KernelConfig)
     profiles: Mapping[str, sections.ProfileConfig] = field(default_factory=FrozenMapping)
     prompts: Mapping[str, str] = field(default_factory=FrozenMapping)
     llm: sections.LlmConfig | None = None
@@ -303,6 +304,7 @@ def _load(
         metrics=document.metrics,
         pump=document.pump,
         journal=document.journal,
+        kernel=document.kernel,
         profiles=FrozenMapping({k: replace(p, name=k) for k, p in document.profiles.items()}),
         prompts=FrozenMapping(document.prompts),
         llm=document.llm,

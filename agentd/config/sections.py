@@ -219,6 +219,30 @@ class JournalConfig:
     max_outbox_per_client: Positive = _KERNEL.max_outbox_per_client
 
 
+def _kernel_rules(data: dict[str, Any]) -> list[Problem]:
+    """postgres names its database once (`dsn` or `dsn_file`); sqlite names none."""
+    given = [key for key in ("dsn", "dsn_file") if key in data]
+    if data.get("backend", "sqlite") == "postgres":
+        if not given:
+            return [Problem(("dsn",), "backend postgres needs dsn or dsn_file", data)]
+        if len(given) == 2:
+            return [Problem(("dsn_file",), "give dsn or dsn_file, not both", data)]
+        return []
+    return [Problem((key,), "only for backend postgres", data) for key in given]
+
+
+@dataclass(frozen=True, config=SECTION)
+class KernelConfig:
+    """Where the kernel keeps its state: SQLite in state_dir (the default), or a
+    PostgreSQL database (`dsn`, or `dsn_file`: a file holding it, read at start)."""
+
+    backend: Literal["sqlite", "postgres"] = "sqlite"
+    dsn: Text | None = None
+    dsn_file: FilePath | None = None
+
+    _rules = rules(lambda data, _: _kernel_rules(data), "kernel")
+
+
 def _isolation_rules(data: dict[str, Any]) -> list[Problem]:
     """`network: false` is never degraded: refused where nothing can enforce it. A
     `user` must exist here (whether the daemon may switch to it is checked at start)."""
@@ -466,6 +490,7 @@ class OrganismDocument:
     metrics: MetricsConfig = MetricsConfig()
     pump: PumpConfig = PumpConfig()
     journal: JournalConfig = JournalConfig()
+    kernel: KernelConfig = KernelConfig()
     profiles: dict[ProfileName, ProfileConfig] = Field(default_factory=dict)
     prompts: dict[PromptName, Prompt] = Field(default_factory=dict)
     llm: LlmConfig | None = None

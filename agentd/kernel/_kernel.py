@@ -86,7 +86,7 @@ class Kernel(KernelReads, KernelBatching):
     """Use `await Kernel.open(state_dir)`; `async with` closes it."""
 
     def __init__(self, *, state_dir: Path, lock: StateDirLock, writer: WriterProcess,
-                 store_options: dict[str, Any], reader: aiosqlite.Connection, ctx: TxContext,
+                 store_options: dict[str, Any], reader: Any, ctx: TxContext,
                  commit_interval_s: float, commit_max_entries: int, sweep_interval_s: float,
                  context_ttl_s: float, checkpoint_idle_s: float, sweep_chunk: int,
                  on_commit: OnCommit | None, max_outbox_per_client: int = 10_000,
@@ -99,6 +99,8 @@ class Kernel(KernelReads, KernelBatching):
         self._writer_proc = writer
         writer.on_exit = self._writer_died
         self._store_options = store_options
+        self.dsn: str | None = store_options.get("dsn")  # the postgres backend's
+        self._db_bytes = 0  # on PostgreSQL: its size when last idle (`_idle_checkpoint`)
         self._reader = reader
         self._ctx = ctx
         self._interval = commit_interval_s
@@ -153,7 +155,7 @@ class Kernel(KernelReads, KernelBatching):
         lock = await asyncio.to_thread(StateDirLock.acquire, state_dir)
         db = state_dir / DB_NAME
         store_options: dict[str, Any] = {"synchronous": o.synchronous,
-                                         "max_db_bytes": o.max_db_bytes}
+                                         "max_db_bytes": o.max_db_bytes, "dsn": o.dsn}
         writer: WriterProcess | None = None
         try:
             writer, (seq, outbox_id, last_txn, migrated_from, counts) = await _start_writer(
@@ -161,8 +163,13 @@ class Kernel(KernelReads, KernelBatching):
             if migrated_from != code_version():
                 log.info("kernel database %s migrated from schema %d to %d", db,
                          migrated_from, code_version())
-            reader = await aiosqlite.connect(readonly_uri(db), uri=True)
-            await reader.execute("PRAGMA query_only=1")
+            reader: Any
+            if o.dsn:
+                from agentd.kernel._postgres import PgReader  # psycopg: an optional extra
+                reader = PgReader(o.dsn)
+            else:
+                reader = await aiosqlite.connect(readonly_uri(db), uri=True)
+                await reader.execute("PRAGMA query_only=1")
         except BaseException:
             if writer is not None:
                 with contextlib.suppress(Exception):
@@ -300,6 +307,8 @@ class Kernel(KernelReads, KernelBatching):
         return self._writer_proc.pid
 
     def db_size_bytes(self) -> int:
+        if self.dsn:
+            return self._db_bytes
         total = 0
         for suffix in ("", "-wal"):
             with contextlib.suppress(OSError):
@@ -517,6 +526,8 @@ class Kernel(KernelReads, KernelBatching):
 
     async def _idle_checkpoint(self) -> None:
         try:
+            if self.dsn:
+                self._db_bytes = await self._call("size_bytes")
             busy, _, _ = await self._call("checkpoint", "TRUNCATE")
         except Exception as exc:
             log.warning("kernel: WAL checkpoint failed: %s", exc)
@@ -614,9 +625,12 @@ class _Then:
             log.exception("kernel: commit callback failed")
 
 
-def verify_journal_main(state_dir: Path | str) -> int:
-    """`agentd verify-journal`: check the hash chain of `state_dir`'s journal without
-    taking the lock (read-only; safe while agentd runs). Prints the result; 0 if OK."""
+def verify_journal_main(state_dir: Path | str, dsn: str | None = None) -> int:
+    """`agentd verify-journal`: check the hash chain of `state_dir`'s journal (or of
+    the PostgreSQL database `dsn` names) without taking the lock (read-only, one
+    snapshot; safe while agentd runs). Prints the result; 0 if OK."""
+    if dsn:
+        return _verify_postgres_main(dsn)
     db = Path(state_dir) / DB_NAME
     if not db.exists():
         print(f"verify-journal: {db}: no such database", file=sys.stderr)
@@ -638,4 +652,33 @@ def verify_journal_main(state_dir: Path | str) -> int:
         return 0
     where = f" at seq {verdict.bad_seq}" if verdict.bad_seq is not None else ""
     print(f"{db}: journal verification FAILED{where}: {verdict.message}")
+    return 1
+
+
+def _verify_postgres_main(dsn: str) -> int:
+    from agentd.kernel._postgres import PgConnection  # psycopg: an optional extra
+    from agentd.kernel._store import verify_postgres
+
+    try:
+        conn = PgConnection.connect(dsn, pipeline=False)
+        try:
+            label = f"postgresql database {conn.raw.info.dbname}"
+            version = read_version(conn)
+        finally:
+            conn.close()
+        if version is not None and version > code_version():
+            raise SchemaTooNew(too_new_message(label, version))
+        if version is None:
+            print(f"verify-journal: {label}: no agentd tables (nothing was written yet)",
+                  file=sys.stderr)
+            return 1
+        verdict = verify_postgres(dsn)
+    except (KernelUnavailable, SchemaTooNew) as exc:
+        print(f"verify-journal: {exc}", file=sys.stderr)
+        return 1
+    if verdict.ok:
+        print(f"{label}: {verdict.message}")
+        return 0
+    where = f" at seq {verdict.bad_seq}" if verdict.bad_seq is not None else ""
+    print(f"{label}: journal verification FAILED{where}: {verdict.message}")
     return 1

@@ -30,6 +30,8 @@ class KernelOptions:
     checkpoint_idle_s: float = 1.0  # idle time before wal_checkpoint(TRUNCATE)
     sweep_chunk: int = 5000  # journal rows deleted per retention transaction
     max_outbox_per_client: int = 10_000
+    # The postgres backend: the libpq DSN of its database (None: SQLite in state_dir).
+    dsn: str | None = None
 
 
 DEFAULT_KERNEL_OPTIONS = KernelOptions()

@@ -14,8 +14,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import aiosqlite
-
 from agentd.kernel._records import ApprovalRow, JournalEntry, ThreadRow, TimerRow
 from agentd.kernel._store import (
     JOURNAL_COLUMNS,
@@ -25,14 +23,16 @@ from agentd.kernel._store import (
     entry_from_row,
     thread_from_row,
     verify_file,
+    verify_postgres,
 )
 
 
 class KernelReads:
     """Queries over committed state (mixed into `Kernel`)."""
 
-    _reader: aiosqlite.Connection
+    _reader: Any  # aiosqlite.Connection, or _postgres.PgReader (same calls)
     db_path: Path
+    dsn: str | None
 
     # -- reading (committed state only: `await flush()` first to read your writes) ----
 
@@ -156,5 +156,8 @@ class KernelReads:
 
     async def verify(self) -> tuple[bool, int | None, str]:
         """Walk the hash chain: (ok, first bad seq or None, message)."""
-        verdict = await asyncio.to_thread(verify_file, self.db_path)
+        if self.dsn:
+            verdict = await asyncio.to_thread(verify_postgres, self.dsn)
+        else:
+            verdict = await asyncio.to_thread(verify_file, self.db_path)
         return verdict.as_tuple()

@@ -8,10 +8,13 @@ mid-migration leaves the old version intact. A database newer than `max(MIGRATIO
 
 from __future__ import annotations
 
-import sqlite3
 from pathlib import Path
+from typing import Any
 
 from agentd.kernel._errors import SchemaTooNew
+
+# The transaction-scoped advisory lock a PostgreSQL migration holds.
+MIGRATION_LOCK_KEY = 0x61676E74_64000001
 
 # The chain head and high-water marks (one row, id 0), updated by every batch: seqs
 # and outbox ids are never reused even after retention deleted the newest rows.
@@ -173,13 +176,22 @@ MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_CONTEXT, 3: _V3_DURABLE
                                           4: _V4_OUTCOMES}
 
 
+def is_postgres(conn: Any) -> bool:
+    return getattr(conn, "dialect", "sqlite") == "postgres"
+
+
 def code_version() -> int:
     return max(MIGRATIONS)
 
 
-def read_version(conn: sqlite3.Connection) -> int | None:
+def read_version(conn: Any) -> int | None:
     """The database's schema version; None for an empty database."""
-    names = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    if is_postgres(conn):
+        from agentd.kernel._postgres import table_names  # psycopg: an optional extra
+        names = table_names(conn)
+    else:
+        names = {r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type='table'")}
     if "schema_version" in names:
         row = conn.execute("SELECT version FROM schema_version").fetchone()
         return int(row[0]) if row else 0
@@ -189,15 +201,22 @@ def read_version(conn: sqlite3.Connection) -> int | None:
     return None
 
 
-def too_new_message(db: Path, found: int) -> str:
+def too_new_message(db: Path | str, found: int) -> str:
     return (f"{db}: database schema version {found} is newer than this agentd supports "
             f"(version {code_version()}); run a newer agentd, or point state_dir elsewhere")
 
 
-def migrate(conn: sqlite3.Connection, db: Path) -> tuple[int, int]:
-    """Bring the database to `code_version()`; returns (from_version, to_version)."""
-    conn.execute("BEGIN IMMEDIATE")
+def migrate(conn: Any, db: Path | str) -> tuple[int, int]:
+    """Bring the database to `code_version()`; returns (from_version, to_version).
+    `conn`: a sqlite3 connection, or a `PgConnection` (the same statements in
+    PostgreSQL's types; two daemons starting at once migrate one after the other)."""
+    postgres = is_postgres(conn)
+    if postgres:
+        from agentd.kernel._postgres import ddl
+    conn.execute("BEGIN" if postgres else "BEGIN IMMEDIATE")
     try:
+        if postgres:
+            conn.execute("SELECT pg_advisory_xact_lock(?)", (MIGRATION_LOCK_KEY,))
         found = read_version(conn)
         target = code_version()
         if found is not None and found > target:
@@ -205,14 +224,16 @@ def migrate(conn: sqlite3.Connection, db: Path) -> tuple[int, int]:
         start = 0 if found is None else found
         for version in range(start + 1, target + 1):
             for statement in MIGRATIONS[version]:
-                conn.execute(statement)
+                conn.execute(ddl(statement) if postgres else statement)
             if version == 1:
                 conn.execute("INSERT INTO schema_version VALUES (1)")
             else:
                 conn.execute("UPDATE schema_version SET version = ?", (version,))
         conn.execute("COMMIT")
     except BaseException:
-        if conn.in_transaction:
+        if postgres:
+            conn.rollback()
+        elif conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
     return start, target

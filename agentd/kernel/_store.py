@@ -23,7 +23,7 @@ from urllib.parse import quote
 from agentd.kernel._chain import Gap, Verdict, encode, verify_chain
 from agentd.kernel._errors import KernelUnavailable
 from agentd.kernel._records import JournalEntry, ThreadRow
-from agentd.kernel._schema import migrate
+from agentd.kernel._schema import is_postgres, migrate
 from agentd.kernel._transaction import (
     OP_MEMORY_FORGET,
     OP_MEMORY_PUT,
@@ -80,14 +80,25 @@ class Head:
 
 
 class Store:
-    def __init__(self, conn: sqlite3.Connection, db: Path, head: Head, default_max_pages: int):
+    """On SQLite (`open`) or PostgreSQL (`open_postgres`: `conn` is then a
+    `_postgres.PgConnection`, which speaks this module's SQL): the same statements,
+    transactions and chain. What only SQLite has (PRAGMAs, the WAL checkpoint, a size
+    cap, synchronous=FULL batches: PostgreSQL commits every transaction durably) is
+    skipped on PostgreSQL."""
+
+    def __init__(self, conn: Any, db: Path | str, head: Head, default_max_pages: int):
         self.conn = conn
         self.db = db
         self.head = head
+        self.postgres = is_postgres(conn)
         self._default_max_pages = default_max_pages
-        self.page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
         self.migrated_from = 0
-        self.synchronous = str(conn.execute("PRAGMA synchronous").fetchone()[0])
+        if self.postgres:
+            self.page_size = 0
+            self.synchronous = "on"
+        else:
+            self.page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
+            self.synchronous = str(conn.execute("PRAGMA synchronous").fetchone()[0])
         self._open_head = head  # the chain head within the open transaction (`apply`)
 
     @classmethod
@@ -120,13 +131,33 @@ class Store:
             conn.close()
             raise
 
+    @classmethod
+    def open_postgres(cls, dsn: str) -> Store:
+        """Connect (one connection, this writer's alone) and migrate."""
+        from agentd.kernel._postgres import PgConnection  # psycopg: an optional extra
+
+        conn = PgConnection.connect(dsn, exit_on_loss=True)
+        try:
+            label = f"postgresql database {conn.raw.info.dbname}"
+            migrated_from, _ = migrate(conn, label)
+            row = conn.execute("SELECT pos, hash, seq, outbox_id, txn FROM head WHERE id = 0"
+                               ).fetchone()
+            assert row is not None
+            pos, h, seq, oid, txn = row
+            store = cls(conn, label, Head(pos, bytes(h), seq, oid, txn), 0)
+            store.migrated_from = migrated_from
+            return store
+        except BaseException:
+            conn.close()
+            raise
+
     # -- writes ---------------------------------------------------------------------
 
     def write(self, plan: BatchPlan, txn: int | None = None) -> None:
         """One batch, one SQLite transaction. Chain hashes are computed here, in commit
         order, so a transaction that fails never leaves a hole in the chain. `txn`: the
         number of its last transaction, recorded with it (see `commit`)."""
-        upgrade = plan.full_sync and self.synchronous in ("0", "1")  # OFF, NORMAL
+        upgrade = plan.full_sync and self.synchronous in ("0", "1")  # SQLite OFF, NORMAL
         if upgrade:
             self.conn.execute("PRAGMA synchronous=FULL")
         try:
@@ -333,9 +364,12 @@ class Store:
     def checkpoint(self, mode: str = "PASSIVE") -> tuple[int, int, int]:
         """(busy, wal frames, frames checkpointed); TRUNCATE also empties the WAL file.
         Never waits for readers (busy_timeout 0): a reader in the way means busy=1 and
-        the caller tries again later, rather than stalling every commit behind it."""
+        the caller tries again later, rather than stalling every commit behind it.
+        PostgreSQL checkpoints by itself: nothing to do."""
         if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
             raise ValueError(mode)
+        if self.postgres:
+            return 0, 0, 0
         conn = self.conn
         conn.execute("PRAGMA busy_timeout=0")
         try:
@@ -347,9 +381,12 @@ class Store:
     def probe(self) -> None:
         """A small real write (allocates pages, appends to the WAL), then undone."""
         conn = self.conn
-        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("BEGIN" if self.postgres else "BEGIN IMMEDIATE")
         try:
-            conn.execute("INSERT INTO probe (data) VALUES (zeroblob(65536))")
+            if self.postgres:
+                conn.execute("INSERT INTO probe (data) VALUES (?)", (bytes(65536),))
+            else:
+                conn.execute("INSERT INTO probe (data) VALUES (zeroblob(65536))")
             conn.execute("DELETE FROM probe")
             conn.execute("COMMIT")
         except BaseException:
@@ -357,7 +394,12 @@ class Store:
             raise
 
     def set_max_bytes(self, max_bytes: int | None) -> int:
-        """Cap the database file (SQLITE_FULL beyond it). Returns the effective cap."""
+        """Cap the database file (SQLITE_FULL beyond it). Returns the effective cap.
+        On PostgreSQL the server's disk is the cap (0: none here)."""
+        if self.postgres:
+            if max_bytes is not None:
+                raise ValueError("journal.max_db_bytes applies to the sqlite backend only")
+            return 0
         if max_bytes is None:
             pages = self._default_max_pages
         else:
@@ -369,12 +411,22 @@ class Store:
         return {t: (int(n), float(last)) for t, n, last in self.conn.execute(
             "SELECT thread, count(*), max(ts) FROM context GROUP BY thread")}
 
+    def size_bytes(self) -> int:
+        """The database's size on the PostgreSQL server (SQLite's: see the kernel)."""
+        if not self.postgres:
+            return 0
+        row = self.conn.execute("SELECT pg_database_size(current_database())").fetchone()
+        return int(row[0]) if row else 0
+
     def close(self) -> None:
         with contextlib.suppress(sqlite3.Error):
             self.checkpoint("TRUNCATE")
         self.conn.close()
 
     def _rollback(self) -> None:
+        if self.postgres:
+            self.conn.rollback()
+            return
         with contextlib.suppress(sqlite3.Error):
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
@@ -424,11 +476,13 @@ def thread_from_row(row: tuple) -> ThreadRow:
                      created=created, updated=updated, hops=hops)
 
 
-def verify_connection(conn: sqlite3.Connection) -> Verdict:
-    """Verify the chain in one read snapshot of `conn` (a connection in autocommit)."""
+def verify_connection(conn: Any) -> Verdict:
+    """Verify the chain in one read snapshot of `conn` (a connection in autocommit:
+    sqlite3's, or a `PgConnection` whose BEGIN takes a snapshot)."""
     conn.execute("BEGIN")
     try:
         head_pos, head_hash = conn.execute("SELECT pos, hash FROM head WHERE id = 0").fetchone()
+        head_hash = bytes(head_hash)
         gaps = [Gap(*g) for g in conn.execute(
             "SELECT start_pos, end_pos, prev_hash, hash FROM journal_gaps ORDER BY start_pos")]
         rows = conn.execute(f"SELECT {JOURNAL_COLUMNS} FROM journal ORDER BY pos")
@@ -453,6 +507,19 @@ def verify_connection(conn: sqlite3.Connection) -> Verdict:
 def verify_file(db: Path) -> Verdict:
     """Open `db` read-only (no lock needed: WAL readers never block the writer)."""
     conn = sqlite3.connect(readonly_uri(db), uri=True, isolation_level=None)
+    try:
+        return verify_connection(conn)
+    finally:
+        conn.close()
+
+
+def verify_postgres(dsn: str) -> Verdict:
+    """Verify the chain of the PostgreSQL database `dsn` names, in one snapshot
+    (read-only; safe while the kernel writes)."""
+    from agentd.kernel._postgres import PgConnection  # psycopg: an optional extra
+
+    conn = PgConnection.connect(dsn, pipeline=False,
+                                begin="BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
     try:
         return verify_connection(conn)
     finally:

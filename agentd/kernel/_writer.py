@@ -218,7 +218,12 @@ class _Served:
         self._folded: list[tuple[list[tuple], int | None, float, int, bool]] = []
 
     def open(self, db: str, options: dict[str, Any]) -> tuple[int, int, int, int, dict]:
-        self.store = Store.open(Path(db), **options)
+        options = dict(options)
+        dsn = options.pop("dsn", None)
+        if dsn:  # the postgres backend: the same Store over a PgConnection
+            self.store = Store.open_postgres(dsn)
+        else:
+            self.store = Store.open(Path(db), **options)
         head = self.store.head
         return (head.seq, head.outbox_id, head.txn, self.store.migrated_from,
                 self.store.context_counts())
@@ -357,7 +362,7 @@ class _Served:
 
     def __getattr__(self, name: str) -> Any:
         if name in ("sweep_retention", "gc", "cap_outboxes", "checkpoint", "probe",
-                    "set_max_bytes"):
+                    "set_max_bytes", "size_bytes"):
             return getattr(self.store, name)
         raise AttributeError(name)
 
