@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import socket
 import sys
 import tempfile
 import textwrap
@@ -280,6 +281,62 @@ async def test_connect_to_loopback_with_network_off_is_refused() -> None:
         _code, out, _ = await run_python(probe, python_policy(network=True))
         assert out.strip() == "connected"
     assert len(accepted) == 1
+
+
+async def test_a_child_cannot_open_a_unix_socket_it_was_not_handed(tmp_path) -> None:
+    """A confined child ran as the daemon's uid and connected to its operator socket
+    by path: Landlock scopes abstract names only and the socket checks only the uid.
+    socket(AF_UNIX) is refused (pathname, abstract, datagram alike) and io_uring, whose
+    operations no filter sees, is absent; socketpair, asyncio, subprocesses, IP
+    sockets and a Unix socket handed to it all still work."""
+    path = str(tmp_path / "operator.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    os.chmod(path, 0o666)
+    listener.listen(8)
+    listener.setblocking(False)
+    handed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        proc = await spawn([sys.executable, "-I", "-S", "-c", textwrap.dedent(f"""
+            import asyncio, ctypes, os, socket, subprocess, sys
+            for how in ("stream", "dgram", "abstract"):
+                try:
+                    kind = socket.SOCK_DGRAM if how == "dgram" else socket.SOCK_STREAM
+                    s = socket.socket(socket.AF_UNIX, kind)
+                    s.connect("\\0agentd-test" if how == "abstract" else {path!r})
+                    print(how, "connected")
+                except OSError as e:
+                    print(how, "refused", e.errno)
+            libc = ctypes.CDLL(None, use_errno=True)
+            print("io_uring", libc.syscall(425, 8, ctypes.create_string_buffer(120)),
+                  ctypes.get_errno())
+            a, b = socket.socketpair()
+            a.sendall(b"pair"); print(b.recv(4).decode())
+            async def main():
+                await asyncio.sleep(0)
+                return "asyncio"
+            print(asyncio.run(main()))
+            print(subprocess.run([sys.executable, "-c", "print('spawn')"],
+                                 capture_output=True).stdout.decode().strip())
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM).close(); print("inet")
+            given = socket.socket(fileno=0)
+            given.connect({path!r}); print("handed connected")
+        """)], python_policy(read_paths=(*PYTHON_READ, str(tmp_path))),
+            stdin=handed.fileno())
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        handed.close()
+    try:
+        accepted, _ = listener.accept()  # the handed socket's connection, and only it
+        accepted.close()
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+    assert proc.returncode == 0, err
+    assert out.decode().splitlines() == [
+        "stream refused 13", "dgram refused 13", "abstract refused 13",
+        "io_uring -1 38", "pair", "asyncio", "spawn", "inet", "handed connected"]
 
 
 async def test_memory_cap_stops_a_large_allocation() -> None:

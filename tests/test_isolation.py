@@ -578,6 +578,33 @@ async def test_worker_is_recycled_after_max_calls(tmp_path: Path) -> None:
         assert h.isolation.status()["pools"][0]["restarts"] == 1
 
 
+async def test_an_isolated_handler_cannot_lock_the_operator_out(tmp_path: Path) -> None:
+    """A handler (network: false, the daemon's uid) held 70 connections to the
+    operator socket by its path, reconnecting any dropped, and `agentctl status`
+    failed for as long as it ran. Its worker may not create a Unix socket (uvloop
+    still runs); the operator is answered while it runs."""
+    from agentd.client import BusClient
+    from tests.daemon_process import DaemonProcess, make_home
+
+    home = tmp_path / "home"
+    make_home(home, [{
+        "name": "prober", "payload_class": "tests.isolated.handlers:Probe",
+        "response_class": "tests.isolated.handlers:Outcome",
+        "handler": "tests.isolated.handlers:probe", "description": "Runs probes.",
+        "isolation": {"workers": 1, "network": False},
+    }])
+    d = await DaemonProcess(home).start()
+    try:
+        async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+            held = await bus.exchange(Probe("hold-oob", f"{d.socket} 70"))
+            code, status = d.agentctl("status")
+            assert code == 0, status
+            assert outcome(held) == ("outcome", "uvloop ran; refused 13")
+            assert outcome(await bus.exchange(Probe("echo", "alive"))) == ("outcome", "alive")
+    finally:
+        await d.stop()
+
+
 async def test_daemon_survives_a_segfaulting_worker_and_reports_its_pool(tmp_path: Path) -> None:
     from agentd.client import BusClient
     from tests.daemon_process import DaemonProcess, make_home

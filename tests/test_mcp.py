@@ -293,6 +293,29 @@ async def test_a_server_cannot_read_the_daemons_secrets_or_connect_out(
     assert "connect-refused" in text
 
 
+async def test_a_server_cannot_connect_to_a_unix_socket_by_its_path(tmp_path: Path) -> None:
+    """A server running as the daemon's uid connected to a root-owned 0600 socket (the
+    operator's, say) by its path: the socket checks only the uid. Refused at socket
+    creation; nothing reaches the listener."""
+    path = tmp_path.parent / f"{tmp_path.name}-operator.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    os.chmod(path, 0o600)
+    listener.listen(8)
+    listener.setblocking(False)
+    try:
+        async with harness(tmp_path, "good", str(path), tools="[unix]") as h:
+            body = b'<unix xmlns="https://xml-pipeline.org/ns/mcp/calc/unix/v1"/>'
+            frames = await h.send("alice", build_envelope(
+                "alice", str(uuid.uuid4()), body, to="calc.unix"))
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nothing ever connected
+    finally:
+        listener.close()
+        path.unlink()
+    assert "unix-refused:13" in frames[-1].decode()
+
+
 async def test_isolation_limits_reach_the_server_process(tmp_path: Path) -> None:
     async with harness(tmp_path, "good", tools="[limits]",
                        extra={"isolation": {"memory_mb": 1536, "open_files": 64}}) as h:

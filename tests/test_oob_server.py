@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from agentd import _metrics
+from agentd.confine import SYSTEM_READ_PATHS, Policy, spawn
 from agentd.oob import (
     SECURITY_KINDS,
     ErrorCode,
@@ -307,6 +308,12 @@ def _code(c: OobClient, frame: bytes) -> str:
     return "ok" if resp.ok else resp.error_code
 
 
+def _code_once(setup: Setup, frame: bytes) -> str:
+    """The answer's code on a connection of its own (a refusal closes it)."""
+    with client(setup) as c:
+        return _code(c, frame)
+
+
 def test_every_refusal_is_answered_counted_and_audited(setup: Setup,
                                                        server: ServerThread) -> None:
     before = {code: counter("agentd_oob_commands_total", command="status", outcome=code)
@@ -317,15 +324,13 @@ def test_every_refusal_is_answered_counted_and_audited(setup: Setup,
     unknown = sign_request(setup.key, "ghost", "status")
     stale = setup.sign(issued_at=time.time() - 61)
     future = setup.sign(issued_at=time.time() + 61)
-    with client(setup) as c:
-        assert _code(c, good) == "ok"
-        assert _code(c, tampered) == "bad-signature"
-        assert _code(c, wrong_key) == "bad-signature"
-        assert _code(c, unknown) == "unknown-key"
-        assert _code(c, stale) == "stale"
-        assert _code(c, future) == "stale"
-    with client(setup) as c:  # a captured frame replayed on a new connection
-        assert _code(c, good) == "replay"
+    assert _code_once(setup, good) == "ok"
+    assert _code_once(setup, tampered) == "bad-signature"
+    assert _code_once(setup, wrong_key) == "bad-signature"
+    assert _code_once(setup, unknown) == "unknown-key"
+    assert _code_once(setup, stale) == "stale"
+    assert _code_once(setup, future) == "stale"
+    assert _code_once(setup, good) == "replay"  # a captured frame, on a new connection
     assert server.kinds() == [
         "oob-command", "bad-signature", "bad-signature", "unknown-key", "stale", "stale",
         "replay",
@@ -388,13 +393,83 @@ def test_garbage_is_invalid_and_closes(setup: Setup, server: ServerThread) -> No
     assert set(server.kinds()) <= SECURITY_KINDS
 
 
-def test_schema_invalid_request_is_answered_and_the_connection_stays(
+def test_schema_invalid_request_is_answered_and_closes(
         setup: Setup, server: ServerThread) -> None:
+    for frame in (b"", b'<privileged xmlns="https://xml-pipeline.org/ns/privileged/v1"/>'):
+        with client(setup) as c:
+            assert _code(c, frame) == "invalid"
+            with pytest.raises(OobProtocolError, match="closed"):
+                c.recv_frame()
+    assert _code_once(setup, setup.sign()) == "ok"
+
+
+def test_a_peer_sending_unsigned_frames_is_disconnected_after_the_first(
+        setup: Setup, server: ServerThread) -> None:
+    """Unsigned frames on one held connection were each answered and journaled while
+    the connection stayed open (about 7,000 security rows a second). The first one
+    is answered and the connection closed: the rest are never read."""
     with client(setup) as c:
-        assert _code(c, b"") == "invalid"
-        assert _code(c, b'<privileged xmlns="https://xml-pipeline.org/ns/privileged/v1"/>') \
-            == "invalid"
-        assert _code(c, setup.sign()) == "ok"
+        c._raw_send(b"".join(encode_frame(b"<x/>") for _ in range(200)))
+        assert parse_response(c.recv_frame()).error_code == "invalid"
+        with pytest.raises(OobProtocolError, match="closed"):
+            c.recv_frame()
+    assert server.kinds() == ["invalid"]
+    assert _code_once(setup, setup.sign()) == "ok"
+
+
+def test_a_flood_of_refusals_is_journaled_as_a_bounded_count(setup: Setup) -> None:
+    """One peer refused 300 times: the first few refusals are journaled whole, the
+    rest as one counted `repeated-refusals` row (the metrics still count each)."""
+    before = counter("agentd_security_events_total", kind="invalid")
+    with ServerThread(setup.socket, setup.authorized) as srv:
+        for _ in range(300):
+            assert _code_once(setup, b"<x/>") == "invalid"
+        assert _code_once(setup, setup.sign()) == "ok"  # the operator is still served
+        during = srv.kinds()
+    rows = srv.audit  # after close(): the count still open is journaled
+    assert during.count("invalid") == len(during) - 1 <= 10
+    security = [(k, f) for k, f in rows if k != "oob-command"]
+    assert len(security) == len(during)
+    kind, fields = security[-1]
+    assert kind == "repeated-refusals" and kind in SECURITY_KINDS
+    assert fields["count"] == str(300 - (len(security) - 1))
+    assert fields["kinds"] == f"invalid:{fields['count']}"
+    assert fields["peer"] == f"uid={os.geteuid()} pid={os.getpid()}"
+    assert counter("agentd_security_events_total", kind="invalid") == before + 300
+
+
+async def test_a_confined_child_is_refused_at_connect(tmp_path: Path) -> None:
+    """A handler worker, exec tool or MCP server runs as the daemon's uid: its uid
+    passes. A child of the daemon's own confinement is refused before a byte is read,
+    here through a Unix socket handed to it (it may not create one)."""
+    setup = Setup(tmp_path)
+    audit: list[tuple[str, dict[str, str]]] = []
+    srv = OobServer(setup.socket, setup.authorized, FakeCommands(),
+                    audit=lambda kind, fields: audit.append((kind, dict(fields))))
+    await srv.start()
+    handed = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        proc = await spawn([sys.executable, "-I", "-S", "-c", (
+            "import socket, struct\n"
+            "s = socket.socket(fileno=0)\n"
+            f"s.connect({str(setup.socket)!r})\n"
+            "s.settimeout(5)\n"
+            "try:\n"
+            f"    s.sendall(struct.pack('>I', len({setup.sign()!r})) + {setup.sign()!r})\n"
+            "    print('closed' if s.recv(4) == b'' else 'answered')\n"
+            "except (BrokenPipeError, ConnectionResetError):\n"
+            "    print('closed')\n")],
+            Policy(read_paths=(*SYSTEM_READ_PATHS, sys.base_prefix, sys.prefix,
+                               str(tmp_path))), stdin=handed.fileno())
+        handed.close()
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        handed.close()
+        await srv.close()
+    assert out.decode().strip() == "closed", err
+    kind, fields = audit[-1]
+    assert kind == "peer-refused" and "confined child" in fields["detail"]
+    assert fields["pid"] == str(proc.pid)
 
 
 def test_half_a_frame_then_disconnect_does_not_hurt(setup: Setup,
@@ -417,19 +492,18 @@ def test_idle_connection_is_closed(setup: Setup) -> None:
 def test_reload_keys_adds_and_removes_keys(setup: Setup, server: ServerThread) -> None:
     new, _, line = make_key(setup.dir, "ops-3")
     frame = sign_request(new, "ops-3", "status")
-    with client(setup) as c:
-        assert _code(c, frame) == "unknown-key"
-        setup.authorized.write_text(line + "\n")
+    assert _code_once(setup, frame) == "unknown-key"
+    setup.authorized.write_text(line + "\n")
+    server.server.reload_keys()
+    assert _code_once(setup, sign_request(new, "ops-3", "status")) == "ok"
+    assert _code_once(setup, setup.sign()) == "unknown-key"
+    setup.authorized.write_text("garbage\n")
+    with pytest.raises(Exception, match="not a key line"):
         server.server.reload_keys()
-        assert _code(c, sign_request(new, "ops-3", "status")) == "ok"
-        assert _code(c, setup.sign()) == "unknown-key"
-        setup.authorized.write_text("garbage\n")
-        with pytest.raises(Exception, match="not a key line"):
-            server.server.reload_keys()
-        assert _code(c, sign_request(new, "ops-3", "status")) == "ok"  # kept
-        server.server.reload_keys({"ops-1": setup.key.public_key()})  # pre-validated
-        assert _code(c, setup.sign()) == "ok"
-        assert _code(c, sign_request(new, "ops-3", "status")) == "unknown-key"
+    assert _code_once(setup, sign_request(new, "ops-3", "status")) == "ok"  # kept
+    server.server.reload_keys({"ops-1": setup.key.public_key()})  # pre-validated
+    assert _code_once(setup, setup.sign()) == "ok"
+    assert _code_once(setup, sign_request(new, "ops-3", "status")) == "unknown-key"
 
 
 def test_connection_limit(setup: Setup) -> None:

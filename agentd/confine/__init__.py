@@ -8,6 +8,8 @@ public surface:
 - `spawn(argv, policy)`: start a confined child from asyncio (own process group,
   empty environment plus the policy's, no inherited descriptors; confinement is
   applied in the child before the target runs, by an exec shim).
+- `is_confined_child(pid)`: whether a process is such a child or one it started
+  (the operator socket refuses them).
 - `kill_group(proc)`: SIGKILL the child's whole process group and reap it.
 - `Policy.max_tasks`: the processes and threads a child and all it starts may have
   at once, enforced by a pids cgroup of its own where one can be made
@@ -37,6 +39,7 @@ from agentd.confine._policy import (
 )
 from agentd.confine._spawn import (
     SHIM_FAILED,
+    is_confined_child,
     kill_group,
     resolve_executable,
     spawn,
@@ -63,6 +66,7 @@ __all__ = [
     "cgroups",
     "check_enforceable",
     "confine_self",
+    "is_confined_child",
     "kill_group",
     "landlock_status",
     "resolve_executable",

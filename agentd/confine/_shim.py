@@ -167,18 +167,30 @@ def _landlock_restrict(abi: int, read: list[str], write: list[str], listing: lis
 # a descendant whose parent exits is re-parented to the child, not to init, and the
 # daemon sees every process the child left behind among its children; the child may
 # not undo that. Every non-x86_64 syscall ABI (i386 via int 0x80, x32) is refused.
+#
+# It also keeps the child off every Unix socket it was not handed: socket(2) with
+# AF_UNIX is refused with EACCES. Landlock (to ABI 7) scopes abstract names only, and
+# a pathname socket (the operator's, say) checks no more than the connecting uid,
+# which a child shares with the daemon unless isolation.user is set. socketpair(2)
+# stays: a pair is private to the process that makes it (asyncio's self-pipe, a
+# subprocess's pipes). io_uring_setup(2) says ENOSYS (libuv and the others fall back
+# to plain system calls): a ring's operations, sockets among them, pass no filter.
 _AUDIT_ARCH_X86_64 = 0xC000003E
 _X32_BIT = 0x40000000
+_NR_SOCKET = 41
 _NR_CLONE = 56
 _NR_SETPGID = 109
 _NR_SETSID = 112
 _NR_PRCTL = 157
+_NR_IO_URING_SETUP = 425
 _NR_CLONE3 = 435
+_AF_UNIX = 1
 _CLONE_PARENT = 0x00008000
 _PR_SET_CHILD_SUBREAPER = 36
 _ARG0_LOW = 16  # offsetof(struct seccomp_data, args[0]), its low 32 bits (little-endian)
 _RET_ALLOW = 0x7FFF0000
 _RET_EPERM = 0x00050000 | 1
+_RET_EACCES = 0x00050000 | 13
 _RET_ENOSYS = 0x00050000 | 38
 
 
@@ -187,27 +199,39 @@ def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
 
 
 def _seccomp_program() -> bytes:
+    """The filter, assembled: a jump names its targets by label (None: the next
+    instruction), and each label becomes the count of instructions skipped."""
     ld_w_abs, jeq_k, jge_k, jset_k, ret_k = 0x20, 0x15, 0x35, 0x45, 0x06
-    # Jump offsets count the instructions skipped after the jump itself.
-    return b"".join([
-        _bpf(ld_w_abs, 0, 0, 4),                       # 0  A = arch
-        _bpf(jeq_k, 1, 0, _AUDIT_ARCH_X86_64),         # 1
-        _bpf(ret_k, 0, 0, _RET_EPERM),                 # 2
-        _bpf(ld_w_abs, 0, 0, 0),                       # 3  A = syscall number
-        _bpf(jge_k, 10, 0, _X32_BIT),                  # 4  -> 15 EPERM
-        _bpf(jeq_k, 9, 0, _NR_SETSID),                 # 5  -> 15 EPERM
-        _bpf(jeq_k, 8, 0, _NR_SETPGID),                # 6  -> 15 EPERM
-        _bpf(jeq_k, 8, 0, _NR_CLONE3),                 # 7  -> 16 ENOSYS
-        _bpf(jeq_k, 3, 0, _NR_PRCTL),                  # 8  -> 12
-        _bpf(jeq_k, 0, 4, _NR_CLONE),                  # 9  else -> 14 ALLOW
-        _bpf(ld_w_abs, 0, 0, _ARG0_LOW),               # 10 A = clone's flags
-        _bpf(jset_k, 3, 2, _CLONE_PARENT),             # 11 -> 15 EPERM, else -> 14 ALLOW
-        _bpf(ld_w_abs, 0, 0, _ARG0_LOW),               # 12 A = prctl's option
-        _bpf(jeq_k, 1, 0, _PR_SET_CHILD_SUBREAPER),    # 13 -> 15 EPERM, else ALLOW
-        _bpf(ret_k, 0, 0, _RET_ALLOW),                 # 14
-        _bpf(ret_k, 0, 0, _RET_EPERM),                 # 15
-        _bpf(ret_k, 0, 0, _RET_ENOSYS),                # 16
-    ])
+    code: list[tuple[str | None, int, str | None, str | None, int]] = [
+        ("", ld_w_abs, None, None, 4),                         # A = arch
+        ("", jeq_k, None, "eperm", _AUDIT_ARCH_X86_64),
+        ("", ld_w_abs, None, None, 0),                         # A = syscall number
+        ("", jge_k, "eperm", None, _X32_BIT),
+        ("", jeq_k, "eperm", None, _NR_SETSID),
+        ("", jeq_k, "eperm", None, _NR_SETPGID),
+        ("", jeq_k, "enosys", None, _NR_CLONE3),
+        ("", jeq_k, "enosys", None, _NR_IO_URING_SETUP),
+        ("", jeq_k, "prctl", None, _NR_PRCTL),
+        ("", jeq_k, "socket", None, _NR_SOCKET),
+        ("", jeq_k, None, "allow", _NR_CLONE),
+        ("", ld_w_abs, None, None, _ARG0_LOW),                 # A = clone's flags
+        ("", jset_k, "eperm", "allow", _CLONE_PARENT),
+        ("prctl", ld_w_abs, None, None, _ARG0_LOW),            # A = prctl's option
+        ("", jeq_k, "eperm", "allow", _PR_SET_CHILD_SUBREAPER),
+        ("socket", ld_w_abs, None, None, _ARG0_LOW),           # A = socket's domain
+        ("", jeq_k, "eacces", "allow", _AF_UNIX),
+        ("allow", ret_k, None, None, _RET_ALLOW),
+        ("eperm", ret_k, None, None, _RET_EPERM),
+        ("enosys", ret_k, None, None, _RET_ENOSYS),
+        ("eacces", ret_k, None, None, _RET_EACCES),
+    ]
+    where = {label: i for i, (label, *_rest) in enumerate(code) if label}
+
+    def skip(i: int, target: str | None) -> int:
+        return 0 if target is None else where[target] - i - 1
+
+    return b"".join(_bpf(op, skip(i, jt), skip(i, jf), k)
+                    for i, (_label, op, jt, jf, k) in enumerate(code))
 
 
 def _install_seccomp() -> None:

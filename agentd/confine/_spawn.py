@@ -14,6 +14,10 @@ seccomp filter refuses setsid/setpgid, so nothing the child starts can leave the
 group and outlive it. A child whose policy sets `max_tasks` runs in a pids cgroup of
 its own (`_cgroup`), where one can be made: `kill_group` also kills every process
 in it and removes it.
+
+`is_confined_child(pid)` says whether a process is one of these children or of what
+they started (its process group, which they cannot leave, or its cgroup): the
+operator socket refuses them.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import signal
 import subprocess
 import sys
 
+from agentd._procfs import stat_fields
 from agentd.confine import _shim
 from agentd.confine._cgroup import REMOVE_TRIES, TaskGroup, cgroups
 from agentd.confine._policy import Policy, check_enforceable, landlock_status
@@ -42,6 +47,9 @@ _PIPE_MAX = 60 * 1024  # written before the child reads: must fit a pipe buffer
 # strongly: a child whose process object was dropped still has its cgroup killed at
 # exit).
 _GROUPS: dict[asyncio.subprocess.Process, TaskGroup] = {}
+# The process group (the child's pid) of every child not yet killed, with the
+# child's start time: a pid reused by another process is not taken for a child.
+_LIVE: dict[int, bytes] = {}
 _warned_tasks = False
 _warned_owner = False
 
@@ -115,7 +123,40 @@ async def spawn(argv: list[str], policy: Policy, *,
         raise
     if group is not None:
         _GROUPS[proc] = group
+    with contextlib.suppress(OSError, IndexError):
+        _LIVE[proc.pid] = stat_fields(proc.pid)[19]
     return proc
+
+
+def is_confined_child(pid: int) -> bool:
+    """Whether `pid` is a confined child of this process or a process one started:
+    in a child's process group (the seccomp filter keeps them there) or in one of
+    the children's cgroups. False for a process that no longer exists."""
+    try:
+        fields = stat_fields(pid)
+        pgid = int(fields[2])
+    except (OSError, IndexError, ValueError):
+        return False
+    started = _LIVE.get(pgid)
+    if started is not None:
+        try:
+            leader = stat_fields(pgid)[19]
+        except (OSError, IndexError):
+            return True  # the leader exited; its pid cannot be reused while its group lives
+        if leader == started:
+            return True
+        del _LIVE[pgid]  # the child ended unseen and its pid went to another process
+    if not _GROUPS:
+        return False
+    names = {group.path.name for group in _GROUPS.values()}
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    # beneath its own cgroup too: a child without Landlock could make cgroups there
+    return any(part in names for line in lines
+               for part in line.partition(":")[2].partition(":")[2].split("/"))
 
 
 @atexit.register
@@ -173,6 +214,7 @@ async def kill_group(proc: asyncio.subprocess.Process) -> int:
     if group is not None:
         group.kill()
     code = await proc.wait()
+    _LIVE.pop(proc.pid, None)
     if group is not None:
         for _ in range(REMOVE_TRIES):  # a killed process leaves its cgroup as it exits
             if group.remove():

@@ -75,7 +75,7 @@ class ErrorCode(StrEnum):
 # The `kind`s the server reports as security events (audit sink, log, metric).
 SECURITY_KINDS = frozenset({
     "bad-signature", "replay", "stale", "unknown-key", "invalid", "peer-refused",
-    "nonce-cache-full",
+    "nonce-cache-full", "repeated-refusals",
 })
 
 # Codes that mean "the daemon did not believe who you are or when you asked";

@@ -11,14 +11,22 @@ Invariants:
   answers on (a crashed daemon's); a live listener or anything that is not a socket
   is refused. On close the socket is unlinked only if it is still ours (same inode).
 - Every connection's peer credentials (SO_PEERCRED, taken by the kernel at connect
-  time) must be root, the daemon's own uid or one of `allowed_uids`; otherwise the
-  connection is closed before a byte is read, and the refusal is a security event.
+  time) must be root, the daemon's own uid or one of `allowed_uids`, and the peer
+  must not be one of the daemon's confined children (a handler worker, an exec
+  tool, an MCP server, or anything they started: `confined(pid)`), which run as the
+  daemon's uid unless `isolation.user` is set; otherwise the connection is closed
+  before a byte is read, and the refusal is a security event.
+- A frame that fails verification is answered and its connection closed: a peer
+  gets one refusal per connection, never a stream of them on one.
 - Each connection is an explicit state machine (READING -> EXECUTING -> READING …
   -> CLOSED); `close()` cancels connections that are waiting for a request and
   gives those executing a command a grace period to send their answer.
-- Every refusal is answered with its code, counted (`oob_commands{command,outcome}`
-  and `security_events{kind}`), logged and passed to `audit(kind, fields)`; every
-  command that ran is passed to `audit("oob-command", fields)` with its outcome.
+- Every refusal is answered with its code and counted (`oob_commands{command,outcome}`
+  and `security_events{kind}`); the first few from a peer in an interval are logged
+  and passed to `audit(kind, fields)` one by one, the rest as one `repeated-refusals`
+  event with their count when the interval ends (`_refusals`), so a flood costs a
+  bounded number of journal rows. Every command that ran is passed to
+  `audit("oob-command", fields)` with its outcome.
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from lxml import etree
 
 from agentd import _metrics as metrics
 from agentd._errors import AgentdError
+from agentd.confine import is_confined_child
 from agentd.oob._keys import load_authorized_keys
 from agentd.oob._protocol import (
     COMMAND_NAMES,
@@ -61,6 +70,7 @@ from agentd.oob._protocol import (
     encode_frame,
     error_response,
 )
+from agentd.oob._refusals import REPEATED_KIND, RefusalLimiter
 
 log = logging.getLogger("agentd.oob")
 
@@ -167,7 +177,9 @@ class OobServer:
                  allowed_uids: Iterable[int] = (), max_frame_bytes: int = MAX_FRAME_BYTES,
                  clock_skew_s: float = DEFAULT_SKEW_S, audit: AuditSink | None = None,
                  clock: Callable[[], float] = time.time, max_nonces: int = DEFAULT_MAX_NONCES,
-                 idle_timeout_s: float = 60.0, max_connections: int = 64) -> None:
+                 idle_timeout_s: float = 60.0, max_connections: int = 64,
+                 confined: Callable[[int], bool] = is_confined_child,
+                 refusal_interval_s: float = 10.0) -> None:
         self.socket_path = Path(socket_path)
         self.authorized_keys = Path(authorized_keys)
         self._commands = commands
@@ -184,6 +196,10 @@ class OobServer:
         self._server: asyncio.AbstractServer | None = None
         self._inode: tuple[int, int] | None = None
         self._connections: set[_Connection] = set()
+        self._confined = confined
+        self._refusals = RefusalLimiter(refusal_interval_s)
+        self._full = RefusalLimiter(refusal_interval_s, burst=1, max_peers=1)
+        self._flush: asyncio.TimerHandle | None = None
 
     @property
     def state(self) -> ServerState:
@@ -292,6 +308,9 @@ class OobServer:
         if self._state is not ServerState.SERVING:
             return
         self._state = ServerState.CLOSING
+        if self._flush is not None:
+            self._flush.cancel()
+        self._report_repeated(float("inf"))
         assert self._server is not None
         self._server.close()
         me = asyncio.current_task()
@@ -353,12 +372,25 @@ class OobServer:
         if not peer_allowed(peer.uid, self._own_uid, self.allowed_uids):
             self._security_event("peer-refused", {
                 **peer.fields(), "detail": "uid is not root, the daemon's uid or allowed",
-            })
+            }, peer)
+            writer.close()
+            return
+        if self._confined(peer.pid):
+            self._security_event("peer-refused", {
+                **peer.fields(), "detail": "a confined child of the daemon (a handler "
+                "worker, an exec tool, an MCP server or what they started)",
+            }, peer)
             writer.close()
             return
         if len(self._connections) >= self.max_connections:
-            log.warning("oob: %d connections open; refusing uid=%d pid=%d",
-                        len(self._connections), peer.uid, peer.pid)
+            now = self._clock()
+            for summary in self._full.due(now):
+                log.warning("oob: %d more connections refused in %.0f s: %d were open",
+                            summary.count, self._full.interval_s, self.max_connections)
+            if self._full.admit("all", "full", now):
+                log.warning("oob: %d connections open; refusing uid=%d pid=%d (further "
+                            "refusals are counted for %.0f s)", len(self._connections),
+                            peer.uid, peer.pid, self._full.interval_s)
             writer.close()
             return
         conn = _Connection(peer, asyncio.current_task())
@@ -417,7 +449,9 @@ class OobServer:
             cmd = self._verifier.verify(frame, self._clock())
         except Refusal as refusal:
             self._refused(refusal, peer)
-            return error_response(refusal.code, refusal.message), refusal.close
+            # Closed whatever the refusal: a peer that does not sign gets no second try
+            # on the same connection (one connection could carry thousands a second).
+            return error_response(refusal.code, refusal.message), True
         started = time.perf_counter()
         outcome, message = "ok", ""
         try:
@@ -467,11 +501,40 @@ class OobServer:
         self._security_event(refusal.kind, {
             "code": refusal.code.value, **peer.fields(), **refusal.fields,
             "message": refusal.message, "detail": refusal.detail,
-        })
+        }, peer)
 
-    def _security_event(self, kind: str, fields: Mapping[str, str]) -> None:
-        fields = {"channel": "oob", **fields}
+    def _security_event(self, kind: str, fields: Mapping[str, str], peer: Peer) -> None:
         metrics.security_events.labels(kind).inc()
+        now = self._clock()
+        self._report_repeated(now)
+        if not self._refusals.admit(f"uid={peer.uid} pid={peer.pid}", kind, now):
+            self._schedule_report()
+            return
+        self._report(kind, {"channel": "oob", **fields})
+
+    def _schedule_report(self) -> None:
+        if self._flush is not None or self._state is not ServerState.SERVING:
+            return
+
+        def report() -> None:
+            self._flush = None
+            self._report_repeated(self._clock())
+            if self._refusals.pending():
+                self._schedule_report()
+
+        self._flush = asyncio.get_running_loop().call_later(self._refusals.interval_s,
+                                                            report)
+
+    def _report_repeated(self, now: float) -> None:
+        for summary in self._refusals.due(now):
+            self._report(REPEATED_KIND, {
+                "channel": "oob", "peer": summary.peer, "count": str(summary.count),
+                "kinds": ",".join(f"{k}:{n}" for k, n in summary.kinds.items()),
+                "detail": f"refusals counted, not journaled one by one, in "
+                          f"{self._refusals.interval_s:.0f} s",
+            })
+
+    def _report(self, kind: str, fields: Mapping[str, str]) -> None:
         log.warning("security event kind=%s %s", kind,
                     " ".join(f"{k}={v!r}" if " " in v else f"{k}={v}" for k, v in fields.items()))
         self._audit(kind, fields)

@@ -189,6 +189,46 @@ def _tid_reuse(arm: bool) -> str:
     return f"reused={child[0]}" if child else "not-reused"
 
 
+def _hold_oob(path: str, want: int) -> str:
+    """Open `want` connections to the operator socket at `path` and keep them open
+    from a thread for the worker's life, reconnecting any the daemon drops: what a
+    hostile handler did to lock the operator out. First a uvloop event loop runs a
+    turn (what the daemon and many handlers run on)."""
+    import select
+
+    import uvloop
+
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+
+    def connect() -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        return s
+
+    try:
+        held = [connect() for _ in range(want)]
+    except OSError as exc:
+        return f"uvloop ran; refused {exc.errno}"
+
+    def keep() -> None:
+        while True:
+            readable, _, _ = select.select(held, [], [], 1.0)
+            for s in readable:
+                if not s.recv(4096):
+                    s.close()
+                    held.remove(s)
+            while len(held) < want:
+                with contextlib.suppress(OSError):
+                    held.append(connect())
+
+    threading.Thread(target=keep, daemon=True).start()
+    return f"uvloop ran; held {want}"
+
+
 async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
     action, arg = payload.action, payload.arg
     if action == "echo":
@@ -241,6 +281,9 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
         text = _fork_bomb(int(arg))
     elif action == "leave-cgroup":
         text = _leave_cgroup(arg)
+    elif action == "hold-oob":  # arg: "<socket path> <connections>"
+        path, _, want = arg.rpartition(" ")
+        text = _hold_oob(path, int(want))
 
     elif action == "tid-reuse":
         text = _tid_reuse(arg == "arm")

@@ -5,7 +5,8 @@ working directory, so a test can change them after load), `garbage` (prints a
 non-JSON-RPC line at its first call), `exit` (exits at its first call), `hang`
 (never answers a call), `flood` (writes an endless line at its first call),
 `notify` (sends valid notifications without end at its first call),
-`snoop` (tries to read argv[2] and to connect to argv[3] host:port), `big`
+`snoop` (tries to read argv[2] and to connect to argv[3] host:port; its `unix`
+tool, to the Unix socket at argv[2]), `big`
 (answers with argv[2] bytes of text), `inject` (a description carrying an
 injection), `http` (well behaved, over Streamable HTTP on port argv[2], accepting the
 Host names 127.0.0.1, localhost and mcp.test).
@@ -75,6 +76,17 @@ def snoop() -> str:
     except OSError as exc:
         out.append(f"connect-refused:{exc.errno}")
     return " ".join(out)
+
+
+@app.tool(name="unix", description="Try to connect to a Unix socket by its path.")
+def unix() -> str:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(2)
+            s.connect(sys.argv[2])
+        return "unix-connected"
+    except OSError as exc:
+        return f"unix-refused:{exc.errno}"
 
 
 @app.tool(name="limits", description="The server's own address-space and open-files limits.")
