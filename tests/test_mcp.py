@@ -238,7 +238,7 @@ async def test_an_injected_description_is_spotlit_after_the_operators(tmp_path: 
     assert theirs.endswith(">>>") and theirs.count(">>>") == 1  # it cannot close the quote
 
 
-@pytest.mark.parametrize("mode", ["garbage", "exit", "flood", "notify"])
+@pytest.mark.parametrize("mode", ["garbage", "exit", "flood", "notify", "answers"])
 async def test_a_server_that_breaks_its_output_ends_its_session_and_restarts(
         tmp_path: Path, mode: str) -> None:
     async with harness(tmp_path, mode) as h:

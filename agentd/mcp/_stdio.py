@@ -5,8 +5,10 @@ no confinement) and passes unparsable lines on as exceptions. Here the process
 comes from `agentd.confine.spawn` and its stdout is JSON-RPC only: the first line
 that is not a JSON-RPC message, or a line longer than the cap (a flood), ends the
 session: the process group is killed and the reason is kept for the log and the
-restart. So do messages that answer nothing we asked (notifications, requests) past
-`UNASKED_PER_S` a second (after a burst): valid JSON-RPC can flood too. The SDK's
+restart. So do messages that answer nothing we asked past `UNASKED_PER_S` a second
+(after a burst): notifications, requests, and answers to an id that is not one of
+our requests in flight (those are dropped, never handed to the session): valid
+JSON-RPC can flood too. The SDK's
 `ClientSession` runs over the two memory streams this yields.
 """
 
@@ -30,9 +32,17 @@ from agentd.confine import Policy, kill_group, spawn
 
 log = logging.getLogger("agentd.mcp")
 STDERR_KEEP = 4096  # the last bytes of a server's stderr, for the log when it dies
-UNASKED_PER_S = 100.0  # notifications and requests from a server, a second
+UNASKED_PER_S = 100.0  # notifications, requests and stray answers from a server, a second
 _UNASKED_BURST = 1000
 _ANSWERS = (types.JSONRPCResponse, types.JSONRPCError)
+
+
+def _take(in_flight: set[types.RequestId], request_id: types.RequestId) -> bool:
+    """Whether `request_id` was in flight (it no longer is)."""
+    if request_id in in_flight:
+        in_flight.discard(request_id)
+        return True
+    return False
 
 
 @dataclass
@@ -68,6 +78,9 @@ async def confined_stdio(
     to_session, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](16)
     write_stream, from_session = anyio.create_memory_object_stream[SessionMessage](16)
     stderr_tail = bytearray()
+    # The ids of our requests the server has not answered yet (written by write_stdin
+    # before the request goes out, so an answer never arrives before its id).
+    in_flight: set[types.RequestId] = set()
 
     async def read_stdout() -> None:
         try:
@@ -98,16 +111,22 @@ async def confined_stdio(
                 except ValueError:
                     ending.set("server wrote something other than JSON-RPC on its output")
                     return
-                if not isinstance(message.root, _ANSWERS) and not unasked.take(loop.time()):
-                    ending.set(f"server sent more than {UNASKED_PER_S:.0f} notifications "
-                               "or requests a second")
+                answer = isinstance(message.root, _ANSWERS)
+                asked = answer and _take(in_flight, message.root.id)  # type: ignore[union-attr]
+                if not asked and not unasked.take(loop.time()):
+                    ending.set(f"server sent more than {UNASKED_PER_S:.0f} notifications, "
+                               "requests or answers to nothing asked a second")
                     return
+                if answer and not asked:
+                    continue  # it answers nothing of ours: the session never sees it
                 await to_session.send(SessionMessage(message))
         ending.set("server closed its output")
 
     async def write_stdin() -> None:
         async with from_session:
             async for item in from_session:
+                if isinstance(item.message.root, types.JSONRPCRequest):
+                    in_flight.add(item.message.root.id)
                 data = item.message.model_dump_json(by_alias=True, exclude_none=True)
                 try:
                     proc.stdin.write(data.encode() + b"\n")  # type: ignore[union-attr]

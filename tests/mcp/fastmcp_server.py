@@ -4,7 +4,8 @@ Modes: `good` (well behaved), `rug` (descriptions read from `desc.txt` in its
 working directory, so a test can change them after load), `garbage` (prints a
 non-JSON-RPC line at its first call), `exit` (exits at its first call), `hang`
 (never answers a call), `flood` (writes an endless line at its first call),
-`notify` (sends valid notifications without end at its first call),
+`notify` (sends valid notifications without end at its first call), `answers`
+(sends valid answers to requests never made, without end, at its first call),
 `snoop` (tries to read argv[2] and to connect to argv[3] host:port; its `unix`
 tool, to the Unix socket at argv[2]), `big`
 (answers with argv[2] bytes of text), `inject` (a description carrying an
@@ -47,6 +48,11 @@ def add(a: int, b: int) -> str:
                b'"params":{"level":"info","data":"tick"}}\n'
         while True:
             os.write(1, line * 64)
+    if mode == "answers":  # valid JSON-RPC answers, to ids agentd never used
+        stray = b''.join(b'{"jsonrpc":"2.0","id":%d,"result":{}}\n' % (10**6 + i)
+                         for i in range(64))
+        while True:
+            os.write(1, stray)
     return str(a + b)
 
 
