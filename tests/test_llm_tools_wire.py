@@ -13,8 +13,15 @@ import pytest
 from anthropic.types import Message
 from openai.types.chat import ChatCompletion
 
-from agentd.llm import Cassette, CassetteRecorder, ChatMessage, LlmRequest
-from agentd.llm._types import ToolCall, ToolResult, ToolSpec
+from agentd.llm import (
+    Cassette,
+    CassetteRecorder,
+    ChatMessage,
+    LlmRequest,
+    ToolCall,
+    ToolResult,
+    ToolSpec,
+)
 from agentd.llm._wire import PROTOCOLS, alternate
 from tests.llm_servers import FakeLLM, Reply
 from tests.test_llm import backend, router

@@ -131,6 +131,40 @@ def test_a_tool_description_says_what_a_call_needs(tmp_path: Path) -> None:
     assert tool_notes(remote) == ("Served by the peer organism `hub`.",)
 
 
+def test_each_peer_is_offered_as_one_provider_tool_by_the_mcp_serve_mapping() -> None:
+    from agentd._xmlify import spec_of
+    from agentd.mcp.serve import input_schema, shape_of_xsd
+    from agentd.tools.calculator import Add
+
+    prompt = PromptRegistry.build(load(organism_yaml(REPLAY))).get("tutor")
+    tools = {t.name: t for t in prompt.provider_tools}
+    assert list(tools) == ["calculator__add", "calculator__multiply", "echo"]
+    assert tools["calculator__add"].description == "Adds two integers."
+    assert tools["calculator__add"].parameters == input_schema(shape_of_xsd(spec_of(Add).xsd))
+    xml = PromptRegistry.build(load(organism_yaml(REPLAY, agent=", tool_calling: xml")))
+    assert xml.get("tutor").provider_tools == ()
+
+
+def test_two_tools_of_one_payload_class_are_two_provider_tools(tmp_path: Path) -> None:
+    for folder in ("n", "p"):
+        (tmp_path / folder).mkdir()
+    extra = "".join(f"""\
+  - name: {name}
+    tool: {{kind: file-read, root: {json.dumps(str(tmp_path / name[0]))}}}
+""" for name in ("notes", "pages"))
+    prompt = PromptRegistry.build(load(organism_yaml(
+        REPLAY, peers="[notes, pages]", extra_listeners=extra))).get("tutor")
+    tools = {t.name: t for t in prompt.provider_tools}
+    assert list(tools) == ["notes", "pages"]
+    assert tools["notes"].parameters == tools["pages"].parameters
+    assert all("Its folder is `/` to you" in t.description for t in tools.values())
+    assert str(tmp_path) not in json.dumps([t.description for t in tools.values()])
+    run = PromptRegistry.build(load(tool_peers_yaml(tmp_path / "n"))).get("tutor")
+    [exec_tool] = [t for t in run.provider_tools if t.name == "run"]
+    assert "`word` (matching `[a-z]{1,12}`)" in exec_tool.description
+    assert "needs a human's approval" in exec_tool.description
+
+
 def test_the_manifesto_comes_first_even_when_listed_later() -> None:
     text = organism_yaml(REPLAY)
     text = text.replace('"no_paperclippers & tutor_base"', '"tutor_base & no_paperclippers"')

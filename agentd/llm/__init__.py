@@ -23,6 +23,9 @@ if TYPE_CHECKING:
         NoBackendAvailable,
         ReplayMiss,
         RequestTooLarge,
+        ToolCall,
+        ToolResult,
+        ToolSpec,
     )
     from agentd.llm._wire import PROTOCOLS, AnthropicMessages, OpenAIChat, classify, retry_after_s
 
@@ -40,6 +43,9 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "NoBackendAvailable",
         "ReplayMiss",
         "RequestTooLarge",
+        "ToolCall",
+        "ToolResult",
+        "ToolSpec",
     ),
     "agentd.llm._wire": (
         "PROTOCOLS",
@@ -70,6 +76,9 @@ __all__ = [
     "RequestTooLarge",
     "ResponseCache",
     "TokenBucket",
+    "ToolCall",
+    "ToolResult",
+    "ToolSpec",
     "classify",
     "retry_after_s",
 ]

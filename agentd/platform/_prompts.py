@@ -32,6 +32,8 @@ from agentd._schemas import NS_CORE
 from agentd._xmlify import XmlSpec, spec_of
 from agentd.config.tools import ExecTool, FileListTool, FileReadTool, FileWriteTool, HttpFetchTool
 from agentd.demo import MANIFESTO_FILE
+from agentd.llm import ToolSpec
+from agentd.llm.tools import XML, input_schema, shape_of_xsd, tool_name
 from agentd.tools.command import PLACEHOLDER
 
 if TYPE_CHECKING:
@@ -142,6 +144,9 @@ class AgentPrompt:
     facts: Mapping[str, str]  # keyed facts of layers 1-2, keys in canonical form
     blocks: tuple[str, ...]  # block names, in order (manifesto first)
     catalogue: ToolCatalogue
+    # The peers as provider tools (native tool calling), one per peer, in peer order;
+    # empty with `tool_calling: xml`.
+    provider_tools: tuple[ToolSpec, ...] = ()
 
 
 def fact_key(key: str) -> str:
@@ -363,4 +368,24 @@ def _assemble(
         facts=MappingProxyType(declared_facts(system_prompt)),
         blocks=(MANIFESTO, *names, *char_names),
         catalogue=ToolCatalogue.of(tools),
+        provider_tools=() if agent.tool_calling == XML else provider_tools(peers, where, issues),
     )
+
+
+def provider_tools(peers: Iterable[Tool], where: str, issues: list[str]) -> tuple[ToolSpec, ...]:
+    """One provider tool per peer: its tool name, its description with what a call
+    needs, and its payload's JSON Schema from the XSD by the mapping `agentd
+    mcp-serve` uses. A peer with several payload classes is offered with its first."""
+    out: dict[str, ToolSpec] = {}
+    for tool in peers:
+        if tool.peer in out:
+            continue
+        try:
+            parameters = input_schema(shape_of_xsd(tool.spec.xsd))
+            name = tool_name(tool.peer)
+        except ValueError as exc:  # ToolNameError included
+            issues.append(f"{where}: peer {tool.peer!r} cannot be a provider tool: {exc}")
+            continue
+        description = "\n".join([tool.description, *tool.notes]).strip()
+        out[tool.peer] = ToolSpec(name, description, parameters)
+    return tuple(out.values())
