@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from agentd import _metrics
-from agentd.confine import SYSTEM_READ_PATHS, Policy, spawn
+from agentd.confine import SYSTEM_READ_PATHS, Policy, cgroups, kill_group, spawn
 from agentd.oob import (
     SECURITY_KINDS,
     ErrorCode,
@@ -487,6 +487,51 @@ def test_idle_connection_is_closed(setup: Setup) -> None:
             with pytest.raises(OobProtocolError, match="closed"):
                 c.recv_frame()
         assert srv.server.state is ServerState.SERVING
+
+
+@pytest.mark.skipif(not cgroups().available, reason="no pids cgroup to make here")
+async def test_a_process_in_a_confined_childs_cgroup_is_refused(tmp_path: Path) -> None:
+    """What a confined child started stays in its cgroup even where it could leave its
+    process group: a process there is refused too (here one moved in from outside,
+    which can create its own socket)."""
+    setup = Setup(tmp_path)
+    audit: list[tuple[str, dict[str, str]]] = []
+    srv = OobServer(setup.socket, setup.authorized, FakeCommands(),
+                    audit=lambda kind, fields: audit.append((kind, dict(fields))))
+    await srv.start()
+    child = await spawn(["/bin/sleep", "30"], Policy(max_tasks=8))
+    try:
+        name = ""
+        for _ in range(1000):  # until the shim has moved itself into its cgroup
+            with open(f"/proc/{child.pid}/cgroup") as f:
+                name = next((line.rpartition("/")[2] for line in f.read().splitlines()
+                             if "/agentd-" in line), "")
+            if name:
+                break
+            await asyncio.sleep(0.01)
+        hierarchy = cgroups().hierarchy
+        assert hierarchy is not None
+        procs = hierarchy.base / name / "cgroup.procs"
+        frame = setup.sign()
+        helper = await asyncio.create_subprocess_exec(
+            sys.executable, "-c",
+            "import os, socket, struct\n"
+            f"open({str(procs)!r}, 'w').write(str(os.getpid()))\n"
+            "s = socket.socket(socket.AF_UNIX)\n"
+            f"s.connect({str(setup.socket)!r}); s.settimeout(5)\n"
+            "try:\n"
+            f"    s.sendall(struct.pack('>I', {len(frame)}) + {frame!r})\n"
+            "    print('closed' if s.recv(4) == b'' else 'answered')\n"
+            "except (BrokenPipeError, ConnectionResetError):\n"
+            "    print('closed')\n",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(helper.communicate(), 30)
+    finally:
+        await kill_group(child)
+        await srv.close()
+    assert out.decode().strip() == "closed", err
+    kind, fields = audit[-1]
+    assert kind == "peer-refused" and fields["pid"] == str(helper.pid)
 
 
 def test_reload_keys_adds_and_removes_keys(setup: Setup, server: ServerThread) -> None:
