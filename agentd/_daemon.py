@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentd import _metrics as metrics
+from agentd import telemetry
 from agentd._errors import ConfigError
 from agentd._observability import sd_notify, watchdog_interval, watchdog_pinger
 from agentd._operator import DaemonCommands, mcp_status
@@ -229,6 +230,7 @@ class Daemon:
         listening sockets last: a configuration that cannot run never listens."""
         config = self.config
         self.checked = self.started_with = preflight(config)
+        telemetry.configure(config.telemetry, config.name, config.base_dir)
         self.kernel = await Kernel.open(
             config.state_dir,
             kernel_options(config),
@@ -437,6 +439,7 @@ class Daemon:
         if self.kernel is not None:
             await self.kernel.close()
             self.kernel = None
+        await asyncio.to_thread(telemetry.shutdown)  # exports the spans still queued
 
     @staticmethod
     def _notify(state: str) -> None:

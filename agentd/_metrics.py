@@ -99,6 +99,16 @@ journal_commit_seconds = Histogram(
 llm_requests = Counter(
     "agentd_llm_requests", "LLM requests", ["backend", "outcome"], registry=REGISTRY
 )
+llm_latency = Histogram(
+    "agentd_llm_latency_seconds", "LLM attempt latency, request sent to response read",
+    ["backend", "outcome"], registry=REGISTRY,
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0),
+)
+llm_time_to_first_token = Histogram(
+    "agentd_llm_time_to_first_token_seconds", "Time to a streamed LLM call's first chunk",
+    ["backend"], registry=REGISTRY,
+    buckets=(0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+)
 llm_tokens = Counter(
     "agentd_llm_tokens", "LLM tokens", ["agent", "backend", "kind"], registry=REGISTRY
 )

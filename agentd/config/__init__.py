@@ -48,6 +48,7 @@ from agentd.config.sections import (
     OrganismDocument,
     ProfileConfig,
     PumpConfig,
+    TelemetryConfig,
     TlsConfig,
 )
 from agentd.kernel import Retention
@@ -85,6 +86,7 @@ __all__ = [
     "RoutingConfig",
     "SemanticOverride",
     "SemanticRoutingConfig",
+    "TelemetryConfig",
     "TlsConfig",
     "check_config_main",
     "load_config",

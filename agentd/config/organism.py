@@ -112,6 +112,7 @@ class OrganismConfig:
     identity: sections.IdentityConfig | None = None
     federation: sections.FederationConfig | None = None
     gateways: tuple[sections.GatewayConfig, ...] = ()
+    telemetry: sections.TelemetryConfig | None = None
 
     def listener(self, name: str) -> ListenerConfig:
         return self._listeners_by_name[name]
@@ -317,6 +318,7 @@ def _load(
         identity=document.identity,
         federation=document.federation,
         gateways=document.gateways,
+        telemetry=document.telemetry,
     )
 
 

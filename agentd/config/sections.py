@@ -191,6 +191,19 @@ class MetricsConfig:
 
 
 @dataclass(frozen=True, config=SECTION)
+class TelemetryConfig:
+    """OpenTelemetry traces; the section's absence means none (no SDK loaded)."""
+
+    otlp_endpoint: Url  # the base URL: spans go to URL/v1/traces
+    protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    service_name: Text | None = None  # None: the organism's name
+    capture_content: Bool = False
+    sample_ratio: Annotated[float, Strict(), Field(ge=0.0, le=1.0)] = 1.0
+    headers_file: FilePath | None = None  # `Name: value` lines (a secret file)
+    accept_client_context: Bool = False  # a client's traceparent meta extension
+
+
+@dataclass(frozen=True, config=SECTION)
 class PumpConfig:
     max_concurrency: Positive = 256
     per_listener_concurrency: Positive = 64
@@ -488,6 +501,7 @@ class OrganismDocument:
     auth: AuthConfig = AuthConfig()
     oob: OobConfig = OobConfig()
     metrics: MetricsConfig = MetricsConfig()
+    telemetry: TelemetryConfig | None = None
     pump: PumpConfig = PumpConfig()
     journal: JournalConfig = JournalConfig()
     kernel: KernelConfig = KernelConfig()

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import httpx
 
@@ -38,6 +40,7 @@ from agentd.llm._types import (
     NoBackendAvailable,
     RequestTooLarge,
 )
+from agentd.telemetry import tracer
 
 log = logging.getLogger("agentd.llm.router")
 
@@ -120,9 +123,12 @@ class LlmRouter:
                 continue
             for attempt in range(self.config.retries + 1):
                 attempts += 1
+                span = tracer().chat(backend.name, getattr(backend, "model", ""))
+                sent = time.perf_counter()
                 try:
                     response = await backend.attempt(request)
                 except BackendError as err:
+                    observe_attempt(backend.name, sent, span, err)
                     delay = (
                         self.backoff(attempt, err.retry_after)
                         if err.retryable and attempt < self.config.retries else None
@@ -140,6 +146,7 @@ class LlmRouter:
                     await self.clock.sleep(delay)
                     continue
                 metrics.llm_requests.labels(backend.name, "ok").inc()
+                observe_attempt(backend.name, sent, span, None, response)
                 response = dataclasses.replace(
                     response, attempts=attempts, transport_s=transport_s + response.transport_s
                 )
@@ -157,3 +164,19 @@ class LlmRouter:
     @property
     def names(self) -> Sequence[str]:
         return tuple(self.backends)
+
+
+def observe_attempt(backend: str, sent: float, span: Any, error: BaseException | None,
+                    response: LlmResponse | None = None) -> None:
+    """One attempt's latency (`agentd_llm_latency_seconds`) and its `chat` span."""
+    metrics.llm_latency.labels(backend, "ok" if error is None else "error").observe(
+        time.perf_counter() - sent)
+    if span is None:
+        return
+    if response is not None:
+        tracer().end_chat(span, outcome="ok", response_model=response.model,
+                          input_tokens=response.input_tokens,
+                          output_tokens=response.output_tokens,
+                          finish_reason=response.finish_reason)
+    else:
+        tracer().end_chat(span, outcome="error", error=type(error).__name__)

@@ -1,0 +1,138 @@
+"""OpenTelemetry traces from a real `agentd run` child process to a real OTLP/HTTP
+receiver on loopback (tests/otlp_receiver.py): a conversation with the demo's tutor
+is one trace whose id is the client's thread, its spans named and attributed as
+the GenAI conventions spell them, no prompt text in any span; without a
+`telemetry:` section nothing is built or sent, whatever OTEL_* says."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentd.client import BusClient, frame_kind
+from agentd.platform.demo import MathQuestion
+from agentd.tools.relay import Relay
+from tests.daemon_process import ROOT, DaemonProcess, edit_config, make_home
+from tests.llm_servers import DEMO_QUESTIONS
+from tests.otlp_receiver import OtlpReceiver
+from tests.test_daemon import kinds
+
+
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as r:
+        yield r
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    make_home(tmp_path / "home")
+    return tmp_path / "home"
+
+
+async def converse(d: DaemonProcess) -> tuple[str, str]:
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        asked = await bus.exchange(MathQuestion(text=DEMO_QUESTIONS[0]))
+        relayed = await bus.exchange(Relay(a=1, b=2))
+    assert kinds(asked)[-1] == ("tutor", "answer")
+    assert kinds(relayed)[-1] == ("relay", "sum")
+    return frame_kind(asked[0])[2], frame_kind(relayed[0])[2]
+
+
+def with_telemetry(home: Path, url: str, **extra: Any) -> None:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["telemetry"] = {"otlp_endpoint": url, **extra}
+    edit_config(home, edit)
+
+
+async def test_a_conversation_is_one_trace_with_genai_spans_and_no_content(
+        home: Path, receiver: OtlpReceiver) -> None:
+    (home / "otlp-headers").write_text("Authorization: Bearer sekrit\n")
+    (home / "otlp-headers").chmod(0o600)
+    with_telemetry(home, receiver.url, headers_file="otlp-headers")
+    d = await DaemonProcess(home).start()
+    try:
+        tutor_thread, relay_thread = await converse(d)
+    finally:
+        assert await d.stop() == 0
+    spans = await asyncio.to_thread(receiver.wait_for, lambda s: len(
+        [x for x in s if x.name.startswith("chat ")]) >= 3)
+    tutor_trace = uuid.UUID(tutor_thread).hex
+    in_trace = [s for s in spans if s.trace_id == tutor_trace]
+    names = sorted(s.name for s in in_trace)
+    assert names == ["chat tutor-model"] * 3 + [
+        "execute_tool calculator.add", "execute_tool calculator.multiply",
+        "invoke_agent tutor", "invoke_agent tutor", "invoke_agent tutor"], names
+    agent_spans = {s.span_id for s in in_trace if s.name == "invoke_agent tutor"}
+    for chat in (s for s in in_trace if s.name.startswith("chat ")):
+        assert chat.parent_id in agent_spans  # the LLM call is a child of its agent's turn
+        assert chat.attributes["gen_ai.operation.name"] == "chat"
+        assert chat.attributes["gen_ai.request.model"] == "tutor-model"
+        assert chat.attributes["gen_ai.conversation.id"] == tutor_thread
+        assert chat.attributes["gen_ai.usage.input_tokens"] > 0
+        assert chat.attributes["gen_ai.usage.output_tokens"] > 0
+        assert "gen_ai.response.model" in chat.attributes
+        assert "gen_ai.response.finish_reasons" in chat.attributes
+    for tool in (s for s in in_trace if s.name.startswith("execute_tool")):
+        assert tool.attributes["gen_ai.operation.name"] == "execute_tool"
+        assert tool.attributes["gen_ai.tool.name"] == tool.name.split(" ", 1)[1]
+        assert tool.attributes["gen_ai.tool.call.id"]
+        assert tool.attributes["gen_ai.conversation.id"] == tutor_thread
+    relay_names = sorted(s.name for s in spans if s.trace_id == uuid.UUID(relay_thread).hex)
+    # The relay runs twice: on the client's request, then on the calculator's answer.
+    assert relay_names == ["execute_tool calculator.add", "execute_tool relay",
+                           "execute_tool relay"]
+    assert {s.service for s in spans} == {"agent-demo"}  # the organism's name
+    assert all(h.get("authorization") == "Bearer sekrit" for h in receiver.headers)
+    # No payload, prompt or completion in any span: the question's text is nowhere.
+    everything = repr([(s.attributes, s.events) for s in spans])
+    assert "(2 + 3) * 7" not in everything and "What is" not in everything
+    assert "35" not in [str(v) for s in spans for v in s.attributes.values()]
+
+
+async def test_otel_environment_variables_never_enable_an_exporter(
+        home: Path, receiver: OtlpReceiver) -> None:
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_TRACES_EXPORTER": "otlp",
+           "OTEL_SERVICE_NAME": "sneaky", "OTEL_SDK_DISABLED": "false"}
+    d = await DaemonProcess(home, env=env).start()
+    try:
+        await converse(d)
+    finally:
+        assert await d.stop() == 0
+    assert receiver.requests == 0 and receiver.spans == []
+
+
+def test_without_the_section_no_opentelemetry_module_is_loaded() -> None:
+    """The daemon's modules, the pump and the LLM router imported and a handler
+    span asked for: OpenTelemetry stays unimported, the tracer is the no-op."""
+    code = (
+        "import sys, agentd._daemon, agentd.llm._router, agentd.pump.invoker\n"
+        "from agentd import telemetry\n"
+        "t = telemetry.configure(None, 'x')\n"
+        "assert t is telemetry.OFF and t.handler('a', True, 'c', 1, False) is None\n"
+        "assert t.chat('b', 'm') is None\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT),
+                                         "OTEL_TRACES_EXPORTER": "otlp"}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+async def test_a_bad_headers_file_stops_the_start_with_the_line_to_fix(
+        home: Path, receiver: OtlpReceiver) -> None:
+    (home / "otlp-headers").write_text("no header here\n")
+    (home / "otlp-headers").chmod(0o600)
+    with_telemetry(home, receiver.url, headers_file="otlp-headers")
+    d = DaemonProcess(home)
+    with pytest.raises(RuntimeError, match=r"otlp-headers:1: expected `Name: value`"):
+        await d.start()
