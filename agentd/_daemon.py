@@ -151,14 +151,14 @@ class FederationHost(KernelOutbox):
                 self._up_to[client] = up_to
 
     def offers(self, names: list[str]) -> list[Any]:
-        from agentd.federation._remote import offer_of
+        from agentd.federation import offer_of
 
         config = self.config()
         known = {lst.name for lst in config.listeners if ":" not in lst.name}
         return [offer_of(config.listener(n)) for n in names if n in known]
 
     def local_classes(self) -> dict[tuple[str, str], type]:
-        from agentd.federation._remote import classes_by_root
+        from agentd.federation import classes_by_root
 
         return classes_by_root(self.config().listeners)
 
@@ -228,8 +228,8 @@ class Daemon:
     async def start(self) -> None:
         """Check everything, open the kernel, build and recover, and bind the
         listening sockets last: a configuration that cannot run never listens."""
-        config = self.config
-        self.checked = self.started_with = preflight(config)
+        self.checked = self.started_with = preflight(self.config)
+        config = self.config = self.checked.config  # with the listeners gateways import
         telemetry.configure(config.telemetry, config.name, config.base_dir)
         self.kernel = await Kernel.open(
             config.state_dir,

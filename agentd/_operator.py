@@ -17,7 +17,7 @@ import json
 import re
 import sys
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from lxml import etree
 
@@ -28,7 +28,30 @@ from agentd.durable import END_THREAD, end_thread
 from agentd.oob import format_time, result_element
 
 if TYPE_CHECKING:
-    from agentd._daemon import Daemon
+    from agentd._routing import Routing
+    from agentd.kernel import Kernel
+    from agentd.platform import AgentHandlers
+    from agentd.pump import Pump
+    from agentd.semantic import SemanticRouter
+
+
+class OperatedDaemon(Protocol):
+    """The daemon as its operator commands see it (`agentd._daemon.Daemon`): what
+    they read and the three things they ask of it."""
+
+    kernel: Kernel | None
+    pump: Pump | None
+    routing: Routing | None
+    router: SemanticRouter | None
+
+    @property
+    def agents(self) -> AgentHandlers | None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    async def reload(self, dry_run: bool) -> dict[str, Any]: ...
+
+    def request_stop(self, mode: str = "graceful") -> None: ...
 
 
 def mcp_status() -> dict[str, Any]:
@@ -50,7 +73,7 @@ def mcp_pin(lst: Any) -> dict[str, Any]:
 class DaemonCommands:
     """The `Commands` the OOB server runs: results as XML elements."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: OperatedDaemon) -> None:
         self.daemon = daemon
 
     async def run(self, name: str, args: Mapping[str, str]) -> etree._Element | str:

@@ -210,7 +210,13 @@ PREFLIGHT_CHECKS: tuple[PreflightCheck, ...] = (
 
 
 def preflight(config: OrganismConfig) -> CheckedConfig:
-    """Run every check; `ConfigError` listing every problem, or what they loaded."""
+    """Run every check; `ConfigError` listing every problem, or what they loaded.
+    The checked configuration includes the listeners its gateways import (as pinned
+    in the state directory): they are the daemon's, not the file's."""
+    if config.gateways:
+        from agentd.federation import with_remote_listeners
+
+        config = with_remote_listeners(config)
     issues: list[str] = []
     loaded: dict[str, Any] = {}
     source = str(config.source or "<config>")

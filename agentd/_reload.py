@@ -26,7 +26,8 @@ import os
 import sys
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentd._errors import ConfigError
 from agentd._preflight import CheckedConfig, preflight
@@ -34,10 +35,11 @@ from agentd._routing import Routing, listener_signature
 from agentd.config import ClientEntry, OrganismConfig, load_config
 
 if TYPE_CHECKING:
-    from agentd._daemon import Daemon
     from agentd.bus import ClientsDiff
+    from agentd.isolation import IsolationPools
     from agentd.kernel import Kernel
     from agentd.platform import AgentHandlers
+    from agentd.pump import Pump
 
 log = logging.getLogger("agentd.reload")
 
@@ -243,7 +245,32 @@ def build_agent_handlers(
 # ---- the daemon's reload --------------------------------------------------------------
 
 
-async def reload_daemon(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
+class ReloadedDaemon(Protocol):
+    """The daemon as a reload sees it (`agentd._daemon.Daemon`): what it reads,
+    what it swaps and whom it tells."""
+
+    config: OrganismConfig
+    config_path: Path | None
+    checked: CheckedConfig
+    started_with: CheckedConfig | None
+    kernel: Kernel | None
+    routing: Routing | None
+    pump: Pump | None
+    platforms: AgentPlatforms
+    isolation: IsolationPools
+    oob: Any
+    bus: Any
+    auth: Any
+
+    @property
+    def agents(self) -> AgentHandlers | None: ...
+
+    def audit(self, kind: str, fields: Mapping[str, str]) -> None: ...
+
+    def client_profiles(self) -> dict[str, str]: ...
+
+
+async def reload_daemon(daemon: ReloadedDaemon, dry_run: bool) -> dict[str, Any]:
     """Re-read the daemon's file, check it fully, plan, and (unless `dry_run`) apply.
     Any error before the swap changes nothing; nor does a dry run. Loading puts the
     new `python_path` folders on `sys.path`: they are taken off again unless the new
@@ -274,7 +301,7 @@ def _forget_folders(folders: list[str]) -> None:
             del sys.modules[name]
 
 
-async def _reload(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
+async def _reload(daemon: ReloadedDaemon, dry_run: bool) -> dict[str, Any]:
     assert daemon.pump is not None and daemon.routing is not None
     if daemon.config_path is None:
         raise ConfigError(["the daemon was not started from a configuration file"])
@@ -326,7 +353,7 @@ async def _reload(daemon: Daemon, dry_run: bool) -> dict[str, Any]:
 
 
 def _swap(
-    daemon: Daemon,
+    daemon: ReloadedDaemon,
     plan: ReloadPlan,
     new: CheckedConfig,
     routing: Routing,
@@ -359,7 +386,7 @@ def _swap(
                 daemon.bus.disconnect(client)
 
 
-def live_table_versions(daemon: Daemon) -> set[int]:
+def live_table_versions(daemon: ReloadedDaemon) -> set[int]:
     """The dispatch-table versions that live threads (and new ones) route with."""
     assert daemon.pump is not None and daemon.routing is not None
     versions = {frame.profile.table.version for frame in daemon.pump.registry}

@@ -72,7 +72,7 @@ _XS = "{" + XS + "}"
 _T = TypeVar("_T")
 
 # Characters XML 1.0 cannot carry at all, not even as a character reference.
-_ILLEGAL_XML_CHAR = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+ILLEGAL_XML_CHAR = re.compile("[^\t\n\r\x20-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
 # An absolute URI (C14N refuses relative ones) with nothing that needs escaping in an
 # attribute: libxml2's C14N writes namespace URIs unescaped. libxml2 then checks the
 # rest of the URI syntax (see _check_namespace).
@@ -582,7 +582,7 @@ def _str_type(where: str, max_length: int) -> _Simple:
             v = str.__str__(v)  # str subclass, e.g. a str-valued enum member
         if len(v) > max_length:
             raise ValueError(f"{where}: string of {len(v)} characters exceeds {max_length}")
-        bad = _ILLEGAL_XML_CHAR.search(v)
+        bad = ILLEGAL_XML_CHAR.search(v)
         if bad is not None:
             raise ValueError(
                 f"{where}: character {bad.group()!r} at index {bad.start()} "
@@ -710,7 +710,7 @@ def _enum_type(where: str, tp: type[Enum]) -> _Simple:
                 f"@xmlify {where}: enum {tp.__qualname__} value {value!r} is not str or int"
             )
         text = str.__str__(value) if isinstance(value, str) else int.__repr__(value)
-        if text in from_text or _ILLEGAL_XML_CHAR.search(text):
+        if text in from_text or ILLEGAL_XML_CHAR.search(text):
             raise TypeError(f"@xmlify {where}: enum {tp.__qualname__} value {text!r} is unusable")
         to_text[m] = escape_text(text)
         from_text[text] = m
@@ -940,7 +940,7 @@ def _describe_errors(log: Any) -> str:
 
 
 def _clean_doc(text: str) -> str:
-    return _ILLEGAL_XML_CHAR.sub("", " ".join(text.split()))
+    return ILLEGAL_XML_CHAR.sub("", " ".join(text.split()))
 
 
 def _docstring_parts(cls: type) -> tuple[str, dict[str, str]]:

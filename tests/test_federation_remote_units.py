@@ -383,7 +383,9 @@ gateways:
   - {{name: beta, public_key: "{key}", url: "wss://127.0.0.1:1/federation",
       import: [greeter]}}
 """
-    config = load(text)
+    from agentd.federation import with_remote_listeners
+
+    config = with_remote_listeners(load(text))  # the daemon's wiring adds them
     remote = config.listener("beta:greeter")
     assert remote.handler_ref == f"federation:beta:greeter:{offer.digest}"
     core = PromptRegistry.build(config).get("tutor").core

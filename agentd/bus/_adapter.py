@@ -23,9 +23,9 @@ import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from http import HTTPStatus
-from typing import TYPE_CHECKING, cast
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 from websockets.extensions.permessage_deflate import enable_server_permessage_deflate
@@ -35,6 +35,8 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 
 from agentd import _metrics as metrics
+from agentd.bus._auth import ClientAuth
+from agentd.bus._limits import TokenBucket
 from agentd.bus._session import (
     CLOSE_POLICY,
     Action,
@@ -48,9 +50,7 @@ from agentd.bus._session import (
     SetTimer,
     Submit,
 )
-
-if TYPE_CHECKING:
-    from agentd.bus._server import BusServer
+from agentd.config import BusConfig
 
 log = logging.getLogger("agentd.bus")
 ws_log = logging.getLogger("agentd.bus.websockets")
@@ -58,6 +58,54 @@ ws_log = logging.getLogger("agentd.bus.websockets")
 BUS_PATH = "/bus"
 CLOSE_TIMEOUT_S = 5.0  # how long a close handshake may take before the socket is cut
 WRITE_HIGH_WATER = 32 * 1024  # the transport's buffer above which sends queue up
+
+SubmitFn = Callable[[str, bytes], Awaitable[object]]
+# `Pump.submit_nowait`: admit now, or None when the pump has no room (then `submit`).
+SubmitNowFn = Callable[[str, bytes], "object | None"]
+
+
+class OutboxSource(Protocol):
+    """The kernel's durable outbox, as the bus sees it."""
+
+    async def pending(self, client: str) -> list[tuple[int, str, bytes]]:
+        """(outbox_id, thread, data) not yet delivered to `client`, in order."""
+        ...
+
+    def delivered(self, client: str, outbox_id: int) -> None:
+        """The frame was written to the client's socket."""
+        ...
+
+
+class ConnectionHost(Protocol):
+    """The server as one of its connections sees it (`BusServer`): the settings,
+    the pump and the outbox, and where a connection reports what happened to it."""
+
+    cfg: BusConfig
+    loop: asyncio.AbstractEventLoop
+    auth: ClientAuth
+    outbox: OutboxSource | None
+    submit: SubmitFn
+    submit_nowait: SubmitNowFn | None
+    ping_interval_s: float | None
+
+    @property
+    def accepting(self) -> bool: ...
+
+    def connection_accepted(self, conn: BusConnection, address: str) -> bool: ...
+
+    def session_opened(self, conn: BusConnection) -> BusSession: ...
+
+    def bucket(self, client: str) -> TokenBucket: ...
+
+    def authenticated(self, conn: BusConnection) -> None: ...
+
+    def session_closed(
+        self, conn: BusConnection, leftover: Sequence[tuple[bytes, int]] = ()
+    ) -> None: ...
+
+    def connection_lost(self, conn: BusConnection) -> None: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
 
 
 class BusConnection(asyncio.Protocol):
@@ -79,7 +127,7 @@ class BusConnection(asyncio.Protocol):
         "writes",
     )
 
-    def __init__(self, server: BusServer) -> None:
+    def __init__(self, server: ConnectionHost) -> None:
         self.server = server
         cfg = server.cfg
         self._protocol = ServerProtocol(

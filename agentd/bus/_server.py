@@ -29,12 +29,12 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from agentd import _metrics as metrics
 from agentd._envelope import NIL_THREAD
-from agentd.bus._adapter import BUS_PATH, BusConnection
+from agentd.bus._adapter import BUS_PATH, BusConnection, OutboxSource, SubmitFn, SubmitNowFn
 from agentd.bus._auth import ClientAuth
 from agentd.bus._limits import TokenBucket, UnauthenticatedSlots
 from agentd.bus._session import BusSession, SessionLimits, choose_session
@@ -43,21 +43,6 @@ from agentd.config import BusConfig, TlsConfig
 
 log = logging.getLogger("agentd.bus")
 
-SubmitFn = Callable[[str, bytes], Awaitable[object]]
-# `Pump.submit_nowait`: admit now, or None when the pump has no room (then `submit`).
-SubmitNowFn = Callable[[str, bytes], "object | None"]
-
-
-class OutboxSource(Protocol):
-    """The kernel's durable outbox, as the bus sees it."""
-
-    async def pending(self, client: str) -> list[tuple[int, str, bytes]]:
-        """(outbox_id, thread, data) not yet delivered to `client`, in order."""
-        ...
-
-    def delivered(self, client: str, outbox_id: int) -> None:
-        """The frame was written to the client's socket."""
-        ...
 
 
 class BusServer:

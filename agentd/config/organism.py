@@ -11,7 +11,6 @@ before touching anything. Relative paths are resolved against the file's folder.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import stat
 import sys
@@ -30,8 +29,6 @@ from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.reader import Document, Issues, nulls_as_empty, read_document
 from agentd.config.routing import RoutingConfig
 from agentd.config.tools import ToolConfig
-
-log = logging.getLogger("agentd.config")
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024  # a configuration, not a data file
 K = TypeVar("K")
@@ -173,15 +170,16 @@ def load_config_text(
 
 
 def check_config_main(
-    path: str | Path, preflight: Callable[[OrganismConfig], object] | None = None
+    path: str | Path, preflight: Callable[[OrganismConfig], Any] | None = None
 ) -> int:
     """`agentd check-config`: 0 and a summary on stdout, or 1 and every issue on stderr.
     `preflight` (the daemon's, from the command line) also checks the files the
-    configuration names, exactly as `run` and `reload` do."""
+    configuration names, exactly as `run` and `reload` do; the summary counts the
+    listeners of the configuration it checked (with those gateways import)."""
     try:
         config = load_config(path)
         if preflight is not None:
-            preflight(config)
+            config = getattr(preflight(config), "config", config)
     except ConfigError as exc:
         for issue in exc.issues:
             print(issue, file=sys.stderr)
@@ -285,14 +283,6 @@ def _load(
         for i, section in enumerate(document.listeners)
         for one in _listener(section, issues, doc, ("listeners", i))
     )
-    if document.gateways:
-        from agentd.federation._remote import remote_listeners  # late: imports the schema layer
-
-        remote, problems = remote_listeners(document.organism.name, document.gateways, state_dir,
-                                            listeners, document.bus.max_envelope_bytes)
-        listeners += remote
-        for problem in problems:  # the peer's doing: logged, never a reason not to start
-            log.warning("%s (the listener is left out)", problem)
     issues.raise_if_any()
     return OrganismConfig(
         name=document.organism.name,

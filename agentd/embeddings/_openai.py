@@ -33,8 +33,7 @@ from agentd import _metrics as metrics
 from agentd.config import LlmBackendConfig
 from agentd.embeddings._protocol import EmbedderIdentity, EmbeddingsError
 from agentd.embeddings._vectors import Matrix, Vector, unit_rows
-from agentd.llm import BackendError, classify
-from agentd.llm._backends import ResponseTooLarge, post_bounded
+from agentd.llm import BackendError, ResponseTooLarge, classify, post_bounded
 
 log = logging.getLogger("agentd.embeddings")
 

@@ -28,6 +28,7 @@ from agentd.federation._link import (
     Federation,
     federation_server_context,
 )
+from agentd.federation._remote import classes_by_root, offer_of, with_remote_listeners
 
 __all__ = [
     "FEDERATION_PATH",
@@ -42,11 +43,14 @@ __all__ = [
     "LinkState",
     "Role",
     "check_gateways",
+    "classes_by_root",
     "federation_server_context",
     "fingerprint",
     "load_identity",
+    "offer_of",
     "parse_public_line",
     "public_line",
     "tls_exporter",
+    "with_remote_listeners",
     "write_identity",
 ]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -51,7 +52,7 @@ from agentd.federation._calls import call_thread
 from agentd.federation._frames import FrameTooLarge
 
 if TYPE_CHECKING:
-    from agentd.config import ListenerConfig
+    from agentd.config import ListenerConfig, OrganismConfig
     from agentd.config.sections import GatewayConfig
 
 log = logging.getLogger("agentd.federation")
@@ -213,7 +214,7 @@ def weigh_offers(imports: Iterable[str], items: list[Any], pins: Mapping[str, Of
 def class_of_xsd(xsd: str, local: Mapping[tuple[str, str], type]) -> type:
     """A payload class for a pinned XSD: the local class with the same root when its
     XSD is this very text, else one made from the XSD's shape."""
-    from agentd.mcp.schema import Unmappable, _class_name, _object_class
+    from agentd.mcp.schema import Unmappable, class_name, object_class
     from agentd.mcp.serve import input_schema, shape_of_xsd
 
     try:
@@ -239,7 +240,7 @@ def class_of_xsd(xsd: str, local: Mapping[tuple[str, str], type]) -> type:
     if shape.description:
         schema["description"] = shape.description
     try:
-        return _object_class(schema, "", shape.namespace, shape.tag, _class_name(shape.tag),
+        return object_class(schema, "", shape.namespace, shape.tag, class_name(shape.tag),
                              depth=0)
     except Unmappable as exc:
         raise OfferError(f"schema not usable here: {exc}") from None
@@ -307,6 +308,20 @@ def remote_listeners(
                 answers_text=offer.answers,
             ))
     return tuple(built), issues
+
+
+def with_remote_listeners(config: OrganismConfig) -> OrganismConfig:
+    """`config` with the listeners its gateways import, as pinned in its state
+    directory. Loading a configuration reads only the file; the daemon's wiring
+    adds these (preflight, at start and at each reload). An import that cannot be
+    built is the peer's doing: logged and left out, never a reason not to start."""
+    if not config.gateways:
+        return config
+    remote, problems = remote_listeners(config.name, config.gateways, config.state_dir,
+                                        config.listeners, config.bus.max_envelope_bytes)
+    for problem in problems:
+        log.warning("%s (the listener is left out)", problem)
+    return dataclasses.replace(config, listeners=config.listeners + remote) if remote else config
 
 
 # ---- calls in flight, per gateway ----------------------------------------------------

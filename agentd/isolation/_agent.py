@@ -44,6 +44,7 @@ from agentd._xmlify import XmlSpec
 from agentd.isolation._protocol import ProtocolError, opt_bool
 from agentd.llm import LlmError
 from agentd.platform import (
+    ASSISTANT,
     AgentLoop,
     BudgetExceeded,
     HistoryFull,
@@ -53,9 +54,8 @@ from agentd.platform import (
     Tool,
     ToolCatalogue,
     Turn,
+    render_result,
 )
-from agentd.platform._agent import render_result
-from agentd.platform._history import ASSISTANT
 
 if TYPE_CHECKING:
     from agentd.platform import AgentSession

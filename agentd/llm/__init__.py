@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from agentd._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from agentd.llm._backends import ResponseTooLarge, post_bounded
     from agentd.llm._cache import ResponseCache
     from agentd.llm._cassette import Cassette, CassetteRecorder, Exchange
     from agentd.llm._limits import Clock, MonotonicClock, TokenBucket
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
         NoBackendAvailable,
         ReplayMiss,
         RequestTooLarge,
+        Role,
         ToolCall,
         ToolResult,
         ToolSpec,
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
     from agentd.llm._wire import PROTOCOLS, AnthropicMessages, OpenAIChat, classify, retry_after_s
 
 __getattr__, __dir__ = lazy_exports(__name__, {
+    "agentd.llm._backends": ("ResponseTooLarge", "post_bounded"),
     "agentd.llm._cache": ("ResponseCache",),
     "agentd.llm._cassette": ("Cassette", "CassetteRecorder", "Exchange"),
     "agentd.llm._limits": ("Clock", "MonotonicClock", "TokenBucket"),
@@ -43,6 +46,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "NoBackendAvailable",
         "ReplayMiss",
         "RequestTooLarge",
+        "Role",
         "ToolCall",
         "ToolResult",
         "ToolSpec",
@@ -75,10 +79,13 @@ __all__ = [
     "ReplayMiss",
     "RequestTooLarge",
     "ResponseCache",
+    "ResponseTooLarge",
+    "Role",
     "TokenBucket",
     "ToolCall",
     "ToolResult",
     "ToolSpec",
     "classify",
+    "post_bounded",
     "retry_after_s",
 ]

@@ -22,7 +22,7 @@ from mcp import types
 from agentd import _metrics
 from agentd._errors import Denied
 from agentd._handler import HandlerMetadata, HandlerResponse
-from agentd._xmlify import _ILLEGAL_XML_CHAR
+from agentd._xmlify import ILLEGAL_XML_CHAR
 from agentd.confine import ConfinementUnavailable, check_enforceable
 from agentd.mcp.client import (
     SERVERS,
@@ -180,7 +180,7 @@ def result_of(answer: types.CallToolResult, result_cls: type, cap: int) -> Any:
         if data is not None:
             base64.b64decode(data, validate=True)  # binascii.Error: not base64
         items.append(content_cls(type=item.type[:64],
-                                 text=None if text is None else _ILLEGAL_XML_CHAR.sub("", text),
+                                 text=None if text is None else ILLEGAL_XML_CHAR.sub("", text),
                                  data=data, mime_type=mime))
     return result_cls(content=items, is_error=bool(answer.isError))
 

@@ -57,10 +57,10 @@ def payload_class(listener: str, tool: str, schema: Any) -> type:
         etree.QName("urn:x", tool)
     except ValueError:
         raise Unmappable("", f"tool name {tool!r} is not an XML element name") from None
-    return _object_class(schema, "", namespace, tool, _class_name(tool), depth=0)
+    return object_class(schema, "", namespace, tool, class_name(tool), depth=0)
 
 
-def _class_name(tag: str) -> str:
+def class_name(tag: str) -> str:
     return "".join(part.capitalize() for part in tag.replace("-", "_").split("_") if part) or "T"
 
 
@@ -78,7 +78,7 @@ def _type_of(schema: dict[str, Any], pointer: str) -> str | None:
     return kind
 
 
-def _object_class(schema: Any, pointer: str, namespace: str, tag: str, name: str,
+def object_class(schema: Any, pointer: str, namespace: str, tag: str, name: str,
                   depth: int) -> type:
     if not isinstance(schema, dict):
         raise Unmappable(pointer, "not a schema object")
@@ -154,7 +154,7 @@ def _field_type(sub: Any, pointer: str, namespace: str, name: str,
     if "enum" in sub:
         return _enum(sub["enum"], pointer + "/enum", name), False
     if kind == "object":
-        return _object_class(sub, pointer, namespace, _tag(name), name, depth + 1), False
+        return object_class(sub, pointer, namespace, _tag(name), name, depth + 1), False
     if kind is None or kind not in _SIMPLE:
         raise Unmappable(pointer + "/type", f"type {kind!r} is not supported")
     tp = _SIMPLE[kind]

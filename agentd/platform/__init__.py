@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         Phase,
         TaskState,
         make_agent_handlers,
+        render_result,
     )
     from agentd.platform._audit import kernel_audit
     from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
         validate_no_override,
     )
     from agentd.platform._history import (
+        ASSISTANT,
         HistoryFull,
         HistoryStore,
         InMemoryHistoryStore,
@@ -66,6 +68,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "Phase",
         "TaskState",
         "make_agent_handlers",
+        "render_result",
     ),
     "agentd.platform._audit": ("kernel_audit",),
     "agentd.platform._budget": ("BudgetExceeded", "BudgetLedger", "Scope"),
@@ -80,6 +83,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "validate_no_override",
     ),
     "agentd.platform._history": (
+        "ASSISTANT",
         "HistoryFull",
         "HistoryStore",
         "InMemoryHistoryStore",
@@ -102,6 +106,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
 })
 
 __all__ = [
+    "ASSISTANT",
     "AgentHandlers",
     "AgentLoop",
     "AgentPrompt",
@@ -138,5 +143,6 @@ __all__ = [
     "parse_reply",
     "prepare",
     "registry_resolver",
+    "render_result",
     "validate_no_override",
 ]

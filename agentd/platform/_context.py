@@ -33,8 +33,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import lru_cache
 
-from agentd.llm import ChatMessage
-from agentd.llm._types import Role
+from agentd.llm import ChatMessage, Role
 from agentd.platform._prompts import FACT_LINE, AgentPrompt, PromptRegistry, fact_key
 
 

@@ -51,8 +51,7 @@ from agentd.context import (
     replan,
     text_vectors,
 )
-from agentd.llm import ChatMessage, LlmRequest, LlmResponse, LlmRouter
-from agentd.llm._types import Role
+from agentd.llm import ChatMessage, LlmRequest, LlmResponse, LlmRouter, Role
 from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
 from agentd.platform._context import (
     AssembledContext,

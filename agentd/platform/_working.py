@@ -27,11 +27,11 @@ from agentd.context import (
     Part,
     Plan,
     Segment,
+    TextVectors,
     WorkingMemory,
     extract,
     plan_tiers,
 )
-from agentd.context._vectors import TextVectors
 from agentd.platform._context import Fragment, Layer
 
 # Bytes a data block's markers add around a fragment (nonce, layer, source), rounded

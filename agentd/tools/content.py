@@ -7,7 +7,7 @@ from __future__ import annotations
 import base64
 from enum import Enum
 
-from agentd._xmlify import _ILLEGAL_XML_CHAR
+from agentd._xmlify import ILLEGAL_XML_CHAR
 
 
 class Encoding(Enum):
@@ -25,11 +25,11 @@ def as_xml_text(data: bytes) -> tuple[Encoding, str]:
         text = data.decode("utf-8")
     except UnicodeDecodeError:
         return as_base64(data)
-    if _ILLEGAL_XML_CHAR.search(text) or "\r" in text:
+    if ILLEGAL_XML_CHAR.search(text) or "\r" in text:
         return as_base64(data)
     return Encoding.UTF8, text
 
 
 def xml_safe(text: str) -> str:
     """Text with the characters XML cannot carry replaced by U+FFFD."""
-    return _ILLEGAL_XML_CHAR.sub("\ufffd", text)
+    return ILLEGAL_XML_CHAR.sub("\ufffd", text)

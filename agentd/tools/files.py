@@ -30,7 +30,7 @@ from typing import Annotated, Any
 
 from agentd._errors import Denied
 from agentd._handler import HandlerMetadata, HandlerResponse
-from agentd._xmlify import _ILLEGAL_XML_CHAR, MaxLen, xmlify
+from agentd._xmlify import ILLEGAL_XML_CHAR, MaxLen, xmlify
 from agentd.tools.beneath import PATH_MAX, Root, relative_parts, shown
 from agentd.tools.content import Encoding, as_xml_text
 from agentd.tools.kinds import Tool
@@ -355,7 +355,7 @@ class DirLister:
 def _entry(item: os.DirEntry[str]) -> Entry | None:
     """One listing entry; None for a name XML cannot carry (not valid UTF-8)."""
     name = item.name
-    if _ILLEGAL_XML_CHAR.search(name) or any("\udc80" <= c <= "\udcff" for c in name):
+    if ILLEGAL_XML_CHAR.search(name) or any("\udc80" <= c <= "\udcff" for c in name):
         return None
     try:
         st = item.stat(follow_symlinks=False)
