@@ -17,6 +17,7 @@ from agentd.llm import (
     Cassette,
     CassetteRecorder,
     ChatMessage,
+    LlmError,
     LlmRequest,
     ToolCall,
     ToolResult,
@@ -152,3 +153,41 @@ def test_a_cassette_with_malformed_calls_is_refused_at_load(tmp_path: Path) -> N
         "text": "", "calls": [["only-an-id"]]}}) + "\n")
     with pytest.raises(Exception, match="not a cassette exchange"):
         Cassette.load(tape)
+
+
+def refuses_tools(seen: Any) -> Reply:
+    if "tools" in seen.json:
+        return Reply(status=400, body=b'{"error": {"message": "tools is not supported", '
+                                      b'"type": "invalid_request_error"}}')
+    return Reply(text="<add>...</add>")
+
+
+def with_tools(*, optional: bool) -> LlmRequest:
+    return LlmRequest("sys", (ChatMessage("user", "add"),), 64, tools=(ADD,),
+                      tools_optional=optional)
+
+
+async def test_auto_falls_back_once_to_xml_on_a_backend_refusing_tools(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async with FakeLLM("openai", refuses_tools) as server:
+        live = router(backend("local", server))
+        first = await live.complete(with_tools(optional=True))
+        second = await live.complete(with_tools(optional=True))
+        await live.aclose()
+    assert first.without_tools and second.without_tools and first.text == "<add>...</add>"
+    # the first request was retried without tools; the second went without them at once
+    assert ["tools" in seen.json for seen in server.requests] == [True, False, False]
+    refusals = [r for r in caplog.records if "answered HTTP 400 to a request with tools"
+                in r.getMessage()]
+    assert len(refusals) == 1
+
+
+@pytest.mark.parametrize("protocol, optional", [("openai", False), ("anthropic", True)])
+async def test_a_refusal_of_tools_is_an_error_unless_auto_on_openai(
+        protocol: str, optional: bool) -> None:
+    async with FakeLLM(protocol, refuses_tools) as server:
+        live = router(backend("local", server))
+        with pytest.raises(LlmError, match="tools is not supported"):
+            await live.complete(with_tools(optional=optional))
+        await live.aclose()
+    assert all("tools" in seen.json for seen in server.requests)

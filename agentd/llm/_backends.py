@@ -142,6 +142,7 @@ class HttpBackend(Backend):
         self._client = client
         self._env = os.environ if env is None else env
         self.recorder = CassetteRecorder(Path(config.record)) if config.record else None
+        self.refuses_tools = False  # answered 400 to tools once: sent without them since
 
     def _api_key(self) -> str | None:
         var = self.config.api_key_env
@@ -153,6 +154,25 @@ class HttpBackend(Backend):
         return value
 
     async def send(self, request: LlmRequest) -> LlmResponse:
+        """One exchange. An `openai` backend that answered 400 to a request with tools
+        (a server without tool support) is logged once, asked again without them, and
+        asked without them from then on, when the request allows it (`auto`)."""
+        if not (request.tools and request.tools_optional):
+            return await self._exchange(request)
+        if not self.refuses_tools:
+            try:
+                return await self._exchange(request)
+            except BackendError as err:
+                if err.status != 400 or self.protocol.name != "openai":
+                    raise
+                self.refuses_tools = True
+                log.warning("backend %s answered HTTP 400 to a request with tools (%s): "
+                            "its agents call tools with XML payloads from now on",
+                            self.name, err.message)
+        response = await self._exchange(request.without_tools())
+        return dataclasses.replace(response, without_tools=True)
+
+    async def _exchange(self, request: LlmRequest) -> LlmResponse:
         http = self.protocol.encode(
             request, base_url=self.base_url, model=self.model, api_key=self._api_key()
         )

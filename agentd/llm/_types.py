@@ -92,6 +92,9 @@ class LlmRequest:
     nonce: str = ""  # the spotlight nonce of this call; normalised out of `key`
     agent: str = ""  # for metrics and audit; never sent
     tools: tuple[ToolSpec, ...] = ()  # provider tools (native tool calling)
+    # `tool_calling: auto`: a backend that refuses tools may answer without them
+    # (never sent, not part of `key`).
+    tools_optional: bool = False
 
     def normalised(self, *, with_system: bool = True) -> dict[str, Any]:
         """The request as stored in cassettes: the nonce replaced by a placeholder."""
@@ -163,6 +166,9 @@ class LlmResponse:
     attempts: int = 1  # HTTP attempts, all backends together
     transport_s: float = 0.0  # time spent waiting on the backend (excluded from overhead)
     calls: tuple[ToolCall, ...] = ()  # the model's tool calls, in its order
+    # The request's tools were not sent: the backend refuses them (`tools_optional`),
+    # so the model was asked with XML tool calls in mind.
+    without_tools: bool = False
 
     @property
     def total_tokens(self) -> int:
