@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -22,6 +23,7 @@ from agentd.platform.demo import MathQuestion
 from agentd.tools.relay import Relay
 from tests.daemon_process import ROOT, DaemonProcess, edit_config, make_home
 from tests.llm_servers import DEMO_QUESTIONS
+from tests.organisms.listeners import Hold
 from tests.otlp_receiver import OtlpReceiver
 from tests.test_daemon import kinds
 
@@ -136,3 +138,38 @@ async def test_a_bad_headers_file_stops_the_start_with_the_line_to_fix(
     d = DaemonProcess(home)
     with pytest.raises(RuntimeError, match=r"otlp-headers:1: expected `Name: value`"):
         await d.start()
+
+
+async def test_work_resumed_after_kill_9_is_in_the_same_trace_with_a_link_and_nothing_twice(
+        home: Path, receiver: OtlpReceiver) -> None:
+    with_telemetry(home, receiver.url)
+    d = await DaemonProcess(home, env={"AGENTD_TEST_HOLD": "block"}).start()
+    async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+        relayed = await bus.exchange(Relay(a=1, b=2))
+        relay_thread = frame_kind(relayed[0])[2]
+        # Done work is exported (within the batch delay) before the kill.
+        await asyncio.to_thread(receiver.wait_for, lambda s: len(s) >= 3)
+        held = await bus.send(Hold(n=7))
+        assert frame_kind(await bus.recv(timeout=30)) == ("core", "accepted", held)
+        await d.wait_for_line(r"hold: n=7 blocking")
+        session = bus.session
+    await d.stop(signal.SIGKILL)
+    d2 = await DaemonProcess(home, env={"AGENTD_TEST_HOLD": "pass"}).start()
+    try:
+        async with BusClient(d2.url, "alice", session=session, cafile=d2.cafile) as bus:
+            while frame_kind(await bus.recv(timeout=30))[:2] != ("hold", "done"):
+                pass
+    finally:
+        assert await d2.stop() == 0
+    spans = await asyncio.to_thread(receiver.wait_for, lambda s: any(
+        x.name == "execute_tool hold" for x in s))
+    relay_spans = [s for s in spans if s.trace_id == uuid.UUID(relay_thread).hex]
+    assert sorted(s.name for s in relay_spans) == [
+        "execute_tool calculator.add", "execute_tool relay", "execute_tool relay"]
+    assert len({s.span_id for s in spans}) == len(spans)  # nothing emitted twice
+    (resumed,) = [s for s in spans if s.name == "execute_tool hold"]
+    assert resumed.trace_id == uuid.UUID(held).hex  # the same trace as before the kill
+    assert resumed.attributes["agentd.redelivered"] is True
+    ((link_trace, link_span),) = resumed.links
+    assert link_trace == resumed.trace_id and link_span != resumed.span_id
+    assert link_span not in {s.span_id for s in spans}  # the interrupted span never ended
