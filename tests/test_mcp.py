@@ -42,7 +42,7 @@ def organism(tmp_path: Path, *args: str, tools: str = "[add, echo]",
              extra: dict[str, object] | None = None) -> str:
     block: dict[str, object] = {
         "command": [sys.executable, str(SERVER), *args], "tools": tools.strip("[]").split(", "),
-        "read": READ, "root": str(tmp_path), "timeout_s": 5, **(extra or {})}
+        "read": READ, "root": str(tmp_path), "timeout_s": 15, **(extra or {})}
     return mcp_organism("calc", block, "The operator's calculator.")
 
 
@@ -263,7 +263,8 @@ async def test_a_hanging_server_is_a_failed_call_not_a_stuck_pump(tmp_path: Path
         server = SERVERS["calc"]  # its session started with the echo call
         server.config = _with(server.config, timeout_s=0.5)
         frames = await h.send("alice", add())
-        assert frame_kind(frames[-1])[1] == "huh" and b"internal" in frames[-1]
+        # A call past timeout_s is `timeout`, as for exec and WASM.
+        assert frame_kind(frames[-1])[1] == "huh" and b"<code>timeout</code>" in frames[-1]
 
 
 def _with(config, **changes):  # type: ignore[no-untyped-def]
@@ -379,7 +380,28 @@ async def test_a_result_over_the_cap_is_refused(tmp_path: Path) -> None:
 def test_a_tool_the_server_does_not_offer_is_a_configuration_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config_text(organism(tmp_path, "good", tools="[add, nosuch]"), base_dir=tmp_path)
-    assert "does not offer nosuch" in str(info.value)
+    assert "does not offer nosuch (it offers add, big, echo, limits, secret, snoop)" in str(
+        info.value)
+
+
+def test_a_server_that_cannot_start_says_why_in_the_error(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config_text(organism(tmp_path, "broken"), base_dir=tmp_path)
+    message = str(info.value)
+    assert "mcp server calc could not be listed" in message
+    assert "OpenSSL configuration error: cannot load /etc/ssl/openssl.cnf" in message
+
+
+def test_listing_the_tools_at_load_logs_no_error(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """check-config and reload start the server to list its tools, then end it: a
+    normal end, not an alert."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    load_config_text(organism(tmp_path, "good"), base_dir=tmp_path)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 def test_the_server_state_machine_walks_its_table() -> None:

@@ -11,6 +11,7 @@ import pytest
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
 
+import agentd
 from agentd._xmlify import spec_of
 from agentd.config import MetaConfig
 from agentd.mcp.serve import input_schema, payload_xml, shape_of_xsd
@@ -41,7 +42,8 @@ async def test_an_mcp_client_sees_only_its_profiles_listeners_and_gets_answers(
         rig: Rig) -> None:
     async with stdio_client(params(rig, "alice")) as (read, write), \
             ClientSession(read, write) as session:
-        await session.initialize()
+        init = await session.initialize()
+        assert (init.serverInfo.name, init.serverInfo.version) == ("agentd", agentd.__version__)
         tools = {t.name: t for t in (await session.list_tools()).tools}
         # The public profile: never `admin`-only or unknown listeners.
         assert set(tools) == {"calculator.add", "echo", "relay", "gate"}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +27,7 @@ from agentd._xmlify import ILLEGAL_XML_CHAR
 from agentd.confine import ConfinementUnavailable, check_enforceable
 from agentd.mcp.client import (
     SERVERS,
+    CallTimedOut,
     McpServer,
     ServerFailed,
     ServerState,
@@ -36,6 +38,8 @@ from agentd.mcp.client import (
 )
 from agentd.mcp.schema import Unmappable, arguments_of, payload_class, result_class
 from agentd.tools.kinds import Tool, ToolUnavailable
+
+log = logging.getLogger("agentd.mcp")
 
 __all__ = [
     "SERVERS",
@@ -73,8 +77,9 @@ def build(config: Any, listener: str) -> Sequence[Tool]:
     by_name = {t.name: t for t in offered}
     missing = [name for name in config.tools if name not in by_name]
     if missing:
+        names = ", ".join(sorted(by_name)) or "none"
         raise ToolUnavailable(f"mcp server {listener} does not offer {', '.join(missing)} "
-                              f"(it offers {len(offered)} tools)")
+                              f"(it offers {names})")
     pins = {name: pin_of(by_name[name]) for name in config.tools}
     server = McpServer(listener, config, pins, connection_for(config))
     tools = []
@@ -99,10 +104,12 @@ def _probe(config: Any, listener: str) -> list[types.Tool]:
     """List the server's tools from synchronous load code, in a thread of its own
     (load may run inside the daemon's event loop, during a reload)."""
     box: list[Any] = []
+    endings: list[Any] = []
 
     def run() -> None:
         try:
-            box.append(asyncio.run(asyncio.wait_for(list_offered(config), config.timeout_s)))
+            box.append(asyncio.run(asyncio.wait_for(list_offered(config, endings),
+                                                    config.timeout_s)))
         except BaseException as exc:  # reported below, in the loading thread
             box.append(exc)
 
@@ -113,8 +120,16 @@ def _probe(config: Any, listener: str) -> list[types.Tool]:
         exc = box[0]
         while isinstance(exc, BaseExceptionGroup) and exc.exceptions:  # anyio task groups
             exc = exc.exceptions[0]
-        raise ToolUnavailable(f"mcp server {listener} could not be listed: "
-                              f"{type(exc).__name__}: {exc}") from None
+        ending = endings[0] if endings else None
+        if isinstance(exc, TimeoutError):
+            why = f"no answer within timeout_s ({config.timeout_s:g}s)"
+        elif ending is not None and ending.reason:
+            why = ending.reason
+        else:
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if ending is not None and ending.stderr:  # what the server said, last
+            why += f"; its stderr ends with: {ending.stderr.splitlines()[-1]}"
+        raise ToolUnavailable(f"mcp server {listener} could not be listed: {why}") from None
     return list(box[0])
 
 
@@ -139,6 +154,10 @@ class McpToolCall:
         except Denied:
             count.labels(self.listener, "refused").inc()
             raise
+        except CallTimedOut as exc:
+            count.labels(self.listener, "failed").inc()
+            log.warning("%s", exc)
+            return HandlerResponse.error("timeout", "the tool did not answer in time")
         except ServerFailed:
             count.labels(self.listener, "failed").inc()
             raise

@@ -51,6 +51,7 @@ class Ending:
 
     reason: str = ""
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    stderr: str = ""  # the last line or so the server wrote there, once it has ended
 
     def set(self, reason: str) -> None:
         if not self.reason:
@@ -141,14 +142,24 @@ async def confined_stdio(
             del stderr_tail[:-STDERR_KEEP]
 
     tasks = [asyncio.ensure_future(f()) for f in (read_stdout, write_stdin, drain_stderr)]
+    failed = False
     try:
         yield read_stream, write_stream
+    except BaseException:
+        failed = True
+        raise
     finally:
+        # Ended by us (check-config and reload list the tools and stop it; a reload
+        # retires it): not an alert. Ended on its own, or a session that failed: one.
+        ours = not failed and not ending.reason
         tasks[1].cancel()  # the writer: nothing more goes in
         code = await kill_group(proc)  # the reader and stderr drain to the end
         _LIVE_GROUPS.discard(proc.pid)
         await asyncio.gather(*tasks, return_exceptions=True)
-        if ending.reason or code not in (0, -9):
+        ending.stderr = bytes(stderr_tail[-512:]).decode("utf-8", "replace").strip()
+        if ours:
+            log.debug("mcp server stopped (argv[0]=%s)", argv[0])
+        elif ending.reason or code not in (0, -9):
             ending.set(f"server exited with {code}")
             log.error("mcp server ended: %s (argv[0]=%s); stderr tail: %r",
-                      ending.reason, argv[0], bytes(stderr_tail[-512:]))
+                      ending.reason, argv[0], ending.stderr)

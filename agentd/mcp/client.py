@@ -21,9 +21,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from mcp import ClientSession, types
@@ -36,6 +36,7 @@ from agentd.confine import SYSTEM_READ_PATHS, Policy, resolve_executable
 from agentd.mcp._stdio import Ending, confined_stdio
 from agentd.tools.http import Resolver, system_resolver
 
+T = TypeVar("T")
 log = logging.getLogger("agentd.mcp")
 
 BACKOFF_FIRST_S = 0.1
@@ -48,6 +49,11 @@ MCP_MAX_TASKS = 256
 class ServerFailed(AgentdError):
     """The server could not answer (not running, crashed, timed out, answered out
     of bounds). The caller gets `huh internal`; the cause goes to the log."""
+
+
+class CallTimedOut(ServerFailed):
+    """A call past the server's `timeout_s`: the caller gets `huh timeout`, as for an
+    exec program or a WASM module."""
 
 
 class ServerState(Enum):
@@ -181,10 +187,15 @@ class McpServer:
                          server=self.name, tool=tool, pinned=self.pins[tool],
                          offered=self.refused[tool])
         try:
-            return await asyncio.wait_for(call_tool(session, tool, arguments),
-                                          self.config.timeout_s)
+            if self._ending is None:
+                return await asyncio.wait_for(call_tool(session, tool, arguments),
+                                              self.config.timeout_s)
+            # A server that ends mid-call fails the call at once (`internal`), not
+            # at its timeout.
+            return await _unless_ended(call_tool(session, tool, arguments), self._ending,
+                                       self.config.timeout_s)
         except TimeoutError:
-            raise ServerFailed(f"mcp server {self.name}: {tool} did not answer in "
+            raise CallTimedOut(f"mcp server {self.name}: {tool} did not answer in "
                                f"{self.config.timeout_s}s") from None
         except Exception as exc:
             raise ServerFailed(f"mcp server {self.name}: {tool} failed: {exc}") from exc
@@ -364,10 +375,33 @@ def connection_for(config: Any) -> Callable[[Any], contextlib.AbstractAsyncConte
     return stdio_connection if config.command is not None else http_connection
 
 
-async def list_offered(config: Any) -> list[types.Tool]:
-    """Start one session, list the server's tools, end it: what load pins."""
-    async with connection_for(config)(config) as (read, write, _ending), \
+async def list_offered(config: Any, endings: list[Any] | None = None) -> list[types.Tool]:
+    """Start one session, list the server's tools, end it: what load pins. `endings`
+    gets the session's `Ending` (why a server that failed ended, its stderr)."""
+    async with connection_for(config)(config) as (read, write, ending), \
             ClientSession(read, write) as session:
-        await asyncio.wait_for(session.initialize(), config.timeout_s)
-        offered = await asyncio.wait_for(session.list_tools(), config.timeout_s)
+        if endings is not None:
+            endings.append(ending)
+        await _unless_ended(session.initialize(), ending, config.timeout_s)
+        offered = await _unless_ended(session.list_tools(), ending, config.timeout_s)
     return list(offered.tools)
+
+
+async def _unless_ended(request: Awaitable[T], ending: Ending, timeout_s: float) -> T:
+    """`request`'s answer; `ServerFailed` as soon as the server has ended (a server
+    that exits as it starts fails check-config at once, not after `timeout_s`)."""
+    call = asyncio.ensure_future(request)
+    gone = asyncio.ensure_future(ending.ended.wait())
+    try:
+        done, _ = await asyncio.wait({call, gone}, timeout=timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if call in done:
+        return call.result()
+    call.cancel()
+    with contextlib.suppress(BaseException):
+        await call
+    if gone in done:
+        raise ServerFailed(ending.reason or "server ended")
+    raise TimeoutError

@@ -21,6 +21,7 @@ from mcp import types
 from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 
+import agentd
 from agentd._envelope import parse_envelope
 from agentd._errors import AgentdError
 from agentd._schemas import NS_CORE
@@ -85,7 +86,7 @@ async def discover(bridge: Bridge) -> dict[str, Offered]:
 
 
 def mcp_server(bridge: Bridge, offered: dict[str, Offered]) -> Server:
-    server: Server = Server("agentd")
+    server: Server = Server("agentd", version=agentd.__version__)  # not the SDK's
 
     @server.list_tools()
     async def list_tools() -> list[types.Tool]:

@@ -9,7 +9,8 @@ non-JSON-RPC line at its first call), `exit` (exits at its first call), `hang`
 `snoop` (tries to read argv[2] and to connect to argv[3] host:port; its `unix`
 tool, to the Unix socket at argv[2]), `big`
 (answers with argv[2] bytes of text), `inject` (a description carrying an
-injection), `http` (well behaved, over Streamable HTTP on port argv[2], accepting the
+injection), `broken` (says why on stderr and exits before it speaks), `http` (well
+behaved, over Streamable HTTP on port argv[2], accepting the
 Host names 127.0.0.1, localhost and mcp.test).
 """
 
@@ -21,6 +22,9 @@ import time
 from mcp.server.fastmcp import FastMCP
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "good"
+if mode == "broken":
+    sys.stderr.write("OpenSSL configuration error: cannot load /etc/ssl/openssl.cnf\n")
+    sys.exit(1)
 app = FastMCP("test-server")
 
 description = "Add two integers."
