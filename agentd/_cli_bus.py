@@ -79,10 +79,11 @@ def _demo_sections() -> dict[str, Any]:
     return sections
 
 
-def organism_yaml(host: str, port: int, metrics: str) -> str:
-    # The organism's name is part of every prompt, so it is the one the cassette
-    # was recorded with.
-    name = yaml.safe_load(AGENT_ORGANISM.read_text(encoding="utf-8"))["organism"]["name"]
+def organism_yaml(host: str, port: int, metrics: str, name: str | None = None) -> str:
+    # The organism's name is part of every prompt; the cassette's keys leave it out
+    # (see LlmRequest.normalised), so any name replays it.
+    if name is None:
+        name = yaml.safe_load(AGENT_ORGANISM.read_text(encoding="utf-8"))["organism"]["name"]
     head = f"""\
 # Written by `agentd init` on {dt.date.today().isoformat()}.
 # Relative paths resolve against this file's folder, so the folder can be moved.
@@ -110,17 +111,23 @@ def _write(path: Path, data: bytes | str, mode: int) -> None:
 
 def init_home(
     home: Path, client: str = "alice", host: str = "127.0.0.1", port: int = 8765,
-    metrics: str = f"127.0.0.1:{DEFAULT_METRICS_PORT}",
+    metrics: str = f"127.0.0.1:{DEFAULT_METRICS_PORT}", name: str | None = None,
 ) -> dict[str, Any]:
     """Write a working setup into `home`; refuses to overwrite any of its files.
-    Everything the organism refers to is inside `home`, by relative path."""
+    Everything the organism refers to is inside `home`, by relative path. `name`:
+    the organism's (and its identity key's); by default the demo's."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from agentd.bus import make_self_signed
     from agentd.config import CLIENT_ID
+    from agentd.config.values import _NAME_RULE as NAME_RULE
+    from agentd.config.values import NAME_PATTERN
 
     if not CLIENT_ID.fullmatch(client) or client == "core":
         raise AgentdError(f"invalid client id {client!r}")
+    organism_name = name  # (`name` is reused for file names below)
+    if organism_name is not None and not NAME_PATTERN.fullmatch(organism_name):
+        raise AgentdError(f"invalid organism name {organism_name!r}: {NAME_RULE}")
     metrics_port = int(metrics.rpartition(":")[2])
     if port != 0 and port == metrics_port:
         raise AgentdError(f"the bus and the metrics listener cannot share port {port}")
@@ -153,7 +160,7 @@ def init_home(
            authorized_keys_line(key.public_key(), OPERATOR_KEY_ID) + "\n", 0o644)
     for name in (*AGENT_FILES, *SAMPLE_FILES):
         _write(home / name, (DEMO_DIR / name).read_bytes(), 0o644)
-    organism = organism_yaml(host, port, metrics)
+    organism = organism_yaml(host, port, metrics, organism_name)
     from agentd.federation import write_identity
 
     identity = write_identity(home / "identity.key", yaml.safe_load(organism)["organism"]["name"])
@@ -225,6 +232,8 @@ DEMO_READ = ('<read-file xmlns="https://xml-pipeline.org/ns/tools/file-read/v1">
 @click.option("--dir", "home", type=click.Path(file_okay=False, path_type=Path),
               default=DEFAULT_HOME, show_default=True, help="Folder to write the setup into.")
 @click.option("--client", default="alice", show_default=True, help="The first client's id.")
+@click.option("--name", "name", default=None,
+              help="The organism's name (and its identity key's) [default: agent-demo].")
 @click.option("--host", default="127.0.0.1", show_default=True, help="bus.host to listen on.")
 @click.option("--port", default=8765, show_default=True, type=click.IntRange(0, 65535),
               help="bus.port: the TLS WebSocket bus (0: any free port).")
@@ -233,14 +242,15 @@ DEMO_READ = ('<read-file xmlns="https://xml-pipeline.org/ns/tools/file-read/v1">
               help="Port of metrics.listen on 127.0.0.1 (/metrics, /healthz, /readyz).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document.")
 def init_cmd(
-    home: Path, client: str, host: str, port: int, metrics_port: int, as_json: bool
+    home: Path, client: str, name: str | None, host: str, port: int, metrics_port: int,
+    as_json: bool,
 ) -> None:
     """Write a working setup into the --dir folder: organism.yaml (the demo tools and
     the tutor agent with its prompt and cassette), a self-signed TLS cert, a clients
     file with one client and its TOTP secret, an operator key, the organism's
     identity key (printed as its public line)."""
     try:
-        info = init_home(home, client, host, port, f"127.0.0.1:{metrics_port}")
+        info = init_home(home, client, host, port, f"127.0.0.1:{metrics_port}", name)
     except AgentdError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:

@@ -323,6 +323,16 @@ async def test_a_peers_huh_and_refusal_become_the_same_huh_here(gateway: Any) ->
     assert response.error_code is HuhCode.DENIED
 
 
+@pytest.mark.parametrize("said", ["true", "false"])
+async def test_a_peers_huh_keeps_the_retry_allowed_it_said(gateway: Any, said: str) -> None:
+    """The caller is told what the callee logged (the demo's cassette miss says false)."""
+    huh = (b'<huh xmlns="https://xml-pipeline.org/ns/core/v1"><code>internal</code>'
+           b"<message>x</message><retry-allowed>" + said.encode() + b"</retry-allowed></huh>")
+    _, response, _ = await answer_with(gateway, huh)
+    assert response.error_code is HuhCode.INTERNAL
+    assert response.retry_allowed is (said == "true")
+
+
 async def test_a_peer_stopping_the_chain_stops_it_here_too(gateway: Any) -> None:
     """The peer refused the call at its hop limit, or its platform stopped the chain
     inside (a `budget-exceeded` from its core): the chain crossing the two organisms

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from agentd._cli_bus import init_home
@@ -66,3 +67,36 @@ def test_the_bundled_manifesto_is_package_data() -> None:
     assert BUNDLED_MANIFESTO.is_file()
     assert BUNDLED_MANIFESTO.is_relative_to(Path(agentd.__file__).parent)
     assert BUNDLED_MANIFESTO.read_text().startswith("# No Paperclippers")
+
+
+def test_init_names_the_organism_and_its_renamed_demo_replays_its_cassette(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """--name names the organism and its identity key; the tutor's cassette replays
+    under any name (its keys leave the organism's name out)."""
+    import asyncio
+    import json
+
+    from agentd.platform import make_agent_handlers
+    from agentd.platform.demo import MathQuestion
+    from agentd.testing import Harness
+
+    result = CliRunner().invoke(main, ["init", "--dir", str(tmp_path / "home"), "--name",
+                                       "my-org", "--port", "0", "--metrics-port", "0",
+                                       "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["identity"].endswith(" my-org")  # the key's comment
+    config = load_config(tmp_path / "home" / "organism.yaml")
+    assert config.name == "my-org"
+
+    async def ask() -> bytes:
+        handlers = make_agent_handlers(config)
+        async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
+                           durable=False) as h:
+            frames = await h.send("alice", MathQuestion(text="What is (2 + 3) * 7?"))
+        await handlers.platform.aclose()
+        return frames[-1]
+
+    assert b"(2 + 3) * 7 = 35." in asyncio.run(ask())
+    assert "replaying by conversation" not in caplog.text  # the whole key matched
+    bad = CliRunner().invoke(main, ["init", "--dir", str(tmp_path / "other"), "--name", "-x"])
+    assert bad.exit_code != 0 and "invalid organism name '-x'" in bad.output

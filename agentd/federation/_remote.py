@@ -567,7 +567,10 @@ class RemoteCall:
                     return HandlerResponse.error(HuhCode.INTERNAL)
                 if huh is HuhCode.BUDGET_EXCEEDED and env.sender == "core":
                     return ChainStopped(huh)  # the peer's platform stopped the chain
-                return HandlerResponse.error(huh)
+                # What the callee said (and logged) about a retry, not this code's default.
+                said = payload.findtext("{" + NS_CORE + "}retry-allowed")
+                retry = {"true": True, "false": False}.get((said or "").strip())
+                return HandlerResponse.error(huh, retry_allowed=retry)
             if payload.tag == _ANSWER and self.offer.answers:  # a peer's agent: its text
                 schema = core_schema()
             elif payload.tag not in self._responses:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
@@ -20,6 +21,7 @@ from agentd._errors import AgentdError
 
 Role = Literal["user", "assistant"]
 NONCE_PLACEHOLDER = "NONCE"
+ORGANISM_PLACEHOLDER = "ORGANISM"
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +97,19 @@ class LlmRequest:
     # `tool_calling: auto`: a backend that refuses tools may answer without them
     # (never sent, not part of `key`).
     tools_optional: bool = False
+    # The organism's name (in prompts and shared facts); normalised out of `key`, so a
+    # renamed organism replays its cassette.
+    organism: str = ""
 
     def normalised(self, *, with_system: bool = True) -> dict[str, Any]:
-        """The request as stored in cassettes: the nonce replaced by a placeholder."""
+        """The request as stored in cassettes: the nonce and the organism's name
+        replaced by placeholders."""
+        name = _name_pattern(self.organism) if self.organism else None
 
         def norm(text: str) -> str:
-            return text.replace(self.nonce, NONCE_PLACEHOLDER) if self.nonce else text
+            if self.nonce:
+                text = text.replace(self.nonce, NONCE_PLACEHOLDER)
+            return name.sub(ORGANISM_PLACEHOLDER, text) if name is not None else text
 
         out: dict[str, Any] = {
             "messages": [m.normalised(norm) for m in self.messages],
@@ -119,7 +128,10 @@ class LlmRequest:
         replaced by its own SHA-256 (the same frozen prompt is hashed once, not on
         every call)."""
         material = self.normalised(with_system=False)
-        material["system_sha256"] = _system_digest(self.system)
+        system = self.system
+        if self.organism:
+            system = _name_pattern(self.organism).sub(ORGANISM_PLACEHOLDER, system)
+        material["system_sha256"] = _system_digest(system)
         return _digest(material)
 
     @cached_property
@@ -142,6 +154,12 @@ class LlmRequest:
 
     def without_tools(self) -> LlmRequest:
         return replace(self, tools=())
+
+
+@lru_cache(maxsize=16)
+def _name_pattern(name: str) -> re.Pattern[str]:
+    """The organism's name as a whole word (not inside a longer name)."""
+    return re.compile(rf"(?<![\w.-]){re.escape(name)}(?![\w-])")
 
 
 @lru_cache(maxsize=256)

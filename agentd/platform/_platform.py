@@ -549,7 +549,7 @@ class Platform:
             system=SUMMARY_PROMPT,
             messages=(ChatMessage("user", text),),
             max_tokens=512,
-            agent=agent,
+            agent=agent, organism=self.config.name,
         )
         meter = Meter(agent, thread, self._scopes(agent, thread), audit="summary",
                       fields={"segment": seg.id}, failed="fallback")
@@ -588,7 +588,7 @@ class Platform:
             max_tokens=cfg.max_tokens,
             temperature=cfg.temperature,
             nonce=ctx.nonce,
-            agent=agent,
+            agent=agent, organism=self.config.name,
         )
         meter = Meter(agent, thread, self._scopes(agent, thread),
                       fields={"prompt_sha256": prompt.sha256})
@@ -627,6 +627,7 @@ class Platform:
             system=system,
             messages=(ChatMessage("user", spotlit),),
             max_tokens=max_tokens, temperature=0.0, nonce=nonce, agent=ROUTER,
+            organism=self.config.name,
         )  # fmt: skip
         scopes = [self._conversation_scope(thread)]
         # That backend alone: the operator's ladder says which models may read the
