@@ -76,6 +76,8 @@ async def test_trace_shows_the_tutors_llm_calls_tool_calls_and_the_relay(home: P
         assert call["backend"] == "tutor-model" and call["outcome"] == "ok"
         assert call["tokens"]["input"] > 0 and call["tokens"]["output"] > 0
         assert call["attempts"] == 1
+        assert isinstance(call["model"], str) and call["model"]
+        assert isinstance(call["duration_ms"], float) and call["duration_ms"] >= 0
         assert set(call) >= {"kind", "from", "to", "listener", "outcome", "duration_ms",
                              "children", "backend", "model", "tokens"}
     tools = [c for c in hop["children"] if c["kind"] == "tool"]

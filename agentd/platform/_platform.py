@@ -671,7 +671,8 @@ class Platform:
             "agent": meter.who, "backend": response.backend, **meter.fields,
             "request_sha256": request.key, "input_tokens": response.input_tokens,
             "output_tokens": response.output_tokens, "cached": response.cached,
-            "attempts": response.attempts, "outcome": "ok",
+            "attempts": response.attempts, "outcome": "ok", "model": response.model,
+            "latency_ms": round(response.transport_s * 1000, 3),
         })
         return request, response
 
