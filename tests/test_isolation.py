@@ -438,6 +438,7 @@ async def test_worker_cannot_read_the_daemons_secrets(
     await other_conversation_completes(h)
 
 
+@pytest.mark.both_loops  # spawned as the daemon spawns it: on uvloop too
 async def test_worker_environment_holds_only_what_the_listener_declares(
         tmp_path: Path) -> None:
     os.environ["AGENTD_DAEMON_SECRET"] = SECRET

@@ -273,6 +273,7 @@ def _with(config, **changes):  # type: ignore[no-untyped-def]
     return replace(config, **changes)
 
 
+@pytest.mark.both_loops  # spawned as the daemon spawns it: on uvloop too
 async def test_a_server_cannot_read_the_daemons_secrets_or_connect_out(
         tmp_path: Path) -> None:
     secret = tmp_path.parent / f"{tmp_path.name}-secret"
