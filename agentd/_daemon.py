@@ -176,6 +176,7 @@ def _log_failure(fut: asyncio.Future[Any]) -> None:
         log.error("kernel write failed: %s", fut.exception())
 
 
+LEASE_LOST_STATUS = 3  # `agentd run` after its kernel lost the postgres lease
 _MARK_RETRY_S = 0.5  # delivery marks whose transaction failed are tried again this late
 
 
@@ -200,6 +201,7 @@ class Daemon:
         self.isolation = IsolationPools()
         self._stop = asyncio.Event()
         self._stop_mode = "graceful"
+        self.exit_status = 0  # what `agentd run` exits with
         self._watchdog: asyncio.Task[None] | None = None
         self._maintenance: asyncio.Task[None] | None = None
         self._reloading = asyncio.Lock()  # one reload at a time (operator's or automatic)
@@ -236,6 +238,7 @@ class Daemon:
             kernel_options(config),
             on_commit=lambda seconds, _n: metrics.journal_commit_seconds.observe(seconds),
         )
+        self.kernel.on_lease_lost = self._lease_lost
         try:
             await self._start_rest()
         except BaseException:
@@ -391,6 +394,13 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, "graceful")
+
+    def _lease_lost(self, why: str) -> None:
+        """Another daemon may be the writer now (postgres backend): stop serving at
+        once, and exit non-zero (`LEASE_LOST_STATUS`) so systemd shows it failed."""
+        log.error("kernel %s: stopping; this daemon serves nothing more", why)
+        self.exit_status = LEASE_LOST_STATUS
+        self.request_stop("immediate")
 
     def request_stop(self, mode: str = "graceful") -> None:
         self._stop_mode = mode
@@ -574,4 +584,4 @@ async def run_daemon(config_path: Path, state_dir: Path | None = None) -> int:
     await daemon.start()
     daemon.install_signal_handlers()
     await daemon.serve()
-    return 0
+    return daemon.exit_status

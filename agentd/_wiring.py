@@ -38,6 +38,7 @@ def kernel_options(config: OrganismConfig) -> KernelOptions:
             name for name, p in config.profiles.items() if p.synchronous == "FULL"
         ),
         dsn=kernel_dsn(config),
+        lease=config.name if config.kernel.backend == "postgres" else None,
     )
 
 

@@ -1,10 +1,12 @@
 """The kernel: the one writer of durable state (threads, journal, outboxes, context
 buffers, audit events, timers, handler state, parked approvals)
-in one SQLite database in WAL mode. See docs/kernel.md."""
+in one SQLite database in WAL mode, or in PostgreSQL. See docs/kernel.md."""
 
 from agentd.kernel._errors import (
     ContextLimitExceeded,
     KernelUnavailable,
+    LeaseHeld,
+    LeaseLost,
     SchemaTooNew,
     StateDirUnsafe,
     StateLocked,
@@ -44,6 +46,8 @@ __all__ = [
     "Kernel",
     "KernelOptions",
     "KernelUnavailable",
+    "LeaseHeld",
+    "LeaseLost",
     "Retention",
     "RetentionPolicy",
     "SchemaTooNew",

@@ -30,6 +30,17 @@ class WriterExited(KernelUnavailable):
     not known here. The kernel asks the next writer (see `Kernel._settle_orphans`)."""
 
 
+class LeaseHeld(KernelUnavailable):
+    """Another daemon holds the organism's lease on the postgres backend (and this one
+    was not started to wait for it)."""
+
+
+class LeaseLost(KernelUnavailable):
+    """This daemon's lease on the postgres backend is gone (its epoch is stale: it
+    lost its connection, was paused, or another daemon took over). Its kernel writes
+    nothing more; the daemon stops serving and exits non-zero."""
+
+
 class TransactionRejected(KernelUnavailable):
     """This one transaction failed on its own (e.g. a constraint), not the storage.
 

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import sqlite3
 import sys
 import time
@@ -51,7 +52,12 @@ from typing import Any
 import aiosqlite
 
 from agentd.kernel._batching import KernelBatching, Queued, fail
-from agentd.kernel._errors import KernelUnavailable, SchemaTooNew, TransactionRejected
+from agentd.kernel._errors import (
+    KernelUnavailable,
+    LeaseLost,
+    SchemaTooNew,
+    TransactionRejected,
+)
 from agentd.kernel._health import BACKOFF_START_S, Health, HealthEvent, WriteHealth
 from agentd.kernel._lifecycle import Phase, PhaseEvent, next_phase
 from agentd.kernel._lock import StateDirLock
@@ -66,6 +72,8 @@ from agentd.kernel._transaction import OnCommit, Transaction, TxContext
 from agentd.kernel._writer import WriterProcess
 
 DB_NAME = "agentd.db"
+# postgres: a lease holder whose renewals stop for this many intervals loses it.
+LEASE_MISSED_RENEWALS = 3
 
 log = logging.getLogger("agentd.kernel")
 
@@ -90,7 +98,8 @@ class Kernel(KernelReads, KernelBatching):
                  commit_interval_s: float, commit_max_entries: int, sweep_interval_s: float,
                  context_ttl_s: float, checkpoint_idle_s: float, sweep_chunk: int,
                  on_commit: OnCommit | None, max_outbox_per_client: int = 10_000,
-                 last_txn: int = 0) -> None:
+                 last_txn: int = 0, lease: tuple[int, float] = (0, 0.0),
+                 lease_interval_s: float = 1.0) -> None:
         self._max_outbox = max_outbox_per_client
         self._clock = ctx.clock  # wall clock: stamps, retention and TTL cutoffs
         self.state_dir = state_dir
@@ -127,6 +136,16 @@ class Kernel(KernelReads, KernelBatching):
         self._retention_backlog = False
         self.writer_restarts = 0
         self._writer = asyncio.create_task(self._run(), name="agentd-kernel-writer")
+        # The postgres lease (`KernelOptions.lease`): epoch and since as taken, who
+        # holds it, when it was last renewed (event-loop clock) and, once lost, why.
+        self.lease_epoch, self.lease_since = lease
+        self.lease_holder: str = store_options.get("holder", "")
+        self.lease_lost: str | None = None
+        self.on_lease_lost: Callable[[str], None] | None = None  # the daemon stops
+        self.lease_renewed = self._loop.time()
+        self._lease_interval = lease_interval_s
+        self._lease_task = (asyncio.create_task(self._renew_lease(), name="agentd-lease")
+                            if store_options.get("lease") else None)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -156,10 +175,16 @@ class Kernel(KernelReads, KernelBatching):
         db = state_dir / DB_NAME
         store_options: dict[str, Any] = {"synchronous": o.synchronous,
                                          "max_db_bytes": o.max_db_bytes, "dsn": o.dsn}
+        if o.dsn and o.lease:
+            store_options.update(lease=o.lease, standby=o.standby,
+                                 holder=f"{socket.gethostname()} pid {os.getpid()}",
+                                 lease_timeout_s=LEASE_MISSED_RENEWALS * o.lease_interval_s)
         writer: WriterProcess | None = None
         try:
-            writer, (seq, outbox_id, last_txn, migrated_from, counts) = await _start_writer(
-                db, lock, store_options)
+            writer, (seq, outbox_id, last_txn, migrated_from, counts, lease
+                     ) = await _start_writer(db, lock, store_options)
+            if store_options.get("lease"):  # a new writer reclaims this epoch or stops
+                store_options.update(epoch=lease[0], standby=False)
             if migrated_from != code_version():
                 log.info("kernel database %s migrated from schema %d to %d", db,
                          migrated_from, code_version())
@@ -189,7 +214,8 @@ class Kernel(KernelReads, KernelBatching):
                    context_ttl_s=o.context_ttl_hours * 3600.0,
                    checkpoint_idle_s=o.checkpoint_idle_s, sweep_chunk=o.sweep_chunk,
                    max_outbox_per_client=o.max_outbox_per_client,
-                   on_commit=on_commit, last_txn=last_txn)
+                   on_commit=on_commit, last_txn=last_txn, lease=lease,
+                   lease_interval_s=o.lease_interval_s)
 
     async def close(self) -> None:
         """Commit everything submitted, checkpoint, release the lock. Idempotent."""
@@ -197,6 +223,8 @@ class Kernel(KernelReads, KernelBatching):
             await self._closed.wait()  # another close() does the work; wait for its end
             return
         self._phase = next_phase(self._phase, PhaseEvent.CLOSE_REQUESTED)
+        if self._lease_task is not None:
+            self._lease_task.cancel()
         self._wake.set()
         try:
             await asyncio.shield(self._writer)
@@ -417,6 +445,8 @@ class Kernel(KernelReads, KernelBatching):
 
     def _storage_failed(self, exc: BaseException,
                         batch: list[tuple[Transaction, asyncio.Future[None]]]) -> None:
+        if isinstance(exc, LeaseLost):
+            self._lose_lease(exc)
         message = f"kernel writes are failing: {exc}"
         if self._record(HealthEvent.WRITE_FAILED, str(exc)):
             log.error("%s (%s); nothing is acknowledged until writes succeed again",
@@ -446,6 +476,8 @@ class Kernel(KernelReads, KernelBatching):
                 await self._restart_writer()
             await self._call("probe")
         except Exception as exc:
+            if isinstance(exc, LeaseLost):
+                self._lose_lease(exc)
             self._record(HealthEvent.PROBE_FAILED, str(exc))
             self._fail_orphans(exc)
             return
@@ -475,6 +507,8 @@ class Kernel(KernelReads, KernelBatching):
         """The writer process died (killed, out of memory): start another, which reads
         the chain head back from the database, then settle the batches the dead one
         never answered (`_settle_orphans`)."""
+        if self.lease_lost is not None:  # never another writer: see _lose_lease
+            raise LeaseLost(self.lease_lost)
         old = self._writer_proc
         with contextlib.suppress(Exception):
             await old.stop()
@@ -523,6 +557,40 @@ class Kernel(KernelReads, KernelBatching):
         log.warning("kernel: transactions in flight when the writer died: %d had "
                     "committed, %d were rejected, %d are sent again", len(committed),
                     refused, len(again))
+
+    async def _renew_lease(self) -> None:
+        """Renew the lease every interval (the fence, alone); a refusal loses it. A
+        writer that died meanwhile is replaced by the health probe, which reclaims
+        the lease only if nobody took it over."""
+        while self.lease_lost is None:
+            await asyncio.sleep(self._lease_interval)
+            if not self._writer_proc.alive:
+                continue
+            try:
+                await self._call("renew")
+            except LeaseLost as exc:
+                self._lose_lease(exc)
+                return
+            except Exception:  # the writer died: the probe's restart decides
+                continue
+            self.lease_renewed = self._loop.time()
+
+    def _lose_lease(self, exc: BaseException) -> None:
+        """Another daemon may be the writer now: this kernel writes nothing more.
+        Its writer is killed (no batch in flight can commit: the fence refuses it
+        anyway), everything queued fails unacknowledged, and `on_lease_lost` tells the
+        daemon, which stops serving and exits non-zero."""
+        if self.lease_lost is not None:
+            return
+        self.lease_lost = str(exc)
+        log.error("kernel: %s; this daemon writes nothing more", exc)
+        self._loop.create_task(self._writer_proc.kill())
+        self._fail_all(LeaseLost(self.lease_lost))
+        if self.on_lease_lost is not None:
+            try:
+                self.on_lease_lost(self.lease_lost)
+            except Exception:
+                log.exception("kernel: on_lease_lost hook failed")
 
     async def _idle_checkpoint(self) -> None:
         try:
@@ -580,9 +648,11 @@ class Kernel(KernelReads, KernelBatching):
 
 
 async def _start_writer(db: Path, lock: StateDirLock, store_options: dict[str, Any]
-                        ) -> tuple[WriterProcess, tuple[int, int, int, int, dict]]:
+                        ) -> tuple[WriterProcess, tuple[int, int, int, int, dict,
+                                                        tuple[int, float]]]:
     """Start a writer process and open the store in it: (writer, (seq, outbox_id, txn,
-    migrated_from, context_counts)). Stops the process again if the open fails."""
+    migrated_from, context_counts, (lease epoch, since))). Stops the process again if
+    the open fails."""
     writer = await WriterProcess.start(lock.fd)
     try:
         info = await writer.call("open", str(db), store_options)

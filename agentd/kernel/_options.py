@@ -32,6 +32,12 @@ class KernelOptions:
     max_outbox_per_client: int = 10_000
     # The postgres backend: the libpq DSN of its database (None: SQLite in state_dir).
     dsn: str | None = None
+    # postgres: the organism whose lease this kernel takes (None: no lease), whether
+    # it waits for it (a standby), and how often it renews it; a holder silent for
+    # three intervals loses it (the server ends its session).
+    lease: str | None = None
+    standby: bool = False
+    lease_interval_s: float = 1.0
 
 
 DEFAULT_KERNEL_OPTIONS = KernelOptions()

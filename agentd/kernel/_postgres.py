@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from agentd.kernel._errors import KernelUnavailable
+from agentd.kernel._errors import KernelUnavailable, LeaseHeld, LeaseLost
 
 # Primary keys of the tables written with INSERT OR REPLACE (the conflict target).
 _KEYS = {
@@ -43,6 +44,22 @@ _KEYS = {
 _OR_REPLACE = re.compile(r"INSERT OR REPLACE INTO (\w+) \(([^)]*)\)(.*)", re.S)
 _OR_IGNORE = re.compile(r"INSERT OR IGNORE INTO (.*)", re.S)
 WRITER_LOST_STATUS = 3  # the writer process's exit status on a lost connection
+LEASE_ERRCODE = "AG001"  # agentd_fence: this writer's epoch is stale
+_LEASE_POLL_S = 0.25  # how often a standby tries the lease
+_NOW = "extract(epoch from clock_timestamp())"
+# The lease: one row per organism (its epoch: +1 at every takeover) and the check every
+# transaction of a lease holder starts with. FOR SHARE: a takeover's UPDATE waits for
+# a commit in flight, and a commit after the takeover sees the new epoch and fails.
+_LEASE_DDL = (
+    "CREATE TABLE IF NOT EXISTS lease (organism TEXT PRIMARY KEY, epoch BIGINT NOT NULL, "
+    "holder TEXT NOT NULL, since DOUBLE PRECISION NOT NULL, "
+    "renewed DOUBLE PRECISION NOT NULL DEFAULT 0, backend INTEGER NOT NULL DEFAULT 0)",
+    "CREATE OR REPLACE FUNCTION agentd_fence(o TEXT, e BIGINT) RETURNS void "
+    "LANGUAGE plpgsql AS $$ BEGIN "
+    "PERFORM 1 FROM lease WHERE organism = o AND epoch = e FOR SHARE; "
+    "IF NOT FOUND THEN RAISE EXCEPTION 'stale lease epoch % of %', e, o "
+    "USING ERRCODE = 'AG001'; END IF; END $$",
+)
 
 
 @lru_cache(maxsize=512)
@@ -114,7 +131,11 @@ class PgConnection:
         self._pipelined = pipeline
         self._pipeline: Any = None  # psycopg's Pipeline while a transaction is open
         self._pipeline_cm: Any = None
-        self._exit_on_loss = exit_on_loss
+        # (organism, epoch) once this connection holds the lease (`take_lease`): every
+        # transaction then starts with the fence, in the same round trip.
+        self.fence: tuple[str, int] | None = None
+        self.exit_on_loss = exit_on_loss
+        self._dsn = ""
 
     @classmethod
     def connect(cls, dsn: str, **kwargs: Any) -> PgConnection:
@@ -122,11 +143,22 @@ class PgConnection:
             conn = psycopg.connect(dsn, autocommit=True, connect_timeout=10)
         except psycopg.Error as exc:
             raise KernelUnavailable(f"postgresql: cannot connect: {exc}") from None
-        return cls(conn, **kwargs)
+        pg = cls(conn, **kwargs)
+        pg._dsn = dsn
+        return pg
 
     @property
     def raw(self) -> psycopg.Connection[Any]:
         return self._conn
+
+    def reconnect(self) -> None:
+        """A new session (the old one is gone), for a standby that waits on."""
+        dsn = self._conn.info.dsn
+        with contextlib.suppress(psycopg.Error):
+            self._conn.close()
+        with contextlib.suppress(psycopg.OperationalError):  # down: the next try again
+            self._conn = psycopg.connect(self._dsn or dsn, autocommit=True,
+                                         connect_timeout=10)
 
     @property
     def in_transaction(self) -> bool:
@@ -142,6 +174,8 @@ class PgConnection:
             sql = self._begin
         try:
             cursor = self._conn.execute(translate(sql), params or None)
+            if word == "BEGIN" and self.fence is not None:
+                self._conn.execute("SELECT agentd_fence(%s, %s)", self.fence)
             if word in ("COMMIT", "ROLLBACK"):
                 self._end_pipeline()
             return PgCursor(cursor, self._pipeline)
@@ -180,10 +214,27 @@ class PgConnection:
         if cm is not None:
             cm.__exit__(None, None, None)
 
+    def renew(self) -> None:
+        """Renew the lease: its `renewed` time (the server's clock), only while the
+        epoch is still ours (see `take_lease`)."""
+        assert self.fence is not None
+        try:
+            done = self._conn.execute(
+                f"UPDATE lease SET renewed = {_NOW} WHERE organism = %s AND epoch = %s",
+                self.fence).rowcount
+        except psycopg.Error as exc:
+            self._failed(exc)
+            raise
+        if done != 1:
+            raise LeaseLost(f"lease lost: epoch {self.fence[1]} of {self.fence[0]} is stale")
+
     def _failed(self, exc: psycopg.Error) -> None:
-        """A statement failed: a storage error if the connection is gone."""
+        """A statement failed: a storage error if the connection is gone, a lost
+        lease if the fence refused it."""
+        if getattr(exc, "sqlstate", None) == LEASE_ERRCODE:
+            raise LeaseLost(f"lease lost: {exc.diag.message_primary}") from None
         if self._conn.broken or self._conn.closed:
-            if self._exit_on_loss:
+            if self.exit_on_loss:
                 os._exit(WRITER_LOST_STATUS)  # see the module docstring
             raise KernelUnavailable(f"postgresql: connection lost: {exc}") from None
         if isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError)):
@@ -234,3 +285,89 @@ class PgReader:
         if self._conn is not None:
             await self._conn.close()
             self._conn = None
+
+
+def _lease_key(organism: str) -> str:
+    return f"agentd lease {organism}"
+
+
+def describe_lease(conn: psycopg.Connection[Any], organism: str) -> str:
+    """`lease held by H since T (epoch E)`, or that nobody holds it."""
+    try:
+        row = conn.execute("SELECT epoch, holder, since FROM lease WHERE organism = %s",
+                           (organism,)).fetchone()
+    except psycopg.errors.UndefinedTable:
+        row = None
+    if row is None:
+        return f"no lease of {organism} taken yet"
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(row[2]))
+    return f"lease held by {row[1]} since {since} (epoch {row[0]})"
+
+
+def take_lease(pg: PgConnection, organism: str, holder: str, *, wait: bool,
+               epoch: int | None, timeout_s: float) -> tuple[int, float]:
+    """Take the organism's lease on `pg`: its session advisory lock, then the epoch
+    row, +1 (a takeover) or, with `epoch`, unchanged (this daemon's writer coming
+    back after a lost connection: only if nobody took over meanwhile). Returns
+    (epoch, since). The session then ends by itself after `timeout_s` without a
+    renewal: a standby that finds the lock held but not renewed (server clock) for
+    `timeout_s` ends the holder's session (a paused or cut-off holder), which frees
+    the lock; the holder's next statement then finds its connection gone. Raises LeaseHeld (held
+    and not `wait`), LeaseLost (`epoch` is no longer the current one)."""
+    raw = pg.raw
+    key = _lease_key(organism)
+    while True:
+        try:
+            row = raw.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))",
+                              (key,)).fetchone()
+        except psycopg.OperationalError:
+            if not wait or not (raw.broken or raw.closed):
+                raise
+            time.sleep(_LEASE_POLL_S)  # the server restarts: wait on, reconnected
+            pg.reconnect()
+            raw = pg.raw
+            continue
+        if row is not None and row[0]:
+            break
+        if epoch is not None:
+            raise LeaseLost(f"lease lost: {describe_lease(raw, organism)}")
+        if not wait:
+            raise LeaseHeld(f"{describe_lease(raw, organism)}; start this daemon with "
+                            "--standby to wait for it")
+        _end_expired(raw, organism, timeout_s)
+        time.sleep(_LEASE_POLL_S)
+    try:
+        with raw.transaction():
+            from agentd.kernel._schema import MIGRATION_LOCK_KEY
+
+            raw.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            for statement in _LEASE_DDL:
+                raw.execute(statement)
+            found = raw.execute("SELECT epoch, since FROM lease WHERE organism = %s "
+                                "FOR UPDATE", (organism,)).fetchone()
+            if epoch is not None:
+                if found is None or found[0] != epoch:
+                    raise LeaseLost(f"lease lost: taken over (epoch {found and found[0]}, "
+                                    f"this daemon's {epoch})")
+                new, since = epoch, float(found[1])
+            else:
+                new, since = (found[0] if found else 0) + 1, time.time()
+            raw.execute("INSERT INTO lease (organism, epoch, holder, since, renewed, backend) "
+                        f"VALUES (%s, %s, %s, %s, {_NOW}, pg_backend_pid()) "
+                        "ON CONFLICT (organism) DO UPDATE SET epoch = EXCLUDED.epoch, "
+                        "holder = EXCLUDED.holder, since = EXCLUDED.since, "
+                        "renewed = EXCLUDED.renewed, backend = EXCLUDED.backend",
+                        (organism, new, holder, since))
+    except BaseException:
+        with contextlib.suppress(psycopg.Error):
+            raw.execute("SELECT pg_advisory_unlock_all()")
+        raise
+    pg.fence = (organism, new)
+    return new, since
+
+
+def _end_expired(raw: psycopg.Connection[Any], organism: str, timeout_s: float) -> None:
+    """End the session of a holder that has not renewed for `timeout_s`."""
+    with contextlib.suppress(psycopg.errors.UndefinedTable):
+        raw.execute(f"SELECT pg_terminate_backend(backend) FROM lease WHERE organism = %s "
+                    f"AND {_NOW} - renewed > %s AND backend != 0", (organism, timeout_s))

@@ -188,7 +188,7 @@ def read_version(conn: Any) -> int | None:
     """The database's schema version; None for an empty database."""
     if is_postgres(conn):
         from agentd.kernel._postgres import table_names  # psycopg: an optional extra
-        names = table_names(conn)
+        names = table_names(conn) - {"lease"}  # taken before migrating (_postgres)
     else:
         names = {r[0] for r in conn.execute(
             "SELECT name FROM sqlite_master WHERE type='table'")}

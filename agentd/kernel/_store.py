@@ -100,6 +100,7 @@ class Store:
             self.page_size = int(conn.execute("PRAGMA page_size").fetchone()[0])
             self.synchronous = str(conn.execute("PRAGMA synchronous").fetchone()[0])
         self._open_head = head  # the chain head within the open transaction (`apply`)
+        self.lease = (0, 0.0)  # postgres: (epoch, since) of the lease this writer holds
 
     @classmethod
     def open(cls, db: Path, *, synchronous: str = "NORMAL", max_db_bytes: int | None = None,
@@ -132,13 +133,21 @@ class Store:
             raise
 
     @classmethod
-    def open_postgres(cls, dsn: str) -> Store:
-        """Connect (one connection, this writer's alone) and migrate."""
-        from agentd.kernel._postgres import PgConnection  # psycopg: an optional extra
+    def open_postgres(cls, dsn: str, *, lease: str | None = None, holder: str = "",
+                      standby: bool = False, epoch: int | None = None,
+                      lease_timeout_s: float = 3.0) -> Store:
+        """Connect (one connection, this writer's alone), take the organism's lease
+        on it if `lease` names the organism (see `_postgres.take_lease`), migrate."""
+        from agentd.kernel._postgres import PgConnection, take_lease  # optional extra
 
-        conn = PgConnection.connect(dsn, exit_on_loss=True)
+        conn = PgConnection.connect(dsn, exit_on_loss=epoch is not None or not standby)
         try:
             label = f"postgresql database {conn.raw.info.dbname}"
+            lease_epoch, since = 0, 0.0
+            if lease is not None:
+                lease_epoch, since = take_lease(conn, lease, holder, wait=standby,
+                                                epoch=epoch, timeout_s=lease_timeout_s)
+            conn.exit_on_loss = True  # from here on a lost connection is a lost writer
             migrated_from, _ = migrate(conn, label)
             row = conn.execute("SELECT pos, hash, seq, outbox_id, txn FROM head WHERE id = 0"
                                ).fetchone()
@@ -146,6 +155,7 @@ class Store:
             pos, h, seq, oid, txn = row
             store = cls(conn, label, Head(pos, bytes(h), seq, oid, txn), 0)
             store.migrated_from = migrated_from
+            store.lease = (lease_epoch, since)
             return store
         except BaseException:
             conn.close()
@@ -410,6 +420,11 @@ class Store:
     def context_counts(self) -> dict[str, tuple[int, float]]:
         return {t: (int(n), float(last)) for t, n, last in self.conn.execute(
             "SELECT thread, count(*), max(ts) FROM context GROUP BY thread")}
+
+    def renew(self) -> None:
+        """Check the lease between transactions (postgres with a lease only)."""
+        if self.postgres and self.conn.fence is not None:
+            self.conn.renew()
 
     def size_bytes(self) -> int:
         """The database's size on the PostgreSQL server (SQLite's: see the kernel)."""

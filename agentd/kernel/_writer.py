@@ -69,6 +69,7 @@ _LEN = struct.Struct(">I")
 _MAX_FRAME = 1 << 31  # a batch is at most commit_max_entries transactions
 _SOCKET_BUFFER = 4 << 20
 _STOP_TIMEOUT_S = 30.0  # time for the child's final checkpoint and close
+_FOLD_WAIT_MS = 500  # postgres: how long an open fold waits for its next part
 # The child imports this very copy of agentd, installed or not (sys.argv[1]: the
 # directory that holds the agentd package).
 _CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); "
@@ -217,16 +218,19 @@ class _Served:
         # yet committed or answered.
         self._folded: list[tuple[list[tuple], int | None, float, int, bool]] = []
 
-    def open(self, db: str, options: dict[str, Any]) -> tuple[int, int, int, int, dict]:
+    def open(self, db: str, options: dict[str, Any]
+             ) -> tuple[int, int, int, int, dict, tuple[int, float]]:
         options = dict(options)
         dsn = options.pop("dsn", None)
+        lease = {k: options.pop(k) for k in ("lease", "holder", "standby", "epoch",
+                                             "lease_timeout_s") if k in options}
         if dsn:  # the postgres backend: the same Store over a PgConnection
-            self.store = Store.open_postgres(dsn)
+            self.store = Store.open_postgres(dsn, **lease)
         else:
             self.store = Store.open(Path(db), **options)
         head = self.store.head
         return (head.seq, head.outbox_id, head.txn, self.store.migrated_from,
-                self.store.context_counts())
+                self.store.context_counts(), self.store.lease)
 
     def outcomes(self, first: int) -> tuple[int, list[int]]:
         return self.store.outcomes(first)
@@ -280,6 +284,10 @@ class _Served:
     @property
     def folding(self) -> bool:
         return bool(self._folded)
+
+    @property
+    def postgres(self) -> bool:
+        return self.store is not None and self.store.postgres
 
     def fold(self, txs: list[tuple], more: bool, first: int | None = None
              ) -> list[tuple] | None:
@@ -362,7 +370,7 @@ class _Served:
 
     def __getattr__(self, name: str) -> Any:
         if name in ("sweep_retention", "gc", "cap_outboxes", "checkpoint", "probe",
-                    "set_max_bytes", "size_bytes"):
+                    "set_max_bytes", "size_bytes", "renew"):
             return getattr(self.store, name)
         raise AttributeError(name)
 
@@ -397,6 +405,12 @@ def _serve(sock: socket.socket) -> None:
             # A lone client's next envelope, or the next batch under load, is read
             # without the writer first going to sleep (two wake-ups per commit).
             wait_readable(poller)
+            if served.folding and served.postgres and not poller.poll(_FOLD_WAIT_MS):
+                # A fold's next part is late (the daemon paused?): commit what came.
+                # On PostgreSQL a fold waiting un-synced keeps its session "active",
+                # which no server timeout ends, and so would keep the lease.
+                _answer(sock, served.end_fold())
+                continue
             header = _recv_exactly(sock, _LEN.size)
             if header is None:
                 return
