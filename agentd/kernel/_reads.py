@@ -132,11 +132,14 @@ class KernelReads:
             "ORDER BY due, id")
         return [TimerRow(*r) for r in rows]
 
-    async def approvals(self, state: str | None = "pending") -> list[ApprovalRow]:
-        """Parked messages (pending ones by default), oldest first."""
+    async def approvals(self, state: str | None = "pending", payloads: bool = True
+                        ) -> list[ApprovalRow]:
+        """Parked messages (pending ones by default), oldest first. `payloads=False`:
+        each row's `payload` is empty (recovery holds only the envelopes)."""
         clause = "" if state is None else "WHERE state = ?"
+        payload = "payload" if payloads else "X''"
         rows = await self._reader.execute_fetchall(
-            "SELECT id, conversation, frame, owner, listener, sender, hops, envelope, payload, "
+            f"SELECT id, conversation, frame, owner, listener, sender, hops, envelope, {payload}, "
             "payload_sha256, approvers, created, deadline, state, decided_by, reason, "
             f"decided_at FROM approvals {clause} ORDER BY created, id",
             () if state is None else (state,))

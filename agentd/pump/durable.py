@@ -449,8 +449,8 @@ class DurableWaits:
                 stale.append(timer.id)
             else:
                 self._add_timer(timer, frame.root.owner)
-        for row in await kernel.approvals():
-            self._add_parked(row._replace(payload=b""))
+        for row in await kernel.approvals(payloads=False):
+            self._add_parked(row)
             self.deadlines.schedule(row.deadline, APPROVAL, row.id)
         if stale:
             tx = kernel.transaction()
