@@ -1,9 +1,8 @@
 """Explicit state machines, the one way agentd writes them: each machine is an enum
 of states, an enum of events and a transition table; `step` applies an event or
 refuses it. A missing entry in a table is an event that cannot happen in that state,
-so it is a bug: it raises instead of being ignored. Used by frames (`_threads`), bus
-connections (`bus._session`) and the kernel's health and lifecycle; a leaf module
-that imports nothing of agentd."""
+so it is a bug: it raises instead of being ignored. Every transition table of
+agentd steps through it; a leaf module that imports nothing of agentd."""
 
 from __future__ import annotations
 

@@ -75,12 +75,6 @@ class Plan:
     def tiers(self) -> tuple[Tier, ...]:
         return tuple(_TIERS[t] for t in self.codes.tolist())
 
-    def tier_counts(self) -> dict[str, int]:
-        counts = {t.value: 0 for t in _TIERS}
-        for t in self.tiers:
-            counts[t.value] += 1
-        return counts
-
 
 def plan_tiers(costs: Costs, rules: LibrarianRules, fixed_tokens: int,
                collapsed_stub_tokens: int = 24) -> Plan:

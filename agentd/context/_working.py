@@ -5,8 +5,8 @@ segment for relevance; `KernelSegmentLog` writes every change to the kernel's
 `segments` table. Relevance of a segment is the cosine similarity of its vector with
 the query's (the task and the newest segment), clipped to [0, 1]. Vectors are made
 lazily, in one provider call per LLM call for the segments new or grown since the
-last; if the provider fails, the task switches to `HashedTerms` for good (logged, and
-named in `relevance_by`) rather than calling without relevance.
+last; if the provider fails, the task switches to `HashedTerms` for good (logged)
+rather than calling without relevance.
 """
 
 from __future__ import annotations
@@ -90,10 +90,6 @@ class WorkingMemory:
         self.segments: list[Segment] = []
         self._index = VectorIndex()
         self._dirty: set[int] = set()  # positions whose vector is missing or stale
-
-    @property
-    def relevance_by(self) -> str:
-        return self._vectors.identity
 
     def add(self, part: Part) -> Segment:
         """Place a turn; returns the segment it went into (new or grown)."""

@@ -85,9 +85,6 @@ class DeadlineScheduler:
         if earlier and self._task is not None:
             self._wake.set()
 
-    def next_due(self) -> float | None:
-        return self._heap[0].due if self._heap else None
-
     def run_due(self) -> int:
         """Fire everything due now; returns how many entries were fired."""
         now = self.clock()

@@ -97,19 +97,11 @@ def _count(listener: str, state: WorkerState) -> int:
 
 
 def spins(waiting: bool, workers: int, others: int, cores: int) -> bool:
-    """Whether a worker, its call answered, polls for its next call before it sleeps.
-
-    When no call waits for a worker (a lone caller's next call then finds it awake);
-    and when the pool's workers and the `others` that want a core under load (the
-    daemon, and its kernel writer when it journals) fit the cores: a spinning worker
-    then takes no core they need, and under load the daemon's next write finds the
-    worker awake instead of paying to wake it (about 20 us of the daemon's system
-    time a call on this kind of machine). Not when callers wait and the workers
-    would take cores from the processes that feed them (measured: one worker
-    spinning beside a journaling daemon on two cores lost 9 % of the rate). Counted
-    per pool: several pools loaded at once may together want more cores than there
-    are; each poll then yields the core (`agentd/_spin.py`), and a spin lasts
-    200 us at most."""
+    """Whether a worker, its call answered, polls for its next call before it
+    sleeps: when no call waits for a worker, or when the pool's workers and the
+    `others` that want a core under load fit the cores (so a spinning worker takes
+    none they need). Why, and what it measured: docs/architecture.md, "Wake-ups
+    between processes"."""
     return not waiting or workers + others <= cores
 
 

@@ -1,4 +1,4 @@
-"""Six-layer context assembly (ADR-0006) with spotlighting and `validate_no_override`.
+"""Six-layer context assembly with spotlighting and `validate_no_override`.
 
     1 core context      immutable  system role   the registry's layer 1
     2 characteristics   immutable  system role   the registry's layer 2

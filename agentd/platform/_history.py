@@ -1,4 +1,4 @@
-"""Per-thread history (the context buffer of seed 000): append-only, one per frame.
+"""Per-thread history (an agent's context buffer): append-only, one per frame.
 
 A `Turn` is immutable. The store is keyed by the frame UUID the agent's task runs in
 (tool results come back on that same frame), so a thread's history is exactly one

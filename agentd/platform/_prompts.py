@@ -7,7 +7,7 @@ blocks of the configuration, composed in order. Template variables in the blocks
 once; `{{` and `}}` are literal braces; any other `{name}` is a configuration error
 with its location, as is an unknown block name.
 
-The result is two immutable layers (ADR-0006): layer 1, core context (the "No
+The result is two immutable layers: layer 1, core context (the "No
 Paperclippers" manifesto, always first, then the agent's blocks, its tools and the
 platform's protocol), and layer 2, characteristics (operating limits, and the
 optional `agent.characteristics` expression). Their concatenation is the system

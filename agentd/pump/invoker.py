@@ -2,8 +2,9 @@
 
 This is the seam between the pump and handler code: the pump decides what to call
 and what the outcome turns into; the invoker only runs the call and reports its
-outcome (the handler's return value, or a `CallFailed`). Running handlers elsewhere
-(worker processes) means another `Invoker` with the same `call`.
+outcome (the handler's return value, or a `CallFailed`). A handler that runs
+elsewhere (an isolation pool's worker) is a listener whose handler is swapped for
+its pool's: the invoker runs it like any other.
 
 Timeouts: one watchdog task scans the running calls' deadlines a few times per
 timeout period and cancels the expired ones (again on each tick while a handler

@@ -66,10 +66,6 @@ class Message:
         self.redelivered = redelivered
         self.hops = 0  # handler invocations on the causal chain before this message
 
-    @property
-    def is_core(self) -> bool:
-        return self.spec is None
-
 
 @dataclass(frozen=True)
 class SubmitResult:
