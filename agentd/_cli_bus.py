@@ -120,8 +120,7 @@ def init_home(
 
     from agentd.bus import make_self_signed
     from agentd.config import CLIENT_ID
-    from agentd.config.values import _NAME_RULE as NAME_RULE
-    from agentd.config.values import NAME_PATTERN
+    from agentd.config.values import NAME_PATTERN, NAME_RULE
 
     if not CLIENT_ID.fullmatch(client) or client == "core":
         raise AgentdError(f"invalid client id {client!r}")

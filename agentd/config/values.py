@@ -42,7 +42,7 @@ from agentd.kernel import (
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")
 # A peer organism's listener, in `peers` and profile members: GATEWAY:LISTENER.
 REMOTE_PATTERN = re.compile(rf"(?:{NAME_PATTERN.pattern}):(?:{NAME_PATTERN.pattern})")
-_NAME_RULE = "use letters, digits, '_', '.', '-' (not first), at most 128 characters"
+NAME_RULE = "use letters, digits, '_', '.', '-' (not first), at most 128 characters"
 _BUILTIN_ERRORS = frozenset(typing.get_args(ErrorType))
 
 # ------------------------------------------------------------ reporting many errors
@@ -139,7 +139,7 @@ def _not_empty(value: str) -> str:
 def _name(value: str) -> str:
     _not_empty(value)
     if not NAME_PATTERN.fullmatch(value):
-        raise problem(f"invalid name {value!r}: {_NAME_RULE}")
+        raise problem(f"invalid name {value!r}: {NAME_RULE}")
     return value
 
 
