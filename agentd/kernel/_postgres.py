@@ -33,6 +33,9 @@ from psycopg import pq
 
 from agentd.kernel._errors import KernelUnavailable, LeaseHeld, LeaseLost
 
+# The transaction-scoped advisory lock a PostgreSQL migration holds.
+MIGRATION_LOCK_KEY = 0x61676E74_64000001
+
 # Primary keys of the tables written with INSERT OR REPLACE (the conflict target).
 _KEYS = {
     "threads": ("uuid",),
@@ -338,8 +341,6 @@ def take_lease(pg: PgConnection, organism: str, holder: str, *, wait: bool,
         time.sleep(_LEASE_POLL_S)
     try:
         with raw.transaction():
-            from agentd.kernel._schema import MIGRATION_LOCK_KEY
-
             raw.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
             for statement in _LEASE_DDL:
                 raw.execute(statement)

@@ -13,9 +13,6 @@ from typing import Any
 
 from agentd.kernel._errors import SchemaTooNew
 
-# The transaction-scoped advisory lock a PostgreSQL migration holds.
-MIGRATION_LOCK_KEY = 0x61676E74_64000001
-
 # The chain head and high-water marks (one row, id 0), updated by every batch: seqs
 # and outbox ids are never reused even after retention deleted the newest rows.
 _V1 = (
@@ -212,7 +209,7 @@ def migrate(conn: Any, db: Path | str) -> tuple[int, int]:
     PostgreSQL's types; two daemons starting at once migrate one after the other)."""
     postgres = is_postgres(conn)
     if postgres:
-        from agentd.kernel._postgres import ddl
+        from agentd.kernel._postgres import MIGRATION_LOCK_KEY, ddl
     conn.execute("BEGIN" if postgres else "BEGIN IMMEDIATE")
     try:
         if postgres:
