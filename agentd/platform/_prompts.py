@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 from agentd._errors import ConfigError
 from agentd._schemas import NS_CORE
 from agentd._xmlify import XmlSpec, spec_of
-from agentd.config.tools import ExecTool, FileListTool, FileReadTool, FileWriteTool, HttpFetchTool
 from agentd.demo import MANIFESTO_FILE
 from agentd.llm import ToolSpec
 from agentd.llm.tools import XML, input_schema, shape_of_xsd, tool_name
@@ -232,6 +231,14 @@ def tool_notes(peer: ListenerConfig) -> tuple[str, ...]:
     tool's placeholders and their patterns, an http-fetch tool's hosts and schemes,
     a file tool's folder (shown as `/`, never the host path), an approval gate, a
     peer organism. A model cannot call well what it cannot see."""
+    # Late: an isolated agent's worker imports this module and never the configuration.
+    from agentd.config.tools import (
+        ExecTool,
+        FileListTool,
+        FileReadTool,
+        FileWriteTool,
+        HttpFetchTool,
+    )
     notes: list[str] = []
     tool = peer.tool
     if isinstance(tool, ExecTool):
