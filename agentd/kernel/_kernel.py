@@ -52,6 +52,7 @@ from typing import Any
 import aiosqlite
 
 from agentd.kernel._batching import KernelBatching, Queued, fail
+from agentd.kernel._chain import Verdict
 from agentd.kernel._errors import (
     KernelUnavailable,
     LeaseLost,
@@ -717,12 +718,7 @@ def verify_journal_main(state_dir: Path | str, dsn: str | None = None) -> int:
     except (sqlite3.Error, SchemaTooNew) as exc:
         print(f"verify-journal: {db}: {exc}", file=sys.stderr)
         return 1
-    if verdict.ok:
-        print(f"{db}: {verdict.message}")
-        return 0
-    where = f" at seq {verdict.bad_seq}" if verdict.bad_seq is not None else ""
-    print(f"{db}: journal verification FAILED{where}: {verdict.message}")
-    return 1
+    return _report(str(db), verdict)
 
 
 def _verify_postgres_main(dsn: str) -> int:
@@ -746,6 +742,11 @@ def _verify_postgres_main(dsn: str) -> int:
     except (KernelUnavailable, SchemaTooNew) as exc:
         print(f"verify-journal: {exc}", file=sys.stderr)
         return 1
+    return _report(label, verdict)
+
+
+def _report(label: str, verdict: Verdict) -> int:
+    """verify-journal's last line and exit code, whichever backend was walked."""
     if verdict.ok:
         print(f"{label}: {verdict.message}")
         return 0
