@@ -408,7 +408,7 @@ class DurableWaits:
         _count_up(self._parked_by_owner, row.owner)
         size = len(row.envelope)
         self.parked_bytes += size
-        self._parked_bytes_of[row.owner] = self._parked_bytes_of.get(row.owner, 0) + size
+        _count_up(self._parked_bytes_of, row.owner, size)
         self.live.add((APPROVAL, row.id))
         _count_up(self.holds, row.frame)
 
@@ -420,9 +420,7 @@ class DurableWaits:
         _count_down(self._parked_by_owner, row.owner)
         size = len(row.envelope)
         self.parked_bytes -= size
-        left = self._parked_bytes_of.pop(row.owner, 0) - size
-        if left > 0:
-            self._parked_bytes_of[row.owner] = left
+        _count_down(self._parked_bytes_of, row.owner, size)
         self.live.discard((APPROVAL, approval_id))
         _count_down(self.holds, row.frame)
 
@@ -503,12 +501,12 @@ class DurableWaits:
 # what is pending.
 
 
-def _count_up(counts: dict[str, int], key: str) -> None:
-    counts[key] = counts.get(key, 0) + 1
+def _count_up(counts: dict[str, int], key: str, by: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + by
 
 
-def _count_down(counts: dict[str, int], key: str) -> None:
-    n = counts.get(key, 0) - 1
+def _count_down(counts: dict[str, int], key: str, by: int = 1) -> None:
+    n = counts.get(key, 0) - by
     if n > 0:
         counts[key] = n
     else:
