@@ -64,7 +64,7 @@ def _demo_sections() -> dict[str, Any]:
     cassette (agentd/demo/agent-demo.yaml). The agent's file paths stay relative:
     `init_home` copies those files into the home under the same names."""
     data = yaml.safe_load(ORGANISM.read_text(encoding="utf-8"))
-    sections = {k: data[k] for k in ("pump", "journal", "profiles", "listeners")}
+    sections = {k: data[k] for k in ("pump", "journal", "meta", "profiles", "listeners")}
     agent = yaml.safe_load(AGENT_ORGANISM.read_text(encoding="utf-8"))
     names = {lst["name"] for lst in sections["listeners"]}
     agents = [lst for lst in agent["listeners"] if "agent" in lst]
