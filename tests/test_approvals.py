@@ -156,7 +156,7 @@ async def test_a_conversation_cannot_park_more_than_its_share() -> None:
     MAX_PARKED_PER_CONVERSATION in one conversation the sender is answered `huh
     denied` with a security event (a relay fanning out to a gated listener parked
     6,400 from 100 messages before)."""
-    from agentd.pump.durable import MAX_PARKED_PER_CONVERSATION
+    from agentd.pump.gate import MAX_PARKED_PER_CONVERSATION
 
     async with harness(FakeClock()) as h:
         thread, _, _ = await park(h)
@@ -177,9 +177,9 @@ async def test_a_client_cannot_park_more_than_its_share_of_the_daemon(
     """One client filling the daemon's 10,000 parked messages (one a conversation)
     had every other client's gated request refused for an hour: a client parks at
     most MAX_PARKED_PER_CLIENT."""
-    from agentd.pump import durable as waits
+    from agentd.pump import gate
 
-    monkeypatch.setattr(waits, "MAX_PARKED_PER_CLIENT", 3)
+    monkeypatch.setattr(gate, "MAX_PARKED_PER_CLIENT", 3)
     async with harness(FakeClock()) as h:
         for _ in range(3):
             await park(h)  # three conversations

@@ -36,7 +36,6 @@ from agentd._xmlify import spec_of
 from agentd.durable import (
     NOT_APPROVED,
     ApprovalEvent,
-    ApprovalRules,
     ApprovalState,
     Deadline,
     DeadlineScheduler,
@@ -55,6 +54,7 @@ from agentd.durable import (
 from agentd.kernel import ApprovalRow, Kernel, TimerRow, Transaction
 from agentd.pump import admission
 from agentd.pump.batch import Batch, journal_message, thread_row
+from agentd.pump.gate import Park, ParkedCounts, count_down, count_up, unindex
 from agentd.pump.message import CORE, Message, SubmitResult
 from agentd.pump.response import ResponsePlan, plan_failure
 
@@ -66,12 +66,6 @@ log = logging.getLogger("agentd.pump")
 _ACTIVE = ThreadState.ACTIVE
 _WOKE = spec_of(Woke)
 TIMER, APPROVAL = "timer", "approval"
-# Messages waiting for a human decision: a handler (or a client) cannot park more,
-# in one conversation, in one client's conversations or in all, whatever its fan-out
-# and rate (so one client cannot fill the daemon's share for everyone).
-MAX_PARKED_PER_CONVERSATION = 64
-MAX_PARKED_PER_CLIENT = 1_000
-MAX_PARKED = 10_000
 # Pending timers in all and per client (the timer tool bounds them per conversation
 # too): each keeps its call's frame in memory.
 MAX_TIMERS = 100_000
@@ -86,10 +80,9 @@ class DurableWaits:
         self.book = StateBook(pump.settings.max_state_bytes_per_thread)
         self.timers: dict[str, TimerRow] = {}
         self.parked: dict[str, ApprovalRow] = {}
-        self._parked_of: dict[str, set[str]] = {}  # conversation -> approval ids
-        self._parked_by_owner: dict[str, int] = {}  # client -> how many parked
-        self._parked_bytes_of: dict[str, int] = {}  # client -> bytes parked
-        self.parked_bytes = 0  # envelope bytes of every parked message
+        # What is parked, counted as the gate (pump/gate.py) bounds it.
+        self.counts = ParkedCounts(pump.settings.max_parked_bytes,
+                                   pump.settings.max_parked_bytes_per_client)
         self._timers_of: dict[str, set[str]] = {}  # conversation -> timer ids
         self._timer_owner: dict[str, str] = {}  # conversation with timers -> its client
         self._timers_by_owner: dict[str, int] = {}  # client -> pending timers
@@ -97,6 +90,10 @@ class DurableWaits:
         self.holds: dict[str, int] = {}  # frame uuid -> pending timers and parked messages
         self.deadlines = DeadlineScheduler(self._fire, self.live, clock)
         metrics.approvals_pending.set_function(lambda: len(self.parked))
+
+    @property
+    def parked_bytes(self) -> int:
+        return self.counts.bytes
 
     @property
     def conversations(self) -> bool:
@@ -143,8 +140,8 @@ class DurableWaits:
         self.timers[row.id] = row
         self._timers_of.setdefault(row.conversation, set()).add(row.id)
         self._timer_owner[row.conversation] = owner
-        _count_up(self._timers_by_owner, owner)
-        _count_up(self.holds, row.frame)
+        count_up(self._timers_by_owner, owner)
+        count_up(self.holds, row.frame)
         self.live.add((TIMER, row.id))
         self.deadlines.schedule(row.due, TIMER, row.id)
 
@@ -153,12 +150,12 @@ class DurableWaits:
         if row is None:
             return None
         self.live.discard((TIMER, timer_id))
-        more = _unindex(self._timers_of, row.conversation, timer_id)
+        more = unindex(self._timers_of, row.conversation, timer_id)
         owner = (self._timer_owner.get(row.conversation) if more
                  else self._timer_owner.pop(row.conversation, None))
         if owner is not None:
-            _count_down(self._timers_by_owner, owner)
-        _count_down(self.holds, row.frame)
+            count_down(self._timers_by_owner, owner)
+        count_down(self.holds, row.frame)
         if batch is not None:
             batch.tx.timer_delete(timer_id)
         return row
@@ -183,51 +180,17 @@ class DurableWaits:
 
     # ---- approval gates ---------------------------------------------------------
 
-    def gate_of(self, msg: Message) -> ApprovalRules | None:
-        gates = msg.frame.profile.table.gates
-        for target in msg.targets:
-            gate = gates.get(target.name)
-            if gate is not None:
-                return gate
-        return None
-
-    def parking_refusal(self, msg: Message) -> HuhCode | None:
-        """Why `msg` may not be parked, as the code its sender is answered (a
-        security event), or None. `huh denied`: its conversation already has
-        `MAX_PARKED_PER_CONVERSATION` messages waiting, its client's conversations
-        `MAX_PARKED_PER_CLIENT`, or all `MAX_PARKED`. `huh rate-limited`: its envelope
-        would take its client's parked bytes past `pump.max_parked_bytes_per_client`
-        or everyone's past `pump.max_parked_bytes` (parked envelopes are held in
-        memory until decided; a decision makes room)."""
-        root = msg.frame.root
-        parked = self.parked
-        size = len(msg.envelope)
-        settings = self._pump.settings
-        code: HuhCode | None = None
-        if (len(parked) >= MAX_PARKED
-                or len(self._parked_of.get(root.uuid, ())) >= MAX_PARKED_PER_CONVERSATION
-                or self._parked_by_owner.get(root.owner, 0) >= MAX_PARKED_PER_CLIENT):
-            code = HuhCode.DENIED
-        elif (self.parked_bytes + size > settings.max_parked_bytes
-              or self._parked_bytes_of.get(root.owner, 0) + size
-              > settings.max_parked_bytes_per_client):
-            code = HuhCode.RATE_LIMITED
-        if code is not None:
-            self._pump._security_event("approval-limit", {
-                "thread": root.uuid, "sender": msg.sender, "pending": str(len(parked)),
-                "parked_bytes": str(self.parked_bytes), "refused": code.value})
-        return code
-
-    def park(self, msg: Message, gate: ApprovalRules, batch: Batch | None) -> ApprovalRow:
-        """Park `msg` instead of dispatching it; its thread's owner is told."""
+    def park(self, msg: Message, gate: Park, batch: Batch | None) -> ApprovalRow:
+        """Park `msg` instead of dispatching it, as `gate` decided; its thread's owner
+        is told."""
         frame = msg.frame
         root = frame.root
         payload = c14n(msg.payload)
         now = self.clock()
-        gated = next(t.name for t in msg.targets if t.name in frame.profile.table.gates)
-        row = ApprovalRow(new_approval_id(), root.uuid, frame.uuid, root.owner, gated,
+        rules = gate.rules
+        row = ApprovalRow(new_approval_id(), root.uuid, frame.uuid, root.owner, gate.listener,
                           msg.sender, msg.hops, msg.envelope, payload,
-                          payload_sha256(payload), gate.approvers, now, now + gate.timeout_s)
+                          payload_sha256(payload), rules.approvers, now, now + rules.timeout_s)
         self._add_parked(row)
         self.deadlines.schedule(row.deadline, APPROVAL, row.id)
         if batch is not None:
@@ -243,7 +206,7 @@ class DurableWaits:
                  row.listener, frame.log_ids)
         return row
 
-    def admit_parked(self, client: str, msg: Message, gate: ApprovalRules, new: bool,
+    def admit_parked(self, client: str, msg: Message, gate: Park, new: bool,
                      wait: bool) -> SubmitResult | Any:
         """A client's envelope for a gated listener: journaled as received (not
         pending: the approval row holds it) and parked, in one transaction; the
@@ -404,25 +367,17 @@ class DurableWaits:
 
     def _add_parked(self, row: ApprovalRow) -> None:
         self.parked[row.id] = row
-        self._parked_of.setdefault(row.conversation, set()).add(row.id)
-        _count_up(self._parked_by_owner, row.owner)
-        size = len(row.envelope)
-        self.parked_bytes += size
-        _count_up(self._parked_bytes_of, row.owner, size)
+        self.counts.add(row)
         self.live.add((APPROVAL, row.id))
-        _count_up(self.holds, row.frame)
+        count_up(self.holds, row.frame)
 
     def _unpark(self, approval_id: str) -> None:
         row = self.parked.pop(approval_id, None)
         if row is None:
             return
-        _unindex(self._parked_of, row.conversation, approval_id)
-        _count_down(self._parked_by_owner, row.owner)
-        size = len(row.envelope)
-        self.parked_bytes -= size
-        _count_down(self._parked_bytes_of, row.owner, size)
+        self.counts.remove(row)
         self.live.discard((APPROVAL, approval_id))
-        _count_down(self.holds, row.frame)
+        count_down(self.holds, row.frame)
 
     # ---- the end of a conversation, recovery, the scheduler -----------------------
 
@@ -431,7 +386,7 @@ class DurableWaits:
             self._drop_timer(timer_id, batch)
         if self.book.drop(conversation) and batch is not None:
             batch.tx.state_drop(conversation)
-        for approval_id in list(self._parked_of.get(conversation, ())):
+        for approval_id in list(self.counts.ids_of.get(conversation, ())):
             self.settle(self.parked[approval_id], ApprovalEvent.THREAD_ENDED, "thread-ended",
                         "", batch)
 
@@ -494,31 +449,3 @@ class DurableWaits:
         tx.journal(thread=row.conversation, direction="audit", kind=kind,
                    handler=row.listener, sender=fields.get("by", row.sender),
                    payload=json.dumps(body, sort_keys=True).encode())
-
-
-# Counts and indexes of what is pending (holds by frame, parked and timers by client,
-# ids by conversation): a key leaves with its last item, so each map holds only
-# what is pending.
-
-
-def _count_up(counts: dict[str, int], key: str, by: int = 1) -> None:
-    counts[key] = counts.get(key, 0) + by
-
-
-def _count_down(counts: dict[str, int], key: str, by: int = 1) -> None:
-    n = counts.get(key, 0) - by
-    if n > 0:
-        counts[key] = n
-    else:
-        counts.pop(key, None)
-
-
-def _unindex(index: dict[str, set[str]], key: str, item: str) -> bool:
-    """Take `item` out of `index[key]`; whether `key` still holds any."""
-    items = index.get(key)
-    if items is None:
-        return False
-    items.discard(item)
-    if not items:
-        del index[key]
-    return bool(items)

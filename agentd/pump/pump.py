@@ -5,10 +5,11 @@
           -> admission -> ...   (zero-trust re-entry)
 
 `Pump` owns no decision itself: admission (`admission.py`) decides whether and
-where a message goes, `response.py` what a handler's outcome turns into, the
-`Scheduler` when it runs, the `Invoker` how the handler is called, `recovery.py`
-what survives a restart. The pump applies their results: it registers frames, ends
-them, queues messages and commits one `Batch` per step.
+where a message goes, `gate.py` whether it waits for a human, `response.py` what a
+handler's outcome turns into, the `Scheduler` when it runs, the `Invoker` how the
+handler is called, `recovery.py` what survives a restart. The pump applies their
+results: it registers frames, ends them, queues messages and commits one `Batch`
+per step.
 
 Invariants:
 - A client's envelope and a handler's output take the same path; nothing a handler
@@ -51,7 +52,7 @@ from agentd._routing import Listener, Routing
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
 from agentd._xml import DEFAULT_SHAPE, ShapeLimits
 from agentd.config import MetaConfig, PumpConfig
-from agentd.durable import ApprovalRules, StateLimitExceeded, StateView, TimerRequest
+from agentd.durable import StateLimitExceeded, StateView, TimerRequest
 from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.pump import admission, recovery
 from agentd.pump.admission import Violation
@@ -65,6 +66,7 @@ from agentd.pump.batch import (
     thread_row,
 )
 from agentd.pump.durable import DurableWaits
+from agentd.pump.gate import PASS, Deny, Park, Pass, gate
 from agentd.pump.invoker import CallFailed, Invoker
 from agentd.pump.message import (
     CORE,
@@ -245,18 +247,18 @@ class Pump:
                 return self._refuse_client(client, thread, HuhCode.BUDGET_EXCEEDED)
             msg.hops = hops
         frame = msg.frame
-        gate = self.durable.gate_of(msg) if frame.profile.table.gates else None
-        if gate is not None and msg.sender != CORE and (
-                refused := self.durable.parking_refusal(msg)) is not None:
-            return self._refuse_client(client, frame.uuid, refused)
+        gated = gate(msg, frame.profile.table.gates, self.durable.counts)
+        if isinstance(gated, Deny):
+            self._security_event("approval-limit", gated.event)
+            return self._refuse_client(client, frame.uuid, gated.code)
         if known is None:
             self.registry.add(frame)  # registered only once every check has passed
         else:
             frame.touched = time.monotonic()
             self.registry.wake(frame)
+        if not isinstance(gated, Pass):
+            return self.durable.admit_parked(client, msg, gated, known is None, wait)
         meta_answer = msg.sender == CORE  # answered by the pump itself (agentd/_meta.py)
-        if gate is not None and not meta_answer:
-            return self.durable.admit_parked(client, msg, gate, known is None, wait)
         if self.kernel is None:
             self._seq += 1
             msg.seq = 0 if meta_answer else self._seq
@@ -406,16 +408,15 @@ class Pump:
         )
         await self.durable.recover(self.kernel)  # what is parked, before more is
         for msg, approved in resumed:
-            gate = None
-            if msg.kind is _REQUEST and not approved and msg.frame.profile.table.gates:
-                gate = self.durable.gate_of(msg)
-            if gate is None:
+            gated = PASS if approved else gate(msg, msg.frame.profile.table.gates,
+                                               self.durable.counts)
+            if isinstance(gated, Pass):
                 self._enqueue(msg, None)
             else:
-                self._regate(msg, gate)
+                self._regate(msg, gated)
         return len(resumed)
 
-    def _regate(self, msg: Message, gate: ApprovalRules) -> None:
+    def _regate(self, msg: Message, gated: Park | Deny) -> None:
         """A pending request for a listener gated since it was accepted (a new
         configuration): parked for approval like any new one, never dispatched
         unapproved; its journal entry is handled (the approval row holds it now)."""
@@ -423,10 +424,7 @@ class Pump:
                     "listener=%s %s", ",".join(t.name for t in msg.targets), msg.frame.log_ids)
         batch = self._open()
         assert batch is not None
-        if (refused := self.durable.parking_refusal(msg)) is not None:
-            self._huh_to(msg.frame, refused, msg.hops, batch)
-        else:
-            self.durable.park(msg, gate, batch)
+        self._hold(msg, gated, msg.frame, msg.hops, batch)
         batch.tx.delivered(msg.seq)
         self._close(batch, None)
 
@@ -633,15 +631,12 @@ class Pump:
             self._huh_to(frame, rej.code, hops, batch)
             return
         filled.hops = hops
-        if frame.profile.table.gates:  # gated as the client's own envelope would be
-            gate = self.durable.gate_of(filled)
-            if gate is not None:
-                if (refused := self.durable.parking_refusal(filled)) is not None:
-                    self._huh_to(frame, refused, hops, batch)
-                else:
-                    self.durable.park(filled, gate, batch)
-                return
-        self._enqueue(filled, batch)
+        # Gated as the client's own envelope would be.
+        gated = gate(filled, frame.profile.table.gates, self.durable.counts)
+        if isinstance(gated, Pass):
+            self._enqueue(filled, batch)
+        else:
+            self._hold(filled, gated, frame, hops, batch)
 
     def _state_fits(self, view: StateView, listener: Listener, batch: Batch | None) -> bool:
         """Commit the handler's `meta.state` writes with its output; False (nothing
@@ -682,15 +677,10 @@ class Pump:
                 msg = admission.to_holder(env, data, listener.name, frame, spec)
             else:
                 msg = admission.route_request(env, env.key, data, listener.name, listener, frame)
-                if frame.profile.table.gates:
-                    gate = self.durable.gate_of(msg)
-                    if gate is not None:
-                        if (refused := self.durable.parking_refusal(msg)) is not None:
-                            self._huh_to(own, refused, hops, batch)
-                            return False
-                        msg.hops = hops
-                        self.durable.park(msg, gate, batch)
-                        return True
+                gated = gate(msg, frame.profile.table.gates, self.durable.counts)
+                if not isinstance(gated, Pass):
+                    msg.hops = hops
+                    return self._hold(msg, gated, own, hops, batch)
         except PrivilegedOnBus:
             self._security_event("priv-from-handler",
                                  {"listener": listener.name, "thread": frame.root.uuid})
@@ -707,6 +697,17 @@ class Pump:
             return False
         msg.hops = hops
         self._enqueue(msg, batch)
+        return True
+
+    def _hold(self, msg: Message, gated: Park | Deny, own: Frame, hops: int,
+              batch: Batch | None) -> bool:
+        """A gated message: parked (True), or refused with `huh` to the holder of
+        `own` and an `approval-limit` security event (False)."""
+        if isinstance(gated, Deny):
+            self._security_event("approval-limit", gated.event)
+            self._huh_to(own, gated.code, hops, batch)
+            return False
+        self.durable.park(msg, gated, batch)
         return True
 
     def _huh_to(self, frame: Frame, code: HuhCode, hops: int, batch: Batch | None) -> None:
