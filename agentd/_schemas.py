@@ -18,6 +18,10 @@ NS_ENV = "https://xml-pipeline.org/ns/envelope/v1"
 NS_CORE = "https://xml-pipeline.org/ns/core/v1"
 NS_AUTH = "https://xml-pipeline.org/ns/auth/v1"
 NS_PRIV = "https://xml-pipeline.org/ns/privileged/v1"
+# Meta extensions of streaming and acknowledged delivery (no schema of their own:
+# the envelope takes them laxly, and `_delivery` reads them).
+NS_DELIVERY = "https://xml-pipeline.org/ns/delivery/v1"
+NS_STREAM = "https://xml-pipeline.org/ns/stream/v1"
 
 _FILES = {
     NS_ENV: "envelope.xsd",

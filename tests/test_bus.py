@@ -18,7 +18,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
 from agentd import _metrics
+from agentd._delivery import ack_frame, seq_of
 from agentd._envelope import build_envelope, parse_envelope
+from agentd._schemas import NS_DELIVERY
 from agentd._xmlify import spec_of
 from agentd.bus import (
     AuthFileError,
@@ -31,6 +33,7 @@ from agentd.bus import (
 )
 from agentd.bus._auth import DUMMY_TOTP_SECRET
 from agentd.client import AuthenticationFailed, BusError, frame_kind
+from agentd.kernel import Kernel
 from agentd.tools.calculator import Add
 from agentd.tools.echo import Echo
 from agentd.tools.relay import Relay
@@ -859,6 +862,102 @@ async def test_a_frame_written_on_one_connection_keeps_anothers_queued_frames(
     finally:
         await a.close()
         await b.close()
+        await stop_rig(r)
+
+
+# ---- acknowledged delivery -------------------------------------------------------------
+
+
+async def _outbox_ids(kernel: Kernel) -> list[int]:
+    await kernel.flush()
+    return [oid for oid, _, _ in await kernel.outbox("alice")]
+
+
+async def _until_outbox(kernel: Kernel, ids: list[int]) -> None:
+    async with asyncio.timeout(30):
+        while await _outbox_ids(kernel) != ids:
+            await asyncio.sleep(0.01)
+
+
+async def test_an_outbox_frame_stays_until_the_client_acknowledges_its_seq(
+    tmp_path: Path,
+) -> None:
+    r = await start_rig(tmp_path, kernel=True)
+    kernel = r.kernel
+    assert kernel is not None
+    try:
+        async with r.client("alice", delivered=0) as c:
+            frames = await c.exchange(Add(a=2, b=3), timeout=30)
+            answer = frames[-1]
+            seq = seq_of(parse_envelope(answer))
+            assert seq is not None and seq_of(parse_envelope(frames[0])) is None  # accepted
+            # Meta's first extension, in C14N form.
+            assert (f'<thread>{frame_kind(answer)[2]}</thread><d:seq xmlns:d="{NS_DELIVERY}">'
+                    f"{seq}</d:seq></meta>").encode() in answer
+            await r.pump.join()
+            assert await _outbox_ids(kernel) == [seq]  # written, not yet acknowledged
+            await c.ack(seq)
+            await _until_outbox(kernel, [])
+    finally:
+        await stop_rig(r)
+
+
+async def test_a_resume_resends_only_what_follows_the_seq_in_the_auth_frame(
+    tmp_path: Path,
+) -> None:
+    r = await start_rig(tmp_path, kernel=True)
+    kernel = r.kernel
+    assert kernel is not None
+    try:
+        tx = kernel.transaction()
+        ids = []
+        for i in range(3):
+            t = str(uuid.uuid4())
+            body = f'<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1"><value>{i}</value></sum>'
+            ids.append(tx.outbox_put("alice", t, build_envelope("calculator.add", t,
+                                                                body.encode(), to="alice")))
+        await kernel.commit(tx)
+        async with r.client("alice", delivered=ids[1]) as c:
+            frame = await c.recv(timeout=30)
+            assert seq_of(parse_envelope(frame)) == ids[2] and value(frame, "value") == "2"
+            await _until_outbox(kernel, [ids[2]])  # the two it had are gone
+            with pytest.raises(TimeoutError):
+                await c.recv(timeout=0.3)  # nothing else comes
+    finally:
+        await stop_rig(r)
+
+
+async def test_an_ack_in_another_clients_name_is_a_forged_from(tmp_path: Path) -> None:
+    r = await start_rig(tmp_path, kernel=True)
+    kernel = r.kernel
+    assert kernel is not None
+    try:
+        async with r.client("alice", delivered=0) as c:
+            frames = await c.exchange(Add(a=2, b=3), timeout=30)
+            seq = seq_of(parse_envelope(frames[-1]))
+            assert seq is not None
+            await c.send_raw(ack_frame("bob", seq))
+            refusal = await c.recv(timeout=30)
+            assert frame_kind(refusal)[1] == "huh" and value(refusal, "code") == "invalid-envelope"
+            await r.pump.join()
+            assert await _outbox_ids(kernel) == [seq]  # still kept
+    finally:
+        await stop_rig(r)
+
+
+async def test_a_client_that_does_not_acknowledge_has_frames_removed_once_written(
+    tmp_path: Path,
+) -> None:
+    r = await start_rig(tmp_path, kernel=True)
+    kernel = r.kernel
+    assert kernel is not None
+    try:
+        async with r.client("alice") as c:
+            frames = await c.exchange(Add(a=2, b=3), timeout=30)
+            assert seq_of(parse_envelope(frames[-1])) is not None  # stamped all the same
+            await r.pump.join()
+            await _until_outbox(kernel, [])
+    finally:
         await stop_rig(r)
 
 

@@ -17,7 +17,7 @@ import pytest
 from websockets.frames import Frame, Opcode
 
 from agentd._errors import HuhCode
-from agentd._schemas import NS_AUTH, schema
+from agentd._schemas import NS_AUTH, NS_DELIVERY, NS_STREAM, schema
 from agentd.bus import BusSession, SessionLimits, auth_frame
 from agentd.bus._auth import parse_auth_frame
 from agentd.bus._limits import TokenBucket, UnauthenticatedSlots
@@ -233,3 +233,16 @@ async def test_frames_sent_after_a_refused_auth_are_not_kept(tmp_path: Path) -> 
     finally:
         await sock.close()
         await stop_rig(rig)
+
+
+def test_an_auth_frame_carries_the_last_delivery_seq_and_the_stream_opt_in() -> None:
+    plain = parse_auth_frame(auth_frame("alice", session="s" * 22))
+    assert plain is not None and (plain.delivered, plain.stream) == (None, False)
+    both = parse_auth_frame(auth_frame("alice", session="s" * 22, delivered=17, stream=True))
+    assert both is not None and (both.delivered, both.stream) == (17, True)
+    seq = f'<d:seq xmlns:d="{NS_DELIVERY}">'
+    base = auth_frame("alice", totp="123456")
+    for bad in (f"{seq}-1</d:seq>", f"{seq}1e3</d:seq>", f"{seq}{'9' * 19}</d:seq>",
+                f"{seq}1</d:seq>{seq}2</d:seq>", f'<s:stream xmlns:s="{NS_STREAM}"/>{seq}1</d:seq>',
+                f'<s:stream xmlns:s="{NS_STREAM}">yes</s:stream>'):
+        assert parse_auth_frame(base.replace(b"</auth>", bad.encode() + b"</auth>")) is None, bad

@@ -7,7 +7,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from agentd._envelope import build_envelope
+from agentd._delivery import ack_frame, seq_of, stamp
+from agentd._envelope import build_envelope, parse_envelope
 from agentd._xmlify import spec_of
 from agentd.bus import (
     BusSession,
@@ -18,8 +19,10 @@ from agentd.bus import (
 )
 from agentd.bus._limits import TokenBucket
 from agentd.bus._session import (
+    ACK_WINDOW,
     BATCH_BYTES,
     TRANSITIONS,
+    Acknowledge,
     Authenticate,
     Close,
     LoadOutbox,
@@ -370,3 +373,70 @@ def test_an_idle_connection_keeps_only_the_newest_replayed_ids() -> None:
     assert s._replayed is not None and list(s._replayed) == list(
         range(1001 - REPLAY_WINDOW, 1001))
     assert [i for _, i in s.frames_to_send() if i is not None] == list(range(1, 1001))
+
+
+# ---- acknowledged delivery -------------------------------------------------------------
+
+
+def acking(delivered: int = 0, outbox: list[tuple[int, str, bytes]] | None = None
+           ) -> tuple[BusSession, tuple, list[bytes]]:
+    """A session whose client logged in with `<d:seq>delivered</d:seq>`: it, the
+    replay's actions, and the frames written after `auth-ok`."""
+    s = BusSession(LIMITS)
+    s.frame_received(b"<auth/>", 0.0)
+    s.auth_result(("alice", "token"), None, delivered)
+    actions = s.outbox_loaded(outbox or [])
+    ok, *frames = [f for f, _ in s.frames_to_send()]
+    assert ok.startswith(b"<auth-ok ")
+    return s, tuple(actions), frames
+
+
+def ack(seq: int, sender: str = "alice") -> bytes:
+    return ack_frame(sender, seq)
+
+
+def test_outbox_frames_leave_stamped_with_their_seq_and_others_do_not() -> None:
+    s = opened()
+    t = str(uuid.uuid4())
+    s.deliver(t, accepted(t), None)
+    s.deliver(t, answer(t), 41)
+    (first, mark_a), (second, mark_b) = s.frames_to_send()
+    assert first == accepted(t) and mark_a is None
+    assert seq_of(parse_envelope(second)) == 41 and mark_b == 41  # removed once written
+    assert second == stamp(answer(t), 41) and parse_envelope(second).thread == t
+
+
+def test_for_an_acknowledging_client_a_written_frame_waits_for_its_ack() -> None:
+    s, _, _ = acking()
+    t = str(uuid.uuid4())
+    for oid in (5, 6, 9):
+        s.deliver(t, answer(t), oid)
+    assert [mark for _, mark in s.frames_to_send()] == [None, None, None]
+    assert s.frame_received(ack(6), 0.0) == (Acknowledge((5, 6)),)  # not submitted
+    assert s.frame_received(ack(6), 0.0) == ()
+    assert s.frame_received(ack(100), 0.0) == (Acknowledge((9,)),)
+
+
+def test_a_resume_skips_and_removes_what_the_client_has() -> None:
+    t = str(uuid.uuid4())
+    rows = [(i, t, answer(t)) for i in (3, 4, 8)]
+    _, actions, frames = acking(4, rows)
+    assert Acknowledge((3, 4)) in actions
+    assert [seq_of(parse_envelope(f)) for f in frames] == [8]
+
+
+def test_an_ack_that_is_not_the_clients_own_goes_to_the_pump() -> None:
+    s, _, _ = acking()
+    forged = ack(3, sender="bob")
+    assert [type(a) for a in s.frame_received(forged, 0.0)] == [Submit]
+    padded = ack(3).replace(b"<seq>", b"<seq> ").replace(b"</ack>", b"<x/></ack>")
+    assert type(s.frame_received(padded, 0.0)[0]) is Submit
+
+
+def test_a_client_that_never_acknowledges_costs_at_most_the_ack_window() -> None:
+    s, _, _ = acking()
+    t = str(uuid.uuid4())
+    for oid in range(1, ACK_WINDOW + 50):
+        s.deliver(t, answer(t), oid)
+        s.frames_to_send()
+    assert s.frame_received(ack(10**6), 0.0) == (Acknowledge(tuple(range(50, ACK_WINDOW + 50))),)

@@ -189,11 +189,19 @@ class Cutter:
         self.port = port
         self.writers: list[asyncio.StreamWriter] = []
         self.server: asyncio.Server | None = None
+        # While set, what the bus writes is read off its socket and never reaches
+        # the client (a link going down under frames in flight); `lost` is set then.
+        self.swallow = False
+        self.lost = asyncio.Event()
 
     async def start(self) -> str:
-        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter,
+                       from_bus: bool) -> None:
             try:
                 while data := await r.read(65536):
+                    if from_bus and self.swallow:
+                        self.lost.set()
+                        continue
                     w.write(data)
                     await w.drain()
             except (ConnectionError, OSError):
@@ -204,7 +212,7 @@ class Cutter:
         async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             ur, uw = await asyncio.open_connection("127.0.0.1", self.port)
             self.writers += [w, uw]
-            await asyncio.gather(pipe(r, uw), pipe(ur, w))
+            await asyncio.gather(pipe(r, uw, False), pipe(ur, w, True))
 
         self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
         return f"wss://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/bus"
@@ -240,6 +248,45 @@ async def test_a_dropped_connection_is_resumed_and_the_answer_still_arrives(
             assert await call == Gated(n=5)
             assert c.session == token  # resumed with its session, no new TOTP code
             assert await c.call(Add(a=2, b=2)) == Sum(value=4)
+    finally:
+        cutter.close()
+        await stop_rig(rig)
+
+
+async def test_a_frame_written_to_a_socket_that_dies_is_resent_after_resume(
+    tmp_path: Path,
+) -> None:
+    """The answer is written to the client's socket, the link goes down before a
+    byte of it arrives: it stays in the outbox until acknowledged, the resumed
+    session gets it, and the client's acknowledgement then removes it."""
+    rig = await start_rig(tmp_path, kernel=True)
+    kernel = rig.kernel
+    assert kernel is not None
+    cutter = Cutter(rig.bus.port)
+    try:
+        url = await cutter.start()
+        GATE["event"] = asyncio.Event()
+        async with _client(rig, url) as c:
+            exchange = await c.start(Gate(n=7), timeout=30)
+            events = exchange.events()
+            assert isinstance(await anext(events), Accepted)
+            await gate_entered(1)
+            cutter.swallow = True
+            GATE["event"].set()
+            await asyncio.wait_for(cutter.lost.wait(), 30)  # the answer left the bus
+            await rig.pump.join()
+            await kernel.flush()
+            kept = await kernel.outbox("alice")
+            assert [frame_kind(f)[1] for _, _, f in kept] == ["gated"]
+            cutter.swallow = False
+            cutter.cut()
+            answer = await anext(events)
+            assert isinstance(answer, Answer) and answer.payload == Gated(n=7)
+            assert await c.call(Add(a=2, b=2)) == Sum(value=4)
+        async with asyncio.timeout(30):  # acknowledged: removed from the outbox
+            while await kernel.outbox("alice"):
+                await kernel.flush()
+                await asyncio.sleep(0.01)
     finally:
         cutter.close()
         await stop_rig(rig)

@@ -3,15 +3,18 @@ belongs to, what it means, and each call's state machine."""
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 
 from agentd import xmlify
 from agentd._core import Accepted as CoreAccepted
 from agentd._core import Huh as CoreHuh
+from agentd._delivery import stamp
 from agentd._envelope import NIL_THREAD, build_envelope
 from agentd._errors import HuhCode
 from agentd._schemas import NS_CORE
 from agentd._states import step
+from agentd._xmlify import spec_of
 from agentd.client import Accepted, Answer, ApprovalRequired, Huh, Other
 from agentd.client._calls import TRANSITIONS, CallEvent, Calls, CallState, typed
 from agentd.tools.calculator import Sum
@@ -118,3 +121,14 @@ def test_an_answer_is_typed_only_by_the_one_class_of_its_tag() -> None:
     # Two classes for one tag: which one is meant is not known, so the bytes.
     xml = b'<one xmlns="urn:twice"><n>1</n></one>'
     assert typed("{urn:twice}one", xml) == xml and Other1 is not One
+
+
+def test_a_frame_resent_with_a_seq_already_seen_is_dropped() -> None:
+    calls = Calls()
+    t = str(uuid.uuid4())
+    calls.start(t)
+    frame = stamp(build_envelope("calculator.add", t, spec_of(Sum).to_bytes(Sum(value=3)),
+                                 to="alice"), 12)
+    call, event = calls.feed(frame)
+    assert call is not None and isinstance(event, Answer) and calls.delivered == 12
+    assert calls.feed(frame) == (None, None)

@@ -12,7 +12,8 @@ record and a send() of its own, so one write per batch instead of one per frame.
 Invariants:
 - Every byte websockets wants written is written, in order, the empty chunk (its
   end-of-stream marker) closing the transport.
-- A frame is reported `delivered` to the outbox only once it is in the transport.
+- A frame is reported `delivered` to the outbox only once it is in the transport,
+  or, for a client that acknowledges delivery, once the client acknowledged it.
 - After the session is CLOSED nothing more is submitted or sent but the close.
 """
 
@@ -35,10 +36,11 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 
 from agentd import _metrics as metrics
-from agentd.bus._auth import ClientAuth
+from agentd.bus._auth import ClientAuth, parse_auth_frame
 from agentd.bus._limits import TokenBucket
 from agentd.bus._session import (
     CLOSE_POLICY,
+    Acknowledge,
     Action,
     Authenticate,
     BusSession,
@@ -72,7 +74,8 @@ class OutboxSource(Protocol):
         ...
 
     def delivered(self, client: str, outbox_id: int) -> None:
-        """The frame was written to the client's socket."""
+        """The frame reached the client: written to its socket, or acknowledged by a
+        client that acknowledges delivery."""
         ...
 
 
@@ -330,6 +333,9 @@ class BusConnection(asyncio.Protocol):
                 self._authenticate(action.frame)
             elif type(action) is LoadOutbox:
                 self.server.spawn(self._replay())
+            elif type(action) is Acknowledge:
+                self._acknowledge(action.ids)
+
             elif type(action) is Close:
                 self._close(action.code, action.reason)
         session = self.session
@@ -348,8 +354,19 @@ class BusConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._run(session.auth_result(who, server.bucket(who[0])))
+        # Read once more for what the login asks beyond who it is (cheap: at most 4 KiB,
+        # once per connection): the last delivery seq the client has.
+        request = parse_auth_frame(frame)
+        delivered = request.delivered if request is not None else None
+        self._run(session.auth_result(who, server.bucket(who[0]), delivered))
         server.authenticated(self)
+
+    def _acknowledge(self, ids: Sequence[int]) -> None:
+        session, outbox = self.session, self.server.outbox
+        if session is None or outbox is None:
+            return
+        for outbox_id in ids:
+            outbox.delivered(session.client, outbox_id)
 
     async def _replay(self) -> None:
         session, outbox = self.session, self.server.outbox

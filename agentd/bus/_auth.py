@@ -39,8 +39,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentd._delivery import parse_seq
 from agentd._errors import AgentdError, ConfigError, Rejection
-from agentd._schemas import NS_AUTH, schema
+from agentd._schemas import NS_AUTH, NS_DELIVERY, NS_STREAM, schema
 from agentd._secrets import SecretFileError, read_secret_file, write_private_atomic
 from agentd._xml import ShapeLimits, escape_text, parse_untrusted
 from agentd.config import (
@@ -56,8 +57,9 @@ STATE_FILE = "auth-state.json"
 TOTP_STEP_S = 30
 TOTP_DIGITS = 6
 MAX_AUTH_FRAME_BYTES = 4096
-# auth, client, totp or session, none with an attribute: anything beyond is refused
-# before the schema validator, which reports one error per attribute.
+# auth, client, totp or session, a seq and the stream opt-in, none with an
+# attribute: anything beyond is refused before the schema validator, which reports
+# one error per attribute.
 _AUTH_SHAPE = ShapeLimits(max_attributes=4, max_elements=8)
 MAX_SESSIONS_PER_CLIENT = 64  # oldest tokens are dropped beyond this
 _X = "{" + NS_AUTH + "}"
@@ -101,6 +103,14 @@ class AuthRequest:
     client: str
     totp: str | None = None
     session: str | None = None
+    # The last delivery seq the client received (`<d:seq>`; 0: none yet), or None: a
+    # client that does not acknowledge delivery (its frames leave the outbox once
+    # written to its socket).
+    delivered: int | None = None
+    stream: bool = False  # `<s:stream/>`: partials for every thread of the session
+
+
+_SEQ, _STREAM = "{" + NS_DELIVERY + "}seq", "{" + NS_STREAM + "}stream"
 
 
 def parse_auth_frame(frame: bytes) -> AuthRequest | None:
@@ -114,18 +124,43 @@ def parse_auth_frame(frame: bytes) -> AuthRequest | None:
     client = (root[0].text or "").strip()
     second = root[1]
     text = (second.text or "").strip()
+    delivered: int | None = None
+    stream = False
+    extras = list(root[2:])
+    # In order, each at most once: `<d:seq>` digits, then an empty `<s:stream/>`.
+    if extras and extras[0].tag == _SEQ:
+        seq = extras.pop(0)
+        delivered = parse_seq(seq.text)
+        if delivered is None or len(seq) or seq.attrib:
+            return None
+    if extras and extras[0].tag == _STREAM:
+        opt = extras.pop(0)
+        if len(opt) or opt.attrib or (opt.text or "").strip():
+            return None
+        stream = True
+    if extras:
+        return None
     if second.tag == _X + "totp":
-        return AuthRequest(client, totp=text)
-    return AuthRequest(client, session=text)
+        return AuthRequest(client, totp=text, delivered=delivered, stream=stream)
+    return AuthRequest(client, session=text, delivered=delivered, stream=stream)
 
 
-def auth_frame(client: str, *, totp: str | None = None, session: str | None = None) -> bytes:
-    """The client's first frame (used by `BusClient` and tests)."""
+def auth_frame(
+    client: str, *, totp: str | None = None, session: str | None = None,
+    delivered: int | None = None, stream: bool = False,
+) -> bytes:
+    """The client's first frame (used by `BusClient` and tests). `delivered`: the
+    last delivery seq received (0 for none), which also asks for acknowledged
+    delivery; `stream`: partials for every thread of the session."""
     if (totp is None) == (session is None):
         raise ValueError("give exactly one of totp or session")
     inner = f"<totp>{escape_text(totp)}</totp>" if totp is not None else (
         f"<session>{escape_text(session or '')}</session>"
     )
+    if delivered is not None:
+        inner += f'<d:seq xmlns:d="{NS_DELIVERY}">{int(delivered)}</d:seq>'
+    if stream:
+        inner += f'<s:stream xmlns:s="{NS_STREAM}"></s:stream>'
     return (
         f'<auth xmlns="{NS_AUTH}"><client>{escape_text(client)}</client>{inner}</auth>'
     ).encode()

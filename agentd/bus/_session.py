@@ -2,7 +2,7 @@
 received, the result of authentication, the outbox loaded, a delivery from the pump,
 a submission's result, the socket's write buffer filling or draining, a timer, a
 shutdown, the peer gone) and hands actions out (`Authenticate`, `LoadOutbox`,
-`Submit`, `Close`, `PauseReading`, `ResumeReading`, `SetTimer`). Frames to send are
+`Submit`, `Close`, `PauseReading`, `ResumeReading`, `SetTimer`, `Acknowledge`). Frames to send are
 pulled with `frames_to_send()`, so frames queued in one loop turn leave together.
 No socket, task or clock lives here: the adapter passes `now` in.
 
@@ -28,6 +28,11 @@ Invariants:
   charged to the client's bucket by its size; while that leaves the bucket in debt,
   reading pauses until it is paid (the socket's backpressure holds the sender), so
   a client's flood of hostile frames costs its own rate, not the others' latency.
+- Every outbox frame leaves stamped with its delivery seq (`<d:seq>`, its outbox
+  id). A client that acknowledges delivery (a `<d:seq>` in its auth frame, or a
+  core `ack`) keeps its frames in the outbox until it acknowledges a seq at or past
+  them (`Acknowledge`), and a resume skips what its auth frame says it has; for
+  any other client a frame leaves the outbox once written to its socket.
 - Once CLOSED, a session emits nothing and queues nothing.
 """
 
@@ -40,8 +45,9 @@ from enum import Enum
 
 from agentd import _metrics as metrics
 from agentd._core import Huh
-from agentd._envelope import build_envelope, thread_hint
-from agentd._errors import HuhCode
+from agentd._delivery import ack_seq, might_be_ack, stamp
+from agentd._envelope import build_envelope, parse_envelope, thread_hint
+from agentd._errors import HuhCode, Rejection
 from agentd._schemas import NS_ENV
 from agentd._states import step
 from agentd.bus._auth import auth_ok_frame
@@ -51,6 +57,12 @@ from agentd.bus._limits import InflightWindow, TokenBucket
 # replay: the rows the writer committed while the replay read. Beyond, a duplicate at
 # worst (never a loss), and an idle connection holds at most this many ints.
 REPLAY_WINDOW = 256
+# Frames written and not yet acknowledged that a connection remembers; beyond, the
+# oldest is forgotten here (it stays in the outbox: resent at the next login, a
+# duplicate the client drops, never a loss).
+ACK_WINDOW = 1024
+# A core `ack` is a small envelope: anything longer goes to the pump as any frame.
+MAX_ACK_BYTES = 1024
 CLOSE_AUTH_FAILED = 4401
 CLOSE_AUTH_TIMEOUT = 4408
 CLOSE_GOING_AWAY = 1001
@@ -177,6 +189,13 @@ class Close:
 
 
 @dataclass(frozen=True, slots=True)
+class Acknowledge:
+    """These outbox frames reached the client: remove them from its outbox."""
+
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class PauseReading:
     pass
 
@@ -193,7 +212,10 @@ class SetTimer:
     at: float
 
 
-Action = Authenticate | LoadOutbox | Submit | Close | PauseReading | ResumeReading | SetTimer
+Action = (
+    Authenticate | LoadOutbox | Submit | Close | PauseReading | ResumeReading | SetTimer
+    | Acknowledge
+)
 _NOTHING: tuple[Action, ...] = ()
 PAUSE, RESUME, LOAD_OUTBOX = PauseReading(), ResumeReading(), LoadOutbox()
 
@@ -217,12 +239,14 @@ class BusSession:
     the common case on the hot path allocates nothing)."""
 
     __slots__ = (
+        "_delivered",
         "_held",
         "_limits",
         "_owed_until",
         "_paused",
         "_replayed",
         "_shutdown",
+        "_unacked",
         "bucket",
         "client",
         "close_code",
@@ -259,6 +283,10 @@ class BusSession:
         # of id k means none below k is still to come.
         self._replayed: deque[int] | None = None
         self.threads: dict[str, None] | None = None  # recent threads, for affinity
+        # Acknowledged delivery: None while the client does not acknowledge; else the
+        # outbox ids written to this socket and not acknowledged, in order.
+        self._unacked: deque[int] | None = None
+        self._delivered = 0  # the seq the client said it has at login
 
     def _to(self, event: ConnEvent) -> None:
         self.state = transition(self.state, event)
@@ -283,15 +311,21 @@ class BusSession:
         return _NOTHING  # DRAINING or CLOSED: not submitted; the client resends
 
     def auth_result(
-        self, who: tuple[str, str] | None, bucket: TokenBucket | None = None
+        self, who: tuple[str, str] | None, bucket: TokenBucket | None = None,
+        delivered: int | None = None,
     ) -> Sequence[Action]:
         """`who` is (client, session token), or None when refused. `bucket` is the
-        client's rate limit, shared by its connections."""
+        client's rate limit, shared by its connections. `delivered`: the last
+        delivery seq the client says it received (its auth frame's `<d:seq>`), None
+        for a client that does not acknowledge."""
         if who is None:
             return self._close(ConnEvent.AUTH_REFUSED, CLOSE_AUTH_FAILED, AUTH_FAILED_REASON)
         self._to(ConnEvent.AUTH_OK)
         self.client, token = who
         self.bucket = bucket
+        if delivered is not None:
+            self._unacked = deque()
+            self._delivered = delivered
         self._enqueue(auth_ok_frame(self.client, token), None)
         return (PAUSE, LOAD_OUTBOX)
 
@@ -303,18 +337,26 @@ class BusSession:
         delivered meanwhile, then open."""
         if self.state is not ConnState.REPLAYING:
             return _NOTHING  # closed while the outbox was read
+        actions: list[Action] = []
+        if self._delivered:
+            # The client has these already (the socket died before it acknowledged).
+            have = tuple(i for i, _, _ in pending if i <= self._delivered)
+            if have:
+                actions.append(Acknowledge(have))
+                pending = pending[len(have):]
         replayed = set()
         for outbox_id, _thread, frame in pending:
             replayed.add(outbox_id)
             overflow = self._enqueue(frame, outbox_id)
             if overflow:
-                return overflow  # the rest stays in the outbox
+                return (*actions, *overflow)  # the rest stays in the outbox
         held, self._held = self._held or [], None
         self._to(ConnEvent.REPLAYED)
-        actions: list[Action] = []
         delivered = set()
         for thread, data, held_id in held:
-            if held_id is None or held_id not in replayed:
+            if held_id is not None and held_id <= self._delivered:
+                actions.append(Acknowledge((held_id,)))
+            elif held_id is None or held_id not in replayed:
                 actions.extend(self.deliver(thread, data, held_id))
             else:
                 delivered.add(held_id)  # its live delivery came: sent once, above
@@ -339,6 +381,10 @@ class BusSession:
             metrics.envelopes_rejected.labels(HuhCode.RATE_LIMITED.value).inc()
             self._enqueue(build_envelope("core", thread, _RATE_LIMITED, to=self.client), None)
             return self._update_reading()
+        if len(data) <= MAX_ACK_BYTES and might_be_ack(data):
+            seq = self._ack_in(data)
+            if seq is not None:
+                return self.acknowledged(seq)
         threads = self.threads
         if threads is None:
             threads = self.threads = {}
@@ -352,6 +398,30 @@ class BusSession:
         if self.inflight.full:
             return (submit, *self._update_reading())
         return (submit,)
+
+    def _ack_in(self, data: bytes) -> int | None:
+        """The seq of the client's own core `ack {seq}`, else None (anything else,
+        a forged `from` included, goes to the pump and is judged there)."""
+        try:
+            env = parse_envelope(data, max_bytes=MAX_ACK_BYTES)
+        except Rejection:
+            return None
+        if env.sender != self.client or env.to is not None:
+            return None
+        return ack_seq(env)
+
+    def acknowledged(self, seq: int) -> Sequence[Action]:
+        """The client has every frame up to delivery seq `seq`: the ones written on
+        this connection leave the outbox. Its first `ack` also asks for acknowledged
+        delivery from then on."""
+        unacked = self._unacked
+        if unacked is None:
+            self._unacked = deque()
+            return _NOTHING
+        ids: list[int] = []
+        while unacked and unacked[0] <= seq:
+            ids.append(unacked.popleft())
+        return (Acknowledge(tuple(ids)),) if ids else _NOTHING
 
     def submitted(
         self, thread: str, result: object, now: float, size: int = 0
@@ -445,8 +515,11 @@ class BusSession:
         return bool(self.sendq) and self.writable and self.state is not ConnState.CLOSED
 
     def frames_to_send(self) -> list[tuple[bytes, int | None]]:
-        """Up to `BATCH_BYTES` of queued frames (frame, outbox_id), oldest first, for
-        one write; nothing while the socket's buffer is full."""
+        """Up to `BATCH_BYTES` of queued frames, oldest first, for one write; nothing
+        while the socket's buffer is full. Each is (the bytes to write, the outbox id
+        that leaves the outbox once written or None): an outbox frame is stamped
+        with its delivery seq, and for a client that acknowledges it stays in the
+        outbox until acknowledged."""
         sendq = self.sendq
         if not sendq or not self.writable:
             return []
@@ -463,7 +536,19 @@ class BusSession:
         self.queued_bytes -= size
         if not sendq:
             self.sendq = None  # an idle connection keeps no queue
-        return batch
+        unacked = self._unacked
+        out: list[tuple[bytes, int | None]] = []
+        for data, outbox_id in batch:
+            if outbox_id is None:
+                out.append((data, None))
+            elif unacked is None:
+                out.append((stamp(data, outbox_id), outbox_id))
+            else:
+                out.append((stamp(data, outbox_id), None))
+                unacked.append(outbox_id)
+                if len(unacked) > ACK_WINDOW:
+                    unacked.popleft()
+        return out
 
     def write_paused(self) -> None:
         """The socket's write buffer passed its high-water mark."""

@@ -13,8 +13,11 @@ An outcome is any frame on the call's thread that is not `accepted` or
 `approval-required`: the listener's response, core `ack`, core `answer`, or a
 `huh` (raised as `Huh`). A refusal of bytes too broken to name a thread comes on
 the nil thread: it goes to the oldest call sent on it (the daemon answers a
-connection's frames in order). New kinds of frames (streamed previews, agent
-steps) are new events of the same feed, not a new path.
+connection's frames in order). A frame from the daemon's outbox carries its
+delivery seq (`<d:seq>`, increasing): `delivered` is the highest seen, and a frame
+at or below it (resent after a reconnect) is a duplicate, fed as no event. New
+kinds of frames (streamed previews, agent steps) are new events of the same feed,
+not a new path.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentd._delivery import seq_of
 from agentd._envelope import NIL_THREAD, parse_envelope
 from agentd._errors import AgentdError, HuhCode
 from agentd._schemas import NS_CORE
@@ -142,6 +146,7 @@ class Calls:
 
     def __init__(self) -> None:
         self._open: OrderedDict[str, list[Call]] = OrderedDict()
+        self.delivered = 0  # the highest delivery seq received
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._open.values())
@@ -159,10 +164,15 @@ class Calls:
             if not calls:
                 del self._open[call.thread]
 
-    def feed(self, frame: bytes) -> tuple[Call | None, Event | Huh]:
-        """The call `frame` belongs to (None if none) and what it says. Raises
-        `AgentdError` for a frame that is not an envelope."""
+    def feed(self, frame: bytes) -> tuple[Call | None, Event | Huh | None]:
+        """The call `frame` belongs to (None if none) and what it says; (None, None)
+        for a duplicate. Raises `AgentdError` for a frame that is not an envelope."""
         env = parse_envelope(frame, max_bytes=max(len(frame), 1))
+        seq = seq_of(env)
+        if seq is not None:
+            if seq <= self.delivered:
+                return None, None
+            self.delivered = seq
         tag = env.payload.tag if isinstance(env.payload.tag, str) else "?"
         thread, sender = env.thread, env.sender
         calls = self._open.get(thread, ())

@@ -10,9 +10,11 @@ belongs to (`Calls`, sans-I/O) or, for a thread this client did not start, to
 `on_event` / `stream`) until its outcome, for `timeout` seconds, or, once parked,
 until the approval expires plus `timeout`. A dropped connection is resumed with the
 session token (the daemon keeps answers for an absent client in its outbox and
-replays them); envelopes are never sent twice. URLs are tried in order: the next
-only when one cannot be reached, never after a refused login (a second try of the
-same TOTP code is a reused code). The session token may be kept in a file
+replays them); envelopes are never sent twice. Delivery is acknowledged: the client
+logs in with the last delivery seq it received, acknowledges what it reads (one
+`ack` per burst of frames) and drops a frame resent with a seq it has. URLs are
+tried in order: the next only when one cannot be reached, never after a refused
+login (a second try of the same TOTP code is a reused code). The session token may be kept in a file
 (`session_file`, "URL\\nTOKEN", mode 0600) so that another process within the same
 30 s TOTP step logs in with it instead of reusing the code.
 """
@@ -160,6 +162,8 @@ class Client:
         self._exchanges: dict[int, Exchange] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closing = False
+        self._acked = 0  # the last delivery seq acknowledged
+        self._acking: asyncio.Task[None] | None = None
 
     @classmethod
     def connect(cls, urls: str | Sequence[str], client_id: str, **kw: Any) -> Client:
@@ -186,6 +190,9 @@ class Client:
 
     async def aclose(self) -> None:
         self._closing = True
+        if self._acking is not None and not self._acking.done():
+            with contextlib.suppress(Exception):
+                await self._acking  # the last frames read are not resent next time
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -234,10 +241,12 @@ class Client:
 
     def _bus(self, url: str, **kw: Any) -> BusClient:
         return BusClient(url, self.client_id, cafile=self.cafile, verify=self.verify,
-                         open_timeout=self.open_timeout, **kw)
+                         open_timeout=self.open_timeout, delivered=self._calls.delivered,
+                         **kw)
 
     def _logged_in(self, url: str, conn: BusClient) -> BusClient:
         self.url = url
+        self._acked = max(self._acked, conn.delivered or 0)  # the login said so
         if conn.session and (conn.session != self.session or self._session_url != url):
             self.session, self._session_url = conn.session, url
             if self.session_file is not None:
@@ -286,6 +295,11 @@ class Client:
             except AgentdError as exc:  # not an envelope: the daemon never sends one
                 log.warning("ignoring a frame that is not an envelope: %s", exc)
                 continue
+            if self._calls.delivered > self._acked and self._acking is None:
+                # After the frames already read are handled: one ack for a burst.
+                self._acking = asyncio.get_running_loop().create_task(self._ack())
+            if event is None:
+                continue  # resent after a reconnect: already handled
             if call is None:
                 assert isinstance(event, Other)
                 self.others.append(event)
@@ -300,6 +314,23 @@ class Client:
                 if isinstance(event, Answer | Huh):
                     del self._exchanges[id(call)]
                 exchange._put(event)
+
+    async def _ack(self) -> None:
+        """Acknowledge the highest delivery seq read (a lost ack only means the
+        frames are resent at the next login, and dropped here as duplicates)."""
+        again = True
+        try:
+            await asyncio.sleep(0)
+            seq, conn = self._calls.delivered, self._conn
+            if conn is not None and seq > self._acked:
+                await conn.ack(seq)
+                self._acked = seq
+        except BusError:
+            again = False  # the next frame read after the resume acknowledges
+        finally:
+            self._acking = None
+            if again and self._calls.delivered > self._acked and not self._closing:
+                self._acking = asyncio.get_running_loop().create_task(self._ack())
 
     def _forget(self, call: Call) -> None:
         self._calls.forget(call)

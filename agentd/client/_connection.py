@@ -12,8 +12,11 @@ input, a chosen TOTP code):
 
 Authentication is the first frame (docs/protocol.md): a TOTP code computed from
 `secret`, or a `session` token from an earlier `auth-ok` (`bus.session` after
-connecting). The client only wraps bare payloads: it never decides a route and sets
-`from` to its own id (the server checks it anyway).
+connecting). With `delivered` (the last delivery seq received, 0 for none) the
+client asks for acknowledged delivery: the daemon keeps each outbox frame until
+`ack(seq)` says it arrived, and resends the ones after `delivered` at login. The
+client only wraps bare payloads: it never decides a route and sets `from` to its
+own id (the server checks it anyway).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from agentd._delivery import ack_frame
 from agentd._envelope import build_envelope, parse_envelope, thread_hint
 from agentd._errors import AgentdError, Rejection
 from agentd._schemas import NS_CORE, NS_ENV
@@ -88,6 +92,7 @@ class BusClient:
         ssl_context: ssl.SSLContext | None = None,
         max_size: int = 1024 * 1024,
         open_timeout: float = 10.0,
+        delivered: int | None = None,
     ) -> None:
         if secret is None and session is None and totp is None:
             raise ValueError("BusClient needs a TOTP secret, a code or a session token")
@@ -103,6 +108,7 @@ class BusClient:
         self._ssl: ssl.SSLContext | None = ssl_context or client_context(cafile, verify)
         self.max_size = max_size
         self.open_timeout = open_timeout
+        self.delivered = delivered
         self._ws: ClientConnection | None = None
         self._backlog: deque[bytes] = deque()
 
@@ -138,11 +144,11 @@ class BusClient:
         except (OSError, ssl.SSLError, TimeoutError, ConnectionClosed) as exc:
             raise BusError(f"cannot connect to {self.url}: {exc}") from None
         if self.session is not None and self._totp is None:
-            first = auth_frame(self.client, session=self.session)
+            first = auth_frame(self.client, session=self.session, delivered=self.delivered)
         else:
             code = self._totp or current_totp(self.secret or "")
             self._totp = None  # a code is good once
-            first = auth_frame(self.client, totp=code)
+            first = auth_frame(self.client, totp=code, delivered=self.delivered)
         ws = self._ws
         try:
             await ws.send(first, text=True)
@@ -210,6 +216,10 @@ class BusClient:
         frame, thread_id = self.wrap(data, thread, to)
         await self.send_raw(frame)
         return thread_id
+
+    async def ack(self, seq: int) -> None:
+        """Acknowledge every outbox frame up to delivery seq `seq`."""
+        await self.send_raw(ack_frame(self.client, seq))
 
     async def send_raw(self, frame: bytes | str) -> None:
         """Send one frame exactly as given (tests use it for hostile input)."""
