@@ -10,6 +10,12 @@ in `requests` for assertions.
 `Seen.conversation()` turns either protocol's body into one neutral view (system
 text, messages, the spotlighted data blocks), so agent scripts are written once.
 
+A request with `"stream": true` is answered with Server-Sent Events shaped like
+the provider's (chunked transfer encoding): the reply's text in `pieces` (default:
+one per word), the first after `first_s`, then one every `gap_s`, then the usage
+and the terminator; `cut_after=N` drops the connection after N pieces, without
+the end; `events` sends these raw SSE events instead.
+
 Run as a script to re-record the demo cassette: `python -m tests.llm_servers`.
 """
 
@@ -42,6 +48,12 @@ class Reply:
     input_tokens: int | None = None
     output_tokens: int | None = None
     delay_s: float = 0.0
+    # Streamed replies only (see the module docstring).
+    pieces: list[str] | None = None
+    first_s: float = 0.0
+    gap_s: float = 0.0
+    cut_after: int | None = None
+    events: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +101,13 @@ class Seen:
     def json(self) -> dict[str, Any]:
         obj: dict[str, Any] = json.loads(self.body)
         return obj
+
+    @property
+    def streamed(self) -> bool:
+        try:
+            return self.json.get("stream") is True
+        except ValueError:
+            return False
 
     def conversation(self) -> Conversation:
         body = self.json
@@ -178,6 +197,10 @@ class FakeLLM:
                 try:
                     if reply.delay_s:
                         await asyncio.sleep(reply.delay_s)
+                    if reply.status == 200 and reply.body is None and seen.streamed:
+                        if not await self._stream(seen, reply, writer):
+                            return  # cut: the connection goes without the end
+                        continue
                     writer.write(self._response(seen, reply))
                     await writer.drain()
                 finally:
@@ -188,6 +211,72 @@ class FakeLLM:
             return
         finally:
             writer.close()
+
+    async def _stream(self, seen: Seen, reply: Reply, writer: asyncio.StreamWriter) -> bool:
+        """A streamed reply; False if it was cut."""
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+
+        async def send(event: str) -> None:
+            data = event.encode()
+            writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+            await writer.drain()
+
+        pieces = reply.pieces if reply.pieces is not None else [
+            w + " " for w in reply.text.split(" ")[:-1]] + reply.text.split(" ")[-1:]
+        tokens_in = reply.input_tokens if reply.input_tokens is not None else len(seen.body) // 4
+        tokens_out = (reply.output_tokens if reply.output_tokens is not None
+                      else len("".join(pieces)) // 4 + 1)
+        events = reply.events
+        if events is None:
+            events = [self._sse_piece(p) for p in pieces]
+            head, tail = self._sse_ends(tokens_in, tokens_out)
+            events = head + events + tail
+        else:
+            head = []
+        for i, event in enumerate(events):
+            n = i - len(head)  # pieces sent before this event
+            if reply.cut_after is not None and n >= reply.cut_after:
+                writer.transport.abort()
+                return False
+            if n == 0 and reply.first_s:
+                await asyncio.sleep(reply.first_s)
+            elif n > 0 and reply.gap_s:
+                await asyncio.sleep(reply.gap_s)
+            await send(event)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+    def _sse_piece(self, text: str) -> str:
+        if self.protocol == "openai":
+            return "data: " + json.dumps({"id": "c", "object": "chat.completion.chunk",
+                                          "model": self.model, "choices": [
+                {"index": 0, "delta": {"content": text}, "finish_reason": None}]}) + "\n\n"
+        return "event: content_block_delta\ndata: " + json.dumps(
+            {"type": "content_block_delta", "index": 0,
+             "delta": {"type": "text_delta", "text": text}}) + "\n\n"
+
+    def _sse_ends(self, tokens_in: int, tokens_out: int) -> tuple[list[str], list[str]]:
+        if self.protocol == "openai":
+            return [], [
+                "data: " + json.dumps({"id": "c", "model": self.model, "choices": [
+                    {"index": 0, "delta": {}, "finish_reason": "stop"}]}) + "\n\n",
+                "data: " + json.dumps({"id": "c", "model": self.model, "choices": [],
+                                       "usage": {"prompt_tokens": tokens_in,
+                                                 "completion_tokens": tokens_out}}) + "\n\n",
+                "data: [DONE]\n\n"]
+        def ev(kind: str, obj: dict[str, Any]) -> str:
+            return f"event: {kind}\ndata: " + json.dumps({"type": kind, **obj}) + "\n\n"
+        return [ev("message_start", {"message": {"id": "m", "model": self.model, "usage": {
+                    "input_tokens": tokens_in, "output_tokens": 1}}}),
+                ev("content_block_start", {"index": 0, "content_block": {"type": "text",
+                                                                          "text": ""}})], [
+                ev("content_block_stop", {"index": 0}),
+                ev("message_delta", {"delta": {"stop_reason": "end_turn"},
+                                     "usage": {"output_tokens": tokens_out}}),
+                ev("message_stop", {})]
 
     def _expected_path(self, seen: Seen) -> Reply | None:
         want = "/v1/chat/completions" if self.protocol == "openai" else "/v1/messages"

@@ -14,7 +14,13 @@ reported usage afterwards), and the concurrency limit. Then the backend sends:
   usage it reports is bounded by what the request could have cost (input: four
   times the estimate and 1,024 tokens; output: `max_tokens`) before it reaches the
   token buckets or a conversation's budget.
-- `ReplayBackend` answers from a cassette, with no network at all.
+  Given a `TextSink`, the call is streamed (`_stream`): each piece of visible text
+  goes to the sink as it arrives, and the reply is decoded from the stream into the
+  same response (usage from the stream's usage chunk, bounded the same way). A
+  stream that breaks before its end is a retryable error, like a dropped
+  connection; the router tells the sink the stream was interrupted.
+- `ReplayBackend` answers from a cassette, with no network at all (streamed: the
+  recorded text as one piece).
 """
 
 from __future__ import annotations
@@ -24,22 +30,25 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
 
+from agentd import _metrics as metrics
 from agentd.config import LlmBackendConfig
 from agentd.llm._cassette import Cassette, CassetteRecorder
 from agentd.llm._limits import Clock, TokenBucket
+from agentd.llm._stream import SseParser, stream_decoder
 from agentd.llm._types import (
     BackendError,
     LlmRequest,
     LlmResponse,
     ReplayMiss,
     RequestTooLarge,
+    TextSink,
 )
-from agentd.llm._wire import DEFAULT_BASE_URLS, PROTOCOLS, classify
+from agentd.llm._wire import DEFAULT_BASE_URLS, PROTOCOLS, Decoded, classify
 
 log = logging.getLogger("agentd.llm")
 
@@ -65,6 +74,28 @@ async def post_bounded(client: httpx.AsyncClient, url: str, content: bytes,
             if size > max_bytes:
                 raise ResponseTooLarge(f"response over {max_bytes} bytes")
             chunks.append(chunk)
+        return reply.status_code, reply.headers, b"".join(chunks)
+
+
+async def post_streamed(client: httpx.AsyncClient, url: str, content: bytes,
+                        headers: Mapping[str, str], timeout_s: float,
+                        on_chunk: Callable[[bytes], None],
+                        max_bytes: int = MAX_RESPONSE_BYTES) -> tuple[int, httpx.Headers, bytes]:
+    """`post_bounded` for a streamed reply: a 2xx body goes to `on_chunk` as it
+    arrives (the body returned is empty); any other status returns its body."""
+    async with asyncio.timeout(timeout_s), client.stream(
+            "POST", url, content=content, headers=dict(headers), timeout=timeout_s) as reply:
+        ok = 200 <= reply.status_code < 300
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in reply.aiter_bytes():
+            size += len(chunk)
+            if size > max_bytes:
+                raise ResponseTooLarge(f"response over {max_bytes} bytes")
+            if ok:
+                on_chunk(chunk)
+            else:
+                chunks.append(chunk)
         return reply.status_code, reply.headers, b"".join(chunks)
 
 
@@ -98,7 +129,7 @@ class Backend:
                 f"tokens_per_minute is {self.tpm.capacity:.0f}; it can never be sent"
             )
 
-    async def attempt(self, request: LlmRequest) -> LlmResponse:
+    async def attempt(self, request: LlmRequest, sink: TextSink | None = None) -> LlmResponse:
         self.precheck(request)
         cost = self.cost(request)
         if self.rpm is not None:
@@ -109,7 +140,7 @@ class Backend:
             async with self._slots:
                 self.in_flight += 1
                 try:
-                    response = await self.send(request)
+                    response = await self.send(request, sink)
                 finally:
                     self.in_flight -= 1
         except BaseException:
@@ -120,7 +151,9 @@ class Backend:
             self.tpm.adjust(response.total_tokens - cost)
         return response
 
-    async def send(self, request: LlmRequest) -> LlmResponse:  # pragma: no cover
+    async def send(
+        self, request: LlmRequest, sink: TextSink | None = None
+    ) -> LlmResponse:  # pragma: no cover
         raise NotImplementedError
 
     async def aclose(self) -> None:
@@ -153,15 +186,15 @@ class HttpBackend(Backend):
             raise BackendError(self.name, f"environment variable {var} is not set")
         return value
 
-    async def send(self, request: LlmRequest) -> LlmResponse:
+    async def send(self, request: LlmRequest, sink: TextSink | None = None) -> LlmResponse:
         """One exchange. An `openai` backend that answered 400 to a request with tools
         (a server without tool support) is logged once, asked again without them, and
         asked without them from then on, when the request allows it (`auto`)."""
         if not (request.tools and request.tools_optional):
-            return await self._exchange(request)
+            return await self._exchange(request, sink)
         if not self.refuses_tools:
             try:
-                return await self._exchange(request)
+                return await self._exchange(request, sink)
             except BackendError as err:
                 if err.status != 400 or self.protocol.name != "openai":
                     raise
@@ -169,21 +202,31 @@ class HttpBackend(Backend):
                 log.warning("backend %s answered HTTP 400 to a request with tools (%s): "
                             "its agents call tools with XML payloads from now on",
                             self.name, err.message)
-        response = await self._exchange(request.without_tools())
+        response = await self._exchange(request.without_tools(), sink)
         return dataclasses.replace(response, without_tools=True)
 
-    async def _exchange(self, request: LlmRequest) -> LlmResponse:
+    async def _exchange(self, request: LlmRequest, sink: TextSink | None = None) -> LlmResponse:
         http = self.protocol.encode(
-            request, base_url=self.base_url, model=self.model, api_key=self._api_key()
+            request, base_url=self.base_url, model=self.model, api_key=self._api_key(),
+            stream=sink is not None,
         )
         started = time.perf_counter()
+        streamed: _Streamed | None = None
         try:
-            status, headers, content = await post_bounded(
-                self._client, http.url, http.body, http.headers, self.config.timeout_s)
+            if sink is None:
+                status, headers, content = await post_bounded(
+                    self._client, http.url, http.body, http.headers, self.config.timeout_s)
+            else:
+                streamed = _Streamed(self.name, self.protocol.name, sink, started)
+                status, headers, content = await post_streamed(
+                    self._client, http.url, http.body, http.headers, self.config.timeout_s,
+                    streamed.chunk)
         except (TimeoutError, httpx.TimeoutException):
             raise BackendError(self.name, "timed out", retryable=True) from None
         except ResponseTooLarge as exc:
             raise BackendError(self.name, str(exc)) from None
+        except BackendError as err:  # the stream said so, or could not be read
+            raise dataclasses.replace(err, backend=self.name) from None
         except httpx.HTTPError as exc:
             raise BackendError(
                 self.name, f"connection failed ({type(exc).__name__})", retryable=True
@@ -192,7 +235,7 @@ class HttpBackend(Backend):
         if not 200 <= status < 300:
             raise classify(self.name, status, headers, content)
         try:
-            decoded = self.protocol.decode(content)
+            decoded = self.protocol.decode(content) if streamed is None else streamed.finish()
         except BackendError as err:
             raise dataclasses.replace(err, backend=self.name) from None
         estimate = (len(decoded.text.encode())
@@ -230,13 +273,45 @@ class HttpBackend(Backend):
         return counted
 
 
+class _Streamed:
+    """One streamed reply as it arrives: SSE parsed, text pieces to the sink, the
+    time to the first byte observed."""
+
+    def __init__(self, backend: str, provider: str, sink: TextSink, started: float) -> None:
+        self.backend = backend
+        self.parser = SseParser(backend)
+        self.decoder = stream_decoder(provider)
+        self.sink = sink
+        self.started = started
+        self.first = True
+
+    def chunk(self, data: bytes) -> None:
+        if self.first and data:
+            self.first = False
+            metrics.llm_time_to_first_token.labels(self.backend).observe(
+                time.perf_counter() - self.started)
+        for event in self.parser.feed(data):
+            for piece in self.decoder.feed(event):
+                self.sink.piece(piece)
+
+    def finish(self) -> Decoded:
+        # An event the server did not end with a blank line.
+        for event in self.parser.feed(b"\n\n"):
+            for piece in self.decoder.feed(event):
+                self.sink.piece(piece)
+        return self.decoder.finish()
+
+
 class ReplayBackend(Backend):
     def __init__(self, config: LlmBackendConfig, clock: Clock, cassette: Cassette) -> None:
         super().__init__(config, clock)
         self.cassette = cassette
 
-    async def send(self, request: LlmRequest) -> LlmResponse:
+    async def send(self, request: LlmRequest, sink: TextSink | None = None) -> LlmResponse:
         exchange = self.cassette.lookup(request)
         if exchange is None:
             raise ReplayMiss(self.name, f"no recorded exchange for request {request.key[:16]}")
-        return exchange.to_response(self.name)
+        response = exchange.to_response(self.name)
+        if sink is not None and response.text:
+            sink.piece(response.text)
+        return response

@@ -11,6 +11,10 @@
   4xx is the request's fault: no retry, no failover, the error is raised.
 - A response cache (TTL `llm.cache_ttl_s`) keyed by the assembled request answers
   identical requests without a call.
+- Streamed (`complete(..., sink=)`): an attempt that fails before any text reached
+  the sink is retried or failed over as above, unseen; one that fails after it
+  ends its stream interrupted (`sink.interrupted()`) and is then retried or failed
+  over by the same rules, so the caller gets one response, never two.
 
 `agentd_llm_requests_total{backend,outcome}` counts every attempt and cache hit.
 """
@@ -39,6 +43,7 @@ from agentd.llm._types import (
     LlmResponse,
     NoBackendAvailable,
     RequestTooLarge,
+    TextSink,
 )
 from agentd.telemetry import tracer
 
@@ -105,11 +110,13 @@ class LlmRouter:
         return ceiling / 2 + self._rng() * ceiling / 2  # "equal jitter"
 
     async def complete(self, request: LlmRequest, *, prefer: str | None = None,
-                       only: bool = False) -> LlmResponse:
+                       only: bool = False, sink: TextSink | None = None) -> LlmResponse:
         cache_key = f"{prefer or ''}\n{request.key}"
         hit = self.cache.get(cache_key)
         if hit is not None:
             metrics.llm_requests.labels(hit.backend, "cache_hit").inc()
+            if sink is not None and hit.text:
+                sink.piece(hit.text)
             return hit
         errors: list[BackendError | LlmError] = []
         attempts = 0
@@ -125,10 +132,13 @@ class LlmRouter:
                 attempts += 1
                 span = tracer().chat(backend.name, getattr(backend, "model", ""))
                 sent = time.perf_counter()
+                watched = _Watched(sink) if sink is not None else None
                 try:
-                    response = await backend.attempt(request)
+                    response = await backend.attempt(request, watched)
                 except BackendError as err:
                     observe_attempt(backend.name, sent, span, err)
+                    if watched is not None and watched.sent:
+                        watched.interrupted()
                     delay = (
                         self.backoff(attempt, err.retry_after)
                         if err.retryable and attempt < self.config.retries else None
@@ -164,6 +174,23 @@ class LlmRouter:
     @property
     def names(self) -> Sequence[str]:
         return tuple(self.backends)
+
+
+class _Watched:
+    """A sink that knows whether an attempt sent it anything."""
+
+    __slots__ = ("sent", "sink")
+
+    def __init__(self, sink: TextSink) -> None:
+        self.sink = sink
+        self.sent = False
+
+    def piece(self, text: str) -> None:
+        self.sent = True
+        self.sink.piece(text)
+
+    def interrupted(self) -> None:
+        self.sink.interrupted()
 
 
 def observe_attempt(backend: str, sent: float, span: Any, error: BaseException | None,

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property, lru_cache
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from agentd._errors import AgentdError
 
@@ -191,6 +191,16 @@ class LlmResponse:
     @property
     def total_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
+
+
+class TextSink(Protocol):
+    """Where a streamed call's visible text goes as it is written: `piece` for each
+    piece of text, `interrupted` when an attempt that sent pieces failed (its
+    stream ends there; a retry or another backend starts a new one)."""
+
+    def piece(self, text: str) -> None: ...
+
+    def interrupted(self) -> None: ...
 
 
 # ---- errors ------------------------------------------------------------------------

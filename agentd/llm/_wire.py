@@ -7,6 +7,8 @@ status, headers and body in, a response value or a classified error out.
   with an id and its arguments as JSON text; each result is a `role: tool` message
   with that id, right after the assistant message (an error's text starts with
   `error:`).
+  Streamed (`stream: true`, with `stream_options.include_usage` so the usage still
+  comes), the reply is Server-Sent Events, decoded in `_stream`.
 - `anthropic`: the Messages API. The system prompt goes in the top-level `system`
   field, never among the messages (the reference implementation dropped it); the
   messages must alternate user/assistant starting with user, so consecutive
@@ -32,6 +34,7 @@ from typing import Any, Protocol
 from agentd.llm._types import BackendError, ChatMessage, LlmRequest, ToolCall
 
 JSON = "application/json"
+EVENT_STREAM = "text/event-stream"
 ANTHROPIC_VERSION = "2023-06-01"
 DEFAULT_BASE_URLS = {
     "openai": "https://api.openai.com/v1",
@@ -61,7 +64,8 @@ class WireProtocol(Protocol):
     name: str
 
     def encode(
-        self, request: LlmRequest, *, base_url: str, model: str, api_key: str | None
+        self, request: LlmRequest, *, base_url: str, model: str, api_key: str | None,
+        stream: bool = False,
     ) -> HttpRequest: ...
 
     def decode(self, body: bytes) -> Decoded: ...
@@ -94,7 +98,8 @@ class OpenAIChat:
     name = "openai"
 
     def encode(
-        self, request: LlmRequest, *, base_url: str, model: str, api_key: str | None
+        self, request: LlmRequest, *, base_url: str, model: str, api_key: str | None,
+        stream: bool = False,
     ) -> HttpRequest:
         messages: list[dict[str, Any]] = [{"role": "system", "content": request.system}]
         for m in request.messages:
@@ -103,8 +108,10 @@ class OpenAIChat:
             "model": model,
             "messages": messages,
             "max_tokens": request.max_tokens,
-            "stream": False,
+            "stream": stream,
         }
+        if stream:  # the usage comes in a last chunk of its own
+            body["stream_options"] = {"include_usage": True}
         if request.tools:
             body["tools"] = [{"type": "function", "function": {
                 "name": t.name, "description": t.description, "parameters": t.parameters,
@@ -112,7 +119,7 @@ class OpenAIChat:
             body["tool_choice"] = "auto"
         if request.temperature is not None:
             body["temperature"] = request.temperature
-        headers = {"content-type": JSON, "accept": JSON}
+        headers = {"content-type": JSON, "accept": EVENT_STREAM if stream else JSON}
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
         return HttpRequest(base_url.rstrip("/") + "/chat/completions", headers, _dumps(body))
@@ -179,7 +186,8 @@ class AnthropicMessages:
     name = "anthropic"
 
     def encode(
-        self, request: LlmRequest, *, base_url: str, model: str, api_key: str | None
+        self, request: LlmRequest, *, base_url: str, model: str, api_key: str | None,
+        stream: bool = False,
     ) -> HttpRequest:
         body: dict[str, Any] = {
             "model": model,
@@ -192,7 +200,10 @@ class AnthropicMessages:
                               "input_schema": t.parameters} for t in request.tools]
         if request.temperature is not None:
             body["temperature"] = min(request.temperature, 1.0)  # Anthropic's range is 0..1
-        headers = {"content-type": JSON, "accept": JSON, "anthropic-version": ANTHROPIC_VERSION}
+        if stream:
+            body["stream"] = True
+        headers = {"content-type": JSON, "accept": EVENT_STREAM if stream else JSON,
+                   "anthropic-version": ANTHROPIC_VERSION}
         if api_key:
             headers["x-api-key"] = api_key
         base = base_url.rstrip("/")
