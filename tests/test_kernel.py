@@ -804,7 +804,7 @@ async def test_a_killed_writer_process_is_replaced_and_nothing_acknowledged_is_l
         acknowledged = [await journal_one(k, pending=True) for _ in range(5)]
         first = k.writer_pid
         assert k.writer_restarts == 0
-        await k._writer_proc.kill()
+        await k.writer.kill()
         try:  # written by the next writer, or refused if it raced the death: never lost
             acknowledged.append(await journal_one(k, pending=True))
         except KernelUnavailable as exc:
@@ -825,7 +825,7 @@ async def test_delivery_marks_lost_with_a_killed_writer_are_kept_and_written_lat
         ids = [tx.outbox_put("alice", "t", b"<answer/>") for _ in range(3)]
         await k.commit(tx)
         outbox = KernelOutbox(k)
-        os.kill(k._writer_proc.pid, signal.SIGSTOP)  # takes the marks, never answers
+        os.kill(k.writer.pid, signal.SIGSTOP)  # takes the marks, never answers
         for oid in ids:
             outbox.delivered("alice", oid)
         for _ in range(100):  # loop turns until the marks' batch is with the writer
@@ -833,7 +833,7 @@ async def test_delivery_marks_lost_with_a_killed_writer_are_kept_and_written_lat
                 break
             await asyncio.sleep(0)
         assert k._writing
-        await k._writer_proc.kill()  # dies with the marks' transaction in flight
+        await k.writer.kill()  # dies with the marks' transaction in flight
         for _ in range(1000):  # loop turns until the kernel has seen it die
             if not k.healthy:
                 break
@@ -860,7 +860,7 @@ def take_answer_then_kill_writer(k: Kernel) -> None:
     """Without yielding to the event loop: take the writer's answer off the socket
     before the kernel reads it, then SIGKILL the writer (a commit whose answer is
     lost with its writer)."""
-    proc = k._writer_proc
+    proc = k.writer
     sock = socket.socket(fileno=os.dup(proc._writer.get_extra_info("socket").fileno()))
     try:
         assert select.select([sock], [], [], 10)[0], "the writer never answered"
@@ -877,13 +877,13 @@ async def test_a_batch_the_dying_writer_never_wrote_is_written_by_the_next(
     next writer finds it was never written and writes it; its caller is acknowledged."""
     async with await Kernel.open(state_dir, **backend) as k:
         before = await journal_one(k, pending=True)
-        os.kill(k._writer_proc.pid, signal.SIGSTOP)  # takes the batch, never writes it
+        os.kill(k.writer.pid, signal.SIGSTOP)  # takes the batch, never writes it
         tx = k.transaction()
         seq = tx.journal(thread="t1", direction="in", pending=True)
         tx.outbox_put("alice", "t1", b"<answer/>")
         committing = k.commit(tx)
         await until_sent(k)
-        await k._writer_proc.kill()
+        await k.writer.kill()
         async with asyncio.timeout(10):
             await committing  # acknowledged: written by the next writer
         assert k.writer_restarts == 1
@@ -979,11 +979,11 @@ async def test_the_writer_process_ignores_sigterm_and_exits_with_its_parent(
     """systemd signals the whole control group; the writer must finish what the daemon
     sends it and stop when the daemon closes it, not on its own."""
     async with await Kernel.open(state_dir, **backend) as k:
-        os.kill(k._writer_proc.pid, signal.SIGTERM)
-        os.kill(k._writer_proc.pid, signal.SIGINT)
+        os.kill(k.writer.pid, signal.SIGTERM)
+        os.kill(k.writer.pid, signal.SIGINT)
         await journal_one(k, pending=True)
-        assert k._writer_proc.alive
-        pid = k._writer_proc.pid
+        assert k.writer.alive
+        pid = k.writer.pid
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 

@@ -57,7 +57,7 @@ HOLDER = textwrap.dedent("""
     async def main():
         kernel = await Kernel.open(sys.argv[1])
         print("ready", flush=True)
-        print(kernel._writer_proc.pid, flush=True)
+        print(kernel.writer.pid, flush=True)
         await asyncio.sleep(60)
 
     asyncio.run(main())

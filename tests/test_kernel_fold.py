@@ -150,7 +150,7 @@ async def test_a_lone_envelope_and_its_answer_are_sent_as_a_fold(tmp_path: Path)
     commits: list[int] = []
     async with await Kernel.open(tmp_path / "state",
                                  on_commit=lambda s, n: commits.append(n)) as k:
-        proc = k._writer_proc
+        proc = k.writer
         real = proc.call
 
         def record(method: str, *args: Any, **kw: Any) -> asyncio.Future[Any]:
@@ -197,7 +197,7 @@ async def test_a_close_cancelled_mid_fold_leaves_no_caller_waiting(tmp_path: Pat
     state = tmp_path / "state"
     k = await Kernel.open(state)
     loop = asyncio.get_running_loop()
-    proc = k._writer_proc
+    proc = k.writer
     real = proc.call
     closing: list[asyncio.Task[None]] = []
     started = asyncio.Event()
@@ -233,7 +233,8 @@ async def test_a_close_cancelled_mid_fold_leaves_no_caller_waiting(tmp_path: Pat
 
 
 # A daemon that sends the first part of a fold and is SIGKILLed before the second:
-# it prints "sent" once the writer has the first part, then waits to be killed.
+# it prints the writer's pid once the writer has read and applied the first part (it
+# woke and waits again), then waits to be killed.
 HALF_FOLD = textwrap.dedent("""
     import asyncio, sys
     from agentd.kernel import Kernel
@@ -244,19 +245,36 @@ HALF_FOLD = textwrap.dedent("""
         before.journal(thread="before", direction="in")
         await kernel.commit(before)
         sent = asyncio.Event()
+        pid = kernel.writer.pid
+
+        def read_so_far():  # how often the writer has waited, and whether it waits
+            status = open(f"/proc/{pid}/status").read()
+            waits = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+            state = status.split("State:")[1].split()[0]
+            return waits, state
 
         async def half(self):
+            before = read_so_far()[0]
             self._write(self._take(), more=True)
             sent.set()
-            await asyncio.Event().wait()  # the second part never comes
+            # The writer has read the first part and applied it once it has woken
+            # and waits again (for the second part, which never comes).
+            while True:
+                waits, state = read_so_far()
+                if waits > before and state == "S":
+                    break
+                await asyncio.sleep(0.005)
+            applied.set()
+            await asyncio.Event().wait()
 
+        applied = asyncio.Event()
         type(kernel)._send_folded = half
         lost = kernel.transaction()
         lost.journal(thread="lost", direction="in", pending=True)
         kernel.commit(lost)
         await sent.wait()
-        await asyncio.sleep(0.2)  # the writer reads and applies it meanwhile
-        print(kernel._writer_proc.pid, flush=True)
+        await applied.wait()
+        print(kernel.writer.pid, flush=True)
         await asyncio.Event().wait()
 
     asyncio.run(main())

@@ -129,12 +129,12 @@ async def test_an_answer_in_flight_when_the_writer_dies_reaches_its_client(
         assert kernel is not None
         data = build_envelope("alice", thread, hold.to_bytes(L.Hold(n=7)))
         assert (await h.pump.submit("alice", data)).accepted
-        os.kill(kernel._writer_proc.pid, signal.SIGSTOP)  # takes the answer, never writes it
+        os.kill(kernel.writer.pid, signal.SIGSTOP)  # takes the answer, never writes it
         gate.set()
         async with asyncio.timeout(10):
             while not kernel._writing:  # loop turns until the answer is with the writer
                 await asyncio.sleep(0)
-        await kernel._writer_proc.kill()
+        await kernel.writer.kill()
         async with asyncio.timeout(10):
             await kernel.wait_healthy()
             await h.run_until_idle()

@@ -335,6 +335,13 @@ class Kernel(KernelReads, KernelBatching):
         """The pid of the writer process (see _writer.py)."""
         return self._writer_proc.pid
 
+    @property
+    def writer(self) -> WriterProcess:
+        """The writer process's handle (its pid, `alive`, `kill()`): what an operator's
+        `kill -9` or a crash does to it, a test does through this; the kernel replaces
+        a writer that died (a new handle then)."""
+        return self._writer_proc
+
     def db_size_bytes(self) -> int:
         if self.dsn:
             return self._db_bytes
