@@ -243,7 +243,7 @@ def test_an_agent_worker_imports_the_loop_without_the_platform() -> None:
                          text=True, timeout=60).stdout
     loaded = set(json.loads(out))
     heavy = {"agentd.config", "agentd.kernel", "agentd.llm._router", "agentd.platform._platform",
-             "agentd.context", "numpy", "httpx", "pydantic"}
+             "agentd.context", "numpy", "httpx", "aiohttp", "pydantic"}
     assert not heavy & loaded, heavy & loaded
     assert "agentd.platform._agent" in loaded  # the probe did import the loop
 

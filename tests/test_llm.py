@@ -293,6 +293,122 @@ async def test_concurrency_is_limited_per_backend() -> None:
     assert len(server.requests) == 6 and server.peak == 2
 
 
+class Gate:
+    """An OpenAI-compatible server that holds every request until `expect` are open at
+    once (or `hold_s` passed), then answers them all: the most requests it saw open
+    at once, and the connections they came on, are counted."""
+
+    ANSWER = json.dumps({"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": 3, "completion_tokens": 1}}).encode()
+
+    def __init__(self, expect: int, hold_s: float = 5.0) -> None:
+        self.expect, self.hold_s = expect, hold_s
+        self.open = self.peak = self.connections = self.answered = 0
+        self.full = asyncio.Event()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                self.open += 1
+                self.peak = max(self.peak, self.open)
+                if self.open >= self.expect:
+                    self.full.set()
+                try:
+                    async with asyncio.timeout(self.hold_s):
+                        await self.full.wait()
+                except TimeoutError:
+                    pass
+                self.open -= 1
+                self.answered += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                             b"content-length: %d\r\n\r\n" % len(self.ANSWER) + self.ANSWER)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_the_default_lets_hundreds_of_calls_wait_on_one_backend_at_once() -> None:
+    """Agents wait seconds on a model: the default max_concurrency (8) made one backend
+    answering in 2 s serve 4 calls a second to the whole organism. 200 calls are now
+    open at the backend at once, on at most 200 connections, reused afterwards."""
+    gate = Gate(expect=200)
+    server = await asyncio.start_server(gate.serve, "127.0.0.1", 0, backlog=1024)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        r = router(backend("a", base_url=f"http://127.0.0.1:{port}/v1"), retries=0)
+        answers = await asyncio.gather(*(r.complete(request(str(i))) for i in range(200)))
+        assert gate.peak == 200 and gate.connections <= 200
+        again = await asyncio.gather(*(r.complete(request(f"again {i}")) for i in range(20)))
+        await r.aclose()
+    finally:
+        server.close()
+    assert {a.text for a in answers + again} == {"ok"}
+    assert gate.connections <= 200  # the second round reused kept-alive connections
+
+
+async def test_a_backend_dropping_the_connection_mid_answer_fails_over() -> None:
+    """A reply cut off below HTTP (headers promise a body that never comes) is a
+    retryable connection failure, then the next backend answers."""
+    async def drop(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 500\r\n\r\n{\"choi")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(drop, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    clock = FakeClock()
+    try:
+        async with FakeLLM("openai", ["from the other"]) as good:
+            r = router(backend("cut", base_url=f"http://127.0.0.1:{port}/v1"),
+                       backend("good", good), clock=clock, retries=1)
+            resp = await r.complete(request(), prefer="cut")
+            await r.aclose()
+    finally:
+        server.close()
+    assert resp.backend == "good" and resp.text == "from the other"
+    assert resp.attempts == 3 and len(clock.sleeps) == 1  # retried once, then failed over
+
+
+async def test_a_proxy_named_in_the_environment_carries_the_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTP_PROXY is honoured (as it was with httpx): the request reaches the proxy in
+    absolute form, for a backend host the proxy alone can reach."""
+    seen: list[bytes] = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        await reader.readexactly(length)
+        seen.append(head.split(b"\r\n")[0])
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n" % len(Gate.ANSWER) + Gate.ANSWER)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{port}")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    try:
+        r = router(backend("far", base_url="http://model.invalid/v1"), retries=0)
+        resp = await r.complete(request())
+        await r.aclose()
+    finally:
+        server.close()
+    assert resp.text == "ok"
+    assert seen == [b"POST http://model.invalid/v1/chat/completions HTTP/1.1"]
+
+
 # ---- cache --------------------------------------------------------------------------------
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from agentd.config import LlmBackendConfig, LlmConfig
 from agentd.llm import ChatMessage, LlmRequest, LlmRouter
-from agentd.llm._backends import MAX_RESPONSE_BYTES
+from agentd.llm._http import MAX_RESPONSE_BYTES
 
 GOOD = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 1}}

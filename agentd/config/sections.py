@@ -337,7 +337,7 @@ class LlmBackendConfig:
     api_key_env: EnvName | None = None  # the variable's name; its value is read at use
     cassette: FilePath | None = None  # replay: the recorded exchanges to play back
     record: FilePath | None = None  # openai/anthropic: append exchanges to this cassette
-    max_concurrency: Positive = 8
+    max_concurrency: Positive = 256  # as pump.max_concurrency: never the bottleneck by default
     requests_per_minute: Positive | None = None
     tokens_per_minute: Positive | None = None
     timeout_s: Seconds = 60.0

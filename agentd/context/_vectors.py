@@ -66,7 +66,7 @@ class ProviderVectors:
 def text_vectors(config: EmbeddingsConfig, llm: LlmConfig | None, **provider_options: Any
                  ) -> TextVectors:
     """The vectors the `embeddings:` section asks for (see the module docstring);
-    `provider_options` (transport, env) go to `build_embedder`."""
+    `provider_options` (env) go to `build_embedder`."""
     if config.provider == "lexical":
         return HashedTerms()
     return ProviderVectors(build_embedder(config, llm, **provider_options))

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import httpx
-
 from agentd.config import EmbeddingsConfig, LlmConfig
 from agentd.embeddings._lexical import STOP_WORDS, Bm25Fit, LexicalEmbedder, tokens
 from agentd.embeddings._local import LocalEmbedder
@@ -66,7 +64,6 @@ def build_embedder(
     config: EmbeddingsConfig,
     llm: LlmConfig | None,
     *,
-    transport: httpx.AsyncBaseTransport | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Embedder:
     """The configured provider. `EmbeddingsError` if it cannot be made (a model
@@ -84,5 +81,5 @@ def build_embedder(
     except KeyError:
         raise EmbeddingsError(f"no backend named {config.backend!r} in llm.backends") from None
     return OpenAIEmbedder(
-        backend, config.model, retries=llm.retries, transport=transport, env=env
+        backend, config.model, retries=llm.retries, env=env
     )

@@ -2,7 +2,7 @@
 Ollama, vLLM, llama.cpp server) of an `llm.backends` entry.
 
 The wire part is sans I/O (`encode_request`, `decode_response`); `OpenAIEmbedder`
-sends through one httpx client. The backend's `base_url`, `api_key_env` (read at
+sends through its own `HttpPool` (agentd.llm). The backend's `base_url`, `api_key_env` (read at
 every call, never logged) and `timeout_s` apply; errors are classified as for chat
 calls (retry 408/409/429/5xx after a backoff or `Retry-After`, up to `llm.retries`
 times; anything else fails at once). Each attempt counts in
@@ -26,14 +26,20 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
 import numpy as np
 
 from agentd import _metrics as metrics
 from agentd.config import LlmBackendConfig
 from agentd.embeddings._protocol import EmbedderIdentity, EmbeddingsError
 from agentd.embeddings._vectors import Matrix, Vector, unit_rows
-from agentd.llm import BackendError, ResponseTooLarge, classify, post_bounded
+from agentd.llm import (
+    BackendError,
+    ConnectionFailed,
+    HttpPool,
+    ResponseTooLarge,
+    classify,
+    post_bounded,
+)
 
 log = logging.getLogger("agentd.embeddings")
 
@@ -104,7 +110,6 @@ class OpenAIEmbedder:
         model: str,
         *,
         retries: int = 3,
-        transport: httpx.AsyncBaseTransport | None = None,
         env: Mapping[str, str] | None = None,
         backoff_base_s: float = 0.5,
     ) -> None:
@@ -121,7 +126,7 @@ class OpenAIEmbedder:
         self.backoff_base_s = backoff_base_s
         self._url = (backend.base_url or DEFAULT_BASE_URL).rstrip("/") + "/embeddings"
         self._env = os.environ if env is None else env
-        self._client = httpx.AsyncClient(transport=transport, follow_redirects=False)
+        self._client = HttpPool(backend.max_concurrency)
         self._slots = asyncio.Semaphore(backend.max_concurrency)
 
     def _headers(self) -> dict[str, str]:
@@ -144,14 +149,12 @@ class OpenAIEmbedder:
                 status, headers, content = await post_bounded(
                     self._client, self._url, body, self._headers(), self.backend.timeout_s,
                     reply_limit(count))
-        except (TimeoutError, httpx.TimeoutException):
+        except TimeoutError:
             raise BackendError(name, "timed out", retryable=True) from None
         except ResponseTooLarge:
             raise EmbeddingsError(f"embeddings backend {name}: reply too large") from None
-        except httpx.HTTPError as exc:
-            raise BackendError(
-                name, f"connection failed ({type(exc).__name__})", retryable=True
-            ) from None
+        except ConnectionFailed as exc:
+            raise BackendError(name, f"connection failed ({exc})", retryable=True) from None
         if not 200 <= status < 300:
             raise classify(name, status, headers, content[:4096])
         if len(content) < _INLINE_DECODE_BYTES:

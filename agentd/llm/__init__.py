@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 from agentd._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from agentd.llm._backends import ResponseTooLarge, post_bounded
     from agentd.llm._cache import ResponseCache
     from agentd.llm._cassette import Cassette, CassetteRecorder, Exchange
+    from agentd.llm._http import ConnectionFailed, HttpPool, ResponseTooLarge, post_bounded
     from agentd.llm._limits import Clock, MonotonicClock, TokenBucket
     from agentd.llm._router import LlmRouter
     from agentd.llm._types import (
@@ -33,9 +33,9 @@ if TYPE_CHECKING:
     from agentd.llm._wire import PROTOCOLS, AnthropicMessages, OpenAIChat, classify, retry_after_s
 
 __getattr__, __dir__ = lazy_exports(__name__, {
-    "agentd.llm._backends": ("ResponseTooLarge", "post_bounded"),
     "agentd.llm._cache": ("ResponseCache",),
     "agentd.llm._cassette": ("Cassette", "CassetteRecorder", "Exchange"),
+    "agentd.llm._http": ("ConnectionFailed", "HttpPool", "ResponseTooLarge", "post_bounded"),
     "agentd.llm._limits": ("Clock", "MonotonicClock", "TokenBucket"),
     "agentd.llm._router": ("LlmRouter",),
     "agentd.llm._types": (
@@ -70,7 +70,9 @@ __all__ = [
     "CassetteRecorder",
     "ChatMessage",
     "Clock",
+    "ConnectionFailed",
     "Exchange",
+    "HttpPool",
     "LlmError",
     "LlmRequest",
     "LlmResponse",

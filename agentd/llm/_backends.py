@@ -5,7 +5,7 @@ Every attempt passes, in order: the size check against the token-per-minute buck
 tokens-per-minute bucket (charged with the estimate, corrected with the provider's
 reported usage afterwards), and the concurrency limit. Then the backend sends:
 
-- `HttpBackend` speaks a wire protocol (`_wire`) over a shared httpx client. The API
+- `HttpBackend` speaks a wire protocol (`_wire`) over the router's `HttpPool`. The API
   key is read from the environment variable named in the configuration at every
   attempt and is never logged, cached or recorded. With `record:`, each successful
   exchange is appended to a cassette. A backend is not trusted with the daemon's
@@ -30,14 +30,19 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-
-import httpx
 
 from agentd import _metrics as metrics
 from agentd.config import LlmBackendConfig
 from agentd.llm._cassette import Cassette, CassetteRecorder
+from agentd.llm._http import (
+    ConnectionFailed,
+    HttpPool,
+    ResponseTooLarge,
+    post_bounded,
+    post_streamed,
+)
 from agentd.llm._limits import Clock, TokenBucket
 from agentd.llm._stream import SseParser, stream_decoder
 from agentd.llm._types import (
@@ -51,52 +56,6 @@ from agentd.llm._types import (
 from agentd.llm._wire import DEFAULT_BASE_URLS, PROTOCOLS, Decoded, classify
 
 log = logging.getLogger("agentd.llm")
-
-MAX_RESPONSE_BYTES = 8 * 1024 * 1024  # a completion is text; more is a hostile server
-
-
-class ResponseTooLarge(Exception):
-    """A backend's reply went past the bytes the caller takes."""
-
-
-async def post_bounded(client: httpx.AsyncClient, url: str, content: bytes,
-                       headers: Mapping[str, str], timeout_s: float,
-                       max_bytes: int = MAX_RESPONSE_BYTES) -> tuple[int, httpx.Headers, bytes]:
-    """POST to a backend: (status, headers, body). `timeout_s` bounds the whole
-    exchange (`TimeoutError`), not each read as httpx's timeout does; the body is
-    read up to `max_bytes` (more: `ResponseTooLarge`)."""
-    async with asyncio.timeout(timeout_s), client.stream(
-            "POST", url, content=content, headers=dict(headers), timeout=timeout_s) as reply:
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in reply.aiter_bytes():
-            size += len(chunk)
-            if size > max_bytes:
-                raise ResponseTooLarge(f"response over {max_bytes} bytes")
-            chunks.append(chunk)
-        return reply.status_code, reply.headers, b"".join(chunks)
-
-
-async def post_streamed(client: httpx.AsyncClient, url: str, content: bytes,
-                        headers: Mapping[str, str], timeout_s: float,
-                        on_chunk: Callable[[bytes], None],
-                        max_bytes: int = MAX_RESPONSE_BYTES) -> tuple[int, httpx.Headers, bytes]:
-    """`post_bounded` for a streamed reply: a 2xx body goes to `on_chunk` as it
-    arrives (the body returned is empty); any other status returns its body."""
-    async with asyncio.timeout(timeout_s), client.stream(
-            "POST", url, content=content, headers=dict(headers), timeout=timeout_s) as reply:
-        ok = 200 <= reply.status_code < 300
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in reply.aiter_bytes():
-            size += len(chunk)
-            if size > max_bytes:
-                raise ResponseTooLarge(f"response over {max_bytes} bytes")
-            if ok:
-                on_chunk(chunk)
-            else:
-                chunks.append(chunk)
-        return reply.status_code, reply.headers, b"".join(chunks)
 
 
 class Backend:
@@ -165,7 +124,7 @@ class HttpBackend(Backend):
         self,
         config: LlmBackendConfig,
         clock: Clock,
-        client: httpx.AsyncClient,
+        client: HttpPool,
         env: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(config, clock)
@@ -221,16 +180,14 @@ class HttpBackend(Backend):
                 status, headers, content = await post_streamed(
                     self._client, http.url, http.body, http.headers, self.config.timeout_s,
                     streamed.chunk)
-        except (TimeoutError, httpx.TimeoutException):
+        except TimeoutError:
             raise BackendError(self.name, "timed out", retryable=True) from None
         except ResponseTooLarge as exc:
             raise BackendError(self.name, str(exc)) from None
         except BackendError as err:  # the stream said so, or could not be read
             raise dataclasses.replace(err, backend=self.name) from None
-        except httpx.HTTPError as exc:
-            raise BackendError(
-                self.name, f"connection failed ({type(exc).__name__})", retryable=True
-            ) from None
+        except ConnectionFailed as exc:
+            raise BackendError(self.name, f"connection failed ({exc})", retryable=True) from None
         transport_s = time.perf_counter() - started
         if not 200 <= status < 300:
             raise classify(self.name, status, headers, content)

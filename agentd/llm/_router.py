@@ -28,13 +28,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import httpx
-
 from agentd import _metrics as metrics
 from agentd.config import LlmConfig
 from agentd.llm._backends import Backend, HttpBackend, ReplayBackend
 from agentd.llm._cache import ResponseCache
 from agentd.llm._cassette import Cassette
+from agentd.llm._http import HttpPool
 from agentd.llm._limits import Clock, MonotonicClock
 from agentd.llm._types import (
     BackendError,
@@ -55,7 +54,6 @@ class LlmRouter:
         self,
         config: LlmConfig,
         *,
-        transport: httpx.AsyncBaseTransport | None = None,
         env: Mapping[str, str] | None = None,
         clock: Clock | None = None,
         rng: Callable[[], float] = random.random,
@@ -70,11 +68,7 @@ class LlmRouter:
         self.backoff_max_s = backoff_max_s
         self.max_retry_after_s = max_retry_after_s
         total = sum(b.max_concurrency for b in config.backends) or 1
-        self._client = httpx.AsyncClient(
-            transport=transport,
-            limits=httpx.Limits(max_connections=total, max_keepalive_connections=total),
-            follow_redirects=False,
-        )
+        self._client = HttpPool(total)
         self.backends: dict[str, Backend] = {}
         for i, bcfg in enumerate(config.backends):
             if bcfg.provider == "replay":

@@ -277,7 +277,7 @@ def make_agent_handlers(
             if "memory" not in platform_options:
                 vectors = platform_options.get("vectors") or text_vectors(
                     config.embeddings, config.llm, **{k: platform_options[k] for k in (
-                        "transport", "env") if k in platform_options})
+                        "env",) if k in platform_options})
                 platform_options["vectors"] = vectors
                 platform_options["memory"] = LongTermMemory(vectors, kernel=kernel)
         elif audit is not None:

@@ -220,7 +220,7 @@ class Platform:
         **kwargs: Any,
     ) -> Platform:
         """Registry and router from `config` (raises `ConfigError`). Keyword arguments
-        not taken by `Platform` (transport, env, clock, backoff_base_s, ...) go to the
+        not taken by `Platform` (env, clock, backoff_base_s, ...) go to the
         router."""
         if config.llm is None and any(lst.agent for lst in config.listeners):
             from agentd._errors import ConfigError
@@ -233,7 +233,7 @@ class Platform:
         ) if k in kwargs}
         if "vectors" not in own and "memory" not in own:
             own["vectors"] = text_vectors(config.embeddings, config.llm, **{
-                k: kwargs[k] for k in ("transport", "env") if k in kwargs})
+                k: kwargs[k] for k in ("env",) if k in kwargs})
         if router is None:
             from agentd.config import LlmConfig
 
