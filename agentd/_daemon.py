@@ -27,6 +27,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,10 +40,10 @@ from agentd._preflight import CheckedConfig, preflight
 from agentd._reload import AgentPlatforms, build_agent_handlers, live_table_versions, reload_daemon
 from agentd._routing import Routing
 from agentd._runtime import tune_gc
-from agentd._wiring import envelope_shape, kernel_options
+from agentd._wiring import envelope_shape, kernel_dsn, kernel_options
 from agentd.config import OrganismConfig, load_config
 from agentd.isolation import IsolationPools
-from agentd.kernel import Kernel, KernelUnavailable, Transaction
+from agentd.kernel import Kernel, KernelUnavailable, StateDirLock, Transaction, read_lease
 from agentd.pump import Pump
 from agentd.semantic import SemanticRouter
 
@@ -181,8 +182,13 @@ _MARK_RETRY_S = 0.5  # delivery marks whose transaction failed are tried again t
 
 
 class Daemon:
-    def __init__(self, config: OrganismConfig, config_path: Path | None = None) -> None:
+    def __init__(self, config: OrganismConfig, config_path: Path | None = None, *,
+                 standby: bool = False) -> None:
         self.config = config
+        # `agentd run --standby` (postgres backend): waits for the lease before it
+        # opens the kernel; "primary" once it holds it.
+        self.role = "standby" if standby else "primary"
+        self.waited_s = 0.0  # how long a standby waited for the lease
         self.checked = CheckedConfig(config)  # replaced by preflight at start
         # What the settings read only at start (_reload.READ_AT_START) were read from.
         self.started_with: CheckedConfig | None = None
@@ -233,17 +239,69 @@ class Daemon:
         self.checked = self.started_with = preflight(self.config)
         config = self.config = self.checked.config  # with the listeners gateways import
         telemetry.configure(config.telemetry, config.name, config.base_dir)
-        self.kernel = await Kernel.open(
-            config.state_dir,
-            kernel_options(config),
-            on_commit=lambda seconds, _n: metrics.journal_commit_seconds.observe(seconds),
-        )
+        options = kernel_options(config)
+        if self.role == "standby":
+            if options.lease is None:
+                raise ConfigError(["--standby: kernel.backend is sqlite, which has no lease "
+                                   "to wait for; a standby needs kernel: {backend: postgres}"])
+            options = replace(options, standby=True)
+            if not await self._wait_for_lease(options):
+                return  # stopped while waiting: serve() stops at once
+        else:
+            self.kernel = await Kernel.open(
+                config.state_dir, options,
+                on_commit=lambda seconds, _n: metrics.journal_commit_seconds.observe(seconds),
+            )
+        assert self.kernel is not None
         self.kernel.on_lease_lost = self._lease_lost
         try:
             await self._start_rest()
         except BaseException:
             await self._close_components()
             raise
+
+    async def _wait_for_lease(self, options: Any) -> bool:
+        """A standby: the OOB channel answers `status` while the kernel waits for the
+        lease (the bus stays closed); a stop request ends the wait. On taking it the
+        kernel recovers as after `kill -9`. False if stopped first."""
+        config = self.config
+        self.install_signal_handlers()
+        # The state directory first (its OOB socket is this daemon's from now on).
+        lock = await asyncio.to_thread(StateDirLock.acquire, config.state_dir)
+        try:
+            await self._listen_oob()
+            log.info("standby: waiting for the lease of organism %s", config.name)
+            # Started, for systemd (a waiting standby is a running service), and alive:
+            # the watchdog's pings come from this event loop while it waits.
+            self._notify("READY=1\nSTATUS=standby: waiting for the lease")
+            self._start_watchdog()
+            started = time.monotonic()
+            opening = asyncio.ensure_future(Kernel.open(
+                config.state_dir, options, lock=lock,
+                on_commit=lambda seconds, _n: metrics.journal_commit_seconds.observe(seconds),
+            ))
+            stopping = asyncio.ensure_future(self._stop.wait())
+            await asyncio.wait({opening, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not opening.done():
+                opening.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await opening
+                log.info("standby: stopped while waiting for the lease")
+                lock.release()
+                return False
+            self.kernel = opening.result()
+        except BaseException:
+            lock.release()  # idempotent: a failed Kernel.open released it already
+            await self._close_components()
+            raise
+        self.waited_s = time.monotonic() - started
+        self.role = "primary"
+        log.warning("standby: took the lease (epoch %d) after waiting %.2f s; recovering",
+                    self.kernel.lease_epoch, self.waited_s)
+        if self.oob is not None:
+            await self._restore_nonces()
+        return True
 
     async def _start_rest(self) -> None:
         config = self.config
@@ -287,10 +345,13 @@ class Daemon:
         metrics.kernel_healthy.set_function(lambda: 1 if kernel.healthy else 0)
         metrics.kernel_writer_restarts.set_function(lambda: kernel.writer_restarts)
         tune_gc()
-        self._notify("READY=1")
-        if watchdog_interval() is not None:
-            self._watchdog = asyncio.create_task(watchdog_pinger(), name="sd-watchdog")
+        self._notify(f"READY=1\nSTATUS={self.role}")
+        self._start_watchdog()
         self._maintenance = asyncio.create_task(self._maintain(), name="daemon-maintenance")
+
+    def _start_watchdog(self) -> None:
+        if watchdog_interval() is not None and self._watchdog is None:
+            self._watchdog = asyncio.create_task(watchdog_pinger(), name="sd-watchdog")
 
     async def _listen(self) -> None:
         """Bind the bus, the OOB socket and the metrics port: the last step of start,
@@ -318,26 +379,34 @@ class Daemon:
                                          state_dir=config.state_dir,
                                          on_pinned=self._pinned)
             await _bind("federation.listen", config.federation.listen, self.federation.start())
-        if config.oob.authorized_keys is not None:
-            from agentd.oob import OobServer
-
-            socket = config.oob.socket or (config.state_dir / "oob.sock")
-            self.oob = OobServer(
-                socket,
-                config.oob.authorized_keys,
-                DaemonCommands(self),
-                allowed_uids=config.oob.allowed_uids,
-                max_frame_bytes=config.oob.max_frame_bytes,
-                clock_skew_s=config.oob.clock_skew_s,
-                audit=self.audit,
-            )
-            await self.oob.start()
-            await self._restore_nonces()  # the server logs where it listens
+        if self.oob is None:
+            await self._listen_oob()
         if config.metrics.listen:
             from agentd._observability import MetricsServer
 
             self.metrics_server = MetricsServer(config.metrics.listen, ready=lambda: self.ready)
             await _bind("metrics.listen", config.metrics.listen, self.metrics_server.start())
+
+    async def _listen_oob(self) -> None:
+        """The operator's socket (a standby opens it before its kernel)."""
+        config = self.config
+        if config.oob.authorized_keys is None:
+            return
+        from agentd.oob import OobServer
+
+        socket = config.oob.socket or (config.state_dir / "oob.sock")
+        self.oob = OobServer(
+            socket,
+            config.oob.authorized_keys,
+            DaemonCommands(self),
+            allowed_uids=config.oob.allowed_uids,
+            max_frame_bytes=config.oob.max_frame_bytes,
+            clock_skew_s=config.oob.clock_skew_s,
+            audit=self.audit,
+        )
+        await self.oob.start()
+        if self.kernel is not None:  # the server logs where it listens
+            await self._restore_nonces()
 
     async def _maintain(self) -> None:
         """Gauges, and the end of idle conversations, every few seconds."""
@@ -489,8 +558,36 @@ class Daemon:
 
     # ---- operator commands -------------------------------------------------------------
 
+    async def kernel_status(self) -> dict[str, Any]:
+        """`kernel: {backend, role, lease: {holder, epoch, since}}` for `status`. The
+        holder's own lease is known here; a standby asks the database who holds it."""
+        from agentd.oob import format_time
+
+        backend = self.config.kernel.backend
+        doc: dict[str, Any] = {"backend": backend, "role": self.role, "lease": None}
+        if backend != "postgres":
+            return doc
+        k = self.kernel
+        if k is not None:
+            held: tuple[str, int, float] | None = (k.lease_holder, k.lease_epoch,
+                                                   k.lease_since)
+        else:
+            try:
+                held = await asyncio.wait_for(asyncio.to_thread(
+                    read_lease, kernel_dsn(self.config) or "", self.config.name), 10)
+            except (KernelUnavailable, TimeoutError) as exc:
+                doc["lease"] = {"error": str(exc) or "the database did not answer"}
+                return doc
+        if held is not None:
+            doc["lease"] = {"holder": held[0], "epoch": held[1], "since": format_time(held[2])}
+        return doc
+
     def status(self) -> dict[str, Any]:
-        assert self.pump is not None and self.routing is not None and self.kernel is not None
+        if self.kernel is None or self.pump is None or self.routing is None:
+            # A standby waiting for the lease: nothing else runs yet.
+            return {"organism": self.config.name,
+                    "uptime_s": round(time.time() - self.started, 1),
+                    "config_sha256": self.config.digest}
         return {
             "organism": self.config.name,
             "uptime_s": round(time.time() - self.started, 1),
@@ -578,9 +675,10 @@ async def _bind(setting: str, address: str, start: Coroutine[Any, Any, None]) ->
                            f"{exc.strerror or exc}"]) from None
 
 
-async def run_daemon(config_path: Path, state_dir: Path | None = None) -> int:
+async def run_daemon(config_path: Path, state_dir: Path | None = None, *,
+                     standby: bool = False) -> int:
     config = load_config(config_path, state_dir_override=state_dir)
-    daemon = Daemon(config, config_path)
+    daemon = Daemon(config, config_path, standby=standby)
     await daemon.start()
     daemon.install_signal_handlers()
     await daemon.serve()

@@ -47,7 +47,11 @@ class OperatedDaemon(Protocol):
     @property
     def agents(self) -> AgentHandlers | None: ...
 
+    role: str  # "primary", or "standby" while it waits for the lease
+
     def status(self) -> dict[str, Any]: ...
+
+    async def kernel_status(self) -> dict[str, Any]: ...
 
     async def reload(self, dry_run: bool) -> dict[str, Any]: ...
 
@@ -82,7 +86,11 @@ class DaemonCommands:
         d = self.daemon
         try:
             if name == "status":
-                return result_element("status", d.status())
+                return result_element("status", {**d.status(),
+                                                 "kernel": await d.kernel_status()})
+            if d.role == "standby" and name != "shutdown":
+                raise CommandFailed("failed", "this daemon is a standby waiting for the "
+                                    "lease; ask the primary (`status` names it)")
             if name == "reload":
                 dry = args.get("dry-run", "false") == "true"
                 try:

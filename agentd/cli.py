@@ -70,10 +70,14 @@ def config_schema() -> None:
 )
 @click.option("--state-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Overrides the organism file's state_dir.")
+@click.option("--standby", is_flag=True,
+              help="Wait for the organism's lease (kernel backend postgres) while another "
+                   "daemon holds it, then take over; until then only the OOB socket answers.")
 @click.option("--log-format", type=click.Choice(["kv", "json"]), default="kv", show_default=True)
 @click.option("--log-level", default="INFO", show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_level: str) -> None:
+def run(config_file: Path | None, state_dir: Path | None, standby: bool, log_format: str,
+        log_level: str) -> None:
     """Run the daemon; with no --config, the built-in demo (initialised on first use)."""
     from agentd._cli_bus import init_home, next_steps
     from agentd._daemon import run_daemon
@@ -94,7 +98,7 @@ def run(config_file: Path | None, state_dir: Path | None, log_format: str, log_l
             for line in next_steps(home):
                 click.echo(f"  {line}", err=True)
         _install_uvloop()
-        _exit(asyncio.run(run_daemon(config_file, state_dir)))
+        _exit(asyncio.run(run_daemon(config_file, state_dir, standby=standby)))
     except ConfigError as exc:
         for issue in exc.issues:
             click.echo(issue, err=True)

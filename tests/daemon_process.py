@@ -56,8 +56,9 @@ def edit_config(home: Path, edit: Any) -> None:
 
 class DaemonProcess:
     def __init__(self, home: Path, env: dict[str, str] | None = None,
-                 wrapper: tuple[str, ...] = ()) -> None:
+                 wrapper: tuple[str, ...] = (), args: tuple[str, ...] = ()) -> None:
         self.home = home
+        self.args = args  # more options of `agentd run` (--standby, --state-dir DIR)
         self.env = env or {}
         self.wrapper = wrapper  # a command the daemon runs under (e.g. `ip netns exec NS`)
         self.proc: asyncio.subprocess.Process | None = None
@@ -76,7 +77,11 @@ class DaemonProcess:
     def cafile(self) -> str:
         return str(self.home / "tls" / "cert.pem")
 
-    async def start(self, timeout: float = 30.0) -> DaemonProcess:
+    async def start(self, timeout: float = 30.0,
+                    until: tuple[str, ...] = ("url", "socket", "metrics_url")
+                    ) -> DaemonProcess:
+        """Start it; return once it logged where each of `until` listens (a standby
+        waiting for the lease opens its OOB socket only: until=("socket",))."""
         self.proc = await asyncio.create_subprocess_exec(
             *self.wrapper,
             sys.executable,
@@ -85,6 +90,7 @@ class DaemonProcess:
             "run",
             "--config",
             str(self.home / "organism.yaml"),
+            *self.args,
             cwd=ROOT,
             stderr=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.DEVNULL,
@@ -92,7 +98,7 @@ class DaemonProcess:
         )
         assert self.proc.stderr is not None
         async with asyncio.timeout(timeout):
-            while not (self.url and self.socket and self.metrics_url):
+            while not all(getattr(self, attr) for attr in until):
                 line = (await self.proc.stderr.readline()).decode()
                 if not line:
                     raise RuntimeError("agentd exited:\n" + "".join(self.log))

@@ -13,7 +13,14 @@ from agentd.kernel._errors import (
     TransactionRejected,
 )
 from agentd.kernel._health import Health
-from agentd.kernel._kernel import DB_NAME, Kernel, SweepReport, verify_journal_main
+from agentd.kernel._kernel import (
+    DB_NAME,
+    Kernel,
+    SweepReport,
+    read_lease,
+    verify_journal_main,
+)
+from agentd.kernel._lock import StateDirLock
 from agentd.kernel._options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from agentd.kernel._records import (
     PRUNE_ON_DELIVERY,
@@ -51,6 +58,7 @@ __all__ = [
     "Retention",
     "RetentionPolicy",
     "SchemaTooNew",
+    "StateDirLock",
     "StateDirUnsafe",
     "StateLocked",
     "SweepReport",
@@ -58,6 +66,7 @@ __all__ = [
     "TimerRow",
     "Transaction",
     "TransactionRejected",
+    "read_lease",
     "retain_days",
     "verify_journal_main",
 ]

@@ -158,6 +158,7 @@ class Kernel(KernelReads, KernelBatching):
         *,
         on_commit: OnCommit | None = None,
         clock: Callable[[], float] = time.time,
+        lock: StateDirLock | None = None,
         **changes: Any,
     ) -> Kernel:
         """Lock `state_dir`, open (create, migrate) its database, start the writer.
@@ -168,11 +169,13 @@ class Kernel(KernelReads, KernelBatching):
         the database is newer than this code. `clock` is the wall clock (seconds) for
         journal stamps, retention expiry and the context and thread TTLs (tests pass a
         fake one); the writer loop's timers (batching, backoff, idle checkpoints) use
-        the event loop's clock."""
+        the event loop's clock. `lock`: the state directory's, already taken (a
+        standby daemon holds it while it waits for the lease); released on failure."""
         o = replace(options, **changes) if changes else options
         state_dir = Path(state_dir)
-        # In a thread: it may wait (up to 10 s) for the writer of a dead holder to exit.
-        lock = await asyncio.to_thread(StateDirLock.acquire, state_dir)
+        if lock is None:
+            # In a thread: it may wait (up to 10 s) for the writer of a dead holder.
+            lock = await asyncio.to_thread(StateDirLock.acquire, state_dir)
         db = state_dir / DB_NAME
         store_options: dict[str, Any] = {"synchronous": o.synchronous,
                                          "max_db_bytes": o.max_db_bytes, "dsn": o.dsn}
@@ -701,6 +704,14 @@ class _Then:
             self._fn(exc)
         except Exception:
             log.exception("kernel: commit callback failed")
+
+
+def read_lease(dsn: str, organism: str) -> tuple[str, int, float] | None:
+    """(holder, epoch, since) of `organism`'s lease in the PostgreSQL database `dsn`,
+    or None if nobody took it yet. Blocking; raises KernelUnavailable."""
+    from agentd.kernel._postgres import read_lease as read  # psycopg: an optional extra
+
+    return read(dsn, organism)
 
 
 def verify_journal_main(state_dir: Path | str, dsn: str | None = None) -> int:

@@ -24,7 +24,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -294,6 +294,20 @@ def _lease_key(organism: str) -> str:
     return f"agentd lease {organism}"
 
 
+def read_lease(dsn: str, organism: str) -> tuple[str, int, float] | None:
+    """(holder, epoch, since) of the organism's lease as the database has it, or None
+    if nobody took it yet (a standby's `agentctl status`)."""
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            row = conn.execute("SELECT holder, epoch, since FROM lease WHERE organism = %s",
+                               (organism,)).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return None
+    except psycopg.Error as exc:
+        raise KernelUnavailable(f"postgresql: {exc}") from None
+    return (str(row[0]), int(row[1]), float(row[2])) if row else None
+
+
 def describe_lease(conn: psycopg.Connection[Any], organism: str) -> str:
     """`lease held by H since T (epoch E)`, or that nobody holds it."""
     try:
@@ -308,7 +322,8 @@ def describe_lease(conn: psycopg.Connection[Any], organism: str) -> str:
 
 
 def take_lease(pg: PgConnection, organism: str, holder: str, *, wait: bool,
-               epoch: int | None, timeout_s: float) -> tuple[int, float]:
+               epoch: int | None, timeout_s: float,
+               abandoned: Callable[[], bool] | None = None) -> tuple[int, float]:
     """Take the organism's lease on `pg`: its session advisory lock, then the epoch
     row, +1 (a takeover) or, with `epoch`, unchanged (this daemon's writer coming
     back after a lost connection: only if nobody took over meanwhile). Returns
@@ -316,10 +331,13 @@ def take_lease(pg: PgConnection, organism: str, holder: str, *, wait: bool,
     renewal: a standby that finds the lock held but not renewed (server clock) for
     `timeout_s` ends the holder's session (a paused or cut-off holder), which frees
     the lock; the holder's next statement then finds its connection gone. Raises LeaseHeld (held
-    and not `wait`), LeaseLost (`epoch` is no longer the current one)."""
+    and not `wait`), LeaseLost (`epoch` is no longer the current one), KernelUnavailable
+    (`abandoned()` came true while waiting: the daemon stopped or died)."""
     raw = pg.raw
     key = _lease_key(organism)
     while True:
+        if abandoned is not None and abandoned():
+            raise KernelUnavailable("stopped while waiting for the lease")
         try:
             row = raw.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))",
                               (key,)).fetchone()

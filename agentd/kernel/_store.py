@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import sqlite3
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -135,9 +135,11 @@ class Store:
     @classmethod
     def open_postgres(cls, dsn: str, *, lease: str | None = None, holder: str = "",
                       standby: bool = False, epoch: int | None = None,
-                      lease_timeout_s: float = 3.0) -> Store:
+                      lease_timeout_s: float = 3.0,
+                      abandoned: Callable[[], bool] | None = None) -> Store:
         """Connect (one connection, this writer's alone), take the organism's lease
-        on it if `lease` names the organism (see `_postgres.take_lease`), migrate."""
+        on it if `lease` names the organism (see `_postgres.take_lease`), migrate.
+        `abandoned()`: a standby stops waiting once it is true."""
         from agentd.kernel._postgres import PgConnection, take_lease  # optional extra
 
         conn = PgConnection.connect(dsn, exit_on_loss=epoch is not None or not standby)
@@ -146,7 +148,8 @@ class Store:
             lease_epoch, since = 0, 0.0
             if lease is not None:
                 lease_epoch, since = take_lease(conn, lease, holder, wait=standby,
-                                                epoch=epoch, timeout_s=lease_timeout_s)
+                                                epoch=epoch, timeout_s=lease_timeout_s,
+                                                abandoned=abandoned)
             conn.exit_on_loss = True  # from here on a lost connection is a lost writer
             migrated_from, _ = migrate(conn, label)
             row = conn.execute("SELECT pos, hash, seq, outbox_id, txn FROM head WHERE id = 0"

@@ -210,8 +210,9 @@ class WriterProcess:
 class _Served:
     """The methods the parent may call, over one `Store`."""
 
-    def __init__(self) -> None:
+    def __init__(self, sock: socket.socket | None = None) -> None:
         self.store: Any = None
+        self._sock = sock
         # Batches applied in the open SQLite transaction of a fold (see `fold`), with
         # the number of their first transaction, the seconds each took to plan and
         # apply, its operations and whether it must be written once (`_write`), not
@@ -225,12 +226,20 @@ class _Served:
         lease = {k: options.pop(k) for k in ("lease", "holder", "standby", "epoch",
                                              "lease_timeout_s") if k in options}
         if dsn:  # the postgres backend: the same Store over a PgConnection
-            self.store = Store.open_postgres(dsn, **lease)
+            self.store = Store.open_postgres(dsn, **lease, abandoned=self._abandoned)
         else:
             self.store = Store.open(Path(db), **options)
         head = self.store.head
         return (head.seq, head.outbox_id, head.txn, self.store.migrated_from,
                 self.store.context_counts(), self.store.lease)
+
+    def _abandoned(self) -> bool:
+        """While `open` waits (a standby waiting for the lease), the parent says
+        nothing until it answers: anything readable is its end (EOF: it died) or a
+        `close` (it stops)."""
+        if self._sock is None:
+            return False
+        return bool(select.select([self._sock], [], [], 0)[0])
 
     def outcomes(self, first: int) -> tuple[int, list[int]]:
         return self.store.outcomes(first)
@@ -397,7 +406,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes | None:
 
 
 def _serve(sock: socket.socket) -> None:
-    served = _Served()
+    served = _Served(sock)
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     try:

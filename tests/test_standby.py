@@ -1,0 +1,191 @@
+"""`agentd run --standby` on the postgres backend: a second daemon of the same
+organism waits for the lease (its OOB socket answers, its bus is closed) and takes
+over when the primary dies, recovering as after `kill -9`. Real daemons, a real
+PostgreSQL, a real client under load, the primary killed with SIGKILL."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from agentd.client import BusClient, BusError, frame_kind
+from agentd.kernel._store import verify_postgres
+from tests.daemon_process import DaemonProcess, edit_config, make_home
+from tests.organisms.listeners import Hold
+
+_BUS = re.compile(r"bus listening url=(wss://[0-9.]+:\d+/bus)")
+
+
+@pytest.fixture
+def home(tmp_path: Path, postgres_db: str) -> Path:
+    home = tmp_path / "home"
+    make_home(home)
+    edit_config(home, lambda doc: doc.update(kernel={"backend": "postgres",
+                                                     "dsn": postgres_db}))
+    return home
+
+
+async def ctl(d: DaemonProcess, *args: str) -> Any:
+    code, doc = await asyncio.to_thread(d.agentctl, *args)
+    assert code == (0 if doc["ok"] else 1), doc
+    return doc
+
+
+def answers_committed(dsn: str) -> dict[str, int]:
+    """Per thread, the answers (`done`) the organism committed to the client."""
+    with psycopg.connect(dsn) as conn:
+        return dict(conn.execute(
+            "SELECT thread, count(*) FROM journal WHERE direction = 'out' "
+            "AND tag LIKE '%}done' GROUP BY thread").fetchall())
+
+
+class Load:
+    """One client sending `Hold` messages back to back: which threads were accepted
+    and which were answered (an answer may come twice after a failover)."""
+
+    def __init__(self) -> None:
+        self.accepted: set[str] = set()
+        self.answered: dict[str, int] = {}
+        self.changed = asyncio.Event()
+
+    async def read(self, bus: BusClient) -> None:
+        try:
+            while True:
+                _, kind, thread = frame_kind(await bus.recv(timeout=60))
+                if kind == "accepted":
+                    self.accepted.add(thread)
+                elif kind == "done":
+                    self.answered[thread] = self.answered.get(thread, 0) + 1
+                self.changed.set()
+        except BusError:
+            return
+
+    async def send(self, bus: BusClient, first: int, count: int) -> None:
+        before, sent = len(self.accepted), 0
+        try:
+            for n in range(first, first + count):
+                await bus.send(Hold(n=n))
+                sent += 1
+                while len(self.accepted) - before + 50 < sent:  # at most 50 in flight
+                    self.changed.clear()
+                    await self.changed.wait()
+        except BusError:
+            return
+
+    async def until(self, done: Any) -> None:
+        while not done():
+            self.changed.clear()
+            await self.changed.wait()
+
+
+async def test_a_standby_takes_over_a_primary_killed_under_load_and_answers_every_accepted_message(
+        home: Path, tmp_path: Path, postgres_db: str, daemons: list[DaemonProcess]) -> None:
+    primary = DaemonProcess(home)
+    daemons.append(primary)
+    await primary.start()
+    standby = DaemonProcess(home, args=("--standby", "--state-dir", str(tmp_path / "b")))
+    daemons.append(standby)
+    await standby.start(until=("socket",))
+
+    # Waiting: its OOB socket says who holds the lease, its bus is closed.
+    status = (await ctl(standby, "status"))["result"]["status"]
+    assert status["kernel"]["role"] == "standby"
+    assert status["kernel"]["backend"] == "postgres"
+    assert status["kernel"]["lease"]["epoch"] == 1
+    assert f"pid {primary.proc.pid}" in status["kernel"]["lease"]["holder"]
+    assert not any(_BUS.search(line) for line in standby.log)
+    refused = await ctl(standby, "journal")
+    assert not refused["ok"] and "standby" in refused["error"]["message"]
+    mine = (await ctl(primary, "status"))["result"]["status"]["kernel"]
+    assert mine["role"] == "primary" and mine["lease"]["epoch"] == 1
+
+    load = Load()
+    async with BusClient(primary.url, "alice", secret=primary.secret,
+                         cafile=primary.cafile) as bus:
+        reader = asyncio.create_task(load.read(bus))
+        sender = asyncio.create_task(load.send(bus, 0, 100_000))
+        async with asyncio.timeout(60):
+            await load.until(lambda: len(load.accepted) >= 200)
+        await primary.stop(signal.SIGKILL)
+        killed = time.monotonic()
+        await asyncio.wait_for(reader, 30)  # the connection dropped
+        sender.cancel()
+    accepted_before = set(load.accepted)
+
+    line = await standby.wait_for_line(_BUS.pattern, timeout=30)
+    takeover = time.monotonic() - killed
+    print(f"standby serving {takeover:.2f} s after the primary's kill -9 "
+          f"({len(accepted_before)} messages accepted by the primary)")
+    standby.url = _BUS.search(line).group(1)  # type: ignore[union-attr]
+    mine = (await ctl(standby, "status"))["result"]["status"]["kernel"]
+    assert mine["role"] == "primary" and mine["lease"]["epoch"] == 2
+
+    async with BusClient(standby.url, "alice", secret=standby.secret,
+                         cafile=standby.cafile) as bus:
+        reader = asyncio.create_task(load.read(bus))
+        async with asyncio.timeout(60):
+            await load.send(bus, 1_000_000, 20)  # and it serves new messages
+            await load.until(lambda: len(load.accepted) >= len(accepted_before) + 20
+                             and load.accepted <= load.answered.keys())
+        reader.cancel()
+
+    assert load.accepted <= load.answered.keys()  # every accepted message answered
+    committed = answers_committed(postgres_db)
+    assert {t: committed.get(t) for t in load.accepted} == dict.fromkeys(load.accepted, 1)
+    verdict = verify_postgres(postgres_db)
+    assert verdict.ok, verdict.message
+    assert await standby.stop() == 0
+
+
+async def test_a_waiting_standby_is_a_live_service_and_stops_giving_its_state_directory_back(
+        home: Path, tmp_path: Path, daemons: list[DaemonProcess]) -> None:
+    """Under systemd a waiting standby is started (READY=1) and alive (watchdog
+    pings: WatchdogSec would kill it otherwise); SIGTERM ends the wait."""
+    primary = DaemonProcess(home)
+    daemons.append(primary)
+    await primary.start()
+    path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.setblocking(False)
+    standby = DaemonProcess(home, args=("--standby", "--state-dir", str(tmp_path / "b")),
+                            env={"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000"})
+    daemons.append(standby)
+    await standby.start(until=("socket",))
+    seen: list[str] = []
+    loop = asyncio.get_running_loop()
+    try:
+        async with asyncio.timeout(30):
+            while seen.count("WATCHDOG=1") < 2:
+                seen.extend((await loop.sock_recv(sock, 4096)).decode().splitlines())
+    finally:
+        sock.close()
+    assert seen[:2] == ["READY=1", "STATUS=standby: waiting for the lease"]
+    assert not any(_BUS.search(line) for line in standby.log)
+    assert await standby.stop(signal.SIGTERM, timeout=20) == 0
+    assert any("stopped while waiting for the lease" in line for line in standby.log)
+    again = DaemonProcess(home, args=("--standby", "--state-dir", str(tmp_path / "b")))
+    daemons.append(again)
+    await again.start(until=("socket",))  # the state directory's lock was released
+    assert await again.stop(signal.SIGTERM, timeout=20) == 0
+    assert await primary.stop() == 0
+
+
+async def test_standby_on_sqlite_is_refused_with_what_to_set(
+        tmp_path: Path, daemons: list[DaemonProcess]) -> None:
+    home = tmp_path / "home"
+    make_home(home)
+    d = DaemonProcess(home, args=("--standby",))
+    daemons.append(d)
+    with pytest.raises(RuntimeError, match="backend: postgres"):
+        await d.start()
+    assert await d.wait() == 1
+    assert not any(_BUS.search(line) for line in d.log)  # it never listened
