@@ -365,7 +365,7 @@ def _hint(exc: BaseException, client: str) -> str:
 async def _send_main(
     urls: list[str], client: str, secret_file: Path | None, session_file: Path | None,
     thread: str | None, to: str | None, timeout: float, cafile: Path | None, verify: bool,
-    docs: list[bytes], emit: Any,
+    docs: list[bytes], emit: Any, stream: bool = False,
 ) -> tuple[int, dict[str, Any]]:
     from agentd.client import (
         Answer,
@@ -374,7 +374,9 @@ async def _send_main(
         BusError,
         Client,
         Event,
+        Final,
         Huh,
+        Partial,
     )
 
     secret_path = secret_file or DEFAULT_HOME / f"{client}.totp"
@@ -418,6 +420,12 @@ async def _send_main(
         nonlocal code
         try:
             async for event in exchange.events():
+                if isinstance(event, Partial):
+                    emit("partial", {"thread": event.thread, "text": event.text})
+                    continue
+                if isinstance(event, Final):
+                    emit("final", {"thread": event.thread, "text": ""})
+                    continue
                 kind = ("accepted" if not isinstance(event, Answer | ApprovalRequired)
                         else "approval-required" if isinstance(event, ApprovalRequired)
                         else event.tag.rsplit("}", 1)[-1])
@@ -448,7 +456,8 @@ async def _send_main(
     try:
         exchanges = []
         for doc in docs:
-            exchange = await bus.start(doc, to=to, thread=thread, timeout=timeout)
+            exchange = await bus.start(doc, to=to, thread=thread, timeout=timeout,
+                                       previews=stream)
             exchanges.append(exchange)
             open_threads.append(exchange.thread)
             report["sent"].append(exchange.thread)
@@ -502,11 +511,13 @@ def default_cafile(secret_file: Path) -> Path | None:
                    "the secret file, if it exists; else the system's CAs].")
 @click.option("--insecure", is_flag=True, help="Do not verify the server certificate.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
+@click.option("--stream", is_flag=True,
+              help="Write an agent's text to stdout as it is written, then the answer.")
 @click.argument("file", type=click.File("rb"))
 def send_cmd(
     urls: tuple[str, ...], client: str, secret_file: Path | None, session_file: Path | None,
     thread: str | None, to: str | None, timeout: float, cafile: Path | None, insecure: bool,
-    as_json: bool, file: Any,
+    as_json: bool, stream: bool, file: Any,
 ) -> None:
     """Send envelopes or bare payloads from FILE (or - for stdin) and print the frames of
     their threads until each has its outcome (waiting through approval-required) or
@@ -518,7 +529,10 @@ def send_cmd(
         click.echo(f"agentd send: {exc}", err=True)
         sys.exit(EXIT_USAGE)
 
+    mid_line = False  # --stream text was written without its line end
+
     def emit(what: str, entry: dict[str, Any]) -> None:
+        nonlocal mid_line
         if what == "other":  # not this run's: never mixed with its answers
             click.echo(f"<- [other thread] {entry['kind']} from {entry['from']} on thread "
                        f"{entry['thread']}\n   {entry['xml']}", err=True)
@@ -528,8 +542,18 @@ def send_cmd(
                        f"{entry['listener']} (expires {entry['expires']}): "
                        f"agentctl approve {entry['approval']}", err=True)
             return
+        if what in ("partial", "final"):
+            if not as_json:  # raw text as it comes; a stream's end ends its line
+                text = entry["text"] if what == "partial" else "\n"
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                mid_line = not text.endswith("\n")
+            return
         if as_json:
             return
+        if mid_line:  # a frame while a model writes: on a line of its own
+            click.echo("")
+            mid_line = False
         if what == "sent":
             click.echo(f"-> sent on thread {entry['thread']}")
         else:
@@ -539,7 +563,7 @@ def send_cmd(
     try:
         code, report = asyncio.run(_send_main(
             list(urls), client, secret_file, session_file, thread, to, timeout, cafile,
-            not insecure, docs, emit,
+            not insecure, docs, emit, stream,
         ))
     except AgentdError as exc:
         click.echo(f"agentd send: {exc}", err=True)

@@ -7,6 +7,7 @@ these classes serialise straight to exclusive-C14N bytes that validate against i
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -17,6 +18,8 @@ from agentd._schemas import NS_CORE
 from agentd._xml import escape_text
 
 _X = "{" + NS_CORE + "}"
+# Characters XML cannot carry (a model may write them): replaced in a preview.
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,36 @@ class Answer:
 
     def to_bytes(self) -> bytes:
         return f'<answer xmlns="{NS_CORE}"><text>{escape_text(self.text)}</text></answer>'.encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    """A preview of a model's text (never validated, journaled or routed)."""
+
+    stream: str
+    seq: int
+    text: str
+    tag: ClassVar[str] = "partial"
+
+    def to_bytes(self) -> bytes:
+        return (f'<partial xmlns="{NS_CORE}"><stream>{self.stream}</stream>'
+                f"<seq>{self.seq}</seq><text>{escape_text(_NOT_XML.sub(chr(0xfffd), self.text))}"
+                "</text></partial>").encode()
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    """No more partials of `stream` will come; `interrupted`: it broke off."""
+
+    stream: str
+    last_seq: int
+    interrupted: bool = False
+    tag: ClassVar[str] = "final"
+
+    def to_bytes(self) -> bytes:
+        flag = "<interrupted>true</interrupted>" if self.interrupted else ""
+        return (f'<final xmlns="{NS_CORE}"><stream>{self.stream}</stream>'
+                f"<last-seq>{self.last_seq}</last-seq>{flag}</final>").encode()
 
 
 CorePayload = Accepted | Huh | Ack | Answer

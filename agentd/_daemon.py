@@ -40,6 +40,7 @@ from agentd._preflight import CheckedConfig, preflight
 from agentd._reload import AgentPlatforms, build_agent_handlers, live_table_versions, reload_daemon
 from agentd._routing import Routing
 from agentd._runtime import tune_gc
+from agentd._streams import StreamHub, StreamWriter
 from agentd._wiring import envelope_shape, kernel_dsn, kernel_options
 from agentd.config import OrganismConfig, load_config
 from agentd.isolation import IsolationPools
@@ -199,6 +200,9 @@ class Daemon:
         self.pump: Pump | None = None
         self.router: SemanticRouter | None = None  # core `intent` (semantic routing)
         self.bus: Any = None
+        # Previews of agents' model calls, straight to the bus (no outbox row).
+        self.streams = StreamHub(lambda c, t, d: self._deliver(c, t, d, None),
+                                 lambda c: self.bus is not None and self.bus.busy(c))
         self.oob: Any = None
         self.metrics_server: Any = None
         self.federation: Any = None
@@ -329,6 +333,7 @@ class Daemon:
         )
         if self.agents is not None:
             self.agents.platform.bind_threads(self.pump.registry)
+            self.agents.platform.bind_previews(self.preview)
         self.pump.on_security = self.audit
         self.pump.meta_flags = config.meta
         self.pump.gateways = frozenset(g.name for g in config.gateways if g.export)
@@ -364,6 +369,7 @@ class Daemon:
             self.bus = BusServer(config.bus, self.auth, self.pump.submit, KernelOutbox(self.kernel),
                                  ssl_context=self.checked.tls,
                                  submit_nowait=self.pump.submit_nowait)
+            self.bus.streams = self.streams
             await _bind("bus.port", f"{config.bus.host}:{config.bus.port}", self.bus.start())
         if config.federation is not None and self.checked.identity is not None:
             from agentd.federation import Federation
@@ -451,6 +457,13 @@ class Daemon:
             if gateway.export and gateway.profile is not None:
                 clients[gateway.name] = gateway.profile
         return clients
+
+    def preview(self, owner: str, conversation: str, agent: str) -> StreamWriter | None:
+        """A writer for an agent's model call when the conversation's owner asked for
+        previews (platforms bind it: `Platform.bind_previews`)."""
+        if self.bus is None or not self.streams.wanted(owner, conversation):
+            return None
+        return self.streams.writer(owner, conversation)
 
     def _deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> None:
         if self.federation is not None and self.federation.deliver(client, thread, data,

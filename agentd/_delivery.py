@@ -11,13 +11,18 @@ where the envelope's meta takes its extensions, so the frame stays in C14N form.
 
 from __future__ import annotations
 
+import re
+
 from lxml import etree
 
 from agentd._envelope import NIL_THREAD, Envelope, build_envelope
-from agentd._schemas import NS_CORE, NS_DELIVERY
+from agentd._schemas import NS_CORE, NS_DELIVERY, NS_STREAM
 
 SEQ_TAG = "{" + NS_DELIVERY + "}seq"
-ACK_TAG = "{" + NS_CORE + "}ack"
+_C = "{" + NS_CORE + "}"
+ACK_TAG = _C + "ack"
+RESUME_TAG = _C + "resume"
+_STREAM_ID = re.compile(r"[0-9a-f]{16,32}")
 _THREAD_END = b"</thread>"
 _CORE_URI = NS_CORE.encode()
 # Digits only, at most 18 of them: a seq is an outbox id, a 63-bit integer.
@@ -37,6 +42,16 @@ def stamp(data: bytes, seq: int) -> bytes:
         return data
     at += len(_THREAD_END)
     return data[:at] + seq_element(seq) + data[at:]
+
+
+def ask_previews(data: bytes) -> bytes:
+    """`data` (an envelope: meta is from, to?, thread, extensions) with `<s:stream/>`
+    as meta's first extension: previews of the model's text on its thread."""
+    at = data.find(_THREAD_END)
+    if at < 0:
+        return data
+    at += len(_THREAD_END)
+    return data[:at] + f'<s:stream xmlns:s="{NS_STREAM}"></s:stream>'.encode() + data[at:]
 
 
 def parse_seq(text: str | None) -> int | None:
@@ -59,9 +74,31 @@ def seq_of(env: Envelope) -> int | None:
     return None
 
 
-def might_be_ack(data: bytes) -> bool:
-    """A cheap first look: only a core payload can be an `ack`."""
-    return _CORE_URI in data and b"ack" in data
+def might_be_control(data: bytes) -> bool:
+    """A cheap first look: only a core payload can be an `ack` or a `resume`."""
+    return _CORE_URI in data and (b"ack" in data or b"resume" in data)
+
+
+def resume_frame(client: str, stream: str, from_seq: int) -> bytes:
+    """A client's request for a stream's partials from `from_seq` on, again."""
+    body = (f'<resume xmlns="{NS_CORE}"><stream>{stream}</stream>'
+            f"<from-seq>{from_seq}</from-seq></resume>").encode()
+    return build_envelope(client, NIL_THREAD, body)
+
+
+def resume_of(env: Envelope) -> tuple[str, int] | None:
+    """(stream, from-seq) of a client's core `resume`, else None."""
+    payload: etree._Element = env.payload
+    if payload.tag != RESUME_TAG or len(payload) != 2 or payload.attrib:
+        return None
+    stream, start = payload[0], payload[1]
+    if stream.tag != _C + "stream" or start.tag != _C + "from-seq" or len(stream) or len(start):
+        return None
+    sid = (stream.text or "").strip()
+    seq = parse_seq(start.text)
+    if not _STREAM_ID.fullmatch(sid) or seq is None or seq < 1:
+        return None
+    return sid, seq
 
 
 def ack_seq(env: Envelope) -> int | None:

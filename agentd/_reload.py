@@ -269,6 +269,8 @@ class ReloadedDaemon(Protocol):
 
     def client_profiles(self) -> dict[str, str]: ...
 
+    def preview(self, owner: str, conversation: str, agent: str) -> Any: ...
+
 
 async def reload_daemon(daemon: ReloadedDaemon, dry_run: bool) -> dict[str, Any]:
     """Re-read the daemon's file, check it fully, plan, and (unless `dry_run`) apply.
@@ -364,6 +366,7 @@ def _swap(
     assert daemon.pump is not None and daemon.routing is not None
     if handlers is not None:
         handlers.platform.bind_threads(daemon.pump.registry)
+        handlers.platform.bind_previews(daemon.preview)
     daemon.platforms.adopt(handlers, routing.version)
     old = daemon.routing
     daemon.routing = daemon.pump.routing = routing

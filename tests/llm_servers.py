@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +140,7 @@ class FakeLLM:
         self.requests: list[Seen] = []
         self.in_flight = 0
         self.peak = 0  # most requests being answered at once
+        self.first_piece_at: list[float] = []  # time.monotonic() of each stream's first piece
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -245,6 +247,8 @@ class FakeLLM:
             elif n > 0 and reply.gap_s:
                 await asyncio.sleep(reply.gap_s)
             await send(event)
+            if n == 0:
+                self.first_piece_at.append(time.monotonic())
         writer.write(b"0\r\n\r\n")
         await writer.drain()
         return True

@@ -18,9 +18,10 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
 from agentd import _metrics
-from agentd._delivery import ack_frame, seq_of
+from agentd._delivery import ack_frame, resume_frame, seq_of
 from agentd._envelope import build_envelope, parse_envelope
 from agentd._schemas import NS_DELIVERY
+from agentd._streams import StreamHub
 from agentd._xmlify import spec_of
 from agentd.bus import (
     AuthFileError,
@@ -989,3 +990,33 @@ def _trusting(rig: Rig) -> ssl.SSLContext:
 
     return client_context(rig.cafile)
 
+
+
+# ---- previews --------------------------------------------------------------------------
+
+
+async def test_previews_reach_a_session_that_asked_and_a_resume_sends_them_again(
+    rig: Rig,
+) -> None:
+    hub = rig.bus.streams = StreamHub(rig.bus.deliver, rig.bus.busy)
+    thread = str(uuid.uuid4())
+    async with rig.client("alice") as plain:
+        assert not hub.wanted("alice", thread)
+    rig.next_step()
+    async with rig.client("alice", stream=True) as c:
+        assert hub.wanted("alice", thread)
+        writer = hub.writer("alice", thread)
+        first = []
+        for piece in ("Hello ", "world"):  # each once the one before is written
+            writer.piece(piece)
+            first.append(await c.recv(timeout=30))
+        assert [value(f, "text") for f in first] == ["Hello ", "world"]
+        stream = value(first[0], "stream")
+        await c.send_raw(resume_frame("alice", stream, 2))
+        again = await c.recv(timeout=30)
+        assert (value(again, "seq"), value(again, "text")) == ("2", "world")
+        writer.close()
+        final = await c.recv(timeout=30)
+        assert frame_kind(final)[1] == "final" and value(final, "last-seq") == "2"
+    assert not hub.wanted("alice", thread)  # the session that asked is gone
+    assert plain.session is not None

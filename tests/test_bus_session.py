@@ -7,8 +7,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from agentd._delivery import ack_frame, seq_of, stamp
-from agentd._envelope import build_envelope, parse_envelope
+from agentd._delivery import ack_frame, ask_previews, resume_frame, seq_of, stamp
+from agentd._envelope import build_envelope, parse_envelope, thread_hint
 from agentd._xmlify import spec_of
 from agentd.bus import (
     BusSession,
@@ -28,6 +28,7 @@ from agentd.bus._session import (
     LoadOutbox,
     PauseReading,
     ResumeReading,
+    ResumeStream,
     SetTimer,
     Submit,
     choose_session,
@@ -440,3 +441,22 @@ def test_a_client_that_never_acknowledges_costs_at_most_the_ack_window() -> None
         s.deliver(t, answer(t), oid)
         s.frames_to_send()
     assert s.frame_received(ack(10**6), 0.0) == (Acknowledge(tuple(range(50, ACK_WINDOW + 50))),)
+
+
+# ---- previews ------------------------------------------------------------------------------
+
+
+def test_an_envelope_that_asks_for_previews_says_so_when_submitted() -> None:
+    s = opened()
+    asked = ask_previews(request())
+    assert s.frame_received(asked, 0.0)[0] == Submit(thread_hint(asked), asked, True)
+    plain = request()
+    assert s.frame_received(plain, 0.0)[0] == Submit(thread_hint(plain), plain, False)
+
+
+def test_a_clients_resume_is_handled_here_and_anothers_goes_to_the_pump() -> None:
+    s = opened()
+    assert s.frame_received(resume_frame("alice", "ab" * 8, 3), 0.0) == (
+        ResumeStream("ab" * 8, 3),)
+    assert type(s.frame_received(resume_frame("bob", "ab" * 8, 3), 0.0)[0]) is Submit
+    assert type(s.frame_received(resume_frame("alice", "not-hex!" * 2, 3), 0.0)[0]) is Submit

@@ -36,6 +36,7 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 
 from agentd import _metrics as metrics
+from agentd._streams import StreamHub
 from agentd.bus._auth import ClientAuth, parse_auth_frame
 from agentd.bus._limits import TokenBucket
 from agentd.bus._session import (
@@ -49,6 +50,7 @@ from agentd.bus._session import (
     LoadOutbox,
     PauseReading,
     ResumeReading,
+    ResumeStream,
     SetTimer,
     Submit,
 )
@@ -90,6 +92,7 @@ class ConnectionHost(Protocol):
     submit: SubmitFn
     submit_nowait: SubmitNowFn | None
     ping_interval_s: float | None
+    streams: StreamHub | None  # previews of models' text, and who asked for them
 
     @property
     def accepting(self) -> bool: ...
@@ -318,6 +321,8 @@ class BusConnection(asyncio.Protocol):
     def _run(self, actions: Sequence[Action]) -> None:
         for action in actions:
             if type(action) is Submit:
+                if action.stream and self.server.streams is not None and self.session:
+                    self.server.streams.thread_opted_in(self.session.client, action.thread)
                 self._submit(action.thread, action.data)
             elif type(action) is PauseReading:
                 if self.transport is not None and not self.transport.is_closing():
@@ -335,7 +340,10 @@ class BusConnection(asyncio.Protocol):
                 self.server.spawn(self._replay())
             elif type(action) is Acknowledge:
                 self._acknowledge(action.ids)
-
+            elif type(action) is ResumeStream:
+                if self.server.streams is not None and self.session is not None:
+                    self.server.streams.resume(self.session.client, action.stream,
+                                               action.from_seq)
             elif type(action) is Close:
                 self._close(action.code, action.reason)
         session = self.session
@@ -358,7 +366,8 @@ class BusConnection(asyncio.Protocol):
         # once per connection): the last delivery seq the client has.
         request = parse_auth_frame(frame)
         delivered = request.delivered if request is not None else None
-        self._run(session.auth_result(who, server.bucket(who[0]), delivered))
+        streams = request is not None and request.stream
+        self._run(session.auth_result(who, server.bucket(who[0]), delivered, streams))
         server.authenticated(self)
 
     def _acknowledge(self, ids: Sequence[int]) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 
 from agentd import _metrics as metrics
 from agentd._envelope import NIL_THREAD
+from agentd._streams import StreamHub
 from agentd.bus._adapter import BUS_PATH, BusConnection, OutboxSource, SubmitFn, SubmitNowFn
 from agentd.bus._auth import ClientAuth
 from agentd.bus._limits import TokenBucket, UnauthenticatedSlots
@@ -80,6 +81,8 @@ class BusServer:
         self.ping_interval_s = ping_interval_s
         # Called with each session once it is closed (its `close_code` says how).
         self.on_session_closed: Callable[[BusSession], None] | None = None
+        # Previews of models' text: who asked (auth frames, envelopes), resumes.
+        self.streams: StreamHub | None = None
         self._server: asyncio.Server | None = None
         self._by_client: dict[str, list[BusConnection]] = {}
         self._open: set[BusConnection] = set()  # sessions not yet closed
@@ -169,6 +172,13 @@ class BusServer:
             conn = conns[choose_session([c.session for c in conns if c.session], thread)]
         conn.deliver(thread, data, outbox_id)
 
+    def busy(self, client: str) -> bool:
+        """Frames wait for the client's newest connection (a preview should wait and
+        be joined to the next rather than queue behind them)."""
+        conns = self._by_client.get(client)
+        session = conns[-1].session if conns else None
+        return session is not None and (bool(session.sendq) or not session.writable)
+
     def reload_tls(self, tls: TlsConfig) -> None:
         """Serve `tls`'s certificate and key to connections made from now on (open
         ones keep theirs). The pair is loaded into a fresh context first, so a bad
@@ -226,6 +236,8 @@ class BusServer:
         assert conn.session is not None
         self._release_slot(conn)
         self._by_client.setdefault(conn.session.client, []).append(conn)
+        if conn.session.streams and self.streams is not None:
+            self.streams.session_opened(conn.session.client)
 
     def session_closed(
         self, conn: BusConnection, leftover: Sequence[tuple[bytes, int]] = ()
@@ -239,6 +251,8 @@ class BusServer:
         metrics.bus_connections.dec()
         session = conn.session
         assert session is not None
+        if session.streams and self.streams is not None:
+            self.streams.session_closed(session.client)
         conns = self._by_client.get(session.client)
         if conns is not None:
             with contextlib.suppress(ValueError):

@@ -2,7 +2,8 @@
 received, the result of authentication, the outbox loaded, a delivery from the pump,
 a submission's result, the socket's write buffer filling or draining, a timer, a
 shutdown, the peer gone) and hands actions out (`Authenticate`, `LoadOutbox`,
-`Submit`, `Close`, `PauseReading`, `ResumeReading`, `SetTimer`, `Acknowledge`). Frames to send are
+`Submit`, `Close`, `PauseReading`, `ResumeReading`, `SetTimer`, `Acknowledge`,
+`ResumeStream`). Frames to send are
 pulled with `frames_to_send()`, so frames queued in one loop turn leave together.
 No socket, task or clock lives here: the adapter passes `now` in.
 
@@ -45,10 +46,10 @@ from enum import Enum
 
 from agentd import _metrics as metrics
 from agentd._core import Huh
-from agentd._delivery import ack_seq, might_be_ack, stamp
+from agentd._delivery import ack_seq, might_be_control, resume_of, stamp
 from agentd._envelope import build_envelope, parse_envelope, thread_hint
 from agentd._errors import HuhCode, Rejection
-from agentd._schemas import NS_ENV
+from agentd._schemas import NS_ENV, NS_STREAM
 from agentd._states import step
 from agentd.bus._auth import auth_ok_frame
 from agentd.bus._limits import InflightWindow, TokenBucket
@@ -77,6 +78,7 @@ OVERFLOW_REASON = "send queue overflow"
 BATCH_BYTES = 256 * 1024
 
 _CORE_HEAD = f'<message xmlns="{NS_ENV}"><meta><from>core</from>'.encode()
+_STREAM_URI = NS_STREAM.encode()
 _RATE_LIMITED = Huh.of(HuhCode.RATE_LIMITED).to_bytes()
 # A frame refused for what it is costs its sender one more token per KiB: the work
 # of refusing it (parsing it to the error) grows with its size, and it is the
@@ -178,6 +180,15 @@ class Submit:
 
     thread: str
     data: bytes
+    stream: bool = False  # the envelope asks for previews on its thread
+
+
+@dataclass(frozen=True, slots=True)
+class ResumeStream:
+    """The client asks for a stream's buffered partials from `from_seq` on."""
+
+    stream: str
+    from_seq: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +225,7 @@ class SetTimer:
 
 Action = (
     Authenticate | LoadOutbox | Submit | Close | PauseReading | ResumeReading | SetTimer
-    | Acknowledge
+    | Acknowledge | ResumeStream
 )
 _NOTHING: tuple[Action, ...] = ()
 PAUSE, RESUME, LOAD_OUTBOX = PauseReading(), ResumeReading(), LoadOutbox()
@@ -255,6 +266,7 @@ class BusSession:
         "queued_bytes",
         "sendq",
         "state",
+        "streams",
         "threads",
         "writable",
     )
@@ -287,6 +299,7 @@ class BusSession:
         # outbox ids written to this socket and not acknowledged, in order.
         self._unacked: deque[int] | None = None
         self._delivered = 0  # the seq the client said it has at login
+        self.streams = False  # its auth frame asked for previews (`<s:stream/>`)
 
     def _to(self, event: ConnEvent) -> None:
         self.state = transition(self.state, event)
@@ -312,7 +325,7 @@ class BusSession:
 
     def auth_result(
         self, who: tuple[str, str] | None, bucket: TokenBucket | None = None,
-        delivered: int | None = None,
+        delivered: int | None = None, streams: bool = False,
     ) -> Sequence[Action]:
         """`who` is (client, session token), or None when refused. `bucket` is the
         client's rate limit, shared by its connections. `delivered`: the last
@@ -326,6 +339,7 @@ class BusSession:
         if delivered is not None:
             self._unacked = deque()
             self._delivered = delivered
+        self.streams = streams
         self._enqueue(auth_ok_frame(self.client, token), None)
         return (PAUSE, LOAD_OUTBOX)
 
@@ -381,10 +395,12 @@ class BusSession:
             metrics.envelopes_rejected.labels(HuhCode.RATE_LIMITED.value).inc()
             self._enqueue(build_envelope("core", thread, _RATE_LIMITED, to=self.client), None)
             return self._update_reading()
-        if len(data) <= MAX_ACK_BYTES and might_be_ack(data):
-            seq = self._ack_in(data)
-            if seq is not None:
-                return self.acknowledged(seq)
+        if len(data) <= MAX_ACK_BYTES and might_be_control(data):
+            control = self._control_in(data)
+            if type(control) is int:
+                return self.acknowledged(control)
+            if type(control) is tuple:
+                return (ResumeStream(*control),)
         threads = self.threads
         if threads is None:
             threads = self.threads = {}
@@ -394,21 +410,25 @@ class BusSession:
             del threads[next(iter(threads))]
         # Counted before submitting: the answer may arrive before submit returns.
         self.inflight.submitted(thread, now)
-        submit = Submit(thread, data)
+        # `<s:stream/>` in its meta asks for previews on this thread (a look at the
+        # bytes: the mark only ever reaches the client's own conversation).
+        submit = Submit(thread, data, _STREAM_URI in data)
         if self.inflight.full:
             return (submit, *self._update_reading())
         return (submit,)
 
-    def _ack_in(self, data: bytes) -> int | None:
-        """The seq of the client's own core `ack {seq}`, else None (anything else,
-        a forged `from` included, goes to the pump and is judged there)."""
+    def _control_in(self, data: bytes) -> int | tuple[str, int] | None:
+        """The seq of the client's own core `ack {seq}`, or (stream, from-seq) of its
+        `resume`; else None (anything else, a forged `from` included, goes to the
+        pump and is judged there)."""
         try:
             env = parse_envelope(data, max_bytes=MAX_ACK_BYTES)
         except Rejection:
             return None
         if env.sender != self.client or env.to is not None:
             return None
-        return ack_seq(env)
+        seq = ack_seq(env)
+        return seq if seq is not None else resume_of(env)
 
     def acknowledged(self, seq: int) -> Sequence[Action]:
         """The client has every frame up to delivery seq `seq`: the ones written on

@@ -1,9 +1,10 @@
 """agentd's one bus client (docs/user-guide.md, "From Python").
 
 `Client` makes calls: `await c.call(payload)` returns the answer or raises `Huh`;
-`c.stream(payload)` yields its events (`Accepted`, `ApprovalRequired`, the
-`Answer` last). `agentd send` and `agentd mcp-serve` use it. `BusClient` is the
-connection underneath (raw frames; tests use it for hostile input).
+`c.stream(payload)` yields its events (`Accepted`, `Partial` previews of a
+model's text and each stream's `Final`, `ApprovalRequired`, the `Answer` last).
+`agentd send` and `agentd mcp-serve` use it. `BusClient` is the connection
+underneath (raw frames; tests use it for hostile input).
 """
 
 from agentd.client._calls import (
@@ -11,8 +12,10 @@ from agentd.client._calls import (
     Answer,
     ApprovalRequired,
     Event,
+    Final,
     Huh,
     Other,
+    Partial,
 )
 from agentd.client._client import Client, Exchange, read_secret, read_session_file
 from agentd.client._connection import (
@@ -33,8 +36,10 @@ __all__ = [
     "Client",
     "Event",
     "Exchange",
+    "Final",
     "Huh",
     "Other",
+    "Partial",
     "frame_kind",
     "is_answer",
     "read_secret",

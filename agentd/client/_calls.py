@@ -37,6 +37,7 @@ from agentd._xmlify import class_for, from_xml
 
 _CORE = "{" + NS_CORE + "}"
 _ACCEPTED, _APPROVAL, _HUH = _CORE + "accepted", _CORE + "approval-required", _CORE + "huh"
+_PARTIAL, _FINAL = _CORE + "partial", _CORE + "final"
 
 
 class Huh(AgentdError):
@@ -103,6 +104,26 @@ class Answer(Event):
 
 
 @dataclass(frozen=True)
+class Partial(Event):
+    """The next piece of a model's text while it writes (a preview: the answer, when
+    it comes, is what counts). `seq` counts from 1 within `stream`."""
+
+    stream: str
+    seq: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Final(Event):
+    """No more partials of `stream` will come (`interrupted`: it broke off; a new
+    stream may follow)."""
+
+    stream: str
+    last_seq: int
+    interrupted: bool
+
+
+@dataclass(frozen=True)
 class Other(Event):
     """A frame of a thread this client did not start (for instance an answer an
     earlier process left in the outbox): not any call's."""
@@ -120,6 +141,7 @@ class CallState(enum.Enum):
 class CallEvent(enum.Enum):
     ACCEPTED = "accepted"
     PARKED = "approval-required"
+    PREVIEW = "preview"  # partial or final: the call goes on
     OUTCOME = "outcome"
 
 
@@ -128,9 +150,10 @@ _S, _E = CallState, CallEvent
 # may be gone (it is not kept in the outbox); PARKED takes approval-required again
 # (an agent's next gated call on the same thread).
 TRANSITIONS: dict[CallState, dict[CallEvent, CallState]] = {
-    _S.SENT: {_E.ACCEPTED: _S.ACCEPTED, _E.PARKED: _S.PARKED, _E.OUTCOME: _S.DONE},
-    _S.ACCEPTED: {_E.PARKED: _S.PARKED, _E.OUTCOME: _S.DONE},
-    _S.PARKED: {_E.PARKED: _S.PARKED, _E.OUTCOME: _S.DONE},
+    _S.SENT: {_E.ACCEPTED: _S.ACCEPTED, _E.PARKED: _S.PARKED, _E.PREVIEW: _S.SENT,
+              _E.OUTCOME: _S.DONE},
+    _S.ACCEPTED: {_E.PARKED: _S.PARKED, _E.PREVIEW: _S.ACCEPTED, _E.OUTCOME: _S.DONE},
+    _S.PARKED: {_E.PARKED: _S.PARKED, _E.PREVIEW: _S.PARKED, _E.OUTCOME: _S.DONE},
     _S.DONE: {},
 }
 
@@ -147,6 +170,9 @@ class Calls:
     def __init__(self) -> None:
         self._open: OrderedDict[str, list[Call]] = OrderedDict()
         self.delivered = 0  # the highest delivery seq received
+        # Streams not yet final: the last partial seq received, and its thread (a
+        # resumed connection asks for the rest).
+        self.streams: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._open.values())
@@ -181,12 +207,35 @@ class Calls:
             kind = CallEvent.ACCEPTED
         elif sender == "core" and tag == _APPROVAL:
             kind = CallEvent.PARKED
+        elif sender == "core" and tag in (_PARTIAL, _FINAL):
+            kind = CallEvent.PREVIEW
+            kids = _children(env.payload)
+            stream = kids.get("stream", "")
+            if tag == _PARTIAL:
+                seq = int(kids.get("seq", "0") or 0)
+                if seq <= self.streams.get(stream, ("", 0))[1]:
+                    return None, None  # sent again after a resume: had it
+                self.streams[stream] = (thread, seq)
+                self.streams.move_to_end(stream)
+                while len(self.streams) > 256:
+                    self.streams.popitem(last=False)
+            else:
+                self.streams.pop(stream, None)
         # The oldest call on the thread this frame can move (several calls may share
         # a thread: `agentd send --thread`).
         call = next((c for c in calls if kind in TRANSITIONS[c.state]), None)
         if call is None:
             return None, Other(thread, sender, frame, tag)
         call.state = step("call", TRANSITIONS, call.state, kind)
+        if kind is CallEvent.PREVIEW:
+            kids = _children(env.payload)
+            if tag == _PARTIAL:
+                text = next((c.text or "" for c in env.payload if _local(c.tag) == "text"), "")
+                return call, Partial(thread, sender, frame, kids.get("stream", ""),
+                                     int(kids.get("seq", "0") or 0), text)
+            return call, Final(thread, sender, frame, kids.get("stream", ""),
+                               int(kids.get("last-seq", "0") or 0),
+                               kids.get("interrupted", "") in ("true", "1"))
         if kind is CallEvent.ACCEPTED:
             kids = _children(env.payload)
             return call, Accepted(thread, sender, frame, int(kids.get("seq", "0") or 0))
@@ -233,5 +282,5 @@ def _children(el: Any) -> dict[str, str]:
 
 __all__ = [
     "NIL_THREAD", "Accepted", "Answer", "ApprovalRequired", "Call", "CallState", "Calls",
-    "Event", "Huh", "Other", "typed",
+    "Event", "Final", "Huh", "Other", "Partial", "typed",
 ]

@@ -33,6 +33,7 @@ from types import TracebackType
 from typing import Any
 
 from agentd._credentials import read_secret, read_session_file
+from agentd._delivery import ask_previews, resume_frame
 from agentd._errors import AgentdError
 from agentd.client._calls import (
     Answer,
@@ -130,6 +131,7 @@ class Client:
         verify: bool = True,
         open_timeout: float = 10.0,
         on_other: Callable[[Other], object] | None = None,
+        stream: bool = False,
     ) -> None:
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
@@ -155,6 +157,7 @@ class Client:
         self.verify = verify
         self.open_timeout = open_timeout
         self.on_other = on_other
+        self.stream_all = stream  # previews on every thread of the session
         self.others: deque[Other] = deque(maxlen=OTHERS_KEPT)
         self.url: str | None = None  # the URL of the live connection
         self._conn: BusClient | None = None
@@ -242,7 +245,7 @@ class Client:
     def _bus(self, url: str, **kw: Any) -> BusClient:
         return BusClient(url, self.client_id, cafile=self.cafile, verify=self.verify,
                          open_timeout=self.open_timeout, delivered=self._calls.delivered,
-                         **kw)
+                         stream=self.stream_all, **kw)
 
     def _logged_in(self, url: str, conn: BusClient) -> BusClient:
         self.url = url
@@ -286,6 +289,10 @@ class Client:
                 log.info("bus connection lost (%s); resuming the session", exc)
                 try:
                     self._conn = await self._resume()
+                    for stream, (_, seq) in list(self._calls.streams.items()):
+                        # The partials sent while the connection was down, again.
+                        await self._conn.send_raw(
+                            resume_frame(self.client_id, stream, seq + 1))
                 except BusError as again:
                     self._fail_all(BusError(f"connection lost and not resumed: {again}"))
                     return
@@ -345,14 +352,17 @@ class Client:
 
     async def start(
         self, payload: bytes | str | Any, *, to: str | None = None, thread: str | None = None,
-        timeout: float = 60.0,
+        timeout: float = 60.0, previews: bool = False,
     ) -> Exchange:
         """Send `payload` (an @xmlify object, payload bytes, or a whole envelope) on
         `thread` (new if None), to the listener `to` if given; the `Exchange` waits
-        for what comes back."""
+        for what comes back. `previews`: ask for `Partial`s of the model's text on
+        this thread (`<s:stream/>` in the envelope's meta)."""
         if self._conn is None or self._reader is None or self._reader.done():
             raise BusError("not connected")
         frame, thread_id = self._conn.wrap(payload, thread, to)
+        if previews:
+            frame = ask_previews(frame)
         call = self._calls.start(thread_id)
         exchange = self._exchanges[id(call)] = Exchange(self, call, timeout)
         try:
@@ -374,9 +384,11 @@ class Client:
         self, payload: bytes | str | Any, *, to: str | None = None, thread: str | None = None,
         timeout: float = 60.0,
     ) -> AsyncIterator[Event]:
-        """Send and yield each event (`Accepted`, `ApprovalRequired`, ..., the
+        """Send, asking for previews, and yield each event (`Accepted`, `Partial`s
+        of a model's text and each stream's `Final`, `ApprovalRequired`, ..., the
         `Answer` last); raises `Huh`."""
-        exchange = await self.start(payload, to=to, thread=thread, timeout=timeout)
+        exchange = await self.start(payload, to=to, thread=thread, timeout=timeout,
+                                    previews=True)
         async for event in exchange.events():
             yield event
 

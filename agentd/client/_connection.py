@@ -93,6 +93,7 @@ class BusClient:
         max_size: int = 1024 * 1024,
         open_timeout: float = 10.0,
         delivered: int | None = None,
+        stream: bool = False,
     ) -> None:
         if secret is None and session is None and totp is None:
             raise ValueError("BusClient needs a TOTP secret, a code or a session token")
@@ -109,6 +110,7 @@ class BusClient:
         self.max_size = max_size
         self.open_timeout = open_timeout
         self.delivered = delivered
+        self.stream = stream  # previews of models' text on every thread (auth frame)
         self._ws: ClientConnection | None = None
         self._backlog: deque[bytes] = deque()
 
@@ -144,11 +146,13 @@ class BusClient:
         except (OSError, ssl.SSLError, TimeoutError, ConnectionClosed) as exc:
             raise BusError(f"cannot connect to {self.url}: {exc}") from None
         if self.session is not None and self._totp is None:
-            first = auth_frame(self.client, session=self.session, delivered=self.delivered)
+            first = auth_frame(self.client, session=self.session, delivered=self.delivered,
+                               stream=self.stream)
         else:
             code = self._totp or current_totp(self.secret or "")
             self._totp = None  # a code is good once
-            first = auth_frame(self.client, totp=code, delivered=self.delivered)
+            first = auth_frame(self.client, totp=code, delivered=self.delivered,
+                               stream=self.stream)
         ws = self._ws
         try:
             await ws.send(first, text=True)

@@ -28,7 +28,7 @@ import secrets
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -51,7 +51,7 @@ from agentd.context import (
     replan,
     text_vectors,
 )
-from agentd.llm import ChatMessage, LlmRequest, LlmResponse, LlmRouter, Role
+from agentd.llm import ChatMessage, LlmRequest, LlmResponse, LlmRouter, Role, TextSink
 from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
 from agentd.platform._context import (
     AssembledContext,
@@ -101,9 +101,25 @@ class OverrideViolation(Exception):
 class ThreadScope:
     conversation: str  # the client conversation (root frame) the thread belongs to
     token_budget: int | None = None  # the conversation's budget (its profile's)
+    owner: str = ""  # the client that owns the conversation
 
 
 ThreadResolver = Callable[[str], ThreadScope | None]
+
+
+class PreviewWriter(Protocol):
+    """Where one model call's text goes as it is written (a `TextSink`), closed when
+    the call ends (`interrupted`: it failed after writing)."""
+
+    def piece(self, text: str) -> None: ...
+
+    def interrupted(self) -> None: ...
+
+    def close(self, interrupted: bool = False) -> None: ...
+
+
+# (owner client, client thread, agent) -> a writer, or None: nobody asked for previews.
+PreviewOpener = Callable[[str, str, str], PreviewWriter | None]
 TaskEndHook = Callable[[str], None]  # called with the thread of a task that ended
 
 
@@ -115,7 +131,7 @@ def registry_resolver(registry: ThreadRegistry) -> ThreadResolver:
         frame = registry.get(uuid)
         if frame is None:
             return None
-        return ThreadScope(frame.root.uuid, frame.profile.token_budget)
+        return ThreadScope(frame.root.uuid, frame.profile.token_budget, frame.root.owner)
 
     return resolve
 
@@ -189,6 +205,7 @@ class Platform:
         self.tokens = TokenCalibration()
         self._audit_sink: AuditFn = audit or _null_audit
         self._resolve = resolve_thread
+        self._previews: PreviewOpener | None = None
         self.budgets = BudgetLedger()
         self._agents: Mapping[str, AgentConfig] = MappingProxyType(
             {lst.name: lst.agent for lst in config.listeners if lst.agent is not None}
@@ -250,6 +267,20 @@ class Platform:
             return
         self._resolve = registry_resolver(resolver)
         resolver.on_end(self.frame_ended)
+
+    def bind_previews(self, opener: PreviewOpener | None) -> None:
+        """Stream agents' model calls to the owning client when it asked (`opener`
+        says whether, and gives the writer)."""
+        self._previews = opener
+
+    def _preview(self, agent: str, thread: str) -> PreviewWriter | None:
+        opener, scope = self._previews, None
+        if opener is None:
+            return None
+        scope = self._resolve(thread) if self._resolve is not None else None
+        if scope is None or not scope.owner:
+            return None
+        return opener(scope.owner, scope.conversation, agent)
 
     def frame_ended(self, thread: str) -> None:
         """The frame `thread` ended (answered, failed, collected): a task still open
@@ -592,13 +623,21 @@ class Platform:
         )
         meter = Meter(agent, thread, self._scopes(agent, thread),
                       fields={"prompt_sha256": prompt.sha256})
+        preview = self._preview(agent, thread)
         try:
-            request, response = await self._metered(request, meter, prefer=cfg.model)
+            request, response = await self._metered(request, meter, prefer=cfg.model,
+                                                    sink=preview)
         except BudgetExceeded as exc:
             self._audit("budget-exceeded", thread, {
                 "agent": agent, "scope": exc.scope, "limit": exc.limit, "spent": exc.spent,
             })
             raise
+        except BaseException:
+            if preview is not None:
+                preview.close(interrupted=True)
+            raise
+        if preview is not None:  # `final` before the answer is even validated
+            preview.close()
         if thread in self._tasks:  # what was unfolded has been shown
             self._tasks[thread].context.unpin()
         if not response.cached:
@@ -640,7 +679,8 @@ class Platform:
         )
 
     async def _metered(self, request: LlmRequest, meter: Meter, *, prefer: str,
-                       only: bool = False) -> tuple[LlmRequest, LlmResponse]:
+                       only: bool = False, sink: TextSink | None = None,
+                       ) -> tuple[LlmRequest, LlmResponse]:
         """The one way the platform calls a model: reserve the budgets (raises
         `BudgetExceeded` before anything is sent), call the router, charge what the
         provider reported (a cache hit costs nothing), count the tokens in
@@ -651,7 +691,8 @@ class Platform:
         if reservation.max_output != request.max_tokens:
             request = request.with_max_tokens(reservation.max_output)
         try:
-            response = await self._router.complete(request, prefer=prefer, only=only)
+            response = await self._router.complete(request, prefer=prefer, only=only,
+                                                   sink=sink)
         except BaseException as exc:  # cancelled too (handler timeout): freed
             self.budgets.settle(reservation, None)
             if isinstance(exc, Exception):
