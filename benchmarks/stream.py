@@ -1,0 +1,103 @@
+"""Streamed previews end to end: how soon a client sees a model's first words.
+
+A real `agentd run` process whose agent's model is a loopback server streaming the
+OpenAI wire protocol: the first piece of text 200 ms after the request, then one
+every 20 ms (12 pieces). A client (`agentd.client`, on the same machine) asks each
+question with `Client.stream` and notes when its first `partial` arrives. Reported:
+the time from the backend writing its first piece to the client reading its first
+partial (median, p90, max, in ms: TLS, the daemon's SSE parsing, the preview's
+frame and the bus), the client's gaps between partials (p50, p99, in ms; the
+backend's gap is 20 ms), and partials per answer (fewer than 12 when coalesced).
+
+Usage: python benchmarks/stream.py [--quick]. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agentd.client import Answer, Client, Partial  # noqa: E402
+from agentd.platform.demo import MathQuestion  # noqa: E402
+from tests.daemon_process import DaemonProcess, edit_config, make_home  # noqa: E402
+from tests.llm_servers import FakeLLM, Reply  # noqa: E402
+
+FIRST_S, GAP_S, PIECES = 0.2, 0.02, 12
+
+
+def reply(_seen: Any) -> Reply:
+    return Reply(pieces=[f"word{i} " for i in range(PIECES)], first_s=FIRST_S, gap_s=GAP_S)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run(n: int) -> dict[str, Any]:
+    firsts: list[float] = []
+    gaps: list[float] = []
+    counts: list[int] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp) / "home"
+        make_home(home)
+        async with FakeLLM("openai", reply) as server:
+            def edit(doc: dict[str, Any]) -> None:
+                doc["llm"]["retries"] = 0
+                doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
+                                           "base_url": server.base_url, "model": "fake-1"}]
+
+            edit_config(home, edit)
+            d = await DaemonProcess(home).start()
+            try:
+                async with Client.connect(d.url, "alice", secret=d.secret,
+                                          cafile=d.cafile) as c:
+                    for i in range(n):
+                        seen: list[float] = []
+                        answered = False
+                        async for event in c.stream(MathQuestion(text=f"Question {i}?")):
+                            if isinstance(event, Partial):
+                                seen.append(time.monotonic())
+                            answered = answered or isinstance(event, Answer)
+                        assert answered and seen, "no partial or no answer"
+                        firsts.append((seen[0] - server.first_piece_at[i]) * 1000)
+                        gaps += [(b - a) * 1000 for a, b in pairwise(seen)]
+                        counts.append(len(seen))
+            finally:
+                await d.stop()
+    return {
+        "conversations": n,
+        "first_partial_after_backend_ms_median": round(statistics.median(firsts), 3),
+        "first_partial_after_backend_ms_p90": round(pct(firsts, 0.9), 3),
+        "first_partial_after_backend_ms_max": round(max(firsts), 3),
+        "gap_between_partials_ms_p50": round(pct(gaps, 0.5), 3),
+        "gap_between_partials_ms_p99": round(pct(gaps, 0.99), 3),
+        "backend_gap_ms": GAP_S * 1000,
+        "partials_per_answer_median": statistics.median(counts),
+        "pieces_per_answer": PIECES,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    result = asyncio.run(run(15 if args.quick else 100))
+    for key, value in result.items():
+        print(f"{key}: {value}")
+    print(json.dumps({"benchmark": "stream", **result}))
+
+
+if __name__ == "__main__":
+    main()
