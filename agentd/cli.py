@@ -32,14 +32,32 @@ def main() -> None:
 def check_config(file: Path, user: str | None) -> None:
     """Validate a configuration and the files it names (clients file, keys, TLS pair,
     prompts, cassettes), as `run` does: exit 0, or 1 with every error and its location."""
-    from agentd._preflight import preflight
     from agentd._secrets import checking_as
     from agentd.config import check_config_main
 
     if user is None:
-        sys.exit(check_config_main(file, preflight=preflight))
+        sys.exit(check_config_main(file, preflight=_checked_with_database))
     with checking_as(_uid_of(user)):
-        sys.exit(check_config_main(file, preflight=preflight))
+        sys.exit(check_config_main(file, preflight=_checked_with_database))
+
+
+def _checked_with_database(config: Any) -> Any:
+    """The daemon's preflight, then (backend postgres) a login to the database: what
+    is wrong with it, or one line on who holds the lease (held is not an error)."""
+    from agentd._preflight import preflight
+    from agentd._wiring import kernel_dsn
+    from agentd.kernel import KernelUnavailable, check_database
+
+    checked = preflight(config)
+    dsn = kernel_dsn(config)
+    if dsn is not None:
+        setting = "kernel.dsn_file" if config.kernel.dsn_file is not None else "kernel.dsn"
+        try:
+            click.echo(f"kernel: {check_database(dsn, config.name)}")
+        except KernelUnavailable as exc:
+            source = config.source or "<config>"
+            raise ConfigError([f"{source}: {setting}: {exc}"]) from None
+    return checked
 
 
 def _uid_of(user: str) -> int:

@@ -6,19 +6,24 @@ PostgreSQL, a real client under load, the primary killed with SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 
 from agentd.client import BusClient, BusError, frame_kind
+from agentd.kernel import Kernel
 from agentd.kernel._store import verify_postgres
-from tests.daemon_process import DaemonProcess, edit_config, make_home
+from tests.daemon_process import ROOT, DaemonProcess, edit_config, make_home
 from tests.organisms.listeners import Hold
 
 _BUS = re.compile(r"bus listening url=(wss://[0-9.]+:\d+/bus)")
@@ -189,3 +194,47 @@ async def test_standby_on_sqlite_is_refused_with_what_to_set(
         await d.start()
     assert await d.wait() == 1
     assert not any(_BUS.search(line) for line in d.log)  # it never listened
+
+
+async def check_config(home: Path, dsn: str) -> subprocess.CompletedProcess[str]:
+    edit_config(home, lambda doc: doc.update(kernel={"backend": "postgres", "dsn": dsn}))
+    return await asyncio.to_thread(
+        subprocess.run,[sys.executable, "-m", "agentd.cli", "check-config",
+                           str(home / "organism.yaml")], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+async def test_check_config_reaches_the_database_and_says_what_is_wrong(
+        tmp_path: Path, postgres_db: str) -> None:
+    home = tmp_path / "home"
+    make_home(home)
+    done = await check_config(home, postgres_db)
+    assert done.returncode == 0, done.stderr
+    assert "kernel: database reachable; the lease of agent-demo was never taken" in done.stdout
+    async with await Kernel.open(tmp_path / "a", dsn=postgres_db, lease="agent-demo") as k:
+        done = await check_config(home, postgres_db)
+        assert done.returncode == 0, done.stderr  # a held lease is not an error
+        assert re.search(rf"lease held by \S+ pid {os.getpid()} since "
+                         r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(epoch 1\)", done.stdout)
+        assert k.lease_epoch == 1
+    with psycopg.connect(postgres_db, autocommit=True) as conn:
+        conn.execute("DROP ROLE IF EXISTS agentd_nologin")
+        conn.execute("CREATE ROLE agentd_nologin NOLOGIN")
+    try:
+        for dsn, words in [
+            (make_conninfo(postgres_db, dbname="no_such_db"),
+             'database "no_such_db" does not exist on that server: create it'),
+            (make_conninfo(postgres_db, user="no_such_role"),
+             'role "no_such_role" does not exist'),
+            (make_conninfo(postgres_db, user="agentd_nologin"),
+             "PostgreSQL refused the login"),
+            (make_conninfo(postgres_db, host=str(tmp_path / "nowhere")),
+             "cannot reach PostgreSQL"),
+        ]:
+            done = await check_config(home, dsn)
+            assert done.returncode == 1 and "kernel.dsn: " + words in done.stderr, (
+                dsn, done.stderr)
+            assert "Traceback" not in done.stderr
+    finally:
+        with psycopg.connect(postgres_db, autocommit=True) as conn:
+            conn.execute("DROP ROLE agentd_nologin")

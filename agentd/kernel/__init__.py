@@ -17,6 +17,7 @@ from agentd.kernel._kernel import (
     DB_NAME,
     Kernel,
     SweepReport,
+    check_database,
     read_lease,
     verify_journal_main,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "TimerRow",
     "Transaction",
     "TransactionRejected",
+    "check_database",
     "read_lease",
     "retain_days",
     "verify_journal_main",

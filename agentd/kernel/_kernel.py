@@ -714,6 +714,14 @@ def read_lease(dsn: str, organism: str) -> tuple[str, int, float] | None:
     return read(dsn, organism)
 
 
+def check_database(dsn: str, organism: str) -> str:
+    """One line on the PostgreSQL database `dsn` for `agentd check-config` (reachable,
+    who holds `organism`'s lease); raises KernelUnavailable saying what is wrong."""
+    from agentd.kernel._postgres import check_database as check  # an optional extra
+
+    return check(dsn, organism)
+
+
 def verify_journal_main(state_dir: Path | str, dsn: str | None = None) -> int:
     """`agentd verify-journal`: check the hash chain of `state_dir`'s journal (or of
     the PostgreSQL database `dsn` names) without taking the lock (read-only, one

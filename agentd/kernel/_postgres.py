@@ -308,6 +308,58 @@ def read_lease(dsn: str, organism: str) -> tuple[str, int, float] | None:
     return (str(row[0]), int(row[1]), float(row[2])) if row else None
 
 
+# Whether a session holds the lease's advisory lock (pg_locks splits its 64-bit key
+# into classid, the high half, and objid; objsubid 1 marks a one-key lock).
+_LOCK_HELD = ("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' "
+              "AND granted AND objsubid = 1 AND database = (SELECT oid FROM pg_database "
+              "WHERE datname = current_database()) "
+              "AND ((classid::bigint << 32) | objid::bigint) = hashtextextended(%s, 0))")
+
+
+def check_database(dsn: str, organism: str) -> str:
+    """`agentd check-config`: log in to the database and say who holds the lease (a
+    session holds its lock). Raises KernelUnavailable with what is wrong and what to
+    do (the login refused, no such database, no server there)."""
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as conn:
+            try:
+                row = conn.execute("SELECT epoch, holder, since FROM lease "
+                                   "WHERE organism = %s", (organism,)).fetchone()
+            except psycopg.errors.UndefinedTable:
+                row = None
+            held = conn.execute(_LOCK_HELD, (_lease_key(organism),)).fetchone()
+    except psycopg.Error as exc:
+        raise KernelUnavailable(_login_problem(exc)) from None
+    if row is None:
+        return f"database reachable; the lease of {organism} was never taken"
+    since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(row[2]))
+    if not (held and held[0]):
+        return (f"database reachable; the lease is free (last held by {row[1]}, "
+                f"epoch {row[0]})")
+    return f"database reachable; lease held by {row[1]} since {since} (epoch {row[0]})"
+
+
+def _login_problem(exc: psycopg.Error) -> str:
+    """What a failed connection means for the operator (libpq's own words kept)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = text.rsplit("FATAL:", 1)[-1].strip()
+    if "password authentication failed" in text or "authentication failed" in text \
+            or "no password supplied" in text or "no pg_hba.conf entry" in text \
+            or "not permitted to log in" in text:
+        return (f"PostgreSQL refused the login ({text}): check the user and password "
+                "in the DSN, and the server's pg_hba.conf")
+    if text.startswith("database ") and "does not exist" in text:
+        return (f"{text} on that server: create it (createdb -O USER NAME) or correct "
+                "the dsn's database name")
+    if text.startswith("role ") and "does not exist" in text:
+        return f"{text} on that server: create the role or correct the dsn's user"
+    if "Connection refused" in text or "No such file or directory" in text \
+            or "could not translate host name" in text or "timeout expired" in text:
+        return (f"cannot reach PostgreSQL ({text}): is the server running, and are the "
+                "dsn's host and port right?")
+    return f"cannot use the database: {text}"
+
+
 def describe_lease(conn: psycopg.Connection[Any], organism: str) -> str:
     """`lease held by H since T (epoch E)`, or that nobody holds it."""
     try:
