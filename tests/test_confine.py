@@ -10,6 +10,7 @@ import socket
 import sys
 import tempfile
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 
@@ -24,9 +25,22 @@ from agentd.confine import (
     landlock_status,
     spawn,
 )
+from agentd.confine._launcher import launcher_fd, python_shim
 from tests.isolated.watch import alive, gone, recording_server
 
 pytestmark = pytest.mark.both_loops  # the daemon spawns on uvloop
+
+
+@pytest.fixture(autouse=True, params=["launcher", "python-shim"])
+def shim(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every check runs through the compiled launcher and through the Python shim
+    (what a machine without a C compiler uses)."""
+    if request.param == "launcher":
+        assert launcher_fd() is not None, "no C compiler: the launcher could not be built"
+        yield request.param
+    else:
+        with python_shim():
+            yield request.param
 needs_landlock = pytest.mark.skipif(not landlock_status().filesystem,
                                     reason="kernel without Landlock")
 PYTHON_READ = (*SYSTEM_READ_PATHS, sys.base_prefix, sys.prefix, sys.exec_prefix,
@@ -392,4 +406,5 @@ def test_required_filesystem_confinement_without_landlock_is_refused() -> None:
 def test_status_reports_what_the_kernel_enforces() -> None:
     st = landlock_status().as_dict()
     assert set(st) >= {"landlock_abi", "filesystem", "network_tcp", "network_denial"}
+
 

@@ -16,6 +16,7 @@ from agentd._errors import ConfigError
 from agentd.config import load_config_text
 from agentd.config.tools import ExecTool
 from agentd.confine import landlock_status
+from agentd.confine._launcher import launcher_fd
 from agentd.testing import Harness
 from agentd.tools import Denied, ToolUnavailable
 from agentd.tools.exec import Arg, ExecRunner, Run, RunResult, build, exited
@@ -241,3 +242,17 @@ async def test_refusal_end_to_end_is_huh_denied_and_a_security_event(tmp_path: P
     assert kind == "tool-denied" and fields["listener"] == "echo"
     assert fields["cause"] == "argument does not match its allow_args pattern"
     assert fields["value"] == "$(id)"
+
+
+def test_the_compiled_launcher_cannot_be_rewritten() -> None:
+    """Every confined child execs the launcher from one memfd: sealed, so nothing (a
+    child handed it, the daemon's own code) can change what the next child runs."""
+    fd = launcher_fd()
+    assert fd is not None
+    with pytest.raises(PermissionError):
+        os.write(fd, b"\x7fELF")
+    with pytest.raises(PermissionError):
+        os.ftruncate(fd, 0)
+    with open(f"/proc/self/fd/{fd}", "r+b", buffering=0) as again, \
+            pytest.raises(PermissionError):
+        again.write(b"\x7fELF")

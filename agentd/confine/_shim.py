@@ -107,8 +107,10 @@ def landlock_abi() -> int:
     return int(r) if r > 0 else 0
 
 
-def _landlock_restrict(abi: int, read: list[str], write: list[str], listing: list[str],
-                       deny_network: bool) -> None:
+def landlock_plan(abi: int, read: list[str], write: list[str], listing: list[str],
+                  deny_network: bool) -> tuple[bytes, list[tuple[str, int, int]]]:
+    """The ruleset attribute and the rules: (path, rights on a directory, rights on a
+    file). Pure; `_landlock_restrict` and the compiled launcher apply it."""
     handled_fs = fs_rights_for_abi(abi)
     handled_net = (NET_BIND_TCP | NET_CONNECT_TCP) if deny_network and abi >= 4 else 0
     scoped = (SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL) if abi >= 6 else 0
@@ -118,6 +120,17 @@ def _landlock_restrict(abi: int, read: list[str], write: list[str], listing: lis
         attr = struct.pack("=QQ", handled_fs, handled_net)
     else:
         attr = struct.pack("=Q", handled_fs)
+    grants = [(p, _READ_RIGHTS) for p in read]
+    # Device nodes are never granted, even beneath a write path: a node made there
+    # would open any device (a disk, the kernel log) past the rules on /dev.
+    grants += [(p, handled_fs & ~(FS_MAKE_CHAR | FS_MAKE_BLOCK)) for p in write]
+    grants += [(p, FS_READ_DIR) for p in listing]
+    return attr, [(p, r & handled_fs, r & _FILE_RIGHTS & handled_fs) for p, r in grants]
+
+
+def _landlock_restrict(abi: int, read: list[str], write: list[str], listing: list[str],
+                       deny_network: bool) -> None:
+    attr, rules = landlock_plan(abi, read, write, listing, deny_network)
     buf = ctypes.create_string_buffer(attr, len(attr))
     libc = _c()
     ruleset = libc.syscall(_SYS_LANDLOCK_CREATE_RULESET, buf, ctypes.c_size_t(len(attr)),
@@ -125,20 +138,13 @@ def _landlock_restrict(abi: int, read: list[str], write: list[str], listing: lis
     if ruleset < 0:
         _raise_errno("landlock_create_ruleset")
     try:
-        grants = [(p, _READ_RIGHTS) for p in read]
-        # Device nodes are never granted, even beneath a write path: a node made there
-        # would open any device (a disk, the kernel log) past the rules on /dev.
-        grants += [(p, handled_fs & ~(FS_MAKE_CHAR | FS_MAKE_BLOCK)) for p in write]
-        grants += [(p, FS_READ_DIR) for p in listing]
-        for path, rights in grants:
+        for path, on_dir, on_file in rules:
             try:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
             except FileNotFoundError:
                 continue  # a path that does not exist grants nothing
             try:
-                if not os.path.isdir(path):
-                    rights &= _FILE_RIGHTS
-                rights &= handled_fs
+                rights = on_dir if os.path.isdir(path) else on_file
                 if not rights:
                     continue
                 rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)
@@ -198,7 +204,7 @@ def _bpf(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-def _seccomp_program() -> bytes:
+def seccomp_program() -> bytes:
     """The filter, assembled: a jump names its targets by label (None: the next
     instruction), and each label becomes the count of instructions skipped."""
     ld_w_abs, jeq_k, jge_k, jset_k, ret_k = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -235,7 +241,7 @@ def _seccomp_program() -> bytes:
 
 
 def _install_seccomp() -> None:
-    prog = _seccomp_program()
+    prog = seccomp_program()
     filt = ctypes.create_string_buffer(prog, len(prog))
 
     class _SockFprog(ctypes.Structure):

@@ -1,7 +1,9 @@
 """Start a confined child from asyncio, and kill it with everything it started.
 
-The child is the exec shim (`_shim.py`, run by this interpreter with ``-I -S``):
-it reads the policy from a pipe, confines itself and `execve`s the target. So the
+The child is the exec shim: the compiled launcher (`_launcher.c`, built once per
+process, run from a sealed memfd), or where it cannot be built `_shim.py`, run by
+this interpreter with ``-I -S``. It reads the policy from a pipe, confines itself
+and `execve`s the target. So the
 restrictions are applied in the child, before the target runs, without
 `preexec_fn` (unsafe in a threaded parent). The child starts in a new session
 (its own process group), with an empty environment plus the policy's, and no
@@ -34,7 +36,7 @@ import subprocess
 import sys
 
 from agentd._procfs import stat_fields
-from agentd.confine import _shim
+from agentd.confine import _launcher, _shim
 from agentd.confine._cgroup import REMOVE_TRIES, TaskGroup, cgroups
 from agentd.confine._policy import Policy, check_enforceable, landlock_status
 
@@ -52,6 +54,7 @@ _GROUPS: dict[asyncio.subprocess.Process, TaskGroup] = {}
 _LIVE: dict[int, bytes] = {}
 _warned_tasks = False
 _warned_owner = False
+_launcher_built = False
 
 
 def resolve_executable(argv0: str, env: dict[str, str] | None = None) -> str:
@@ -64,25 +67,30 @@ def resolve_executable(argv0: str, env: dict[str, str] | None = None) -> str:
     return os.path.abspath(found)
 
 
-def shim_command(argv: list[str], policy: Policy, group: TaskGroup | None = None
-                 ) -> tuple[list[str], bytes]:
+def shim_command(argv: list[str], policy: Policy, group: TaskGroup | None = None,
+                 launcher: int | None = None) -> tuple[list[str], bytes]:
     """The shim's argv (policy descriptor left as ``{fd}``) and the request it reads;
-    `group`: the cgroup it moves itself into first."""
+    `group`: the cgroup it moves itself into first. `launcher`: the compiled
+    launcher's memfd (`_launcher`), else the Python shim."""
     if not argv:
         raise ValueError("empty argv")
     env = dict(policy.env)
     shim_policy = policy.to_shim()
     if group is not None:
         shim_policy["cgroup_procs"] = group.procs
-    request = marshal.dumps({
-        "policy": shim_policy,
-        "executable": resolve_executable(argv[0], env),
-        "argv": list(argv),
-        "env": env,
-    })
+    executable = resolve_executable(argv[0], env)
+    if launcher is not None:
+        command = [f"/proc/self/fd/{launcher}", "{fd}"]
+        request = _launcher.request(shim_policy, executable, list(argv), env,
+                                    landlock_status().abi)
+    else:
+        command = [sys.executable, "-I", "-S", SHIM_PATH, "{fd}"]
+        request = marshal.dumps({
+            "policy": shim_policy, "executable": executable, "argv": list(argv), "env": env,
+        })
     if len(request) > _PIPE_MAX:
         raise ValueError("confinement policy too large")
-    return [sys.executable, "-I", "-S", SHIM_PATH, "{fd}"], request
+    return command, request
 
 
 async def spawn(argv: list[str], policy: Policy, *,
@@ -98,9 +106,14 @@ async def spawn(argv: list[str], policy: Policy, *,
     """
     if check:
         check_enforceable(policy)
+    global _launcher_built
+    if not _launcher_built:  # the first spawn compiles it, off the event loop
+        await asyncio.to_thread(_launcher.launcher_fd)
+        _launcher_built = True
+    launcher = _launcher.launcher_fd()
     group = task_group(policy)
     try:
-        command, request = shim_command(argv, policy, group)
+        command, request = shim_command(argv, policy, group, launcher)
         r, w = os.pipe()
         try:
             os.write(w, request)
@@ -109,7 +122,8 @@ async def spawn(argv: list[str], policy: Policy, *,
             command[-1] = str(r)
             proc = await asyncio.create_subprocess_exec(
                 *command, stdin=stdin, stdout=stdout, stderr=stderr, env={},
-                cwd="/", close_fds=True, pass_fds=(r,), start_new_session=True)
+                cwd="/", close_fds=True, pass_fds=(r,) if launcher is None else (r, launcher),
+                start_new_session=True)
         finally:
             os.close(r)
             if w >= 0:
