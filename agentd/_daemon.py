@@ -458,10 +458,12 @@ class Daemon:
                 clients[gateway.name] = gateway.profile
         return clients
 
-    def preview(self, owner: str, conversation: str, agent: str) -> StreamWriter | None:
+    def preview(self, owner: str, conversation: str, agent: str,
+                configured: bool = False) -> StreamWriter | None:
         """A writer for an agent's model call when the conversation's owner asked for
-        previews (platforms bind it: `Platform.bind_previews`)."""
-        if self.bus is None or not self.streams.wanted(owner, conversation):
+        previews or the configuration streams it (platforms bind it:
+        `Platform.bind_previews`)."""
+        if self.bus is None or not (configured or self.streams.wanted(owner, conversation)):
             return None
         return self.streams.writer(owner, conversation)
 

@@ -269,7 +269,8 @@ class ReloadedDaemon(Protocol):
 
     def client_profiles(self) -> dict[str, str]: ...
 
-    def preview(self, owner: str, conversation: str, agent: str) -> Any: ...
+    def preview(self, owner: str, conversation: str, agent: str,
+                configured: bool = False) -> Any: ...
 
 
 async def reload_daemon(daemon: ReloadedDaemon, dry_run: bool) -> dict[str, Any]:

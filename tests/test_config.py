@@ -958,7 +958,7 @@ def test_a_profile_is_named_by_its_key_only(tmp_path: Path) -> None:
         "name: admin",
         "profiles.public.name",
         "unknown key; expected one of: listeners, retention, synchronous, token_budget, "
-        "isolation, allow_intents, routing, approval",
+        "isolation, allow_intents, stream, routing, approval",
     )
 
 
@@ -1025,3 +1025,11 @@ def test_tool_calling_defaults_to_auto_and_refuses_other_values(tmp_path: Path) 
                                                 "json}"))
     [issue] = issues_of(bad, tmp_path)
     assert "listeners[0].agent.tool_calling" in issue
+
+
+def test_stream_is_for_agent_listeners(tmp_path: Path) -> None:
+    text = body("profiles:\n  public: {listeners: [calc], stream: true}\nlisteners:\n"
+                ) + handler_listener("calc", stream="true")
+    assert issues_of(text, tmp_path) == [
+        at(text, "true", "listeners[0].stream",
+           "stream is for agent listeners: their model's text as it is written", 2)]

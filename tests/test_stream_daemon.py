@@ -84,3 +84,19 @@ async def test_a_client_that_asks_sees_the_answer_being_written(home: Path) -> N
     # Without the frame lines (one that comes mid-text starts a line of its own):
     text = [line for line in out.splitlines() if not line.startswith(("<- ", "   ", "-> "))]
     assert "".join(text) == "Let me add.The sum is 42.", out
+
+
+async def test_a_profile_that_streams_sends_previews_without_being_asked(home: Path) -> None:
+    async with FakeLLM("openai", script) as server:
+        on_the_fake_model(home, server)
+        edit_config(home, lambda doc: doc["profiles"]["public"].update(stream=True))
+        d = await DaemonProcess(home).start()
+        try:
+            async with Client.connect(d.url, "alice", secret=d.secret, cafile=d.cafile) as c:
+                seen: list[Any] = []
+                await c.call(MathQuestion(text="What is 2 + 40?"), on_event=seen.append)
+        finally:
+            assert await d.stop() == 0
+    shown = "".join(e.text for e in seen if isinstance(e, Partial))
+    assert shown == "Let me add.\nThe sum is 42."
+    assert len([e for e in seen if isinstance(e, Final)]) == 2

@@ -82,6 +82,7 @@ class ListenerConfig:
     tool: ToolConfig | None = None  # the `tool:` block as written, for reload diffs
     approval: sections.ApprovalConfig | None = None  # a gate: decided before it runs
     answers_text: bool = False  # a peer's agent (GATEWAY:LISTENER): its answer is text
+    stream: bool = False  # an agent whose model calls stream previews to the client
 
 
 @dataclass(frozen=True)
@@ -342,6 +343,7 @@ def _listener(
         payload_refs=tuple(i.ref for i in section.payload_class),
         response_refs=tuple(i.ref for i in section.response_class),
         approval=section.approval,
+        stream=section.stream,
     ),)
 
 

@@ -136,6 +136,9 @@ def _kind_rules(data: dict[str, Any]) -> list[Problem]:
         problems.append(Problem(("isolation",), message, data["isolation"]))
     if kinds == ["handler"] and data.get("description") is None:
         problems.append(Problem(("description",), "missing", data))
+    if data.get("stream") is True and "agent" not in data:
+        message = "stream is for agent listeners: their model's text as it is written"
+        problems.append(Problem(("stream",), message, data["stream"]))
     return problems
 
 
@@ -313,6 +316,7 @@ class ProfileConfig:
     token_budget: Positive | None = None
     isolation: IsolationConfig | None = None  # for its handler listeners without their own
     allow_intents: Bool = False  # may its clients send core `intent`? (agents always may)
+    stream: Bool = False  # its clients get previews of agents' text without asking
     routing: ProfileRoutingConfig | None = None  # overrides routing.semantic's values
     approval: ApprovalConfig | None = None  # a gate on every listener of the profile
     name: SkipJsonSchema[str] = ""  # its key in `profiles`, filled in by the loader
@@ -414,6 +418,7 @@ class ListenerSection:
     timeout_s: Seconds | None = None  # None: pump.handler_timeout_s
     isolation: IsolationConfig | None = None  # wins over its profiles' isolation
     approval: ApprovalConfig | None = None  # a human decides before it runs
+    stream: Bool = False  # an agent: previews of its model's text for the client
 
     _rules = rules(lambda data, _: _kind_rules(data), "listener")
 

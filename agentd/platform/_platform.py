@@ -102,6 +102,7 @@ class ThreadScope:
     conversation: str  # the client conversation (root frame) the thread belongs to
     token_budget: int | None = None  # the conversation's budget (its profile's)
     owner: str = ""  # the client that owns the conversation
+    profile: str = ""  # the conversation's profile
 
 
 ThreadResolver = Callable[[str], ThreadScope | None]
@@ -118,8 +119,9 @@ class PreviewWriter(Protocol):
     def close(self, interrupted: bool = False) -> None: ...
 
 
-# (owner client, client thread, agent) -> a writer, or None: nobody asked for previews.
-PreviewOpener = Callable[[str, str, str], PreviewWriter | None]
+# (owner client, client thread, agent, configured) -> a writer, or None: nobody asked
+# for previews (`configured`: the agent's listener or the profile streams anyway).
+PreviewOpener = Callable[[str, str, str, bool], PreviewWriter | None]
 TaskEndHook = Callable[[str], None]  # called with the thread of a task that ended
 
 
@@ -131,7 +133,8 @@ def registry_resolver(registry: ThreadRegistry) -> ThreadResolver:
         frame = registry.get(uuid)
         if frame is None:
             return None
-        return ThreadScope(frame.root.uuid, frame.profile.token_budget, frame.root.owner)
+        return ThreadScope(frame.root.uuid, frame.profile.token_budget, frame.root.owner,
+                           frame.profile.name)
 
     return resolve
 
@@ -206,6 +209,8 @@ class Platform:
         self._audit_sink: AuditFn = audit or _null_audit
         self._resolve = resolve_thread
         self._previews: PreviewOpener | None = None
+        self._streaming = frozenset(lst.name for lst in config.listeners
+                                    if lst.agent is not None and lst.stream)
         self.budgets = BudgetLedger()
         self._agents: Mapping[str, AgentConfig] = MappingProxyType(
             {lst.name: lst.agent for lst in config.listeners if lst.agent is not None}
@@ -280,7 +285,9 @@ class Platform:
         scope = self._resolve(thread) if self._resolve is not None else None
         if scope is None or not scope.owner:
             return None
-        return opener(scope.owner, scope.conversation, agent)
+        profile = self.config.profiles.get(scope.profile)
+        configured = agent in self._streaming or (profile is not None and profile.stream)
+        return opener(scope.owner, scope.conversation, agent, configured)
 
     def frame_ended(self, thread: str) -> None:
         """The frame `thread` ended (answered, failed, collected): a task still open
