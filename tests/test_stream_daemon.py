@@ -100,3 +100,42 @@ async def test_a_profile_that_streams_sends_previews_without_being_asked(home: P
     shown = "".join(e.text for e in seen if isinstance(e, Partial))
     assert shown == "Let me add.\nThe sum is 42."
     assert len([e for e in seen if isinstance(e, Final)]) == 2
+
+
+async def test_mcp_serve_turns_partials_into_progress_for_a_client_with_a_token(
+    home: Path,
+) -> None:
+    import os
+    import sys
+
+    from mcp import ClientSession, StdioServerParameters
+    from mcp.client.stdio import stdio_client
+
+    progress: list[tuple[float, str | None]] = []
+
+    async def seen(value: float, total: float | None, message: str | None) -> None:
+        progress.append((value, message))
+
+    async with FakeLLM("openai", script) as server:
+        on_the_fake_model(home, server)
+        d = await DaemonProcess(home).start()
+        try:
+            params = StdioServerParameters(
+                command=sys.executable,
+                args=["-m", "agentd.cli", "mcp-serve", "--url", d.url, "--client", "alice",
+                      "--secret-file", str(home / "alice.totp"), "--cafile", d.cafile],
+                env={"PATH": os.environ.get("PATH", ""),
+                     "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+            async with stdio_client(params) as (read, write), \
+                    ClientSession(read, write) as session:
+                await session.initialize()
+                result = await session.call_tool("tutor", {"text": "What is 2 + 40?"},
+                                                 progress_callback=seen)
+                quiet = await session.call_tool("tutor", {"text": "And 2 + 40?"})
+        finally:
+            assert await d.stop() == 0
+    assert not result.isError and "The sum is 42." in result.content[0].text  # type: ignore[union-attr]
+    values = [v for v, _ in progress]
+    assert values == sorted(values) and values[0] == 1.0  # increasing, one per partial
+    assert "".join(m or "" for _, m in progress) == "Let me add.\nThe sum is 42."
+    assert not quiet.isError

@@ -9,11 +9,15 @@ uses too (`agentd.llm.tools`); a call shapes the JSON
 arguments into the payload element (the daemon validates it like any input),
 sends it on a new thread through `agentd.client.Client` (so calls run
 concurrently, wait through an approval gate, and survive a dropped connection), and
-returns the answer's C14N XML as text, with `isError` for a `huh`.
+returns the answer's C14N XML as text, with `isError` for a `huh`. When the MCP
+client gives a progress token, the call asks for previews and each `partial` of an
+agent's text becomes a `notifications/progress` (progress: the partials so far;
+message: the piece).
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +30,7 @@ from agentd._envelope import parse_envelope
 from agentd._errors import AgentdError
 from agentd._schemas import NS_CORE
 from agentd._xml import c14n, escape_text
-from agentd.client import Answer, Client, Huh
+from agentd.client import Answer, Client, Event, Huh, Partial
 from agentd.llm.tools import Shape, input_schema, payload_xml, shape_of_xsd
 
 
@@ -38,14 +42,19 @@ class Bridge:
         self.client = client
         self.timeout_s = timeout_s
 
-    async def ask(self, payload: bytes, to: str | None = None) -> bytes:
+    async def ask(self, payload: bytes, to: str | None = None,
+                  on_event: Callable[[Event], Awaitable[None]] | None = None) -> bytes:
         """Send `payload` on a new thread; its outcome (C14N envelope: the answer, or
-        the `huh`)."""
-        exchange = await self.client.start(payload, to=to, timeout=self.timeout_s)
+        the `huh`). With `on_event`, previews are asked for and every event before
+        the outcome goes there."""
+        exchange = await self.client.start(payload, to=to, timeout=self.timeout_s,
+                                           previews=on_event is not None)
         try:
             async for event in exchange.events():
                 if isinstance(event, Answer):
                     return event.frame
+                if on_event is not None:
+                    await on_event(event)
         except Huh as huh:
             return huh.frame
         raise ConnectionError("the call ended without an outcome")  # pragma: no cover
@@ -102,7 +111,7 @@ def mcp_server(bridge: Bridge, offered: dict[str, Offered]) -> Server:
             payload = payload_xml(one.shape, arguments)
         except ValueError as exc:
             return _error(f"invalid arguments: {exc}")
-        frame = await bridge.ask(payload, to=name)
+        frame = await bridge.ask(payload, to=name, on_event=_progress(server))
         env = parse_envelope(frame)
         text = c14n(env.payload).decode()
         is_huh = env.sender == "core" and env.payload.tag == "{" + NS_CORE + "}huh"
@@ -110,6 +119,24 @@ def mcp_server(bridge: Bridge, offered: dict[str, Offered]) -> Server:
                                     isError=is_huh)
 
     return server
+
+
+def _progress(server: Server) -> Callable[[Event], Awaitable[None]] | None:
+    """What turns a call's partials into MCP progress, when its client gave a token."""
+    ctx = server.request_context
+    token = ctx.meta.progressToken if ctx.meta is not None else None
+    if token is None:
+        return None
+    sent = 0
+
+    async def notify(event: Event) -> None:
+        nonlocal sent
+        if isinstance(event, Partial):
+            sent += 1
+            await ctx.session.send_progress_notification(
+                token, float(sent), message=event.text, related_request_id=str(ctx.request_id))
+
+    return notify
 
 
 def _error(text: str) -> types.CallToolResult:
