@@ -22,6 +22,11 @@ Reported (the last line is one JSON object):
 - `rss_kb_per_waiting_conv`: the daemon's RSS with all N waiting, less before the
   round, per conversation;
 - `backend_connections`: connections the backend accepted during the round;
+- `held_wait_cpu_fraction`, `held_rss_kb_per_waiting_conv`: a second round in which
+  the backend holds every answer until all N calls wait there: the daemon's CPU
+  over one second of that wait (CPU seconds per second), and its RSS then less
+  before the round, per conversation (steady figures on a loaded machine, where
+  the first round's calls may not all wait at once);
 - `bare_*`: the same N requests from a bare HTTP client in a child process against
   the same backend, measured in the same run: aiohttp, httpx with one pool of N
   connections, and httpx as 16 clients of N/16 (its pool's cost grows with
@@ -62,6 +67,7 @@ class CountingLLM(FakeLLM):
         super().__init__("openai", [Reply(ANSWER, delay_s=delay_s)])
         self.connections = 0
         self.arrivals: list[float] = []
+        self.held: asyncio.Event | None = None  # set: answers wait for it
 
     async def start(self) -> CountingLLM:
         # A backlog for a burst of N connections (asyncio's 100 would drop SYNs).
@@ -70,12 +76,33 @@ class CountingLLM(FakeLLM):
         return self
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """FakeLLM's keep-alive loop; while `held` is set, an answer also waits for it."""
         self.connections += 1
-        await super()._serve(reader, writer)
-
-    def _next(self, seen: Seen) -> Reply:
-        self.arrivals.append(time.monotonic())
-        return super()._next(seen)
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                method, path, _ = lines[0].split(" ", 2)
+                headers = {k.strip().lower(): v.strip() for k, _, v in
+                           (line.partition(":") for line in lines[1:] if ":" in line)}
+                n = int(headers.get("content-length", "0"))
+                body = await reader.readexactly(n) if n else b""
+                seen = Seen(method, path, headers, body, self.protocol)
+                self.arrivals.append(time.monotonic())
+                reply = self._expected_path(seen) or self._next(seen)
+                if self.held is not None:
+                    await self.held.wait()
+                else:
+                    await asyncio.sleep(reply.delay_s)
+                writer.write(self._response(seen, reply))
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            return
+        finally:
+            writer.close()
 
 
 def _pids(pid: int) -> list[int]:
@@ -180,6 +207,31 @@ async def round_(client: Any, server: CountingLLM, pid: int, n: int,
     }
 
 
+async def held_round(client: Any, server: CountingLLM, pid: int, n: int) -> dict[str, Any]:
+    """The backend holds every answer until all N calls wait there: the daemon's CPU
+    over a second of that wait and its RSS then, whatever the arrival spread."""
+    from agentd.platform.demo import MathQuestion
+
+    server.arrivals.clear()
+    server.held = asyncio.Event()
+    rss0 = rss_kb(pid)
+    exchanges = [await client.start(MathQuestion(text=f"What is {i} + 4?"), timeout=300)
+                 for i in range(n)]
+    results = asyncio.gather(*(e.result() for e in exchanges), return_exceptions=True)
+    while len(server.arrivals) < n and not results.done():
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.5)  # what the last arrivals set going settles
+    rss_wait, cpu_in, wall_in = rss_kb(pid), cpu_s(pid), time.monotonic()
+    await asyncio.sleep(1.0)
+    fraction = (cpu_s(pid) - cpu_in) / (time.monotonic() - wall_in)
+    server.held.set()
+    server.held = None
+    answers = await results
+    return {"held_wait_cpu_fraction": round(fraction, 3),
+            "held_rss_kb_per_waiting_conv": round((rss_wait - rss0) / n, 1),
+            "held_failed": sum(1 for a in answers if isinstance(a, BaseException))}
+
+
 async def daemon_rounds(args: argparse.Namespace, server: CountingLLM) -> dict[str, Any]:
     from agentd.client import Client
     from tests.daemon_process import DaemonProcess
@@ -195,6 +247,7 @@ async def daemon_rounds(args: argparse.Namespace, server: CountingLLM) -> dict[s
                                       cafile=daemon.cafile) as client:
                 await round_(client, server, pid, 20, args.delay)  # warm up
                 result = await round_(client, server, pid, args.n, args.delay)
+                result.update(await held_round(client, server, pid, args.n))
         finally:
             await daemon.stop()
         if result["failed"]:
