@@ -619,9 +619,9 @@ class Daemon:
             "isolation": self.isolation.status(),
             "gateways": self.federation.status() if self.federation is not None else [],
             **mcp_status(),
-            "approvals_pending": len(self.pump.durable.parked),
-            "approvals_parked_bytes": self.pump.durable.parked_bytes,
-            "timers_pending": len(self.pump.durable.timers),
+            "approvals_pending": len(self.pump.waits.parked),
+            "approvals_parked_bytes": self.pump.waits.parked_bytes,
+            "timers_pending": len(self.pump.waits.timers),
         }
 
     async def reload(self, dry_run: bool) -> dict[str, Any]:

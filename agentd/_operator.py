@@ -201,7 +201,7 @@ class DaemonCommands:
             )
         if what == "timers":
             thread = args.get("thread")
-            timers = [t for t in d.pump.durable.timers.values()
+            timers = [t for t in d.pump.waits.timers.values()
                       if thread is None or t.conversation == thread]
             return result_element("timers", [
                 {"id": t.id, "thread": t.conversation, "listener": t.listener,
@@ -291,7 +291,7 @@ class DaemonCommands:
         d = self.daemon
         assert d.pump is not None
         thread = args.get("thread")
-        rows = [r for r in d.pump.durable.parked.values()
+        rows = [r for r in d.pump.waits.parked.values()
                 if thread is None or r.conversation == thread]
         return result_element("approvals", [
             {"id": r.id, "listener": r.listener, "thread": r.conversation,
@@ -312,8 +312,8 @@ class DaemonCommands:
         reason = args.get("reason", "")[:1024]
         sha = args.get("payload-sha256") or None
         by = f"operator:{operator_key_id.get() or 'unknown'}"
-        why = d.pump.durable.decide(Decision(approval, approve, by, payload_sha256=sha,
-                                             reason=reason))
+        why = d.pump.decide(Decision(approval, approve, by, payload_sha256=sha,
+                                     reason=reason))
         if why is not None:
             raise CommandFailed("invalid", "no pending approval with that id that an "
                                 "operator may decide")

@@ -195,7 +195,7 @@ class Harness:
         """Fire the timers and expire the approvals due by the harness's clock (a
         fake one moves only when the test moves it), then run until idle. Returns
         how many were due."""
-        fired = self.pump.durable.deadlines.run_due()
+        fired = self.pump.waits.deadlines.run_due()
         await self.run_until_idle()
         return fired
 

@@ -89,7 +89,7 @@ async def timers(n: int) -> tuple[list[float], float]:
             await asyncio.gather(*sends)
             await h.run_until_idle()
             set_s = time.perf_counter() - started
-            due = {t.conversation: t.due for t in h.pump.durable.timers.values()}
+            due = {t.conversation: t.due for t in h.pump.waits.timers.values()}
             if len(due) != n:
                 raise SystemExit(f"only {len(due)} of {n} timers were set before they were due")
             await asyncio.wait_for(every.wait(), LEAD_S + 120)

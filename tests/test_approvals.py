@@ -166,7 +166,7 @@ async def test_a_conversation_cannot_park_more_than_its_share() -> None:
             assert [tag(f) for f in frames][-1] == "approval-required"
         refused = await h.send("alice", build_envelope("alice", thread, to_xml(Pay(amount=1))))
         assert [tag(f) for f in refused] == ["huh"] and child(refused[0], "code") == "denied"
-        assert len(h.pump.durable.parked) == MAX_PARKED_PER_CONVERSATION
+        assert len(h.pump.waits.parked) == MAX_PARKED_PER_CONVERSATION
         assert [k for k, _ in h.events] == ["approval-limit"]  # type: ignore[attr-defined]
         _, _, _ = await park(h)  # another conversation still parks
         assert durable.CALLS == []
@@ -186,8 +186,8 @@ async def test_a_client_cannot_park_more_than_its_share_of_the_daemon(
         refused = await h.send("alice", Pay(amount=1))
         assert [tag(f) for f in refused] == ["huh"] and child(refused[0], "code") == "denied"
         await park(h, "bob")  # another client still parks
-        assert len(h.pump.durable.parked) == 4
-        first = next(iter(h.pump.durable.parked.values()))
+        assert len(h.pump.waits.parked) == 4
+        first = next(iter(h.pump.waits.parked.values()))
         await h.end_conversation(first.conversation)  # a decision frees alice's share
         await park(h)
 
@@ -224,7 +224,7 @@ async def test_approved_by_the_client_runs_once() -> None:
         frames = await h.send("alice", decision("alice", thread, approval, sha))
         assert [tag(f) for f in frames] == ["accepted", "paid"]
         assert durable.CALLS == [("pay", 7)]
-        assert h.pump.durable.parked == {}
+        assert h.pump.waits.parked == {}
 
 
 async def test_denied_by_the_client_gives_not_approved() -> None:
@@ -259,7 +259,7 @@ async def test_a_decision_with_another_payload_hash_is_refused() -> None:
         assert [tag(f) for f in frames] == ["huh"]
         assert child(frames[0], "code") == "unroutable"
         assert h.events[-1][0] == "approval-refused"  # type: ignore[attr-defined]
-        assert approval in h.pump.durable.parked  # still pending
+        assert approval in h.pump.waits.parked  # still pending
         frames = await h.send("alice", decision("alice", thread, approval, sha))
         assert durable.CALLS == [("pay", 7)]
 
@@ -285,7 +285,7 @@ async def test_a_client_may_not_decide_when_only_operators_may() -> None:
         frames = await h.send("olga", decision("olga", thread, approval, sha))
         assert [child(f, "code") for f in frames] == ["unroutable"]
         assert durable.CALLS == []
-        assert h.pump.durable.decide(Decision(approval, True, "operator:ops-1")) is None
+        assert h.pump.decide(Decision(approval, True, "operator:ops-1")) is None
         await h.run_until_idle()
         assert durable.CALLS == [("pay.op", 3)]
         assert tag(h.frames("olga", thread)[-1]) == "paid"
@@ -312,7 +312,7 @@ async def test_a_forged_approval_id_is_refused() -> None:
 async def test_an_operator_denial_is_audited_with_its_reason() -> None:
     async with harness(FakeClock()) as h:
         thread, approval, _ = await park(h)
-        assert h.pump.durable.decide(
+        assert h.pump.decide(
             Decision(approval, False, "operator:ops-1", reason="not today")) is None
         await h.run_until_idle()
         assert child(h.frames("alice", thread)[-1], "message") == "not approved"
@@ -357,7 +357,7 @@ async def test_pending_approvals_survive_a_restart(tmp_path: Path) -> None:
     async with harness(clock, tmp_path) as h:
         thread, approval, sha = await park(h)
     async with harness(clock, tmp_path) as h:
-        assert list(h.pump.durable.parked) == [approval]
+        assert list(h.pump.waits.parked) == [approval]
         frames = await h.send("alice", decision("alice", thread, approval, sha))
         assert [tag(f) for f in frames] == ["accepted", "paid"]
         assert durable.CALLS == [("pay", 7)]
@@ -383,7 +383,7 @@ async def test_a_reload_does_not_change_parked_rules(tmp_path: Path) -> None:
         "approval: {approvers: [operator, client], timeout_s: 60}",
         "approval: {approvers: [operator], timeout_s: 1}")
     async with harness(clock, tmp_path, text) as h:
-        (parked,) = h.pump.durable.parked.values()
+        (parked,) = h.pump.waits.parked.values()
         assert parked.approvers == ("operator", "client")
         clock.now += 30  # past the new timeout, within the parked one
         assert await h.fire_due() == 0
@@ -397,9 +397,9 @@ async def test_a_reload_does_not_change_parked_rules(tmp_path: Path) -> None:
     text = ORGANISM.read_text().replace(
         "    approval: {approvers: [operator, client], timeout_s: 60}\n", "", 1)
     async with harness(clock, tmp_path, text) as h:
-        assert list(h.pump.durable.parked) == [approval2]
+        assert list(h.pump.waits.parked) == [approval2]
         assert durable.CALLS == [("pay", 7)]
-        h.pump.durable.decide(Decision(approval2, False, "operator:ops-1"))
+        h.pump.decide(Decision(approval2, False, "operator:ops-1"))
         await h.run_until_idle()
         assert child(h.frames("alice", thread2)[-1], "message") == "not approved"
 
@@ -408,7 +408,7 @@ async def test_the_end_of_a_conversation_denies_what_it_parked() -> None:
     async with harness(FakeClock()) as h:
         thread, _, _ = await park(h)
         assert await h.end_conversation(thread)
-        assert h.pump.durable.parked == {}
+        assert h.pump.waits.parked == {}
         (closed,) = await h.kernel.approvals(state=None)  # type: ignore[union-attr]
         assert closed.state == "cancelled"
         assert child(h.frames("alice", thread)[-1], "message") == "not approved"
@@ -456,9 +456,9 @@ async def test_an_agents_tool_call_parks_and_the_outcome_is_its_tool_result() ->
         assert [tag(f) for f in frames] == ["accepted", "approval-required"]
         assert len(server.requests) == 1  # the agent waits; no model turn is spent
         thread = child(frames[0], "thread")
-        (parked,) = h.pump.durable.parked.values()
+        (parked,) = h.pump.waits.parked.values()
         assert parked.listener == "calculator.add" and parked.sender == "tutor"
-        assert h.pump.durable.decide(Decision(parked.id, True, "operator:ops-1")) is None
+        assert h.pump.decide(Decision(parked.id, True, "operator:ops-1")) is None
         await h.run_until_idle()
         answer = h.frames("alice", thread)[-1]
         assert tag(answer) == "answer" and child(answer, "text") == "The sum is 42."
@@ -478,8 +478,8 @@ async def test_an_agent_is_told_not_approved_as_its_tool_result() -> None:
     async with gated_agent(script) as (h, _):
         frames = await h.send("alice", MathQuestion(text="What is 2 + 40?"))
         thread = child(frames[0], "thread")
-        (parked,) = h.pump.durable.parked.values()
-        h.pump.durable.decide(Decision(parked.id, False, "operator:ops-1", reason="no"))
+        (parked,) = h.pump.waits.parked.values()
+        h.pump.decide(Decision(parked.id, False, "operator:ops-1", reason="no"))
         await h.run_until_idle()
         assert child(h.frames("alice", thread)[-1], "text") == "Refused: yes"
 
@@ -516,7 +516,7 @@ async def test_a_conversation_waiting_for_an_approval_is_never_pushed_out_of_mem
         for _ in range(5):
             await h.send("bob", Count(by=1))
         assert h.pump.registry.get(thread) is not None
-        assert len(h.pump.durable.parked) == 1
+        assert len(h.pump.waits.parked) == 1
         assert not any(b"not approved" in f for f in h.frames("alice", thread))
 
 
@@ -530,8 +530,8 @@ async def test_a_peer_organism_gets_the_outcome_not_approval_required() -> None:
         h.pump.gateways = frozenset({"alice"})  # alice stands for a peer organism here
         frames = await h.send("alice", Pay(amount=9))
         assert [tag(f) for f in frames] == ["accepted"]
-        (parked,) = h.pump.durable.parked.values()
-        assert h.pump.durable.decide(Decision(parked.id, True, "operator:ops-1")) is None
+        (parked,) = h.pump.waits.parked.values()
+        assert h.pump.decide(Decision(parked.id, True, "operator:ops-1")) is None
         await h.run_until_idle()
         thread = child(frames[0], "thread")
         assert [tag(f) for f in h.frames("alice", thread)] == ["accepted", "paid"]
@@ -567,7 +567,7 @@ async def test_a_pending_message_for_a_listener_gated_since_is_parked_on_restart
         assert durable.CALLS == []
         required = h.frames("alice", thread)[-1]
         assert tag(required) == "approval-required"
-        assert list(h.pump.durable.parked) == [child(required, "approval")]
+        assert list(h.pump.waits.parked) == [child(required, "approval")]
         assert not any(e.tag.endswith("}pay")
                        for e in await h.kernel.pending_messages())  # type: ignore[union-attr]
         frames = await h.send("alice", decision("alice", thread, child(required, "approval"),
@@ -584,10 +584,10 @@ async def test_an_approved_message_pending_at_a_restart_runs_without_asking_agai
         thread, approval, sha = await park(h)
         assert (await h.pump.submit("alice", decision("alice", thread, approval, sha))).accepted
         await h.kernel.flush()  # type: ignore[union-attr]  # the approval committed
-        assert h.pump.durable.parked == {}
+        assert h.pump.waits.parked == {}
     monkeypatch.delenv("AGENTD_TEST_PAY")
     async with harness(clock, tmp_path) as h:
         await h.run_until_idle()
         assert durable.CALLS == [("pay", 7)]
         assert tag(h.frames("alice", thread)[-1]) == "paid"
-        assert h.pump.durable.parked == {}
+        assert h.pump.waits.parked == {}

@@ -100,11 +100,11 @@ async def test_a_timer_wakes_its_caller_on_its_own_frame() -> None:
     async with harness(clock) as h:
         frames = await h.send("alice", Nap(seconds=Decimal("2.5"), note="tea"))
         assert tags(frames) == ["accepted"]  # the handler returned; the call stays open
-        assert [t.note for t in h.pump.durable.timers.values()] == ["tea"]
+        assert [t.note for t in h.pump.waits.timers.values()] == ["tea"]
         assert await h.fire_due() == 0  # not yet due
         clock.now += 2.5
         assert await h.fire_due() == 1
-        assert h.pump.durable.timers == {}
+        assert h.pump.waits.timers == {}
         (napped,) = [f for f in h.frames("alice", _thread(frames)) if b"napped" in f]
         assert text_of(napped, "note") == "tea"
         assert text_of(napped, "late") == "false"
@@ -129,7 +129,7 @@ async def test_a_timer_over_max_delay_is_denied() -> None:
         frames = await h.send("alice", Wait(seconds=Decimal("3601")))
         assert tags(frames) == ["accepted", "huh"]
         assert text_of(frames[1], "code") == "denied"
-        assert h.pump.durable.timers == {}
+        assert h.pump.waits.timers == {}
 
 
 async def test_a_negative_delay_is_denied() -> None:
@@ -147,13 +147,13 @@ async def test_pending_timers_per_thread_are_capped() -> None:
         frames = await h.send("alice", Wait(seconds=Decimal("10")), thread=thread)
         assert tags(frames) == ["accepted", "huh"]
         assert text_of(frames[1], "code") == "denied"
-        assert len(h.pump.durable.timers) == 3
+        assert len(h.pump.waits.timers) == 3
 
 
 async def test_pending_timers_per_client_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
     """A client's calls on thousands of threads, each leaving a timer, could fill
     the daemon's timers for every other client; each client has its share."""
-    from agentd.pump import durable as waits
+    from agentd.pump import waits
 
     monkeypatch.setattr(waits, "MAX_TIMERS_PER_CLIENT", 2)
     async with harness(FakeClock()) as h:
@@ -162,10 +162,10 @@ async def test_pending_timers_per_client_are_capped(monkeypatch: pytest.MonkeyPa
         frames = await h.send("alice", Wait(seconds=Decimal("10")))
         assert tags(frames) == ["accepted", "huh"] and text_of(frames[1], "code") == "denied"
         assert tags(await h.send("bob", Wait(seconds=Decimal("10")))) == ["accepted"]
-        first = next(iter(h.pump.durable.timers.values()))
+        first = next(iter(h.pump.waits.timers.values()))
         await h.end_conversation(first.conversation)  # its timer cancelled: room again
         assert tags(await h.send("alice", Wait(seconds=Decimal("10")))) == ["accepted"]
-        assert h.pump.durable._timers_by_owner == {"alice": 2, "bob": 1}
+        assert h.pump.waits._timers_by_owner == {"alice": 2, "bob": 1}
 
 
 async def test_a_timer_survives_a_restart_and_fires_late_exactly_once(tmp_path: Path) -> None:
@@ -175,14 +175,14 @@ async def test_a_timer_survives_a_restart_and_fires_late_exactly_once(tmp_path: 
         thread = _thread(frames)
     clock.now += 60  # the daemon was down past the due time
     async with harness(clock, tmp_path) as h:
-        assert len(h.pump.durable.timers) == 1
+        assert len(h.pump.waits.timers) == 1
         assert await h.fire_due() == 1
         assert await h.fire_due() == 0
         napped = [f for f in h.frames("alice", thread) if b"napped" in f]
         assert len(napped) == 1
         assert text_of(napped[0], "late") == "true"
     async with harness(clock, tmp_path) as h:  # and never again
-        assert h.pump.durable.timers == {}
+        assert h.pump.waits.timers == {}
         assert await h.fire_due() == 0
 
 
@@ -192,7 +192,7 @@ async def test_a_timer_of_an_ended_conversation_is_cancelled() -> None:
         frames = await h.send("alice", Nap(seconds=Decimal("5"), note="x"))
         thread = _thread(frames)
         assert await h.end_conversation(thread)
-        assert h.pump.durable.timers == {}
+        assert h.pump.waits.timers == {}
         assert await h.kernel.timers() == []  # type: ignore[union-attr]
         clock.now += 10
         assert await h.fire_due() == 0
@@ -201,11 +201,11 @@ async def test_a_timer_of_an_ended_conversation_is_cancelled() -> None:
 async def test_ending_a_call_frame_instead_of_its_conversation_is_refused() -> None:
     async with harness(FakeClock()) as h:
         frames = await h.send("alice", Nap(seconds=Decimal("5"), note="x"))
-        (timer,) = h.pump.durable.timers.values()
+        (timer,) = h.pump.waits.timers.values()
         assert timer.frame != _thread(frames)
         assert not await h.end_conversation(timer.frame)  # a call, not a conversation
         assert not await h.end_conversation("no-such-thread")
-        assert list(h.pump.durable.timers.values()) == [timer]
+        assert list(h.pump.waits.timers.values()) == [timer]
 
 
 async def test_a_frame_holding_a_timer_is_not_collected_as_idle() -> None:
@@ -295,7 +295,7 @@ async def test_state_is_removed_when_the_conversation_is_collected_as_idle() -> 
         thread = _thread(first)
         assert h.pump.collect_idle(0.0, now=1e12) >= 1
         await h.run_until_idle()
-        assert thread not in h.pump.durable.book
+        assert thread not in h.pump.waits.book
         assert await h.kernel.handler_state() == []  # type: ignore[union-attr]
 
 

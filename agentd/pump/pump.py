@@ -7,9 +7,10 @@
 `Pump` owns no decision itself: admission (`admission.py`) decides whether and
 where a message goes, `gate.py` whether it waits for a human, `response.py` what a
 handler's outcome turns into, the `Scheduler` when it runs, the `Invoker` how the
-handler is called, `recovery.py` what survives a restart. The pump applies their
-results: it registers frames, ends them, queues messages and commits one `Batch`
-per step.
+handler is called, `recovery.py` what survives a restart, `waits.py` what a timer
+or a parked message does when it wakes or is decided. The pump applies their
+results (`_apply`): it registers frames, ends them, queues messages and commits one
+`Batch` per step.
 
 Invariants:
 - A client's envelope and a handler's output take the same path; nothing a handler
@@ -52,7 +53,7 @@ from agentd._routing import Listener, Routing
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
 from agentd._xml import DEFAULT_SHAPE, ShapeLimits
 from agentd.config import MetaConfig, PumpConfig
-from agentd.durable import StateLimitExceeded, StateView, TimerRequest
+from agentd.durable import Deadline, Decision, StateLimitExceeded, StateView, TimerRequest
 from agentd.kernel import Kernel, KernelUnavailable, Transaction
 from agentd.pump import admission, recovery
 from agentd.pump.admission import Violation
@@ -65,7 +66,6 @@ from agentd.pump.batch import (
     state_value,
     thread_row,
 )
-from agentd.pump.durable import DurableWaits
 from agentd.pump.gate import PASS, Deny, Park, Pass, gate
 from agentd.pump.invoker import CallFailed, Invoker
 from agentd.pump.message import (
@@ -77,8 +77,9 @@ from agentd.pump.message import (
     MsgKind,
     SubmitResult,
 )
-from agentd.pump.response import plan_failure, plan_response, plan_stopped
+from agentd.pump.response import ResponsePlan, plan_failure, plan_response, plan_stopped
 from agentd.pump.scheduler import Scheduler
+from agentd.pump.waits import WaitPlan, Waits
 
 log = logging.getLogger("agentd.pump")
 
@@ -132,9 +133,9 @@ class Pump:
         self._seq = 0
         self._hard_cap = self.settings.max_queue * 2
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
-        # Timers, handler state and approval gates (pump/durable.py), with the
+        # Timers, handler state and parked messages (pump/waits.py), with the
         # daemon's one deadline scheduler; `clock` is the wall clock they run on.
-        self.durable = DurableWaits(self, clock)
+        self.waits = Waits(self.registry, self.settings, self._due, clock)
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -144,7 +145,7 @@ class Pump:
         self._loop = asyncio.get_running_loop()
         self._scheduler.start()
         self._invoker.start(self._loop)
-        self.durable.deadlines.start()
+        self.waits.deadlines.start()
 
     def _tick(self) -> float:
         shortest = min(
@@ -154,7 +155,7 @@ class Pump:
         return min(1.0, max(0.005, shortest / 10))
 
     async def stop(self) -> None:
-        await self.durable.deadlines.stop()
+        await self.waits.deadlines.stop()
         await self._scheduler.stop()
         await self._invoker.stop()
 
@@ -240,14 +241,14 @@ class Pump:
                      client, rej.code.value, thread, rej.detail)
             return self._refuse_client(client, thread, rej.code, rej.public)
         if msg.__class__ is not Message:  # a client's decision on a parked message
-            return self.durable.client_decision(client, env, data, msg)  # type: ignore[arg-type]
+            return self._client_decision(client, env.thread, data, msg)  # type: ignore[arg-type]
         assert isinstance(msg, Message)
         if hops:
             if hops >= self.settings.max_hops:
                 return self._refuse_client(client, thread, HuhCode.BUDGET_EXCEEDED)
             msg.hops = hops
         frame = msg.frame
-        gated = gate(msg, frame.profile.table.gates, self.durable.counts)
+        gated = gate(msg, frame.profile.table.gates, self.waits.counts)
         if isinstance(gated, Deny):
             self._security_event("approval-limit", gated.event)
             return self._refuse_client(client, frame.uuid, gated.code)
@@ -256,14 +257,16 @@ class Pump:
         else:
             frame.touched = time.monotonic()
             self.registry.wake(frame)
-        if not isinstance(gated, Pass):
-            return self.durable.admit_parked(client, msg, gated, known is None, wait)
+        parked = None if isinstance(gated, Pass) else gated
         meta_answer = msg.sender == CORE  # answered by the pump itself (agentd/_meta.py)
         if self.kernel is None:
             self._seq += 1
             msg.seq = 0 if meta_answer else self._seq
             self._emit_core(client, frame.uuid, Accepted(frame.uuid, self._seq).to_bytes())
-            self._enqueue(msg, None)
+            if parked is None:
+                self._enqueue(msg, None)
+            else:
+                self._park(msg, parked, None)
             return SubmitResult(frame.uuid, seq=self._seq)
         # The transaction that makes the envelope durable: its thread (if new) and
         # its journal entry.
@@ -271,18 +274,20 @@ class Pump:
         if known is None:
             tx.thread_put(thread_row(frame))
             frame.persisted = True
-        if meta_answer:
+        if meta_answer or parked is not None:
+            # Not pending: the pump answers it, or the approval row holds it.
             seq = tx.journal(
-                thread=frame.uuid, direction="in", kind="meta", sender=client,
-                tag=env.key, payload=data, profile=frame.profile.name,
+                thread=frame.uuid, direction="in", kind="meta" if meta_answer else "parked",
+                sender=client, tag=env.key, payload=data, profile=frame.profile.name,
             )  # fmt: skip
         else:
             seq = msg.seq = journal_message(tx, msg)
-        return self._admit(client, msg, tx, seq, wait, not meta_answer)
+        return self._admit(client, msg, tx, seq, wait, not meta_answer and parked is None,
+                           parked)
 
     def _admit(
         self, client: str, msg: Message, tx: Transaction, seq: int, wait: bool,
-        optimistic: bool,
+        optimistic: bool, parked: Park | None = None,
     ) -> SubmitResult | asyncio.Future[SubmitResult]:
         """Commit the admission `tx`; `accepted` (or `huh internal`) is sent from the
         commit callback, in commit order. `optimistic`: hand the message to its
@@ -291,8 +296,10 @@ class Pump:
         `accepted` always precedes the answer; if the commit fails the client gets
         `huh internal` and nothing was acknowledged, but the handler may have run
         (see docs/architecture.md). Otherwise (a meta answer) the message is queued
-        only once its envelope is durable. With `wait`, returns a future for the
-        outcome; without, the outcome as known now (provisional if accepted)."""
+        only once its envelope is durable. `parked`: the message is parked in `tx`
+        instead, as the gate decided, and `approval-required` follows `accepted`.
+        With `wait`, returns a future for the outcome; without, the outcome as known
+        now (provisional if accepted)."""
         kernel = self.kernel
         assert kernel is not None
         frame = msg.frame
@@ -300,12 +307,19 @@ class Pump:
         if wait:
             outcome = (self._loop or asyncio.get_running_loop()).create_future()
         refused: SubmitResult | None = None
+        held: Batch | None = None
+        approval = ""
+        if parked is not None:
+            held = Batch(tx, self.deliver)
+            approval = self._park(msg, parked, held)
 
         def admitted(exc: BaseException | None) -> None:
             nonlocal refused
             if exc is None:
                 self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
-                if not optimistic:
+                if held is not None:
+                    held.committed(None)
+                elif not optimistic:
                     batch = self._open()
                     self._enqueue(msg, batch)
                     self._close(batch, None)
@@ -313,8 +327,10 @@ class Pump:
                     outcome.set_result(SubmitResult(frame.uuid, seq=seq))
                 return
             log.error("journal unavailable, refusing client=%s: %s", client, exc)
-            if (not optimistic and frame.is_root and not self._scheduler.has_inbox(frame.uuid)
-                    and not frame.children):
+            if held is not None:
+                self.waits.unpark(approval)
+            elif (not optimistic and frame.is_root and not self._scheduler.has_inbox(
+                    frame.uuid) and not frame.children):
                 self.registry.forget(frame)
             refused = self._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
             if outcome is not None and not outcome.done():
@@ -358,7 +374,7 @@ class Pump:
         O(frames); run periodically, never on the hot path."""
         now = time.monotonic() if now is None else now
         busy = self._scheduler.has_inbox
-        held = self.durable.holds  # a pending timer or parked message keeps its frame
+        held = self.waits.holds  # a pending timer or parked message keeps its frame
         stale = sorted(
             (f for f in self.registry
              if now - f.touched > idle_s and not busy(f.uuid) and f.uuid not in held),
@@ -406,10 +422,10 @@ class Pump:
         resumed = await recovery.recover(
             self.kernel, self.routing.listeners, self.routing.profiles, self.registry
         )
-        await self.durable.recover(self.kernel)  # what is parked, before more is
+        await self.waits.recover(self.kernel)  # what is parked, before more is
         for msg, approved in resumed:
             gated = PASS if approved else gate(msg, msg.frame.profile.table.gates,
-                                               self.durable.counts)
+                                               self.waits.counts)
             if isinstance(gated, Pass):
                 self._enqueue(msg, None)
             else:
@@ -441,7 +457,7 @@ class Pump:
             root = handled.frame.root
             if not root.children and root.state is _ACTIVE and not self._scheduler.waiting(
                 root.uuid
-            ) and root.uuid not in self.durable.holds:
+            ) and root.uuid not in self.waits.holds:
                 # Nothing in progress on the conversation: at rest, so memory holds
                 # only work in progress and a bounded set of resumable conversations.
                 # One holding a parked message stays in progress: pushing it out of
@@ -471,8 +487,9 @@ class Pump:
         state = self.registry.end(frame, event)
         if batch is not None and frame.persisted:
             batch.tx.thread_state(frame.uuid, state_value(state))
-        if frame.parent is None and self.durable.conversations:
-            self.durable.conversation_ended(frame.uuid, batch)
+        if frame.parent is None and self.waits.conversations:
+            for plan in self.waits.conversation_ended(frame.uuid, batch):
+                self._apply_wait(plan, batch)
 
     # ---- handling --------------------------------------------------------------
 
@@ -517,7 +534,7 @@ class Pump:
             else spec.from_element(msg.payload)
         )
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
-                               self.durable.book, frame.root.uuid, None, msg.seq,
+                               self.waits.book, frame.root.uuid, None, msg.seq,
                                _hops=msg.hops)
         result = await self._invoker.call(listener, payload, meta, frame.root.uuid)
         batch = self._open()
@@ -537,13 +554,27 @@ class Pump:
             plan = plan_failure(msg, frame, result.code)
         elif meta._view is not None and not self._state_fits(meta._view, listener, batch):
             plan = plan_failure(msg, frame, HuhCode.TOO_LARGE)
+        elif result.__class__ is TimerRequest:
+            wait = self.waits.set_timer(result, msg, listener, frame, hops, batch)
+            if wait.event is not None:
+                self._security_event(*wait.event)
+            plan = wait.answer
         else:
-            if result.__class__ is TimerRequest:
-                plan = self.durable.set_timer(result, msg, listener, frame, hops, batch)
-            else:
-                plan = plan_response(msg, listener, frame, result, self.settings.max_fanout)
-        # Carry out the plan: the notice, the envelopes, then the end of the frame
-        # (only once every envelope was taken: a refused answer leaves it open).
+            plan = plan_response(msg, listener, frame, result, self.settings.max_fanout)
+        self._apply(plan, listener, frame, hops, batch)
+        if created and batch is not None and frame.state is _ACTIVE:
+            # Only a frame that outlives this transaction (a call still open: the
+            # listener sent requests and awaits answers) needs a durable row; a call
+            # answered at once ends inside the transaction that would create it.
+            batch.tx.thread_put(thread_row(frame))
+            frame.persisted = True
+        self._close(batch, msg if last else None)
+
+    def _apply(self, plan: ResponsePlan, listener: Listener | None, frame: Frame | None,
+               hops: int, batch: Batch | None) -> None:
+        """Carry out a plan for `listener`'s call `frame`: the notice, the envelopes,
+        then the end of the frame (only once every envelope was taken: a refused
+        answer leaves it open)."""
         if plan.notice_to is not None:
             if plan.rejected is not None:
                 metrics.envelopes_rejected.labels(plan.rejected.value).inc()
@@ -552,19 +583,82 @@ class Pump:
         thread = plan.thread
         adopted = plan.adopted
         for i, data in enumerate(plan.envelopes):
-            assert thread is not None
+            assert thread is not None and listener is not None and frame is not None
             if not self._reenter(data, listener, thread, frame, plan.respond, hops, batch,
                                  built=True, adopted=None if adopted is None else adopted[i]):
                 taken = False
         if plan.end is not None and taken:
+            assert frame is not None
             self._end(frame, plan.end, batch)
-        if created and batch is not None and frame.state is _ACTIVE:
-            # Only a frame that outlives this transaction (a call still open: the
-            # listener sent requests and awaits answers) needs a durable row; a call
-            # answered at once ends inside the transaction that would create it.
-            batch.tx.thread_put(thread_row(frame))
-            frame.persisted = True
-        self._close(batch, msg if last else None)
+
+    def _apply_wait(self, plan: WaitPlan, batch: Batch | None) -> None:
+        """Carry out a wait's plan (see `WaitPlan`): its event, its frame for a
+        client, its answer through `_apply`, then its approved message."""
+        if plan.event is not None:
+            self._security_event(*plan.event)
+        if plan.client is not None:
+            self._emit_core(*plan.client, batch)
+        self._apply(plan.answer, plan.listener, plan.frame, plan.hops, batch)
+        msg, own = plan.dispatch, plan.own
+        if own is None:
+            if msg is not None:
+                self._enqueue(msg, None)
+            return
+        assert self.kernel is not None
+        approval = plan.approval
+
+        def decided(exc: BaseException | None) -> None:
+            if exc is not None:
+                log.error("approval not recorded (still pending in the kernel) approval=%s: "
+                          "%s", approval, exc)
+            elif msg is not None:
+                self._scheduler.put(msg)
+
+        self.kernel.commit_then(own, decided)
+
+    def _due(self, due: list[Deadline], now: float) -> None:
+        """The deadline scheduler's round: what each due timer or approval does, in
+        one batch."""
+        batch = self._open()
+        for entry in due:
+            self._apply_wait(self.waits.due(entry, now, batch, self.kernel), batch)
+        self._close(batch, None)
+
+    def decide(self, decision: Decision, envelope: bytes | None = None) -> str | None:
+        """Apply a decision on a parked message (a client's, whose `envelope` is
+        journaled, or an operator's): None if it stood, else why not (logged; a
+        security event)."""
+        refused = self.waits.refusal(decision)
+        if refused is not None:
+            self._security_event("approval-refused", refused[1])
+            return refused[0]
+        thread = decision.thread or self.waits.parked[decision.approval].conversation
+        batch = self._open()
+        self._apply_wait(self.waits.decide(decision, batch, self.kernel), batch)
+        client = decision.client
+        if client is not None:
+            # The decider is told its decision was taken, before what it causes.
+            seq = 0
+            if batch is not None and envelope is not None:
+                seq = batch.tx.journal(thread=thread, direction="in", kind="decision",
+                                       sender=client, tag="decision", payload=envelope)
+            note = build_envelope(CORE, thread, Accepted(thread, seq).to_bytes(), to=client)
+            if batch is None:
+                self.deliver(client, thread, note, None)
+            else:
+                batch.post.insert(0, (client, thread, note, None))
+        self._close(batch, None)
+        return None
+
+    def _client_decision(self, client: str, thread: str, data: bytes, decision: Decision
+                         ) -> SubmitResult:
+        """A client's `approve`/`deny`: `accepted` and the outcome, or `huh
+        unroutable` if it may not stand."""
+        if self.decide(decision, data) is not None:
+            metrics.envelopes_rejected.labels(HuhCode.UNROUTABLE.value).inc()
+            self._emit_core(client, thread, Huh.of(HuhCode.UNROUTABLE).to_bytes())
+            return SubmitResult(thread, code=HuhCode.UNROUTABLE)
+        return SubmitResult(thread, seq=0)
 
     async def _resolve_intent(self, msg: Message) -> None:
         """Core `intent`: the resolver ranks what the sender may reach and fills a
@@ -632,7 +726,7 @@ class Pump:
             return
         filled.hops = hops
         # Gated as the client's own envelope would be.
-        gated = gate(filled, frame.profile.table.gates, self.durable.counts)
+        gated = gate(filled, frame.profile.table.gates, self.waits.counts)
         if isinstance(gated, Pass):
             self._enqueue(filled, batch)
         else:
@@ -643,7 +737,7 @@ class Pump:
         written, the call fails) if calls on other frames of the conversation filled
         the slice meanwhile."""
         try:
-            self.durable.commit_state(view, batch)
+            self.waits.commit_state(view, batch)
         except StateLimitExceeded as exc:
             log.warning("handler state refused listener=%s: %s", listener.name, exc)
             return False
@@ -677,7 +771,7 @@ class Pump:
                 msg = admission.to_holder(env, data, listener.name, frame, spec)
             else:
                 msg = admission.route_request(env, env.key, data, listener.name, listener, frame)
-                gated = gate(msg, frame.profile.table.gates, self.durable.counts)
+                gated = gate(msg, frame.profile.table.gates, self.waits.counts)
                 if not isinstance(gated, Pass):
                     msg.hops = hops
                     return self._hold(msg, gated, own, hops, batch)
@@ -707,8 +801,14 @@ class Pump:
             self._security_event("approval-limit", gated.event)
             self._huh_to(own, gated.code, hops, batch)
             return False
-        self.durable.park(msg, gated, batch)
+        self._park(msg, gated, batch)
         return True
+
+    def _park(self, msg: Message, gated: Park, batch: Batch | None) -> str:
+        """Park `msg` as the gate decided; its approval id."""
+        row, plan = self.waits.park(msg, gated, batch, msg.frame.root.owner not in self.gateways)
+        self._apply_wait(plan, batch)
+        return row.id
 
     def _huh_to(self, frame: Frame, code: HuhCode, hops: int, batch: Batch | None) -> None:
         metrics.envelopes_rejected.labels(code.value).inc()

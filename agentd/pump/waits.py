@@ -1,10 +1,14 @@
-"""The pump's durable waits: timers, handler state and approval gates, applied.
+"""What the pump keeps waiting: timers, handler state and parked messages.
 
 The rules are pure (`agentd.durable`); this owner keeps what is pending in memory
 (mirrors of the kernel's `timers`, `handler_state` and pending `approvals` rows,
 loaded at recovery) and writes every change into the batch of the step that causes
 it, so a timer is set with the `wait` it answers, handler state commits with the
-handler's output, and a message is parked in the transaction that admits it.
+handler's output, and a message is parked in the transaction that admits it. What
+a wait's step does beyond its own rows (an envelope to re-enter, a core frame for a
+client, an approved message to dispatch, a security event) it returns as a
+`WaitPlan`, as `response.plan_response` returns a `ResponsePlan`: the pump applies
+both, and this module never reaches into it.
 
 Invariants:
 - One deadline scheduler (`deadlines`) wakes both: timers that are due fire,
@@ -23,16 +27,17 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import NamedTuple
 
 from agentd import _metrics as metrics
-from agentd._core import Accepted, Huh
-from agentd._envelope import Envelope, build_envelope, parse_envelope
+from agentd._core import Huh
+from agentd._envelope import build_envelope, parse_envelope
 from agentd._errors import HuhCode, Rejection
 from agentd._routing import Listener
-from agentd._threads import Frame, ThreadEvent, ThreadState
+from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
 from agentd._xml import c14n
 from agentd._xmlify import spec_of
+from agentd.config import PumpConfig
 from agentd.durable import (
     NOT_APPROVED,
     ApprovalEvent,
@@ -53,13 +58,10 @@ from agentd.durable import (
 )
 from agentd.kernel import ApprovalRow, Kernel, TimerRow, Transaction
 from agentd.pump import admission
-from agentd.pump.batch import Batch, journal_message, thread_row
+from agentd.pump.batch import Batch, journal_message
 from agentd.pump.gate import Park, ParkedCounts, count_down, count_up, unindex
-from agentd.pump.message import CORE, Message, SubmitResult
+from agentd.pump.message import CORE, Message
 from agentd.pump.response import ResponsePlan, plan_failure
-
-if TYPE_CHECKING:
-    from agentd.pump.pump import Pump
 
 log = logging.getLogger("agentd.pump")
 
@@ -71,24 +73,54 @@ TIMER, APPROVAL = "timer", "approval"
 MAX_TIMERS = 100_000
 MAX_TIMERS_PER_CLIENT = 10_000
 _NOTHING = ResponsePlan((), None, False, None, b"", None, None)
+_DENIED = Huh.of(HuhCode.DENIED, NOT_APPROVED).to_bytes()
 
 
-class DurableWaits:
-    def __init__(self, pump: Pump, clock: Callable[[], float] = time.time) -> None:
-        self._pump = pump
+class WaitPlan(NamedTuple):
+    """What one wait's step asks of the pump, applied in this order: `event` (a
+    security event: kind and fields) is reported; `client` (client, thread, core
+    payload) is sent to a client; `answer` is applied as a handler's outcome is, for
+    `listener`'s call `frame` at `hops` (its envelopes re-enter, its notice goes to a
+    holder, its frame ends); `dispatch`, an approved message, is queued once `own`
+    (the approval's own transaction) has committed, or at once without one.
+    `approval` names the decision `own` records, for the log."""
+
+    answer: ResponsePlan = _NOTHING
+    listener: Listener | None = None
+    frame: Frame | None = None
+    hops: int = 0
+    client: tuple[str, str, bytes] | None = None
+    dispatch: Message | None = None
+    own: Transaction | None = None
+    approval: str = ""
+    event: tuple[str, dict[str, str]] | None = None
+
+
+NOTHING = WaitPlan()
+
+
+class Waits:
+    """The pending timers, handler state and parked messages of one pump. `fire` is
+    called with the entries that are due (the pump opens a batch and asks `due` what
+    each does); `registry` holds the frames they wait on."""
+
+    def __init__(self, registry: ThreadRegistry, settings: PumpConfig,
+                 fire: Callable[[list[Deadline], float], None],
+                 clock: Callable[[], float] = time.time) -> None:
+        self._registry = registry
         self.clock = clock
-        self.book = StateBook(pump.settings.max_state_bytes_per_thread)
+        self.book = StateBook(settings.max_state_bytes_per_thread)
         self.timers: dict[str, TimerRow] = {}
         self.parked: dict[str, ApprovalRow] = {}
         # What is parked, counted as the gate (pump/gate.py) bounds it.
-        self.counts = ParkedCounts(pump.settings.max_parked_bytes,
-                                   pump.settings.max_parked_bytes_per_client)
+        self.counts = ParkedCounts(settings.max_parked_bytes,
+                                   settings.max_parked_bytes_per_client)
         self._timers_of: dict[str, set[str]] = {}  # conversation -> timer ids
         self._timer_owner: dict[str, str] = {}  # conversation with timers -> its client
         self._timers_by_owner: dict[str, int] = {}  # client -> pending timers
         self.live: set[tuple[str, str]] = set()  # (kind, id) still pending
         self.holds: dict[str, int] = {}  # frame uuid -> pending timers and parked messages
-        self.deadlines = DeadlineScheduler(self._fire, self.live, clock)
+        self.deadlines = DeadlineScheduler(fire, self.live, clock)
         metrics.approvals_pending.set_function(lambda: len(self.parked))
 
     @property
@@ -118,23 +150,24 @@ class DurableWaits:
     # ---- timers -----------------------------------------------------------------
 
     def set_timer(self, req: TimerRequest, msg: Message, listener: Listener, frame: Frame,
-                  hops: int, batch: Batch | None) -> ResponsePlan:
-        """The timer tool answered `wait`: keep the call open, durable with this step."""
+                  hops: int, batch: Batch | None) -> WaitPlan:
+        """The timer tool answered `wait`: keep the call open, durable with this step;
+        past the limits on pending timers the call fails `huh denied`."""
         conversation = frame.root.uuid
         if (len(self._timers_of.get(conversation, ())) >= req.max_pending
                 or len(self.timers) >= MAX_TIMERS
                 or self._timers_by_owner.get(frame.root.owner, 0) >= MAX_TIMERS_PER_CLIENT):
-            self._pump._security_event("tool-denied", {
-                "listener": listener.name, "cause": "too many pending timers", "thread":
-                conversation, "pending": str(len(self.timers))})
-            return plan_failure(msg, frame, HuhCode.DENIED)
+            return WaitPlan(plan_failure(msg, frame, HuhCode.DENIED), listener, frame, hops,
+                            event=("tool-denied", {
+                                "listener": listener.name, "cause": "too many pending timers",
+                                "thread": conversation, "pending": str(len(self.timers))}))
         now = self.clock()
         row = TimerRow(new_approval_id(), conversation, frame.uuid, listener.name,
                        now + req.seconds, req.note, hops, now)
         self._add_timer(row, frame.root.owner)
         if batch is not None:
             batch.tx.timer_put(row)
-        return _NOTHING
+        return NOTHING
 
     def _add_timer(self, row: TimerRow, owner: str) -> None:
         self.timers[row.id] = row
@@ -160,29 +193,33 @@ class DurableWaits:
             batch.tx.timer_delete(timer_id)
         return row
 
-    def _fire_timer(self, timer_id: str, now: float, batch: Batch | None) -> None:
+    def _fire_timer(self, timer_id: str, now: float, batch: Batch | None) -> WaitPlan:
+        """A due timer answers its call with `woke`, which re-enters as the call's
+        answer (and ends the call once taken); a timer whose call ended is dropped."""
         row = self._drop_timer(timer_id, batch)
         if row is None:
-            return
-        pump = self._pump
-        frame = pump.registry.get(row.frame)
+            return NOTHING
+        frame = self._registry.get(row.frame)
         caller = None if frame is None else frame.parent
         listener = None if frame is None else frame.profile.table.listeners.get(row.listener)
         if (frame is None or caller is None or listener is None or frame.state is not _ACTIVE
                 or frame.root.state is not _ACTIVE):
             log.info("timer cancelled: its call ended timer=%s thread=%s", row.id,
                      row.conversation)
-            return
+            return NOTHING
         body = _WOKE.to_bytes(Woke(note=row.note, late=is_late(row.due, now)))
         data = build_envelope(listener.name, caller.uuid, body, to=caller.holder)
-        if pump._reenter(data, listener, caller, frame, True, row.hops, batch):
-            pump._end(frame, ThreadEvent.ANSWERED, batch)
+        answer = ResponsePlan([data], caller, True, None, b"", None, ThreadEvent.ANSWERED)
+        return WaitPlan(answer, listener, frame, row.hops)
 
     # ---- approval gates ---------------------------------------------------------
 
-    def park(self, msg: Message, gate: Park, batch: Batch | None) -> ApprovalRow:
+    def park(self, msg: Message, gate: Park, batch: Batch | None, tell_owner: bool
+             ) -> tuple[ApprovalRow, WaitPlan]:
         """Park `msg` instead of dispatching it, as `gate` decided; its thread's owner
-        is told."""
+        is told unless `tell_owner` is False (a peer organism: everything it is sent on
+        a call's thread is taken as the call's answer, so its call waits for the
+        outcome instead, or its call_timeout_s)."""
         frame = msg.frame
         root = frame.root
         payload = c14n(msg.payload)
@@ -198,109 +235,41 @@ class DurableWaits:
             tx.approval_put(row)
             self._audit(tx, "approval-request", row, {"sender": row.sender,
                                                       "approvers": ",".join(row.approvers)})
-        self._to_owner(row, approval_required(row), batch)
+        plan = NOTHING
+        if tell_owner:
+            plan = self._to_owner(row, approval_required(row), batch)
         # Only the envelope is held until the decision: it is what runs; the payload
         # bytes were for the owner and the hash, both done.
         self.parked[row.id] = row._replace(payload=b"")
         log.info("message parked for approval approval=%s listener=%s %s", row.id,
                  row.listener, frame.log_ids)
-        return row
+        return row, plan
 
-    def admit_parked(self, client: str, msg: Message, gate: Park, new: bool,
-                     wait: bool) -> SubmitResult | Any:
-        """A client's envelope for a gated listener: journaled as received (not
-        pending: the approval row holds it) and parked, in one transaction; the
-        client gets `accepted`, then `approval-required`."""
-        pump = self._pump
-        frame = msg.frame
-        kernel = pump.kernel
-        if kernel is None:
-            pump._seq += 1
-            pump._emit_core(client, frame.uuid, Accepted(frame.uuid, pump._seq).to_bytes())
-            self.park(msg, gate, None)
-            return SubmitResult(frame.uuid, seq=pump._seq)
-        tx = kernel.transaction()
-        if new:
-            tx.thread_put(thread_row(frame))
-            frame.persisted = True
-        seq = tx.journal(thread=frame.uuid, direction="in", kind="parked", handler="",
-                         sender=client, tag=msg.payload.tag, payload=msg.envelope,
-                         profile=frame.profile.name)
-        batch = Batch(tx, pump.deliver)
-        row = self.park(msg, gate, batch)
-        accepted = build_envelope(CORE, frame.uuid, Accepted(frame.uuid, seq).to_bytes(),
-                                  to=client)
-        batch.post.insert(0, (client, frame.uuid, accepted, None))
-        loop = pump._loop
-        outcome = loop.create_future() if wait and loop is not None else None
-
-        def admitted(exc: BaseException | None) -> None:
-            result = SubmitResult(frame.uuid, seq=seq)
-            if exc is None:
-                batch.committed(None)
-            else:
-                log.error("journal unavailable, refusing client=%s: %s", client, exc)
-                self._unpark(row.id)
-                result = pump._refuse_client(client, frame.uuid, HuhCode.INTERNAL)
-            if outcome is not None and not outcome.done():
-                outcome.set_result(result)
-
-        kernel.commit_then(tx, admitted)
-        return outcome if outcome is not None else SubmitResult(frame.uuid, seq=seq)
-
-    def client_decision(self, client: str, env: Envelope, data: bytes,
-                        decision: Decision) -> SubmitResult:
-        """A client's `approve`/`deny`: `accepted` and the outcome, or `huh
-        unroutable` (and a security event) if it may not stand."""
-        pump = self._pump
-        thread = env.thread
-        why = self.decide(decision, data)
-        if why is not None:
-            metrics.envelopes_rejected.labels(HuhCode.UNROUTABLE.value).inc()
-            pump._emit_core(client, thread, Huh.of(HuhCode.UNROUTABLE).to_bytes())
-            return SubmitResult(thread, code=HuhCode.UNROUTABLE)
-        return SubmitResult(thread, seq=0)
-
-    def decide(self, decision: Decision, envelope: bytes | None = None) -> str | None:
-        """Apply a decision (a client's, whose `envelope` is journaled, or an
-        operator's): None if it stood, else why not (logged; a security event)."""
+    def refusal(self, decision: Decision) -> tuple[str, dict[str, str]] | None:
+        """Why `decision` may not stand, with the fields of its `approval-refused`
+        security event; None if it stands."""
         row = self.parked.get(decision.approval)
         why = judge(row, decision, self.clock())
-        if why is not None:
-            self._pump._security_event("approval-refused", {
-                "approval": decision.approval[:64], "by": decision.by, "cause": why,
-                "thread": decision.thread or (row.conversation if row is not None else ""),
-                "client": decision.client or ""})
-            return why
-        assert row is not None
+        if why is None:
+            return None
+        return why, {
+            "approval": decision.approval[:64], "by": decision.by, "cause": why,
+            "thread": decision.thread or (row.conversation if row is not None else ""),
+            "client": decision.client or ""}
+
+    def decide(self, decision: Decision, batch: Batch | None, kernel: Kernel | None
+               ) -> WaitPlan:
+        """Apply a decision that `refusal` let stand (a client's or an operator's)."""
+        row = self.parked[decision.approval]
         event = ApprovalEvent.APPROVE if decision.approve else ApprovalEvent.DENY
-        pump = self._pump
-        batch = pump._open()
-        self.settle(row, event, decision.by, decision.reason, batch)
-        if decision.client is not None:
-            # The decider is told its decision was taken, before what it causes.
-            thread = decision.thread or row.conversation
-            seq = 0
-            if batch is not None and envelope is not None:
-                seq = batch.tx.journal(thread=thread, direction="in", kind="decision",
-                                       sender=decision.client, tag="decision",
-                                       payload=envelope)
-            note = build_envelope(CORE, thread, Accepted(thread, seq).to_bytes(),
-                                  to=decision.client)
-            if batch is None:
-                pump.deliver(decision.client, thread, note, None)
-            else:
-                batch.post.insert(0, (decision.client, thread, note, None))
-        pump._close(batch, None)
-        return None
+        return self.settle(row, event, decision.by, decision.reason, batch, kernel)
 
     def settle(self, row: ApprovalRow, event: ApprovalEvent, by: str, reason: str,
-               batch: Batch | None) -> None:
+               batch: Batch | None, kernel: Kernel | None) -> WaitPlan:
         """Close a parked message: dispatch it once (approved) or tell its caller
         `huh denied` "not approved"."""
-        self._unpark(row.id)
-        pump = self._pump
-        frame = pump.registry.get(row.frame)
+        self.unpark(row.id)
+        frame = self._registry.get(row.frame)
         alive = (frame is not None and frame.state is _ACTIVE
                  and frame.root.state is _ACTIVE)
         if not alive and event is ApprovalEvent.APPROVE:
@@ -309,7 +278,6 @@ class DurableWaits:
         metrics.approvals_total.labels(row.listener, outcome.value).inc()
         # An approval is its own transaction, and the message runs only once it has
         # committed: a crash before leaves it pending, after, the journal resumes it.
-        kernel = pump.kernel
         own = kernel.transaction() if outcome is ApprovalState.APPROVED and kernel else None
         tx = own if own is not None else (batch.tx if batch is not None else None)
         if tx is not None:
@@ -320,35 +288,22 @@ class DurableWaits:
                  row.id, row.listener, by, row.conversation)
         if frame is None or not alive:
             if row.frame == row.conversation:  # the caller is the client: still told
-                pump._emit_core(row.owner, row.conversation, Huh.of(
-                    HuhCode.DENIED, NOT_APPROVED).to_bytes(), batch)
-            return
+                return WaitPlan(client=(row.owner, row.conversation, _DENIED))
+            return NOTHING
         if outcome is not ApprovalState.APPROVED:
-            pump._reenter_core(frame, Huh.of(HuhCode.DENIED, NOT_APPROVED).to_bytes(),
-                               row.hops, batch)
-            return
-        msg = self._route_again(row, frame, batch)
-        if own is None or kernel is None:
-            if msg is not None:
-                pump._enqueue(msg, None)
-            return
-        if msg is not None:
+            return WaitPlan(ResponsePlan((), None, False, frame, _DENIED, None, None),
+                            None, frame, row.hops)
+        msg = self._route_again(row, frame)
+        if isinstance(msg, HuhCode):  # refused: the code its sender is answered
+            answer = ResponsePlan((), None, False, frame, Huh.of(msg).to_bytes(), msg, None)
+            return WaitPlan(answer, None, frame, row.hops, own=own, approval=row.id)
+        if own is not None:
             msg.seq = journal_message(own, msg, approved=True)
+        return WaitPlan(dispatch=msg, own=own, approval=row.id)
 
-        def decided(exc: BaseException | None) -> None:
-            if exc is not None:
-                log.error("approval not recorded (still pending in the kernel) approval=%s: "
-                          "%s", row.id, exc)
-            elif msg is not None:
-                pump._scheduler.put(msg)
-
-        kernel.commit_then(own, decided)
-
-    def _route_again(self, row: ApprovalRow, frame: Frame, batch: Batch | None
-                     ) -> Message | None:
+    def _route_again(self, row: ApprovalRow, frame: Frame) -> Message | HuhCode:
         """As if it had just arrived: routed again against the thread's table (and the
-        sender's peers); a refusal goes to the sender."""
-        pump = self._pump
+        sender's peers); a refusal is the code its sender is answered."""
         from_client = frame.is_root and row.sender == frame.owner
         sender = None if from_client else frame.profile.table.listeners.get(row.sender)
         try:
@@ -360,8 +315,7 @@ class DurableWaits:
         except Rejection as rej:
             log.info("approved message no longer routable approval=%s detail=%s", row.id,
                      rej.detail)
-            pump._huh_to(frame, rej.code, row.hops, batch)
-            return None
+            return rej.code
         msg.hops = row.hops
         return msg
 
@@ -371,7 +325,7 @@ class DurableWaits:
         self.live.add((APPROVAL, row.id))
         count_up(self.holds, row.frame)
 
-    def _unpark(self, approval_id: str) -> None:
+    def unpark(self, approval_id: str) -> None:
         row = self.parked.pop(approval_id, None)
         if row is None:
             return
@@ -381,20 +335,22 @@ class DurableWaits:
 
     # ---- the end of a conversation, recovery, the scheduler -----------------------
 
-    def conversation_ended(self, conversation: str, batch: Batch | None) -> None:
+    def conversation_ended(self, conversation: str, batch: Batch | None) -> list[WaitPlan]:
+        """Its timers cancelled, its handler state dropped, its parked messages
+        denied: what that sends, as plans."""
         for timer_id in list(self._timers_of.get(conversation, ())):
             self._drop_timer(timer_id, batch)
         if self.book.drop(conversation) and batch is not None:
             batch.tx.state_drop(conversation)
-        for approval_id in list(self.counts.ids_of.get(conversation, ())):
-            self.settle(self.parked[approval_id], ApprovalEvent.THREAD_ENDED, "thread-ended",
-                        "", batch)
+        return [self.settle(self.parked[approval_id], ApprovalEvent.THREAD_ENDED,
+                            "thread-ended", "", batch, None)
+                for approval_id in list(self.counts.ids_of.get(conversation, ()))]
 
     async def recover(self, kernel: Kernel) -> None:
         """Load what was pending before the restart; timers whose call no longer
         exists are cancelled, approvals due meanwhile expire at the first round."""
         self.book.load(await kernel.handler_state())
-        registry = self._pump.registry
+        registry = self._registry
         stale: list[str] = []
         for timer in await kernel.timers():
             frame = registry.get(timer.frame)
@@ -414,33 +370,27 @@ class DurableWaits:
         if self.parked:
             log.info("approvals pending at recovery count=%d", len(self.parked))
 
-    def _fire(self, due: list[Deadline], now: float) -> None:
-        pump = self._pump
-        batch = pump._open()
-        for entry in due:
-            if entry.kind == TIMER:
-                self._fire_timer(entry.id, now, batch)
-            else:
-                row = self.parked.get(entry.id)
-                if row is not None:
-                    self.settle(row, ApprovalEvent.EXPIRE, "deadline", "", batch)
-        pump._close(batch, None)
+    def due(self, entry: Deadline, now: float, batch: Batch | None, kernel: Kernel | None
+            ) -> WaitPlan:
+        """What a due entry does: a timer answers its call, an approval expires."""
+        if entry.kind == TIMER:
+            return self._fire_timer(entry.id, now, batch)
+        row = self.parked.get(entry.id)
+        if row is None:
+            return NOTHING
+        return self.settle(row, ApprovalEvent.EXPIRE, "deadline", "", batch, kernel)
 
-    def _to_owner(self, row: ApprovalRow, payload: bytes, batch: Batch | None) -> None:
-        """A core frame for the thread's owner, through the durable outbox. Not for a
-        peer organism: everything it is sent on a call's thread is taken as the call's
-        answer, so its call waits for the outcome instead (or its call_timeout_s)."""
-        if row.owner in self._pump.gateways:
-            return
-        data = build_envelope(CORE, row.conversation, payload, to=row.owner)
+    def _to_owner(self, row: ApprovalRow, payload: bytes, batch: Batch | None) -> WaitPlan:
+        """A core frame for the thread's owner, through the durable outbox."""
         if batch is None:
-            self._pump.deliver(row.owner, row.conversation, data, None)
-            return
+            return WaitPlan(client=(row.owner, row.conversation, payload))
+        data = build_envelope(CORE, row.conversation, payload, to=row.owner)
         tx = batch.tx
         tx.journal(thread=row.conversation, direction="out", kind="reply", handler=row.owner,
                    sender=CORE, tag="approval-required", payload=data)
         oid = tx.outbox_put(row.owner, row.conversation, data)
         batch.post.append((row.owner, row.conversation, data, oid))
+        return NOTHING
 
     @staticmethod
     def _audit(tx: Transaction, kind: str, row: ApprovalRow, fields: dict[str, str]) -> None:
