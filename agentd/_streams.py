@@ -35,7 +35,7 @@ SendFn = Callable[[str, str, bytes], None]  # (client, thread, envelope bytes)
 BusyFn = Callable[[str], bool]  # is the client's connection still writing?
 
 BUFFER_BYTES = 256 * 1024
-KEPT_STREAMS = 1024
+KEPT_STREAMS = 128  # at most 32 MiB of buffered previews for resumes
 OPTED_IN_THREADS = 4096
 
 
