@@ -37,6 +37,9 @@ class HandlerMetadata:
     _after_commit: Any = field(default=None, repr=False, compare=False)
     # The hops of the message's causal chain so far (a federation call carries them).
     _hops: int = field(default=0, repr=False, compare=False)
+    # A core message (ack, huh) answering one of the handler's calls: the listener
+    # that call went to ("" when unknown). Platform handlers only (an agent's calls).
+    _about: str = field(default="", repr=False, compare=False)
 
     @property
     def state(self) -> StateView:
@@ -79,6 +82,8 @@ class HandlerResponse:
     payload: Any = None
     to: str | None = None
     kind: ResponseKind = ResponseKind.SEND
+    # BROADCAST: every payload goes to each of them; SEND: payload i goes to
+    # targets[i] ("": routed by its key alone), see `addressed`.
     targets: tuple[str, ...] = field(default=())
     error_code: HuhCode | None = None
     error_message: str = ""
@@ -88,6 +93,13 @@ class HandlerResponse:
     def respond(cls, payload: Any) -> HandlerResponse:
         """Send `payload` back up the call chain to the caller."""
         return cls(payload, kind=ResponseKind.RESPOND)
+
+    @classmethod
+    def addressed(cls, payload: Any, to: Sequence[str]) -> HandlerResponse:
+        """Send the payloads of `payload` (several elements, or a list) each to the
+        listener named at its position in `to` ("": routed by its key alone), so a
+        payload class that several peers take reaches only the one meant."""
+        return cls(payload, kind=ResponseKind.SEND, targets=tuple(to))
 
     @classmethod
     def broadcast(cls, payload: Any, to: Sequence[str]) -> HandlerResponse:

@@ -55,6 +55,8 @@ class Reply:
     gap_s: float = 0.0
     cut_after: int | None = None
     events: list[str] | None = None
+    # Native tool calls: (call id, tool name, arguments as JSON text), in order.
+    calls: Sequence[tuple[str, str, str]] = ()
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class Conversation:
     def blocks(self) -> list[Block]:
         out: list[Block] = []
         for role, content in self.messages:
-            if role == "user":
+            if role in ("user", "tool"):
                 out += [Block(int(m[2]), m[3], m[4]) for m in _BLOCK.finditer(content)]
         return out
 
@@ -111,6 +113,8 @@ class Seen:
             return False
 
     def conversation(self) -> Conversation:
+        """Either protocol as (role, text) pairs; a tool result is a ("tool", text)
+        pair of its own, right where the protocol puts it."""
         body = self.json
         if self.protocol == "anthropic":
             system = body.get("system", "")
@@ -118,7 +122,67 @@ class Seen:
         else:
             system = "\n".join(m["content"] for m in body["messages"] if m["role"] == "system")
             msgs = [m for m in body["messages"] if m["role"] != "system"]
-        return Conversation(system, tuple((m["role"], m["content"]) for m in msgs))
+        pairs: list[tuple[str, str]] = []
+        for m in msgs:
+            content = m["content"]
+            if isinstance(content, list):  # Anthropic blocks
+                for b in content:
+                    if b["type"] == "tool_result":
+                        pairs.append(("tool", b["content"]))
+                text = "".join(b["text"] for b in content if b["type"] == "text")
+                if text or not any(b["type"] == "tool_result" for b in content):
+                    pairs.append((m["role"], text))
+            else:
+                pairs.append((m["role"], content or ""))
+        return Conversation(system, tuple(pairs))
+
+    def calls(self) -> list[tuple[str, str]]:
+        """Every tool call of the request's assistant messages: (id, name)."""
+        out: list[tuple[str, str]] = []
+        for m in self.json["messages"]:
+            if self.protocol == "openai":
+                out += [(c["id"], c["function"]["name"]) for c in m.get("tool_calls") or ()]
+            elif isinstance(m["content"], list):
+                out += [(b["id"], b["name"]) for b in m["content"] if b["type"] == "tool_use"]
+        return out
+
+    def orphans(self) -> list[str]:
+        """What a provider answers 400 to: a tool call whose result does not follow
+        its message directly, or a result whose call is not in the message before."""
+        problems: list[str] = []
+        msgs = [m for m in self.json["messages"] if m["role"] != "system"]
+        for i, m in enumerate(msgs):
+            if self.protocol == "openai":
+                ids = [c["id"] for c in m.get("tool_calls") or ()]
+                follow = []
+                for n in msgs[i + 1:]:
+                    if n["role"] != "tool":
+                        break
+                    follow.append(n["tool_call_id"])
+                if m["role"] == "assistant" and sorted(ids) != sorted(follow):
+                    problems.append(f"message {i}: calls {ids}, results after it {follow}")
+                if m["role"] == "tool":
+                    j = i
+                    while j > 0 and msgs[j - 1]["role"] == "tool":
+                        j -= 1
+                    owner = msgs[j - 1] if j else {}
+                    if m["tool_call_id"] not in [c["id"] for c in owner.get("tool_calls") or ()]:
+                        problems.append(f"message {i}: result {m['tool_call_id']} without call")
+            else:
+                blocks = m["content"] if isinstance(m["content"], list) else []
+                ids = [b["id"] for b in blocks if b["type"] == "tool_use"]
+                nxt = msgs[i + 1]["content"] if i + 1 < len(msgs) else []
+                follow = [b["tool_use_id"] for b in (nxt if isinstance(nxt, list) else ())
+                          if b["type"] == "tool_result"]
+                if ids and sorted(ids) != sorted(follow):
+                    problems.append(f"message {i}: calls {ids}, results after it {follow}")
+                prev_blocks = msgs[i - 1]["content"] if i else []
+                called = [b["id"] for b in (prev_blocks if isinstance(prev_blocks, list) else ())
+                          if b["type"] == "tool_use"]
+                for b in blocks:
+                    if b["type"] == "tool_result" and b["tool_use_id"] not in called:
+                        problems.append(f"message {i}: result {b['tool_use_id']} without call")
+        return problems
 
 
 Script = Callable[[Seen], "Reply | str"] | Sequence["Reply | str"]
@@ -309,22 +373,34 @@ class FakeLLM:
             )
             tokens_out = (
                 reply.output_tokens if reply.output_tokens is not None
-                else len(reply.text) // 4 + 1
+                else (len(reply.text) + sum(len(a) + len(n) for _, n, a in reply.calls)) // 4
+                + 1
             )
             if self.protocol == "openai":
+                message: dict[str, Any] = {"role": "assistant", "content": reply.text or None}
+                if reply.calls:
+                    message["tool_calls"] = [
+                        {"id": i, "type": "function", "function": {"name": n, "arguments": a}}
+                        for i, n, a in reply.calls]
                 obj: dict[str, Any] = {
                     "id": f"chatcmpl-{len(self.requests)}", "object": "chat.completion",
                     "model": self.model,
-                    "choices": [{"index": 0, "finish_reason": "stop",
-                                 "message": {"role": "assistant", "content": reply.text}}],
+                    "choices": [{"index": 0,
+                                 "finish_reason": "tool_calls" if reply.calls else "stop",
+                                 "message": message}],
                     "usage": {"prompt_tokens": tokens_in, "completion_tokens": tokens_out,
                               "total_tokens": tokens_in + tokens_out},
                 }
             else:
+                content: list[dict[str, Any]] = (
+                    [{"type": "text", "text": reply.text}] if reply.text or not reply.calls
+                    else [])
+                content += [{"type": "tool_use", "id": i, "name": n, "input": _input(a)}
+                            for i, n, a in reply.calls]
                 obj = {
                     "id": f"msg_{len(self.requests)}", "type": "message", "role": "assistant",
-                    "model": self.model, "content": [{"type": "text", "text": reply.text}],
-                    "stop_reason": "end_turn",
+                    "model": self.model, "content": content,
+                    "stop_reason": "tool_use" if reply.calls else "end_turn",
                     "usage": {"input_tokens": tokens_in, "output_tokens": tokens_out},
                 }
             body = json.dumps(obj).encode()
@@ -332,6 +408,15 @@ class FakeLLM:
                 "content-type: application/json", f"content-length: {len(body)}"]
         head += [f"{k}: {v}" for k, v in reply.headers.items()]
         return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+def _input(arguments: str) -> Any:
+    """A call's `input` as Anthropic sends it: the object; arguments that are not
+    JSON as a string (what a broken model or proxy could send)."""
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 # ---- scripts for agents --------------------------------------------------------------
@@ -355,11 +440,19 @@ def numbers(text: str) -> list[int]:
     return [int(x) for x in re.findall(r"-?\d+", inner.group(1) if inner else text)]
 
 
-def tutor_script(seen: Seen) -> str:
-    """The demo tutor: "what is (A + B) * C?" -> add, then multiply, then the answer."""
+def tutor_script(seen: Seen) -> Reply | str:
+    """The demo tutor: "what is (A + B) * C?" -> add, then multiply, then the answer;
+    with provider tools offered, as native tool calls, else as XML payloads."""
     conv = seen.conversation()
     a, b, c = numbers(conv.task)[:3]
     sums = values(conv.results)
+    if "tools" in seen.json and len(sums) < 2:
+        n = len(seen.calls()) + 1
+        if not sums:
+            return Reply(f"First I add {a} and {b}.", calls=[
+                (f"call_{n}", "calculator__add", json.dumps({"a": a, "b": b}))])
+        return Reply("Now I multiply.", calls=[
+            (f"call_{n}", "calculator__multiply", json.dumps({"a": sums[0], "b": c}))])
     if not sums:
         return (
             f"First I add {a} and {b}.\n```xml\n<add xmlns=\"{ADD_NS}\"><a>{a}</a><b>{b}</b>"

@@ -80,8 +80,9 @@ def test_the_manifesto_is_first_and_variables_are_resolved() -> None:
     assert prompt.system_prompt.startswith(MANIFESTO_TEXT.strip())
     assert prompt.blocks == (MANIFESTO, "tutor_base")
     core = prompt.core
-    # tool definitions come from the peers' generated tool-prompt fragments
-    assert "### calculator.add: Adds two integers." in core
+    # tool definitions come from the peers' generated tool-prompt fragments, named by
+    # their provider tool names too (auto: native calls, XML where a backend has none)
+    assert "### calculator__add (calculator.add): Adds two integers." in core
     assert f'<add xmlns="{ADD}"><a>42</a><b>42</b></add>' in core
     assert "Answers with: <sum>" in core
     assert "{tool_definitions}" not in core

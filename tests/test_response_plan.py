@@ -138,6 +138,21 @@ def test_send_goes_out_on_the_handlers_own_frame(call: Call) -> None:
     assert (sender, to, thread) == ("calculator.add", "worker.a", call.add.uuid)
 
 
+def test_addressed_payloads_each_go_to_the_listener_named_for_them(call: Call) -> None:
+    raw = spec_of(Work).to_bytes(Work(seq=1)) + spec_of(Work).to_bytes(Work(seq=2))
+    plan = plan_response(call.request, call.listener, call.add,
+                         HandlerResponse.addressed(raw, ["worker.b", ""]), FANOUT)
+    assert [payload_of(e)[1] for e in plan.envelopes] == ["worker.b", None]
+    assert plan.adopted is not None and [to for _, to in plan.adopted] == ["worker.b", None]
+
+
+def test_addressees_that_do_not_match_the_payloads_are_refused(call: Call) -> None:
+    plan = plan_response(call.request, call.listener, call.add,
+                         HandlerResponse.addressed([Work(seq=1)], ["worker.a", "worker.b"]),
+                         FANOUT)
+    assert plan.envelopes == () and plan.rejected is HuhCode.INVALID_PAYLOAD
+
+
 def test_broadcast_is_one_envelope_per_target_and_payload(call: Call) -> None:
     plan = plan_response(call.request, call.listener, call.add,
                          HandlerResponse.broadcast([Work(seq=1), Work(seq=2)],

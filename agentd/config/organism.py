@@ -119,6 +119,21 @@ class OrganismConfig:
     def _listeners_by_name(self) -> Mapping[str, ListenerConfig]:
         return {lst.name: lst for lst in self.listeners}
 
+    def isolation_of(self, lst: ListenerConfig) -> sections.IsolationConfig | None:
+        """The isolation a handler or agent listener runs under: its own `isolation:`,
+        else that of the first profile listing it that has one; None for a tool
+        (tools confine themselves) or when it runs in the daemon (`process: false`)."""
+        if lst.tool is not None or (lst.handler is None and lst.agent is None):
+            return None
+        iso = lst.isolation
+        if iso is None:
+            for profile in self.profiles.values():
+                members = profile.listeners
+                if profile.isolation is not None and (members == "all" or lst.name in members):
+                    iso = profile.isolation
+                    break
+        return iso if iso is not None and iso.process else None
+
 
 # ------------------------------------------------------------------------ entry points
 

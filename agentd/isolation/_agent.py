@@ -242,6 +242,7 @@ def catalogue_of(wire: Mapping[str, Any]) -> ToolCatalogue:
 @dataclass(frozen=True)
 class _Completion:
     text: str
+    calls: tuple[Any, ...] = ()  # an isolated agent calls with XML: never native calls
 
 
 class WorkerSession:
@@ -276,9 +277,11 @@ class WorkerSession:
         self._request("begin")
 
     def record(self, thread: str, content: str, *, source: str, xml: bool = False,
-               notice: bool = False, seq: int = 0) -> bool:
+               notice: bool = False, seq: int = 0, call_id: str = "",
+               is_error: bool = False) -> bool:
         """The daemon records the call's own result (neither `content` nor `seq` is
-        sent: it has both): False when its restored history holds it already."""
+        sent: it has both): False when its restored history holds it already. An
+        isolated agent calls with XML: its results never carry a call id."""
         header, _ = self._request("record", {"notice": notice},
                                   content.encode() if notice else b"")
         return header.get("duplicate") is not True

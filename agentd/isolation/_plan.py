@@ -38,16 +38,8 @@ def effective_isolation(config: OrganismConfig) -> dict[str, IsolationConfig]:
     """Listener name -> its isolation, for the listeners that run in workers."""
     chosen: dict[str, IsolationConfig] = {}
     for lst in config.listeners:
-        if lst.tool is not None or (lst.handler is None and lst.agent is None):
-            continue  # tools confine themselves
-        iso = lst.isolation
-        if iso is None:
-            for profile in config.profiles.values():
-                members = profile.listeners
-                if profile.isolation is not None and (members == "all" or lst.name in members):
-                    iso = profile.isolation
-                    break
-        if iso is not None and iso.process:
+        iso = config.isolation_of(lst)
+        if iso is not None:
             chosen[lst.name] = iso
     return chosen
 

@@ -12,11 +12,23 @@ to the same handler on the same UUID. The loop, as an explicit state machine:
     WAITING  --the last result arrives--------------> THINKING
 
 An iteration is one model call; `max_iterations` counts them per task. Tool calls are
-returned to the pump as raw XML (one payload element each, `to` left empty): the
-pump routes them among the agent's peers and re-validates them like any handler
-output; what it refuses comes back as `huh` on this frame, for the model to correct.
-Blind self-iteration is a call to the agent's own root tag: it runs a sub-task in a
-fresh frame (its own counter), whose answer comes back here as a result.
+returned to the pump as raw XML (one payload element each), each addressed to the
+listener it is for (`HandlerResponse.addressed`: two peers taking one payload class
+never both get it): the pump routes them among the agent's peers and re-validates
+them like any handler output; what it refuses comes back as `huh` on this frame, for
+the model to correct. Blind self-iteration is a call to the agent's own root tag: it
+runs a sub-task in a fresh frame (its own counter), whose answer comes back here as
+a result.
+
+Native tool calls (the provider's `tools`): each call is decided (`_calls.decide`)
+into the payload for the listener its tool name maps to, or its error result, which
+is recorded at once under its call id. The results that come back are matched to
+their calls by the listener they answer for (its answer's sender, or the listener a
+core `huh`/`ack` is about), so a listener has at most one call of a reply in flight;
+a second call to it waits for the first's result. A reply's calls are in the task's
+durable history with it: after a crash, a message redelivered because its handling
+never committed sends what that handling would have sent (the same call ids), and
+the model is not asked again.
 """
 
 from __future__ import annotations
@@ -24,9 +36,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from enum import Enum
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from agentd._core import Ack, Answer, Huh
@@ -34,9 +47,10 @@ from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._threads import log_ids
 from agentd._xmlify import is_xmlified, to_xml
-from agentd.llm import LlmError
+from agentd.llm import LlmError, ToolCall, ToolResult
 from agentd.platform._budget import BudgetExceeded
-from agentd.platform._history import ASSISTANT, RESULT, HistoryFull
+from agentd.platform._calls import AddressedCall, PeerTool, decide, peer_tools
+from agentd.platform._history import ASSISTANT, RESULT, HistoryFull, Turn
 from agentd.platform._reply import parse_reply
 from agentd.platform._scope import IsolationError, bounded_answer
 
@@ -61,6 +75,12 @@ class TaskState:
     phase: Phase = Phase.THINKING
     iterations: int = 0
     pending: int = 0
+    # Native calls of the last reply: listener -> the call sent to it and not yet
+    # answered; the calls waiting for a listener's earlier call, in reply order.
+    in_flight: dict[str, str] = field(default_factory=dict)
+    queued: list[AddressedCall] = field(default_factory=list)
+    # A restored task: its history, for a message redelivered after a crash.
+    restored: tuple[Turn, ...] = ()
 
     # transitions (pure: no I/O)
 
@@ -69,6 +89,31 @@ class TaskState:
             self.pending -= 1
             if self.pending <= 0:
                 self.phase, self.pending = Phase.THINKING, 0
+
+    def sending(self, calls: Sequence[AddressedCall]) -> list[AddressedCall]:
+        """Native calls to send now: the first per listener; the rest queue."""
+        out: list[AddressedCall] = []
+        for call in calls:
+            if call.to in self.in_flight:
+                self.queued.append(call)
+            else:
+                self.in_flight[call.to] = call.call_id
+                out.append(call)
+        return out
+
+    def answered(self, about: str) -> tuple[str, list[AddressedCall]]:
+        """A result for the native call in flight to `about` (an unknown listener: the
+        oldest in flight): its call id, and the queued call to that listener that may
+        go now ("" and none when no native call is in flight)."""
+        if not self.in_flight:
+            return "", []
+        listener = about if about in self.in_flight else next(iter(self.in_flight))
+        call_id = self.in_flight.pop(listener)
+        nxt = next((c for c in self.queued if c.to == listener), None)
+        if nxt is None:
+            return call_id, []
+        self.queued.remove(nxt)
+        return call_id, self.sending([nxt])
 
     def may_think(self, max_iterations: int) -> bool:
         return self.phase is Phase.THINKING and self.iterations < max_iterations
@@ -141,15 +186,22 @@ class AgentLoop:
             state = self.tasks[thread] = TaskState()
         else:
             source, content, xml = render_result(payload, meta.from_id)
+            if state.restored and meta._seq and any(
+                    t.seq == meta._seq for t in state.restored):
+                # Redelivered after a crash: its result is in the history already, and
+                # what handling it sent never committed: send that again.
+                return await self._resume(thread, state, meta._seq)
+            call_id, follow = state.answered(meta._about or meta.from_id)
             try:
-                recorded = self.session.record(thread, content, source=source, xml=xml,
-                                               seq=meta._seq)
+                recorded = self.session.record(
+                    thread, content, source=source, xml=xml, seq=meta._seq,
+                    call_id=call_id, is_error=call_id != "" and isinstance(payload, Huh))
             except HistoryFull:
                 return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
             if recorded:  # else: in the restored history, and counted by _restore
                 state.result_arrived()
             if state.phase is Phase.WAITING:
-                return None  # more results to come
+                return self._send(follow) if follow else None  # more results to come
         return await self._think(thread, state)
 
     async def _think(self, thread: str, state: TaskState) -> HandlerResponse:
@@ -174,6 +226,13 @@ class AgentLoop:
             except Exception:  # an override violation, a bug: the task ends, loudly
                 log.exception("agent %s: task failed %s", self.name, self._ids(thread))
                 return self._fail(thread, HuhCode.INTERNAL)
+            if completion.calls:
+                sent = self._native(thread, state, completion.calls)
+                if isinstance(sent, HandlerResponse):
+                    return sent
+                if state.phase is Phase.FINISHED:  # the history could take no more
+                    return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
+                continue  # every call failed: the model reads the errors
             reply = parse_reply(completion.text, session.catalogue)
             calls, notices = list(reply.calls), list(reply.notices)
             if reply.unfolds:  # answered here, in the next turn: nothing goes out
@@ -191,9 +250,77 @@ class AgentLoop:
                 return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
             state.thought(len(calls), len(notices) + len(reply.unfolds))
             if calls:
-                return HandlerResponse(b"".join(calls))
+                return HandlerResponse.addressed(b"".join(calls), reply.to)
             if state.phase is Phase.FINISHED:
                 return self._answer(thread, reply.text)
+
+    @cached_property
+    def tools(self) -> dict[str, PeerTool]:
+        """Tool name -> peer, for the native calls of this agent's model."""
+        return peer_tools((t.peer, t.spec) for t in self.session.catalogue.tools
+                          if not t.is_self)
+
+    def _native(self, thread: str, state: TaskState, calls: Sequence[ToolCall]
+                ) -> HandlerResponse | None:
+        """The model's native calls: each decided; the error results recorded at once
+        under their call ids, the rest sent (the first per listener). None when
+        nothing went out (the model reads the errors next turn)."""
+        decided: list[AddressedCall | ToolResult] = [decide(c, self.tools) for c in calls]
+        if len(calls) > self.max_fanout:
+            decided = [ToolResult(c.id, f"error: {len(calls)} calls in one reply; at most "
+                       f"{self.max_fanout} are allowed. Nothing was sent.", True) for c in calls]
+        errors = [d for d in decided if isinstance(d, ToolResult)]
+        addressed = [d for d in decided if isinstance(d, AddressedCall)]
+        try:
+            for e in errors:
+                self.session.record(thread, e.content, source="platform", call_id=e.call_id,
+                                    is_error=True)
+        except HistoryFull:
+            state.finish()
+            return None
+        state.thought(len(addressed), len(errors))
+        return self._send(state.sending(addressed)) if addressed else None
+
+    @staticmethod
+    def _send(calls: Sequence[AddressedCall]) -> HandlerResponse:
+        return HandlerResponse.addressed(b"".join(c.payload for c in calls),
+                                         [c.to for c in calls])
+
+    async def _resume(self, thread: str, state: TaskState, seq: int) -> HandlerResponse | None:
+        """The message of journal seq `seq` came again: its handling did not commit, so
+        what it sent never went out. Send it again from the history: the calls of a
+        reply made after it (under their recorded ids), or the call that waited for
+        the result it carried."""
+        turns = state.restored
+        at = next(i for i, t in enumerate(turns) if t.seq == seq)
+        last = max((i for i, t in enumerate(turns) if t.kind == ASSISTANT), default=-1)
+        if last > at:  # the reply was made while handling it
+            if turns[last].calls:
+                return self._send([c for c in self._open_calls(turns, last)
+                                   if state.in_flight.get(c.to) == c.call_id])
+            reply = parse_reply(turns[last].content, self.session.catalogue)
+            return HandlerResponse.addressed(b"".join(reply.calls), reply.to) \
+                if reply.calls and state.phase is Phase.WAITING else None
+        answered = turns[at]
+        if last >= 0 and answered.call_id:
+            listener = next((c.to for c in self._decided(turns[last].calls)
+                             if c.call_id == answered.call_id), None)
+            waiting = state.in_flight.get(listener or "")
+            if waiting is not None:
+                return self._send([c for c in self._open_calls(turns, last)
+                                   if c.call_id == waiting])
+        if state.phase is Phase.THINKING:  # it was the last result: the model's turn
+            return await self._think(thread, state)
+        return None
+
+    def _decided(self, calls: Sequence[ToolCall]) -> list[AddressedCall]:
+        return [d for d in (decide(c, self.tools) for c in calls)
+                if isinstance(d, AddressedCall)]
+
+    def _open_calls(self, turns: Sequence[Turn], last: int) -> list[AddressedCall]:
+        """The native calls of reply `last` that have no result in `turns`."""
+        done = {t.call_id for t in turns[last + 1:] if t.kind == RESULT and t.call_id}
+        return [c for c in self._decided(turns[last].calls) if c.call_id not in done]
 
     async def _restore(self, thread: str) -> TaskState | None:
         """A result for a task this process does not know: after a restart, rebuild the
@@ -203,13 +330,19 @@ class AgentLoop:
         if turns is None:
             return None
         replies = [i for i, t in enumerate(turns) if t.kind == ASSISTANT]
-        state = TaskState(iterations=len(replies))
+        state = TaskState(iterations=len(replies), restored=turns)
         if replies:
             last = replies[-1]
-            calls = len(parse_reply(turns[last].content, self.session.catalogue).calls)
-            done = sum(1 for t in turns[last + 1:] if t.kind == RESULT)
-            if calls > done:
-                state.phase, state.pending = Phase.WAITING, calls - done
+            if turns[last].calls:  # native: the calls without a result are open
+                open_calls = self._open_calls(turns, last)
+                state.sending(open_calls)
+                if open_calls:
+                    state.phase, state.pending = Phase.WAITING, len(open_calls)
+            else:
+                calls = len(parse_reply(turns[last].content, self.session.catalogue).calls)
+                done = sum(1 for t in turns[last + 1:] if t.kind == RESULT)
+                if calls > done:
+                    state.phase, state.pending = Phase.WAITING, calls - done
         log.info("agent %s: task restored %s iterations=%d pending=%d",
                  self.name, self._ids(thread), state.iterations, state.pending)
         self.tasks[thread] = state

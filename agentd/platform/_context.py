@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from functools import lru_cache
 
-from agentd.llm import ChatMessage, Role
+from agentd.llm import ChatMessage, Role, ToolCall, ToolResult
 from agentd.platform._prompts import FACT_LINE, AgentPrompt, PromptRegistry, fact_key
 
 
@@ -69,6 +69,17 @@ class Fragment:
     # A schema-checked payload (a task, a result), neutralised as XML: its element
     # names come from the schema, not from whoever wrote the payload.
     xml: bool = False
+    # Native tool calling: the provider tool calls of a reply; the call a result
+    # answers (its content then goes back as that call's tool result).
+    calls: tuple[ToolCall, ...] = ()
+    call_id: str = ""
+    is_error: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """UTF-8 bytes of what the fragment puts in a request (its calls included)."""
+        return len(self.content.encode()) + sum(
+            len(c.id) + len(c.name) + len(c.arguments.encode()) + 32 for c in self.calls)
 
 
 @dataclass(frozen=True)
@@ -314,31 +325,53 @@ def assemble(
 ) -> AssembledContext:
     """Lay out the six layers: the system slot holds layers 1-2; the first user
     message holds layers 3, 4 and 6 (in priority order, each in its data block);
-    then layer 5 turn by turn, the model's replies as assistant messages."""
+    then layer 5 turn by turn, the model's replies as assistant messages.
+
+    A reply's provider tool calls ride on its assistant message, and their results
+    (each in its data block) on the next user message, under their call ids. A
+    call is never shown without its result nor a result without its call (a
+    provider refuses both): a result whose call is not in the reply just before it
+    is shown as text, and a call left without a result gets an error result."""
     first = [*shared, task, *memories]
     messages: list[ChatMessage] = [
         ChatMessage("user", "\n\n".join(block(f, nonce) for f in first))
     ]
     layers: list[tuple[Layer, ...]] = [tuple(dict.fromkeys(f.layer for f in first))]
     pending: list[Fragment] = []
+    open_calls: dict[str, None] = {}  # the calls of the last reply, not yet answered
 
     def flush() -> None:
-        if pending:
-            messages.append(ChatMessage("user", "\n\n".join(block(f, nonce) for f in pending)))
+        results: list[ToolResult] = []
+        texts: list[str] = []
+        for f in pending:
+            if f.call_id and f.call_id in open_calls:
+                del open_calls[f.call_id]
+                results.append(ToolResult(f.call_id, block(f, nonce), f.is_error))
+            else:
+                texts.append(block(f, nonce))
+        results += [ToolResult(c, block(Fragment(
+            Layer.WORKING, "error: this call was not made", "platform"), nonce), True)
+            for c in open_calls]
+        open_calls.clear()
+        if texts or results:
+            messages.append(ChatMessage("user", "\n\n".join(texts), results=tuple(results)))
             layers.append((Layer.WORKING,))
-            pending.clear()
+        pending.clear()
 
     for fragment in working:
         if fragment.role == "assistant":
-            flush()
+            if pending or open_calls:
+                flush()
             if messages[-1].role == "assistant":  # two replies in a row: keep alternation
                 pending.append(Fragment(Layer.WORKING, "(no result yet)", "platform"))
                 flush()
-            messages.append(ChatMessage("assistant", fragment.content))
+            messages.append(ChatMessage("assistant", fragment.content, fragment.calls))
+            open_calls.update(dict.fromkeys(c.id for c in fragment.calls))
             layers.append((Layer.WORKING,))
         else:
             pending.append(fragment)
-    flush()
+    if pending or open_calls:
+        flush()
     if messages[-1].role == "assistant":
         pending.append(Fragment(Layer.WORKING, "(continue)", "platform"))
         flush()
@@ -384,6 +417,12 @@ def validate_no_override(
             bodies: list[str] = []
             rest: list[str] = []
             pos = 0
+            for result in msg.results:  # each one data block, whole
+                m = blocks.fullmatch(result.content)
+                if m is None or m.group(1) != nonce:
+                    problems.append(f"{where}: a tool result outside a data block")
+                else:
+                    bodies.append(m.group(3))
             for m in blocks.finditer(msg.content):
                 if m.group(1) != nonce:
                     continue  # not this call's block: what it holds counts as outside

@@ -13,10 +13,13 @@ a thread's history back from the database.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from agentd.llm import ToolCall
 
 if TYPE_CHECKING:
     from agentd.kernel import Kernel
@@ -38,22 +41,54 @@ class Turn:
     # For results: the journal seq of the message that carried it (0: none), the same
     # when that message is redelivered after a crash, so it is recorded once.
     seq: int = 0
+    # Native tool calling: a reply's provider tool calls (their ids are durable with
+    # it: a call id becomes at most one message); a result's call id and whether it
+    # is an error result.
+    calls: tuple[ToolCall, ...] = ()
+    call_id: str = ""
+    is_error: bool = False
+
+    @property
+    def native(self) -> bool:
+        return bool(self.calls or self.call_id)
 
     @property
     def role_label(self) -> str:
-        """The slot's role as stored by the kernel: `kind[:source][+xml][@seq]`."""
+        """The slot's role as stored by the kernel: `kind[:source][+xml][+call][@seq]`
+        (`+call`: the content is JSON holding the text and the calls, or the result
+        and its call id)."""
         label = f"{self.kind}:{self.source}" if self.source else self.kind
-        return label + ("+xml" if self.xml else "") + (f"@{self.seq}" if self.seq else "")
+        return (label + ("+xml" if self.xml else "") + ("+call" if self.native else "")
+                + (f"@{self.seq}" if self.seq else ""))
+
+    def slot(self) -> tuple[str, bytes]:
+        """(role label, content bytes) as the kernel stores the turn."""
+        if not self.native:
+            return self.role_label, self.content.encode()
+        body: dict[str, Any] = {"text": self.content}
+        if self.calls:
+            body["calls"] = [[c.id, c.name, c.arguments] for c in self.calls]
+        if self.call_id:
+            body["call"], body["error"] = self.call_id, self.is_error
+        return self.role_label, json.dumps(body, ensure_ascii=False).encode()
 
     @classmethod
     def from_slot(cls, role: str, content: bytes) -> Turn:
         role, at, seq = role.rpartition("@") if "@" in role else (role, "", "")
         if at and not seq.isdigit():  # not ours: keep the label whole
             role, seq = f"{role}@{seq}", ""
+        native = role.endswith("+call")
+        role = role.removesuffix("+call")
         xml = role.endswith("+xml")
         role = role.removesuffix("+xml")
         kind, _, source = role.partition(":")
-        return cls(kind, content.decode("utf-8", "replace"), source, xml, int(seq or 0))
+        text = content.decode("utf-8", "replace")
+        if not native:
+            return cls(kind, text, source, xml, int(seq or 0))
+        body = json.loads(text)
+        calls = tuple(ToolCall(str(i), str(n), str(a)) for i, n, a in body.get("calls", ()))
+        return cls(kind, str(body["text"]), source, xml, int(seq or 0), calls,
+                   str(body.get("call", "")), bool(body.get("error", False)))
 
 
 class HistoryStore(Protocol):
@@ -102,7 +137,7 @@ class KernelHistoryStore:
 
         tx = self._kernel.transaction()
         try:
-            tx.context_append(thread, turn.role_label, turn.content.encode())
+            tx.context_append(thread, *turn.slot())
             fut = self._kernel.commit(tx)
         except ContextLimitExceeded as exc:
             raise HistoryFull(str(exc)) from None

@@ -23,6 +23,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -51,7 +52,17 @@ from agentd.context import (
     replan,
     text_vectors,
 )
-from agentd.llm import ChatMessage, LlmRequest, LlmResponse, LlmRouter, Role, TextSink
+from agentd.llm import (
+    ChatMessage,
+    LlmRequest,
+    LlmResponse,
+    LlmRouter,
+    Role,
+    TextSink,
+    ToolCall,
+    ToolSpec,
+)
+from agentd.llm.tools import AUTO
 from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
 from agentd.platform._context import (
     AssembledContext,
@@ -148,6 +159,7 @@ class Completion:
     cached: bool
     request_key: str
     transport_s: float = 0.0  # time waiting on the backend (the rest is platform overhead)
+    calls: tuple[ToolCall, ...] = ()  # the reply's provider tool calls (native tool calling)
 
 
 @dataclass(frozen=True)
@@ -395,9 +407,10 @@ class Platform:
         )
         for event in prepared.events:
             self._report(task.agent, thread, event, task.reported)
-        seg = task.context.add(Part(turn.kind, turn.content, turn.source, turn.xml),
+        seg = task.context.add(Part(turn.kind, part_text(turn), turn.source, turn.xml),
                                Fragment(Layer.WORKING, prepared.content, source, role,
-                                        xml=turn.xml))
+                                        xml=turn.xml, calls=turn.calls,
+                                        call_id=turn.call_id, is_error=turn.is_error))
         if not persist:
             return
         if turn.kind == ASSISTANT:
@@ -415,15 +428,16 @@ class Platform:
 
     def record(
         self, agent: str, thread: str, content: str, source: str, xml: bool, notice: bool = False,
-        seq: int = 0,
+        seq: int = 0, call_id: str = "", is_error: bool = False,
     ) -> bool:
         """Add a result (or a notice) to the task's history; False when the result of
         message `seq` is already there (its message redelivered after a crash: the
-        model sees each result once)."""
+        model sees each result once). `call_id`: the provider tool call it answers."""
         task = self._own(agent, thread)
         if seq and seq in task.restored:
             return False
-        turn = Turn(NOTICE if notice else RESULT, content, source, xml, seq)
+        turn = Turn(NOTICE if notice else RESULT, content, source, xml, seq,
+                    call_id=call_id, is_error=is_error)
         self.history.append(thread, turn)
         self._working(task, thread, turn)
         return True
@@ -562,7 +576,13 @@ class Platform:
         return ctx, prompt
 
     def _request_tokens(self, ctx: AssembledContext, backend: str) -> int:
-        return self.tokens.estimate(_request_bytes(ctx.system, ctx.messages), backend)
+        tools = self.offered_tools(ctx.agent)
+        return self.tokens.estimate(_request_bytes(ctx.system, ctx.messages, tools), backend)
+
+    def offered_tools(self, agent: str) -> tuple[ToolSpec, ...]:
+        """The provider tools sent with `agent`'s requests (native tool calling; none
+        with `tool_calling: xml`)."""
+        return self._registry.get(agent).provider_tools
 
     def _check_budget(self, agent: str, thread: str, ctx: AssembledContext) -> None:
         cfg = self._agents[agent]
@@ -627,6 +647,7 @@ class Platform:
             temperature=cfg.temperature,
             nonce=ctx.nonce,
             agent=agent, organism=self.config.name,
+            tools=prompt.provider_tools, tools_optional=cfg.tool_calling == AUTO,
         )
         meter = Meter(agent, thread, self._scopes(agent, thread),
                       fields={"prompt_sha256": prompt.sha256})
@@ -648,15 +669,17 @@ class Platform:
         if thread in self._tasks:  # what was unfolded has been shown
             self._tasks[thread].context.unpin()
         if not response.cached:
-            self.tokens.observe(response.backend,
-                                -(-_request_bytes(request.system, request.messages) // 4),
-                                response.input_tokens)
-        turn = Turn(ASSISTANT, response.text)
+            self.tokens.observe(response.backend, -(-_request_bytes(
+                request.system, request.messages, request.tools) // 4), response.input_tokens)
+        # The reply's calls are durable with it: after a crash they are sent under the
+        # same ids or not at all, never asked for again.
+        calls = () if response.without_tools else response.calls
+        turn = Turn(ASSISTANT, response.text, calls=calls)
         self.history.append(thread, turn)
         self._working(self._tasks[thread], thread, turn)
         return Completion(
             response.text, response.input_tokens, response.output_tokens, response.backend,
-            response.cached, request.key, response.transport_s,
+            response.cached, request.key, response.transport_s, calls,
         )
 
     async def fill(
@@ -771,10 +794,32 @@ SUMMARY_PROMPT = (
 )
 
 
-def _request_bytes(system: str, messages: Sequence[ChatMessage]) -> int:
-    """UTF-8 size of a request's system prompt and messages, with a few bytes for each
-    message's framing."""
-    return len(system.encode()) + sum(len(m.content.encode()) + 16 for m in messages)
+def _request_bytes(system: str, messages: Sequence[ChatMessage],
+                   tools: Sequence[ToolSpec] = ()) -> int:
+    """UTF-8 size of a request's system prompt, messages (tool calls and results
+    included) and tool definitions, with a few bytes for each message's framing."""
+    size = len(system.encode()) + sum(len(m.content.encode()) + 16 for m in messages)
+    for m in messages:
+        if m.calls or m.results:
+            size += sum(len(c.arguments.encode()) + len(c.id) + len(c.name) + 32
+                        for c in m.calls)
+            size += sum(len(r.content.encode()) + len(r.call_id) + 32 for r in m.results)
+    return size + sum(tool_bytes(t) for t in tools)
+
+
+def tool_bytes(tool: ToolSpec) -> int:
+    """What one provider tool definition adds to a request, in UTF-8 bytes."""
+    return (len(tool.name) + len(tool.description.encode())
+            + len(json.dumps(tool.parameters, separators=(",", ":")).encode()) + 32)
+
+
+def part_text(turn: Turn) -> str:
+    """A turn as its segment keeps it (what relevance, summaries and unfold read):
+    a reply's provider tool calls are written after its text."""
+    if not turn.calls:
+        return turn.content
+    calls = "\n".join(f"[tool call {c.id}: {c.name} {c.arguments}]" for c in turn.calls)
+    return f"{turn.content}\n{calls}" if turn.content else calls
 
 
 class AgentSession:
@@ -801,9 +846,10 @@ class AgentSession:
 
     def record(
         self, thread: str, content: str, *, source: str, xml: bool = False, notice: bool = False,
-        seq: int = 0,
+        seq: int = 0, call_id: str = "", is_error: bool = False,
     ) -> bool:
-        return self._platform.record(self.agent, thread, content, source, xml, notice, seq)
+        return self._platform.record(self.agent, thread, content, source, xml, notice, seq,
+                                     call_id, is_error)
 
     async def restore(self, thread: str) -> tuple[Turn, ...] | None:
         return await self._platform.restore(self.agent, thread)

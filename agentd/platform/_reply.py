@@ -58,6 +58,9 @@ class ParsedReply:
     notices: tuple[str, ...]  # local `huh`s for the model, one per refused candidate
     text: str  # the prose that remains
     unfolds: tuple[int, ...] = ()  # segments asked back with core `unfold`
+    # The listener each call is addressed to ("": routed by its key alone: an intent,
+    # or an element of no tool of this agent, which the pump refuses).
+    to: tuple[str, ...] = ()
 
     @property
     def is_answer(self) -> bool:
@@ -111,6 +114,7 @@ def _example(tool: Tool) -> str:
 def parse_reply(text: str, catalogue: ToolCatalogue) -> ParsedReply:
     text = _THINK.sub("", text)
     calls: list[bytes] = []
+    to: list[str] = []
     notices: list[str] = []
     unfolds: list[int] = []
     prose: list[str] = []
@@ -153,7 +157,9 @@ def parse_reply(text: str, catalogue: ToolCatalogue) -> ParsedReply:
         taken += 1
         kind, value = outcome
         if kind == "call":
-            calls.append(value.encode() if isinstance(value, str) else value)
+            payload, addressee = value if isinstance(value, tuple) else (value, "")
+            calls.append(payload.encode() if isinstance(payload, str) else payload)
+            to.append(addressee)
         elif kind == "unfold":
             unfolds.append(int(value))
         else:
@@ -163,7 +169,7 @@ def parse_reply(text: str, catalogue: ToolCatalogue) -> ParsedReply:
     wrapped = _ANSWER_WRAP.match(remaining)
     if wrapped is not None:
         remaining = wrapped.group(1).strip()
-    return ParsedReply(tuple(calls), tuple(notices), remaining, tuple(unfolds))
+    return ParsedReply(tuple(calls), tuple(notices), remaining, tuple(unfolds), tuple(to))
 
 
 def _candidate(
@@ -173,8 +179,10 @@ def _candidate(
     declared: re.Match[str] | None,
     closed: bool,
     catalogue: ToolCatalogue,
-) -> tuple[str, bytes | str] | None:
-    """('call', c14n bytes) | ('notice', text) | None (not a call: leave as prose)."""
+) -> tuple[str, Any] | None:
+    """('call', (c14n bytes, to)) | ('call', c14n bytes) | ('notice', text) | None (not
+    a call: leave as prose). A tool's payload is addressed to its listener; when
+    several of the agent's tools take it, the element's `to` attribute says which."""
     tool: Tool | None = None
     if declared is None and ":" not in name and local == "unfold" and not (
             catalogue.by_local.get(local)):
@@ -226,6 +234,16 @@ def _candidate(
         if not key.startswith("{"):
             return None
         return "call", c14n(el)  # not ours to judge: the pump refuses it
+    peers = catalogue.peers_of.get(key, (tool.peer,))
+    named = el.attrib.pop("to", None)
+    if named is not None and named not in peers:
+        return "notice", (f"huh invalid-payload: your <{tool.spec.tag}> call was not sent: "
+                          f"to=\"{named}\" is none of your tools that take it "
+                          f"({', '.join(peers)}).")
+    if named is None and len(peers) > 1:
+        return "notice", (f"huh invalid-payload: your <{tool.spec.tag}> call was not sent: "
+                          f"several of your tools take it ({', '.join(peers)}); write "
+                          f"to=\"NAME\" on the element to say which.")
     if not tool.spec.schema.validate(el):
         error = tool.spec.schema.error_log.last_error
         detail = error.message.rstrip(".") if error is not None else "does not match the schema"
@@ -234,4 +252,4 @@ def _candidate(
             f"{detail}." + ("" if closed else " (The element was not closed.)")
             + f" A valid call looks like: {_example(tool)}"
         )
-    return "call", c14n(el)
+    return "call", (c14n(el), named or peers[0])

@@ -74,7 +74,7 @@ class TaskContext:
         seg = self.memory.add(part)
         shown = self.fragments.setdefault(seg.id, [])
         shown.append(fragment)
-        expanded = sum(len(f.content.encode()) + BLOCK_FRAME for f in shown)
+        expanded = sum(f.nbytes + BLOCK_FRAME for f in shown)
         stub = len(seg.stub().encode()) + BLOCK_FRAME
         if seg.id > len(self._expanded):
             self._expanded.append(expanded)

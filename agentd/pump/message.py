@@ -31,6 +31,7 @@ class Message:
     """A message admitted into the pump. Everything but `payload` is trusted."""
 
     __slots__ = (
+        "about",
         "envelope",
         "frame",
         "hops",
@@ -65,6 +66,10 @@ class Message:
         self.seq = seq  # its journal entry, 0 if not journaled (or no kernel)
         self.redelivered = redelivered
         self.hops = 0  # handler invocations on the causal chain before this message
+        # A core message (ack, huh) that answers a call: the listener the call went to,
+        # so a caller with several calls open knows which one it answers ("": unknown,
+        # e.g. after a restart; it is not journaled).
+        self.about = ""
 
 
 @dataclass(frozen=True)

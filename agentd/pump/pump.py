@@ -535,7 +535,7 @@ class Pump:
         )
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
                                self.waits.book, frame.root.uuid, None, msg.seq,
-                               _hops=msg.hops)
+                               _hops=msg.hops, _about=msg.about)
         result = await self._invoker.call(listener, payload, meta, frame.root.uuid)
         batch = self._open()
         if meta._after_commit is not None:  # a platform handler acts once its output is durable
@@ -578,7 +578,10 @@ class Pump:
         if plan.notice_to is not None:
             if plan.rejected is not None:
                 metrics.envelopes_rejected.labels(plan.rejected.value).inc()
-            self._reenter_core(plan.notice_to, plan.notice, hops, batch)
+            # Whatever the notice says, it is about `listener`'s call (an ack or huh
+            # for its caller) or its own output: a caller with calls open knows which.
+            self._reenter_core(plan.notice_to, plan.notice, hops, batch,
+                               listener.name if listener is not None else "")
         taken = True
         thread = plan.thread
         adopted = plan.adopted
@@ -753,9 +756,11 @@ class Pump:
         for its bad output goes (so an LLM agent can correct itself). `built`: the
         pump built it around a serializer's payload (a `ResponsePlan`'s envelopes;
         `parse_built_envelope`); `adopted`: the payload element and `to` it was built
-        from, parsed strictly out of raw output (`adopt_envelope`: no second parse)."""
+        from, parsed strictly out of raw output (`adopt_envelope`: no second parse).
+        A refusal's `huh` names the listener the envelope was addressed to (`about`)."""
+        about = (adopted[1] if adopted is not None else None) or ""
         if self._scheduler.queued >= self._hard_cap:
-            self._huh_to(own, HuhCode.RATE_LIMITED, hops, batch)
+            self._huh_to(own, HuhCode.RATE_LIMITED, hops, batch, about)
             return False
         try:
             if adopted is not None:
@@ -764,6 +769,7 @@ class Pump:
             else:
                 env = (parse_built_envelope if built else parse_envelope)(
                     data, max_bytes=self.max_envelope_bytes, shape=self.shape)
+            about = env.to or ""
             if env.thread != frame.uuid or env.sender != listener.name:  # pragma: no cover
                 raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
             if respond:
@@ -774,11 +780,11 @@ class Pump:
                 gated = gate(msg, frame.profile.table.gates, self.waits.counts)
                 if not isinstance(gated, Pass):
                     msg.hops = hops
-                    return self._hold(msg, gated, own, hops, batch)
+                    return self._hold(msg, gated, own, hops, batch, about)
         except PrivilegedOnBus:
             self._security_event("priv-from-handler",
                                  {"listener": listener.name, "thread": frame.root.uuid})
-            self._huh_to(own, HuhCode.UNROUTABLE, hops, batch)
+            self._huh_to(own, HuhCode.UNROUTABLE, hops, batch, about)
             return False
         except Rejection as rej:
             if isinstance(rej, Violation):
@@ -787,19 +793,19 @@ class Pump:
                 self._security_event(rej.event, {**rej.fields, "thread": frame.root.uuid})
             log.info("handler output rejected listener=%s code=%s %s detail=%s",
                      listener.name, rej.code.value, own.log_ids, rej.detail)
-            self._huh_to(own, rej.code, hops, batch)
+            self._huh_to(own, rej.code, hops, batch, about)
             return False
         msg.hops = hops
         self._enqueue(msg, batch)
         return True
 
     def _hold(self, msg: Message, gated: Park | Deny, own: Frame, hops: int,
-              batch: Batch | None) -> bool:
+              batch: Batch | None, about: str = "") -> bool:
         """A gated message: parked (True), or refused with `huh` to the holder of
         `own` and an `approval-limit` security event (False)."""
         if isinstance(gated, Deny):
             self._security_event("approval-limit", gated.event)
-            self._huh_to(own, gated.code, hops, batch)
+            self._huh_to(own, gated.code, hops, batch, about)
             return False
         self._park(msg, gated, batch)
         return True
@@ -810,12 +816,15 @@ class Pump:
         self._apply_wait(plan, batch)
         return row.id
 
-    def _huh_to(self, frame: Frame, code: HuhCode, hops: int, batch: Batch | None) -> None:
+    def _huh_to(self, frame: Frame, code: HuhCode, hops: int, batch: Batch | None,
+                about: str = "") -> None:
         metrics.envelopes_rejected.labels(code.value).inc()
-        self._reenter_core(frame, Huh.of(code).to_bytes(), hops, batch)
+        self._reenter_core(frame, Huh.of(code).to_bytes(), hops, batch, about)
 
-    def _reenter_core(self, frame: Frame, payload: bytes, hops: int, batch: Batch | None) -> None:
-        """A core payload (ack/huh) for the holder of `frame`, re-entering like any output."""
+    def _reenter_core(self, frame: Frame, payload: bytes, hops: int, batch: Batch | None,
+                      about: str = "") -> None:
+        """A core payload (ack/huh) for the holder of `frame`, re-entering like any
+        output; `about`: the listener of the holder's call it answers, if one."""
         data = build_envelope(CORE, frame.uuid, payload, to=frame.holder)
         try:
             env = parse_built_envelope(data)
@@ -824,6 +833,7 @@ class Pump:
             log.info("core message dropped %s detail=%s", frame.log_ids, rej.detail)
             return
         msg.hops = hops
+        msg.about = about
         self._enqueue(msg, batch)
 
     def _stop_chain(self, root: Frame, code: HuhCode, why: str, batch: Batch | None) -> None:

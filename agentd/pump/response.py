@@ -138,9 +138,17 @@ def plan_response(
                             None, ThreadEvent.ANSWERED if active else None, adopted)
     uuid = frame.uuid
     if kind is not ResponseKind.BROADCAST:
-        to = result.to
-        envelopes = [build_envelope(name, uuid, body, to=to) for body in bodies]
-        adopted = None if elements is None else [(el, to) for el in elements]
+        if result.targets:  # `addressed`: one `to` per payload
+            if len(result.targets) != len(bodies):
+                log.warning("bad handler output listener=%s detail=%d payloads for %d "
+                            "addressees", listener.name, len(bodies), len(result.targets))
+                return _huh(frame, HuhCode.INVALID_PAYLOAD)
+            tos: list[str | None] = [t or None for t in result.targets]
+        else:
+            tos = [result.to] * len(bodies)
+        envelopes = [build_envelope(name, uuid, body, to=to) for body, to in zip(
+            bodies, tos, strict=True)]
+        adopted = None if elements is None else list(zip(elements, tos, strict=True))
         return ResponsePlan(envelopes, frame, False, None, b"", None, None, adopted)
     # A broadcast sends each payload to several listeners: each message gets a tree
     # of its own, parsed from its bytes (messages never share an element).

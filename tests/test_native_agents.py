@@ -1,0 +1,359 @@
+"""Native tool calling end to end: an agent whose model calls its peers through the
+provider's `tools` (OpenAI chat completions, Anthropic Messages), against fake
+providers on loopback, through the pump (`agentd.testing.Harness`). Each call goes to
+the listener its tool name maps to and no other, comes back under its call id, fails
+as that call's error result without dispatch, survives a crash between the reply and
+its dispatch under the same id, and stays with its result through the librarian."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentd._handler import HandlerMetadata, ResponseKind
+from agentd.kernel import Kernel
+from agentd.platform import PromptRegistry, make_agent_handlers
+from agentd.platform.demo import MathQuestion
+from agentd.tools.calculator import Sum
+from tests.llm_servers import (
+    FakeLLM,
+    Reply,
+    Seen,
+    load,
+    openai_backend,
+    organism_yaml,
+    values,
+)
+from tests.test_agents import answered, kinds, organism
+
+PROTOCOLS = ["openai", "anthropic"]
+FILES_NS = "https://xml-pipeline.org/ns/tools/file-read/v1"
+
+
+def call(i: str, name: str, **arguments: Any) -> tuple[str, str, str]:
+    return (i, name, json.dumps(arguments))
+
+
+def results(seen: Seen) -> dict[str, tuple[str, bool]]:
+    """Call id -> (result text, is an error) of every tool result in the request."""
+    out: dict[str, tuple[str, bool]] = {}
+    for m in seen.json["messages"]:
+        if seen.protocol == "openai" and m["role"] == "tool":
+            text = m["content"]
+            out[m["tool_call_id"]] = (text, text.startswith("error:"))
+        elif seen.protocol == "anthropic" and isinstance(m["content"], list):
+            for b in m["content"]:
+                if b["type"] == "tool_result":
+                    out[b["tool_use_id"]] = (b["content"], b["is_error"])
+    return out
+
+
+def data(text: str) -> str:
+    """The content of a result's data block."""
+    m = re.search(r"\u27e7\n(.*)\n\u27e6", text, re.DOTALL)
+    assert m is not None, text
+    return m.group(1)
+
+
+def native(protocol: str, script: Any) -> FakeLLM:
+    return FakeLLM(protocol, script)
+
+
+# ---- one call, several calls ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_call_goes_to_its_listener_and_its_result_comes_back_under_its_id(
+        protocol: str) -> None:
+    script = [Reply("Adding.", calls=[call("c1", "calculator__add", a=2, b=40)]),
+              Reply("It is 42.")]
+    async with FakeLLM(protocol, script) as server, \
+            organism(organism_yaml(openai_backend(server))) as (h, _):
+        frames = await h.send("alice", MathQuestion(text="2 + 40?"))
+    assert answered(frames) == "It is 42."
+    first, second = server.requests
+    names = [t["function"]["name"] if protocol == "openai" else t["name"]
+             for t in first.json["tools"]]
+    assert names == ["calculator__add", "calculator__multiply", "echo"]
+    text, error = results(second)["c1"]
+    assert not error
+    # the answer's payload as C14N XML, in its data block
+    assert data(text) == ('<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1">'
+                          "<value>42</value></sum>")
+    assert second.orphans() == [] and second.calls() == [("c1", "calculator__add")]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_parallel_calls_each_get_their_own_result_even_to_one_listener(
+        protocol: str) -> None:
+    """Three calls in one reply, two of them to calculator.add: each result comes back
+    under its own call's id (a listener's second call waits for its first)."""
+    script = [Reply(calls=[call("a1", "calculator__add", a=2, b=3),
+                           call("m1", "calculator__multiply", a=6, b=7),
+                           call("a2", "calculator__add", a=40, b=60)]),
+              Reply("done")]
+    async with FakeLLM(protocol, script) as server, \
+            organism(organism_yaml(openai_backend(server))) as (h, _):
+        frames = await h.send("alice", MathQuestion(text="several"))
+    assert answered(frames) == "done"
+    got = {i: values([type("B", (), {"content": data(t)})()])  # type: ignore[list-item]
+           for i, (t, _) in results(server.requests[1]).items()}
+    assert got == {"a1": [5], "m1": [42], "a2": [100]}
+    assert server.requests[1].orphans() == []
+
+
+async def test_arguments_that_are_not_json_or_fail_the_schema_are_errors_and_not_sent(
+        caplog: pytest.LogCaptureFixture) -> None:
+    script = [Reply(calls=[("bad1", "calculator__add", "{a: 2"),
+                           call("bad2", "calculator__add", a="two", b=1),
+                           call("bad3", "shell", cmd="id")]),
+              Reply("I could not.")]
+    for protocol in PROTOCOLS:
+        caplog.clear()
+        async with FakeLLM(protocol, script) as server, \
+                organism(organism_yaml(openai_backend(server))) as (h, _):
+            with caplog.at_level(logging.DEBUG, logger="agentd"):
+                frames = await h.send("alice", MathQuestion(text="2 + 2?"))
+        assert answered(frames) == "I could not."
+        got = results(server.requests[1])
+        assert all(error for _, error in got.values())
+        assert ("the arguments are not JSON" if protocol == "openai"
+                else "the arguments must be a JSON object") in got["bad1"][0]
+        assert "do not match the tool's schema" in got["bad2"][0] and "'two'" in got["bad2"][0]
+        assert "no tool named 'shell'" in got["bad3"][0]
+        if protocol == "openai":
+            assert all(t.startswith("error: ") for t, _ in got.values())
+        # nothing reached the calculator
+        assert not [r for r in caplog.records if "calculator.add" in r.getMessage()
+                    and "handler" in r.getMessage()]
+        assert server.requests[1].orphans() == []
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_call_the_pump_refuses_is_that_calls_error_result(protocol: str) -> None:
+    """A peer outside the conversation's profile: the pump refuses the call (`huh
+    unroutable`), and the model gets it as the error result of that call."""
+    extra = """\
+  - name: secret
+    payload_class: agentd.tools.echo:Echo
+    response_class: agentd.tools.echo:EchoReply
+    handler: agentd.tools.echo:echo
+    description: Not in the public profile.
+"""
+    text = organism_yaml("{name: m, provider: replay, cassette: /dev/null}",
+                         peers="[calculator.add, secret]", extra_listeners=extra)
+    # a1 goes first: the refusal of s1 is matched by the listener it is about, not
+    # taken for the answer of the oldest call in flight
+    script = [Reply(calls=[call("a1", "calculator__add", a=1, b=1),
+                           call("s1", "secret", text="hi")]), Reply("ok")]
+    async with FakeLLM(protocol, script) as server:
+        text = text.replace("{name: m, provider: replay, cassette: /dev/null}",
+                            openai_backend(server)).replace("model: m", "model: primary")
+        async with organism(text) as (h, _):
+            frames = await h.send("alice", MathQuestion(text="x"))
+    assert answered(frames) == "ok"
+    got = results(server.requests[1])
+    assert got["s1"][1] and "huh unroutable" in got["s1"][0]
+    assert not got["a1"][1] and "<value>2</value>" in got["a1"][0]
+
+
+# ---- two tools of one payload class (file-read twice) -----------------------------------
+
+
+def files_organism(backend: str, tmp_path: Path, agent: str = "") -> str:
+    for folder, content in (("n", "from notes"), ("p", "from pages")):
+        (tmp_path / folder).mkdir(exist_ok=True)
+        (tmp_path / folder / "a.txt").write_text(content)
+    extra = "".join(f"""\
+  - name: {name}
+    tool: {{kind: file-read, root: {json.dumps(str(tmp_path / name[0]))}}}
+""" for name in ("notes", "pages"))
+    text = organism_yaml(backend, peers="[notes, pages]", extra_listeners=extra, agent=agent)
+    return text.replace("listeners: [tutor, calculator.add, calculator.multiply, echo]",
+                        "listeners: [tutor, notes, pages]")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_two_file_tools_each_get_only_the_call_made_to_them(
+        protocol: str, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    script = [Reply(calls=[call("n1", "notes", path="a.txt"),
+                           call("p1", "pages", path="a.txt")]), Reply("read")]
+    async with FakeLLM(protocol, script) as server, \
+            organism(files_organism(openai_backend(server), tmp_path)) as (h, _):
+        with caplog.at_level(logging.INFO, logger="agentd"):
+            frames = await h.send("alice", MathQuestion(text="read a.txt twice"))
+    assert answered(frames) == "read"
+    got = results(server.requests[1])
+    assert "from notes" in got["n1"][0] and "from pages" not in got["n1"][0]
+    assert "from pages" in got["p1"][0] and "from notes" not in got["p1"][0]
+    assert not [r for r in caplog.records if "task that has ended" in r.getMessage()]
+
+
+async def test_an_xml_call_reaches_only_the_tool_it_names(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """XML mode: a <read-file> two of the agent's tools take went to both (the first
+    answer won, the second was dropped as `for a task that has ended`). Now it needs
+    `to=` naming one; without it nothing is sent and the model is told why."""
+    unnamed = f'<read-file xmlns="{FILES_NS}"><path>a.txt</path></read-file>'
+    named = f'<read-file xmlns="{FILES_NS}" to="pages"><path>a.txt</path></read-file>'
+    async with FakeLLM("openai", [unnamed, named, "read"]) as server:
+        config = files_organism(openai_backend(server), tmp_path, ", tool_calling: xml")
+        async with organism(config) as (h, _):
+            with caplog.at_level(logging.INFO, logger="agentd"):
+                frames = await h.send("alice", MathQuestion(text="read a.txt"))
+    assert answered(frames) == "read"
+    second = server.requests[1].conversation().results
+    assert len(second) == 1 and "several of your tools take it (notes, pages)" in (
+        second[0].content)
+    third = [b.content for b in server.requests[2].conversation().results]
+    assert sum("from pages" in c for c in third) == 1
+    assert not any("from notes" in c for c in third)
+    assert not [r for r in caplog.records if "task that has ended" in r.getMessage()]
+    system = server.requests[0].conversation().system
+    assert 'write `to="pages"` on the element to call this one' in system
+
+
+# ---- the prompt ---------------------------------------------------------------------------
+
+
+def test_native_prompts_describe_tools_once_and_xml_prompts_show_payloads() -> None:
+    backend = "{name: m, provider: replay, cassette: /dev/null}"
+    native_ = PromptRegistry.build(load(organism_yaml(
+        backend, agent=", tool_calling: native"))).get("tutor")
+    xml = PromptRegistry.build(load(organism_yaml(
+        backend, agent=", tool_calling: xml"))).get("tutor")
+    auto = PromptRegistry.build(load(organism_yaml(backend))).get("tutor")
+    add = '<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1">'
+    assert add not in native_.core and "tool-calling interface" in native_.core
+    assert "### calculator__add (calculator.add): Adds two integers." in native_.core
+    assert add in xml.core and "tool-calling interface" not in xml.core
+    assert xml.provider_tools == () and xml.tool_calling == "xml"
+    # auto: provider tools, and the payloads for a backend that refuses them
+    assert add in auto.core and "If a request offers no tools" in auto.core
+    assert len(auto.provider_tools) == 3 and len(native_.provider_tools) == 3
+
+
+# ---- auto against a backend without tools -------------------------------------------------
+
+
+async def test_auto_mode_agent_calls_with_xml_on_a_backend_that_refuses_tools(
+        caplog: pytest.LogCaptureFixture) -> None:
+    add = '<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>2</a><b>3</b></add>'
+
+    def script(seen: Seen) -> Reply | str:
+        if "tools" in seen.json:
+            return Reply(status=400, body=b'{"error": {"message": "tools unsupported"}}')
+        return add if not seen.conversation().results else "It is 5."
+
+    async with FakeLLM("openai", script) as server, \
+            organism(organism_yaml(openai_backend(server))) as (h, _):
+        frames = await h.send("alice", MathQuestion(text="2 + 3?"))
+    assert answered(frames) == "It is 5."
+    assert ["tools" in s.json for s in server.requests] == [True, False, False]
+
+
+# ---- the librarian keeps each call with its result ------------------------------------------
+
+
+def request_tokens(seen: Seen) -> int:
+    """The estimate of the whole request: system, messages, calls, results, tools."""
+    body = seen.json
+    size = len(json.dumps(body.get("tools", []), separators=(",", ":")).encode())
+    size += len(str(body.get("system", "")).encode())
+    for m in body["messages"]:
+        size += len(json.dumps(m["content"], ensure_ascii=False).encode()) + 16
+        size += len(json.dumps(m.get("tool_calls") or [], ensure_ascii=False).encode())
+    return math.ceil(size / 4)
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_long_native_task_through_eviction_never_shows_a_call_without_its_result(
+        protocol: str) -> None:
+    rounds = 14
+
+    def script(seen: Seen) -> Reply:
+        n = len(server.requests) - 1
+        if n >= rounds:
+            return Reply("done")
+        words = " ".join(f"word{n}-{k}" for k in range(60))
+        return Reply(f"Round {n}.", calls=[call(f"e{n}", "echo", text=f"round {n}: {words}")])
+
+    async with FakeLLM(protocol, script) as server:
+        agent = (", max_iterations: 40, context: {budget_tokens: 3200, fold_below: 0.99, "
+                 "keep_recent: 1, summarizer: extractive}")
+        async with organism(organism_yaml(openai_backend(server), agent=agent)) as (h, _):
+            frames = await h.send("alice", MathQuestion(text="echo a lot"))
+            assert answered(frames) == "done"
+    assert len(server.requests) == rounds + 1
+    shown = [len(s.calls()) for s in server.requests]
+    assert shown[-1] < rounds  # the librarian folded or evicted some of the calls
+    for seen in server.requests:
+        assert seen.orphans() == []
+        assert set(results(seen)) == {i for i, _ in seen.calls()}
+    stubs = [b for b in server.requests[-1].conversation().blocks
+             if b.source in ("evicted",) or b.source.startswith("folded:")]
+    assert stubs
+
+
+# ---- a crash between the model's reply and the dispatch -------------------------------------
+
+
+async def test_a_call_id_is_sent_once_across_a_crash_between_reply_and_dispatch(
+        tmp_path: Path) -> None:
+    """The model's reply (call m1) is in the durable history; the process dies before
+    the pump commits what the agent returned, so the result message that led to the
+    reply is delivered again: m1 is sent again under its id from the history, the
+    model is not asked again, and it sees m1 once, with its result."""
+    thread = "7d9e3f74-5dba-4e3f-9c79-4d3f2e5f6a71"
+    script = [Reply(calls=[call("a1", "calculator__add", a=2, b=3)]),
+              Reply(calls=[call("m1", "calculator__multiply", a=5, b=7)]),
+              Reply("It is 35.")]
+    async with FakeLLM("openai", script) as server:
+        config = load(organism_yaml(openai_backend(server)))
+        async with await Kernel.open(tmp_path) as kernel:
+            first = make_agent_handlers(config, kernel=kernel)
+            out = await first["tutor"](MathQuestion(text="(2 + 3) * 7?"),
+                                       HandlerMetadata(thread, "alice", "tutor", _seq=41))
+            assert out is not None and out.targets == ("calculator.add",)
+            out = await first["tutor"](Sum(value=5), HandlerMetadata(
+                thread, "calculator.add", "tutor", _seq=42))
+            assert out is not None and out.targets == ("calculator.multiply",)
+            lost = out.payload
+            await kernel.flush()
+            await first.platform.aclose()
+            # kill -9: nothing of that process runs again; message 42 comes back
+            second = make_agent_handlers(config, kernel=kernel)
+            again = await second["tutor"](Sum(value=5), HandlerMetadata(
+                thread, "calculator.add", "tutor", redelivered=True, _seq=42))
+            assert again is not None and again.kind is ResponseKind.SEND
+            assert again.targets == ("calculator.multiply",) and again.payload == lost
+            assert len(server.requests) == 2  # not asked again
+            done = await second["tutor"](Sum(value=35), HandlerMetadata(
+                thread, "calculator.multiply", "tutor", _seq=43))
+            await second.platform.aclose()
+    assert done is not None and done.kind is ResponseKind.RESPOND
+    last = server.requests[-1]
+    assert last.calls() == [("a1", "calculator__add"), ("m1", "calculator__multiply")]
+    assert last.orphans() == [] and "<value>35</value>" in results(last)["m1"][0]
+
+
+async def test_the_demo_tutor_calls_natively_through_its_cassette() -> None:
+    from agentd.config import load_config
+    from agentd.demo import DEMO_DIR
+    from agentd.testing import Harness
+
+    config = load_config(DEMO_DIR / "agent-demo.yaml")
+    handlers = make_agent_handlers(config)
+    async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
+                       durable=False) as h:
+        frames = await h.send("alice", MathQuestion(text="What is (2 + 3) * 7?"))
+    tape = (DEMO_DIR / "cassettes" / "agent-demo.jsonl").read_text()
+    await handlers.platform.aclose()
+    assert kinds(frames)[-1] == ("tutor", "answer") and "35" in answered(frames)
+    assert '"calls"' in tape and "calculator__add" in tape
