@@ -464,7 +464,9 @@ def tutor_script(seen: Seen) -> Reply | str:
 
 
 async def record_demo_cassette() -> None:  # pragma: no cover - a maintenance tool
-    """Re-record agentd/demo/cassettes/agent-demo.jsonl from the tutor script."""
+    """Re-record agentd/demo/cassettes/agent-demo.jsonl from the tutor script: each
+    question with native tool calls (the demo's `auto`), then with XML calls (what an
+    isolated tutor, or `tool_calling: xml`, sends)."""
     import dataclasses
 
     from agentd.config import load_config
@@ -473,23 +475,27 @@ async def record_demo_cassette() -> None:  # pragma: no cover - a maintenance to
     from agentd.testing import Harness
 
     cassette = DEMO_DIR / "cassettes" / "agent-demo.jsonl"
-    config = load_config(DEMO_DIR / "agent-demo.yaml")
+    demo = load_config(DEMO_DIR / "agent-demo.yaml")
+    cassette.unlink(missing_ok=True)
     async with FakeLLM("openai", tutor_script) as server:
-        assert config.llm is not None
-        live = dataclasses.replace(
-            config.llm.backends[0], provider="openai", base_url=server.base_url,
-            model="fake-1", cassette=None, record=cassette,
-        )
-        llm = dataclasses.replace(config.llm, backends=(live,))
-        config = dataclasses.replace(config, llm=llm)
-        cassette.unlink(missing_ok=True)
-        handlers = make_agent_handlers(config)
-        async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
-                           durable=False) as h:
-            for question in DEMO_QUESTIONS:
-                frames = await h.send("alice", MathQuestion(text=question))
-                print(frames[-1].decode())
-        await handlers.platform.aclose()
+        for mode in ("auto", "xml"):
+            assert demo.llm is not None
+            live = dataclasses.replace(
+                demo.llm.backends[0], provider="openai", base_url=server.base_url,
+                model="fake-1", cassette=None, record=cassette,
+            )
+            listeners = tuple(
+                dataclasses.replace(lst, agent=dataclasses.replace(lst.agent, tool_calling=mode))
+                if lst.agent is not None else lst for lst in demo.listeners)
+            config = dataclasses.replace(demo, llm=dataclasses.replace(demo.llm, backends=(
+                live,)), listeners=listeners)
+            handlers = make_agent_handlers(config)
+            async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
+                               durable=False) as h:
+                for question in DEMO_QUESTIONS:
+                    frames = await h.send("alice", MathQuestion(text=question))
+                    print(frames[-1].decode())
+            await handlers.platform.aclose()
 
 
 DEMO_QUESTIONS = ("What is (2 + 3) * 7?", "What is (40 + 2) * 10?")
