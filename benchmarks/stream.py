@@ -8,6 +8,9 @@ the time from the backend writing its first piece to the client reading its firs
 partial (median, p90, max, in ms: TLS, the daemon's SSE parsing, the preview's
 frame and the bus), the client's gaps between partials (p50, p99, in ms; the
 backend's gap is 20 ms), and partials per answer (fewer than 12 when coalesced).
+Then C conversations at once on one connection (1,000; 100 with --quick): the
+daemon's peak RSS, each conversation's p99 gap between partials (its median and
+worst over the conversations), and how long the last answer took.
 
 Usage: python benchmarks/stream.py [--quick]. The last line is one JSON object.
 """
@@ -45,7 +48,46 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run(n: int) -> dict[str, Any]:
+async def at_once(c: Client, d: DaemonProcess, n: int) -> dict[str, Any]:
+    """`n` streamed conversations at once on one connection."""
+    pid = d.proc.pid if d.proc is not None else 0
+    peak = 0
+
+    def rss_kib() -> int:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+    async def one(i: int) -> list[float]:
+        seen: list[float] = []
+        async for event in c.stream(MathQuestion(text=f"Many {i}?"), timeout=600):
+            if isinstance(event, Partial):
+                seen.append(time.monotonic())
+        return [(b - a) * 1000 for a, b in pairwise(seen)]
+
+    async def watch() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, rss_kib())
+            await asyncio.sleep(0.1)
+
+    before = rss_kib()
+    watcher = asyncio.create_task(watch())
+    start = time.monotonic()
+    gaps = await asyncio.gather(*(one(i) for i in range(n)))
+    took = time.monotonic() - start
+    watcher.cancel()
+    p99s = [pct(g, 0.99) for g in gaps if g]
+    return {
+        "concurrent": n,
+        "concurrent_done_s": round(took, 2),
+        "daemon_rss_mb_before": round(before / 1024, 1),
+        "daemon_rss_mb_peak": round(max(peak, before) / 1024, 1),
+        "concurrent_p99_gap_ms_median": round(statistics.median(p99s), 1),
+        "concurrent_p99_gap_ms_worst": round(max(p99s), 1),
+    }
+
+
+async def run(n: int, many: int) -> dict[str, Any]:
     firsts: list[float] = []
     gaps: list[float] = []
     counts: list[int] = []
@@ -54,6 +96,8 @@ async def run(n: int) -> dict[str, Any]:
         make_home(home)
         async with FakeLLM("openai", reply) as server:
             def edit(doc: dict[str, Any]) -> None:
+                doc["pump"]["max_concurrency"] = 2 * many  # every conversation at once
+                doc["bus"].update(rate_per_s=100_000.0, rate_burst=100_000)
                 doc["llm"]["retries"] = 0
                 doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
                                            "base_url": server.base_url, "model": "fake-1"}]
@@ -74,10 +118,12 @@ async def run(n: int) -> dict[str, Any]:
                         firsts.append((seen[0] - server.first_piece_at[i]) * 1000)
                         gaps += [(b - a) * 1000 for a, b in pairwise(seen)]
                         counts.append(len(seen))
+                    concurrent = await at_once(c, d, many)
             finally:
                 await d.stop()
     return {
         "conversations": n,
+        **concurrent,
         "first_partial_after_backend_ms_median": round(statistics.median(firsts), 3),
         "first_partial_after_backend_ms_p90": round(pct(firsts, 0.9), 3),
         "first_partial_after_backend_ms_max": round(max(firsts), 3),
@@ -93,7 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    result = asyncio.run(run(15 if args.quick else 100))
+    result = asyncio.run(run(15 if args.quick else 100, 100 if args.quick else 1000))
     for key, value in result.items():
         print(f"{key}: {value}")
     print(json.dumps({"benchmark": "stream", **result}))

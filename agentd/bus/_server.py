@@ -43,6 +43,7 @@ from agentd.bus._tls import reload_pair, server_context
 from agentd.config import BusConfig, TlsConfig
 
 log = logging.getLogger("agentd.bus")
+PREVIEW_BACKLOG = 64 * 1024
 
 
 
@@ -173,11 +174,14 @@ class BusServer:
         conn.deliver(thread, data, outbox_id)
 
     def busy(self, client: str) -> bool:
-        """Frames wait for the client's newest connection (a preview should wait and
-        be joined to the next rather than queue behind them)."""
+        """The client's newest connection is behind: its socket's buffer is full or
+        `PREVIEW_BACKLOG` bytes wait for it (a preview then waits, to be joined to
+        the next, rather than queue behind them). Frames queued within this loop
+        turn alone do not count: many streams share one connection."""
         conns = self._by_client.get(client)
         session = conns[-1].session if conns else None
-        return session is not None and (bool(session.sendq) or not session.writable)
+        return session is not None and (
+            not session.writable or session.queued_bytes >= PREVIEW_BACKLOG)
 
     def reload_tls(self, tls: TlsConfig) -> None:
         """Serve `tls`'s certificate and key to connections made from now on (open
