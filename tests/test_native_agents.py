@@ -357,3 +357,27 @@ async def test_the_demo_tutor_calls_natively_through_its_cassette() -> None:
     await handlers.platform.aclose()
     assert kinds(frames)[-1] == ("tutor", "answer") and "35" in answered(frames)
     assert '"calls"' in tape and "calculator__add" in tape
+
+
+def test_a_replys_calls_and_a_results_call_id_survive_the_kernels_slot() -> None:
+    from agentd.llm import ToolCall
+    from agentd.platform import Turn
+
+    reply = Turn("assistant", "Adding.", calls=(ToolCall("c1", "calculator__add", '{"a":1}'),))
+    result = Turn("result", "<sum/>", "calculator.add", True, 42, call_id="c1", is_error=True)
+    for turn in (reply, result, Turn("result", "plain", "echo", True, 7)):
+        assert Turn.from_slot(*turn.slot()) == turn
+    assert reply.slot()[0] == "assistant+call" and result.slot()[0].endswith("+call@42")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_tools_own_huh_is_that_calls_error_result(protocol: str, tmp_path: Path) -> None:
+    script = [Reply(calls=[call("n1", "notes", path="missing.txt"),
+                           call("p1", "pages", path="a.txt")]), Reply("one of two")]
+    async with FakeLLM(protocol, script) as server, \
+            organism(files_organism(openai_backend(server), tmp_path)) as (h, _):
+        frames = await h.send("alice", MathQuestion(text="read two files"))
+    assert answered(frames) == "one of two"
+    got = results(server.requests[1])
+    assert got["n1"][1] and "huh" in got["n1"][0]
+    assert not got["p1"][1] and "from pages" in got["p1"][0]
