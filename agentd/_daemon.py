@@ -314,8 +314,14 @@ class Daemon:
         if self.checked.clients is not None:
             from agentd.bus import ClientAuth
 
-            # The entries the preflight read and checked: the file is read once.
-            self.auth = ClientAuth.restore(self.checked.clients, config.state_dir, config.auth)
+            # The entries the preflight read and checked: the file is read once. On
+            # PostgreSQL the sessions and used codes live in the kernel too, so a
+            # standby that takes over knows them.
+            shared = config.kernel.backend == "postgres"
+            self.auth = ClientAuth.restore(
+                self.checked.clients, config.state_dir, config.auth,
+                saved=await self.kernel.bus_auth() if shared else None,
+                save=self._save_auth if shared else None)
             self.auth.on_lockout = lambda client: self.audit("lockout", {"client": client})
         clients = self.client_profiles()
         handlers = build_agent_handlers(config, self.kernel, self.audit)
@@ -478,6 +484,18 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, "graceful")
+
+    def _save_auth(self, clients: dict[str, str]) -> None:
+        """The bus's authentication state, written to the kernel (postgres)."""
+        if self.kernel is None:
+            return
+        tx = self.kernel.transaction()
+        for client, state in clients.items():
+            tx.auth_put(client, state)
+        try:
+            self.kernel.commit(tx).add_done_callback(_log_failure)
+        except KernelUnavailable as exc:
+            log.warning("bus authentication state not written to the kernel: %s", exc)
 
     def _lease_lost(self, why: str) -> None:
         """Another daemon may be the writer now (postgres backend): stop serving at

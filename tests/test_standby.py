@@ -20,11 +20,12 @@ import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
-from agentd.client import BusClient, BusError, frame_kind
+from agentd.bus import current_totp
+from agentd.client import AuthenticationFailed, BusClient, BusError, Client, frame_kind
 from agentd.kernel import Kernel
 from agentd.kernel._store import verify_postgres
 from tests.daemon_process import ROOT, DaemonProcess, edit_config, make_home
-from tests.organisms.listeners import Hold
+from tests.organisms.listeners import Done, Hold
 
 _BUS = re.compile(r"bus listening url=(wss://[0-9.]+:\d+/bus)")
 
@@ -113,14 +114,15 @@ async def test_a_standby_takes_over_a_primary_killed_under_load_and_answers_ever
     assert mine["role"] == "primary" and mine["lease"]["epoch"] == 1
 
     load = Load()
-    async with BusClient(primary.url, "alice", secret=primary.secret,
-                         cafile=primary.cafile) as bus:
+    code = current_totp(primary.secret)
+    async with BusClient(primary.url, "alice", totp=code, cafile=primary.cafile) as bus:
+        session = bus.session
         reader = asyncio.create_task(load.read(bus))
         sender = asyncio.create_task(load.send(bus, 0, 100_000))
         async with asyncio.timeout(60):
             await load.until(lambda: len(load.accepted) >= 200)
-        await primary.stop(signal.SIGKILL)
         killed = time.monotonic()
+        await primary.stop(signal.SIGKILL)
         await asyncio.wait_for(reader, 30)  # the connection dropped
         sender.cancel()
     accepted_before = set(load.accepted)
@@ -133,7 +135,11 @@ async def test_a_standby_takes_over_a_primary_killed_under_load_and_answers_ever
     mine = (await ctl(standby, "status"))["result"]["status"]["kernel"]
     assert mine["role"] == "primary" and mine["lease"]["epoch"] == 2
 
-    async with BusClient(standby.url, "alice", secret=standby.secret,
+    # The sessions and used codes are in the kernel: the primary's code is spent here
+    # too, and the client resumes with its session token (no TOTP secret at all).
+    with pytest.raises(AuthenticationFailed):
+        await BusClient(standby.url, "alice", totp=code, cafile=standby.cafile).connect()
+    async with BusClient(standby.url, "alice", session=session,
                          cafile=standby.cafile) as bus:
         reader = asyncio.create_task(load.read(bus))
         async with asyncio.timeout(60):
@@ -141,6 +147,11 @@ async def test_a_standby_takes_over_a_primary_killed_under_load_and_answers_ever
             await load.until(lambda: len(load.accepted) >= len(accepted_before) + 20
                              and load.accepted <= load.answered.keys())
         reader.cancel()
+
+    async with Client.connect([primary.url, standby.url], "alice", session=session,
+                              cafile=standby.cafile) as client:  # the first is gone
+        assert client.url == standby.url
+        assert await client.call(Hold(n=7), timeout=30) == Done(seq=7, by="hold")
 
     assert load.accepted <= load.answered.keys()  # every accepted message answered
     committed = answers_committed(postgres_db)

@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agentd._delivery import parse_seq
 from agentd._errors import AgentdError, ConfigError, Rejection
@@ -256,6 +257,7 @@ class ClientAuth:
         self._code_at = code_at  # (secret, step) -> code; injectable to count the work
         self._state: dict[str, _ClientState] = {c: _ClientState() for c in entries}
         self.on_lockout: Callable[[str], None] | None = None
+        self._save: Callable[[dict[str, str]], None] | None = None  # see `restore`
 
     @classmethod
     def load(
@@ -278,11 +280,24 @@ class ClientAuth:
         cfg: AuthConfig,
         *,
         clock: Callable[[], float] = time.time,
+        saved: Mapping[str, str] | None = None,
+        save: Callable[[dict[str, str]], None] | None = None,
     ) -> ClientAuth:
         """`entries` already read and checked (the daemon's preflight), with the
-        persisted state (sessions, last accepted steps, lockouts)."""
+        persisted state (sessions, last accepted steps, lockouts). `saved` and `save`:
+        that state also in the kernel, one JSON text per client (on PostgreSQL a
+        standby that takes over reads it there); `saved` wins over the file when it
+        has any client."""
         auth = cls(dict(entries), Path(state_dir) / STATE_FILE, cfg, clock=clock)
-        auth._read_state()
+        auth._save = save
+        if saved:
+            try:
+                auth._load({c: json.loads(body) for c, body in saved.items()})
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise AuthFileError(f"the kernel's bus authentication state is "
+                                    f"unreadable ({exc})") from None
+        else:
+            auth._read_state()
         return auth
 
     # -- public surface
@@ -418,13 +433,7 @@ class ClientAuth:
             clients = data["clients"]
             if data.get("version") != 1 or not isinstance(clients, dict):
                 raise ValueError("unknown layout")
-            for client, body in clients.items():
-                st = self._state.get(client)
-                if st is None:  # a client removed from the clients file
-                    continue
-                st.last_step = int(body.get("last_step", -1))
-                st.locked_until = float(body.get("locked_until", 0.0))
-                st.sessions = {str(k): float(v) for k, v in body.get("sessions", {}).items()}
+            self._load(clients)
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             # Starting without it would reopen used TOTP codes for replay.
             raise AuthFileError(
@@ -432,20 +441,35 @@ class ClientAuth:
                 "agentd, delete it (clients must then log in again with TOTP) and restart"
             ) from None
 
+    def _load(self, clients: Mapping[str, Any]) -> None:
+        for client, body in clients.items():
+            st = self._state.get(client)
+            if st is None:  # a client removed from the clients file
+                continue
+            st.last_step = int(body.get("last_step", -1))
+            st.locked_until = float(body.get("locked_until", 0.0))
+            st.sessions = {str(k): float(v) for k, v in body.get("sessions", {}).items()}
+
     def _write_state(self) -> None:
         now = self._clock()
         clients: dict[str, dict[str, object]] = {}
         for client, st in self._state.items():
             sessions = {k: v for k, v in st.sessions.items() if v > now}
-            if st.last_step < 0 and not sessions and st.locked_until <= now:
-                continue
             clients[client] = {
                 "last_step": st.last_step,
                 "locked_until": st.locked_until,
                 "sessions": sessions,
             }
-        body = json.dumps({"version": 1, "clients": clients}, sort_keys=True).encode()
+        if self._save is not None:  # every client: a cleared one replaces its old row
+            self._save({c: json.dumps(body, sort_keys=True) for c, body in clients.items()})
+        kept = {c: body for c, body in clients.items()
+                if body["last_step"] != -1 or body["sessions"] or _locked(body, now)}
+        body = json.dumps({"version": 1, "clients": kept}, sort_keys=True).encode()
         write_private_atomic(self._state_path, body)
+
+
+def _locked(body: Mapping[str, Any], now: float) -> bool:
+    return float(body["locked_until"]) > now
 
 
 __all__ = [

@@ -223,7 +223,7 @@ class Client:
     async def _login_to(self, url: str) -> BusClient:
         """Log in to `url`: with the session token if there is one for it, then (if
         that is refused) with a TOTP code."""
-        token = self.session if self._session_url in (None, url) else None
+        token = self.session  # any of the URLs given: one organism (a primary, a standby)
         if token is not None:
             conn = self._bus(url, session=token)
             try:

@@ -150,6 +150,11 @@ class KernelReads:
             out.append(ApprovalRow(*values))
         return out
 
+    async def bus_auth(self) -> dict[str, str]:
+        """The bus's authentication state per client (`Transaction.auth_put`)."""
+        rows = await self._reader.execute_fetchall("SELECT client, state FROM bus_auth")
+        return {str(client): str(state) for client, state in rows}
+
     async def handler_state(self) -> list[tuple[str, str, str, str]]:
         """Every handler-state entry: (listener, conversation, key, value)."""
         rows = await self._reader.execute_fetchall(

@@ -169,8 +169,15 @@ _V4_OUTCOMES = (
     "CREATE TABLE IF NOT EXISTS rejected_txns (txn INTEGER PRIMARY KEY)",
 )
 
+# The bus's authentication state per client (JSON: last TOTP step, lockout, session
+# token hashes), so that on PostgreSQL a standby that takes over knows the sessions
+# and used codes of its primary.
+_V5_BUS_AUTH = (
+    "CREATE TABLE IF NOT EXISTS bus_auth (client TEXT PRIMARY KEY, state TEXT NOT NULL)",
+)
+
 MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_CONTEXT, 3: _V3_DURABLE,
-                                          4: _V4_OUTCOMES}
+                                          4: _V4_OUTCOMES, 5: _V5_BUS_AUTH}
 
 
 def is_postgres(conn: Any) -> bool:

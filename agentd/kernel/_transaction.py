@@ -56,6 +56,7 @@ OP_STATE_DROP = 15  # (op, conversation)
 OP_APPROVAL_PUT = 16  # (op, ApprovalRow)
 OP_APPROVAL_DECIDE = 17  # (op, id, state, decided_by, reason, decided_at)
 OP_OUTBOX_SENT = 18  # (op, client, ids)
+OP_AUTH_PUT = 19  # (op, (client, state JSON))
 
 _DURABLE_SQL = {
     OP_TIMER_PUT: "INSERT OR REPLACE INTO timers (id, conversation, frame, listener, due, note, "
@@ -70,6 +71,7 @@ _DURABLE_SQL = {
                      "hops, envelope, payload, payload_sha256, approvers, created, deadline, "
                      "state, decided_by, reason, decided_at) "
                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+    OP_AUTH_PUT: "INSERT OR REPLACE INTO bus_auth (client, state) VALUES (?, ?)",
     # Only a pending approval can be decided: a second decision changes nothing.
     OP_APPROVAL_DECIDE: "UPDATE approvals SET state = ?, decided_by = ?, reason = ?, "
                         "decided_at = ? WHERE id = ? AND state = 'pending'",
@@ -331,6 +333,11 @@ class Transaction:
     def state_put(self, listener: str, conversation: str, key: str, value: str) -> None:
         self._check_open()
         self.ops.append((OP_STATE_PUT, (listener, conversation, key, value)))
+
+    def auth_put(self, client: str, state: str) -> None:
+        """The bus's authentication state of `client` (JSON), replacing the last."""
+        self._check_open()
+        self.ops.append((OP_AUTH_PUT, (client, state)))
 
     def state_delete(self, listener: str, conversation: str, key: str) -> None:
         self._check_open()
