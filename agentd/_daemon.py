@@ -164,9 +164,9 @@ class FederationHost(KernelOutbox):
 
         return classes_by_root(self.config().listeners)
 
-    async def submit(self, client: str, data: bytes, parsed: Any = None, hops: int = 0
-                     ) -> Any:
-        return await self.pump.submit(client, data, parsed, hops)
+    async def submit(self, client: str, data: bytes, parsed: Any = None, hops: int = 0,
+                     traceparent: str = "") -> Any:
+        return await self.pump.submit(client, data, parsed, hops, traceparent)
 
     async def thread_exists(self, thread: str, durable: bool) -> bool:
         return self.pump.registry.get(thread) is not None or (
@@ -242,7 +242,8 @@ class Daemon:
         listening sockets last: a configuration that cannot run never listens."""
         self.checked = self.started_with = preflight(self.config)
         config = self.config = self.checked.config  # with the listeners gateways import
-        telemetry.configure(config.telemetry, config.name, config.base_dir)
+        telemetry.configure(config.telemetry, config.name, config.base_dir,
+                            telemetry.secret_values(config) if config.telemetry else ())
         options = kernel_options(config)
         if self.role == "standby":
             if options.lease is None:

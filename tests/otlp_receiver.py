@@ -33,6 +33,7 @@ class Span:
     links: list[tuple[str, str]]
     service: str
     kind: int
+    start: int = 0
 
 
 @dataclass
@@ -88,7 +89,7 @@ class OtlpReceiver:
                         [(e.name, {a.key: _value(a.value) for a in e.attributes})
                          for e in s.events],
                         [(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
-                        str(res.get("service.name", "")), s.kind))
+                        str(res.get("service.name", "")), s.kind, s.start_time_unix_nano))
         with self._changed:
             self.requests += 1
             self.headers.append(headers)
@@ -101,6 +102,29 @@ class OtlpReceiver:
             if not self._changed.wait_for(lambda: predicate(self.spans), timeout):
                 raise TimeoutError(f"spans received: {[s.name for s in self.spans]}")
             return list(self.spans)
+
+
+def tree(spans: list[Span], trace_id: str, skip: frozenset[str] = frozenset({"agentd.commit"})
+         ) -> list[Any]:
+    """The trace's spans nested by parent, as `[name, [children...]]` in start order
+    (a span whose parent was not received is a root); spans named in `skip` left out,
+    their children lifted to their place."""
+    mine = [s for s in spans if s.trace_id == trace_id]
+    ids = {s.span_id for s in mine}
+    children: dict[str, list[Span]] = {}
+    for s in mine:
+        children.setdefault(s.parent_id if s.parent_id in ids else "", []).append(s)
+
+    def nodes(parent: str) -> list[Any]:
+        out: list[Any] = []
+        for s in sorted(children.get(parent, []), key=lambda x: x.start):
+            if s.name in skip:
+                out.extend(nodes(s.span_id))
+            else:
+                out.append([s.name, nodes(s.span_id)])
+        return out
+
+    return nodes("")
 
 
 if __name__ == "__main__":  # a receiver in a process of its own (benchmarks/telemetry.py)

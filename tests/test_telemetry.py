@@ -1,12 +1,14 @@
 """OpenTelemetry traces from a real `agentd run` child process to a real OTLP/HTTP
 receiver on loopback (tests/otlp_receiver.py): a conversation with the demo's tutor
-is one trace whose id is the client's thread, its spans named and attributed as
-the GenAI conventions spell them, no prompt text in any span; without a
+is one trace whose id is the client's thread, each hop a child of the span that
+sent its message, its spans named and attributed as the GenAI conventions spell
+them, no prompt text in any span unless capture_content; without a
 `telemetry:` section nothing is built or sent, whatever OTEL_* says."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -24,7 +26,7 @@ from agentd.tools.relay import Relay
 from tests.daemon_process import ROOT, DaemonProcess, edit_config, make_home
 from tests.llm_servers import DEMO_QUESTIONS
 from tests.organisms.listeners import Hold
-from tests.otlp_receiver import OtlpReceiver
+from tests.otlp_receiver import OtlpReceiver, tree
 from tests.test_daemon import kinds
 
 
@@ -69,29 +71,40 @@ async def test_a_conversation_is_one_trace_with_genai_spans_and_no_content(
         [x for x in s if x.name.startswith("chat ")]) >= 3)
     tutor_trace = uuid.UUID(tutor_thread).hex
     in_trace = [s for s in spans if s.trace_id == tutor_trace]
-    names = sorted(s.name for s in in_trace)
-    assert names == ["chat tutor-model"] * 3 + [
-        "execute_tool calculator.add", "execute_tool calculator.multiply",
-        "invoke_agent tutor", "invoke_agent tutor", "invoke_agent tutor"], names
-    agent_spans = {s.span_id for s in in_trace if s.name == "invoke_agent tutor"}
-    for chat in (s for s in in_trace if s.name.startswith("chat ")):
-        assert chat.parent_id in agent_spans  # the LLM call is a child of its agent's turn
-        assert chat.attributes["gen_ai.operation.name"] == "chat"
-        assert chat.attributes["gen_ai.request.model"] == "tutor-model"
-        assert chat.attributes["gen_ai.conversation.id"] == tutor_thread
-        assert chat.attributes["gen_ai.usage.input_tokens"] > 0
-        assert chat.attributes["gen_ai.usage.output_tokens"] > 0
-        assert "gen_ai.response.model" in chat.attributes
-        assert "gen_ai.response.finish_reasons" in chat.attributes
+    # Each hop hangs from the span whose work sent its message: the client's envelope
+    # admitted, the agent's turn, its tool call, the agent again on the tool's result.
+    chat, commit = ["chat tutor-model", []], "agentd.commit"
+    assert tree(spans, tutor_trace) == [
+        ["agentd.admit", [
+            ["invoke_agent tutor", [chat, ["execute_tool calculator.add", [
+                ["invoke_agent tutor", [chat, ["execute_tool calculator.multiply", [
+                    ["invoke_agent tutor", [chat]]]]]]]]]]]]]
+    by_id = {s.span_id: s for s in in_trace}
+    commits = [s for s in in_trace if s.name == commit]
+    assert len(commits) == 5  # each handler's step, its output and journal mark together
+    assert all(by_id[c.parent_id].name.startswith(("invoke_agent", "execute_tool"))
+               for c in commits)
+    (admit,) = [s for s in in_trace if s.name == "agentd.admit"]
+    assert admit.parent_id == "" and admit.attributes["agentd.client"] == "alice"
+    for chat_span in (s for s in in_trace if s.name.startswith("chat ")):
+        assert chat_span.attributes["gen_ai.operation.name"] == "chat"
+        assert chat_span.attributes["gen_ai.request.model"] == "tutor-model"
+        assert chat_span.attributes["gen_ai.conversation.id"] == tutor_thread
+        assert chat_span.attributes["gen_ai.usage.input_tokens"] > 0
+        assert chat_span.attributes["gen_ai.usage.output_tokens"] > 0
+        assert "gen_ai.response.model" in chat_span.attributes
+        assert "gen_ai.response.finish_reasons" in chat_span.attributes
+        assert not any(k.endswith(("input.messages", "output.messages", "instructions"))
+                       for k in chat_span.attributes)
     for tool in (s for s in in_trace if s.name.startswith("execute_tool")):
         assert tool.attributes["gen_ai.operation.name"] == "execute_tool"
         assert tool.attributes["gen_ai.tool.name"] == tool.name.split(" ", 1)[1]
         assert tool.attributes["gen_ai.tool.call.id"]
         assert tool.attributes["gen_ai.conversation.id"] == tutor_thread
-    relay_names = sorted(s.name for s in spans if s.trace_id == uuid.UUID(relay_thread).hex)
     # The relay runs twice: on the client's request, then on the calculator's answer.
-    assert relay_names == ["execute_tool calculator.add", "execute_tool relay",
-                           "execute_tool relay"]
+    assert tree(spans, uuid.UUID(relay_thread).hex) == [["agentd.admit", [
+        ["execute_tool relay", [["execute_tool calculator.add", [
+            ["execute_tool relay", []]]]]]]]]
     assert {s.service for s in spans} == {"agent-demo"}  # the organism's name
     assert all(h.get("authorization") == "Bearer sekrit" for h in receiver.headers)
     # No payload, prompt or completion in any span: the question's text is nowhere.
@@ -148,7 +161,8 @@ async def test_work_resumed_after_kill_9_is_in_the_same_trace_with_a_link_and_no
         relayed = await bus.exchange(Relay(a=1, b=2))
         relay_thread = frame_kind(relayed[0])[2]
         # Done work is exported (within the batch delay) before the kill.
-        await asyncio.to_thread(receiver.wait_for, lambda s: len(s) >= 3)
+        await asyncio.to_thread(receiver.wait_for, lambda s: len(
+            [x for x in s if x.name.startswith("execute_tool")]) >= 3)
         held = await bus.send(Hold(n=7))
         assert frame_kind(await bus.recv(timeout=30)) == ("core", "accepted", held)
         await d.wait_for_line(r"hold: n=7 blocking")
@@ -163,9 +177,9 @@ async def test_work_resumed_after_kill_9_is_in_the_same_trace_with_a_link_and_no
         assert await d2.stop() == 0
     spans = await asyncio.to_thread(receiver.wait_for, lambda s: any(
         x.name == "execute_tool hold" for x in s))
-    relay_spans = [s for s in spans if s.trace_id == uuid.UUID(relay_thread).hex]
-    assert sorted(s.name for s in relay_spans) == [
-        "execute_tool calculator.add", "execute_tool relay", "execute_tool relay"]
+    assert tree(spans, uuid.UUID(relay_thread).hex) == [["agentd.admit", [
+        ["execute_tool relay", [["execute_tool calculator.add", [
+            ["execute_tool relay", []]]]]]]]]
     assert len({s.span_id for s in spans}) == len(spans)  # nothing emitted twice
     (resumed,) = [s for s in spans if s.name == "execute_tool hold"]
     assert resumed.trace_id == uuid.UUID(held).hex  # the same trace as before the kill
@@ -173,3 +187,67 @@ async def test_work_resumed_after_kill_9_is_in_the_same_trace_with_a_link_and_no
     ((link_trace, link_span),) = resumed.links
     assert link_trace == resumed.trace_id and link_span != resumed.span_id
     assert link_span not in {s.span_id for s in spans}  # the interrupted span never ended
+
+
+async def test_content_is_captured_only_when_asked_and_never_an_env_value(
+        home: Path, receiver: OtlpReceiver) -> None:
+    def edit(doc: dict[str, Any]) -> None:
+        doc["telemetry"] = {"otlp_endpoint": receiver.url, "capture_content": True}
+        (echo,) = [lst for lst in doc["listeners"] if lst["name"] == "echo"]
+        # An env value that happens to be in the question: never in a span.
+        echo["isolation"] = {"workers": 1, "env": {"DEMO_SECRET": "2 + 3"}}
+    edit_config(home, edit)
+    d = await DaemonProcess(home).start()
+    try:
+        tutor_thread, _ = await converse(d)
+    finally:
+        assert await d.stop() == 0
+    spans = await asyncio.to_thread(receiver.wait_for, lambda s: len(
+        [x for x in s if x.name.startswith("chat ")]) >= 3)
+    chats = sorted((s for s in spans if s.name.startswith("chat ")), key=lambda s: s.start)
+    first = json.loads(chats[0].attributes["gen_ai.input.messages"])
+    assert first[0]["role"] == "user"
+    (text,) = [p["content"] for p in first[0]["parts"] if p["type"] == "text"]
+    assert "What is ([redacted]) * 7?" in text
+    assert "tutor" in chats[0].attributes["gen_ai.system_instructions"]
+    for chat in chats:
+        out = json.loads(chat.attributes["gen_ai.output.messages"])
+        assert out[0]["role"] == "assistant" and out[0]["parts"]
+    assert "35" in chats[-1].attributes["gen_ai.output.messages"]  # the final answer
+    everything = repr([(s.attributes, s.events) for s in spans])
+    assert "2 + 3" not in everything
+    # Only the LLM calls carry content: a handler's span has no payload.
+    assert not any("messages" in k for s in spans if not s.name.startswith("chat ")
+                   for k in s.attributes)
+    assert all(s.attributes["gen_ai.conversation.id"] == tutor_thread for s in chats)
+
+
+async def test_an_approval_wait_is_a_span_from_parked_to_decided_parent_of_the_call(
+        receiver: OtlpReceiver) -> None:
+    """In process (the harness, a real kernel and pump), the tracer configured through
+    its public seam: the wait is timed from the kernel's parked time, and the
+    released call hangs from it."""
+    from agentd import telemetry
+    from agentd.config import TelemetryConfig
+    from tests.test_approvals import FakeClock, decision, harness, park, tag
+
+    clock = FakeClock()
+    parked_at = clock.now
+    telemetry.configure(TelemetryConfig(otlp_endpoint=receiver.url), "gates")
+    try:
+        async with harness(clock) as h:
+            thread, approval, sha = await park(h)
+            clock.now += 42.0
+            frames = await h.send("alice", decision("alice", thread, approval, sha))
+            assert [tag(f) for f in frames] == ["accepted", "paid"]
+    finally:
+        await asyncio.to_thread(telemetry.shutdown)
+    spans = await asyncio.to_thread(receiver.wait_for, lambda s: any(
+        x.name == "execute_tool pay" for x in s))
+    (wait,) = [s for s in spans if s.name == "agentd.approval"]
+    assert wait.trace_id == uuid.UUID(thread).hex
+    assert wait.attributes["agentd.outcome"] == "approved"
+    assert wait.attributes["agentd.listener"] == "pay"
+    assert wait.start == int(parked_at * 1e9)
+    (paid,) = [s for s in spans if s.name == "execute_tool pay"]
+    assert paid.parent_id == wait.span_id and paid.trace_id == wait.trace_id

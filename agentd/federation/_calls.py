@@ -38,6 +38,7 @@ from agentd._schemas import NS_CORE, NS_PRIV
 from agentd._xml import ShapeLimits, c14n
 
 CALL_ID = re.compile(r"[A-Za-z0-9._-]{1,64}\Z")
+TRACEPARENT = re.compile(r"00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 MAX_HOPS_CARRIED = 1_000_000  # a hop count a peer may send (its own max_hops is its business)
 _THREADS = uuid.UUID("5d1b7c0e-7f39-4d5e-9a51-1f0b8e0c2a44")  # namespace of call threads
 _THREADS_BYTES = _THREADS.bytes
@@ -64,6 +65,9 @@ class AdmittedCall:
     # (limits, shape, privileged namespace, envelope schema) the pump would repeat.
     parsed: Envelope
     hops: int = 0  # the caller's chain so far (absent: 0); the pump goes on from it
+    # The W3C traceparent of the caller's agentd.federation.call span ("" if absent or
+    # not one): telemetry continues the caller's trace. Only ever read from a peer.
+    traceparent: str = ""
 
 
 def call_thread(peer: str, call_id: str) -> str:
@@ -127,4 +131,7 @@ def admit_call(
                                 max_bytes=max_bytes, shape=shape)
     except Rejection as exc:
         raise CallRefused(exc.code, f"envelope refused: {exc}") from None
-    return AdmittedCall(call_id, thread, rebuilt, parsed, hops)
+    traceparent = frame.get("traceparent", "")
+    if not isinstance(traceparent, str) or not TRACEPARENT.fullmatch(traceparent):
+        traceparent = ""  # telemetry only: a bad one is ignored, never refused
+    return AdmittedCall(call_id, thread, rebuilt, parsed, hops, traceparent)

@@ -96,8 +96,8 @@ class CallHost(Protocol):
     client, under the gateway's name) and the kernel's outbox of replies."""
 
     # A pump SubmitResult; `parsed`: `data` as parsed with the pump's limits.
-    async def submit(self, client: str, data: bytes, parsed: Envelope, hops: int = 0
-                     ) -> Any: ...
+    async def submit(self, client: str, data: bytes, parsed: Envelope, hops: int = 0,
+                     traceparent: str = "") -> Any: ...
 
     async def thread_exists(self, thread: str, durable: bool) -> bool: ...
 
@@ -540,7 +540,8 @@ class Federation:
                 if await host.thread_exists(call.thread, msg.get("again") is True):
                     accepted, code = True, None
                 else:
-                    result = await host.submit(peer, call.envelope, call.parsed, call.hops)
+                    result = await host.submit(peer, call.envelope, call.parsed, call.hops,
+                                               call.traceparent)
                     accepted, code = bool(result.accepted), result.code
             except Exception:
                 log.exception("federation call from %s failed", peer)

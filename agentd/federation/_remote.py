@@ -50,6 +50,7 @@ from agentd._xml import c14n
 from agentd._xmlify import spec_of, xsd_of
 from agentd.federation._calls import call_thread
 from agentd.federation._frames import FrameTooLarge
+from agentd.telemetry import tracer
 
 if TYPE_CHECKING:
     from agentd.config import ListenerConfig, OrganismConfig
@@ -345,6 +346,7 @@ class _Pending:
     again: bool = False  # may have been sent before: the peer checks its journal
     accepted: bool = False
     hops: int = 0  # the caller's chain so far: the peer goes on counting from it
+    traceparent: str = ""  # telemetry: the call's span, the parent of the peer's spans
 
 
 @dataclass
@@ -373,12 +375,14 @@ class RemoteCalls:
         return self.imports.get(name, "pinned") != "pinned"
 
     async def call(self, call_id: str, thread: str, envelope: str,
-                   again: bool = False, hops: int = 0) -> tuple[int, str]:
+                   again: bool = False, hops: int = 0, traceparent: str = ""
+                   ) -> tuple[int, str]:
         """The peer's reply (its outbox id and envelope) to one call; raises
         `CallRefusedByPeer`. Sent now if the link is up, else at the next link-up.
         `again`: the call may have been sent before (a redelivered message)."""
         answer: asyncio.Future[tuple[int, str]] = asyncio.get_running_loop().create_future()
-        pending = _Pending(call_id, thread, envelope, answer, again, hops=hops)
+        pending = _Pending(call_id, thread, envelope, answer, again, hops=hops,
+                           traceparent=traceparent)
         self._by_thread[thread], self._by_id[call_id] = pending, pending
         try:
             held = self._held.pop(thread, None)
@@ -402,6 +406,8 @@ class RemoteCalls:
             frame["again"] = True
         if pending.hops:
             frame["hops"] = pending.hops
+        if pending.traceparent:
+            frame["traceparent"] = pending.traceparent
         try:
             if self.send(frame):
                 pending.again = True  # any later send of it is a resend
@@ -538,13 +544,22 @@ class RemoteCall:
                    if meta._seq else uuid.uuid4().hex)
         thread = call_thread(self.organism, call_id)
         envelope = build_envelope(self.organism, thread, data, to=self.remote)
+        tracing = tracer()
+        span = tracing.federation_call(self.gateway, self.remote) if tracing.enabled else None
+        outcome = "timeout"  # unless answered or refused: the handler's time ran out
         try:
-            reply_id, text = await calls.call(call_id, thread, envelope.decode(),
-                                              again=meta.redelivered, hops=meta._hops + 1)
+            reply_id, text = await calls.call(
+                call_id, thread, envelope.decode(), again=meta.redelivered,
+                hops=meta._hops + 1, traceparent="" if span is None else tracing.traceparent(span))
+            outcome = "ok"
         except CallRefusedByPeer as exc:
+            outcome = exc.code.value
             if exc.code is HuhCode.BUDGET_EXCEEDED:  # the peer's hop limit (its only one)
                 return ChainStopped(exc.code)
             return HandlerResponse.error(exc.code)
+        finally:
+            if span is not None:
+                tracing.end_federation(span, outcome)
         object.__setattr__(meta, "_after_commit", lambda: calls.ack(reply_id))
         return self._answer(calls, text, thread)
 

@@ -124,7 +124,7 @@ class LlmRouter:
                 continue
             for attempt in range(self.config.retries + 1):
                 attempts += 1
-                span = tracer().chat(backend.name, getattr(backend, "model", ""))
+                span = tracer().chat(backend.name, getattr(backend, "model", ""), request)
                 sent = time.perf_counter()
                 watched = _Watched(sink) if sink is not None else None
                 try:
@@ -198,6 +198,6 @@ def observe_attempt(backend: str, sent: float, span: Any, error: BaseException |
         tracer().end_chat(span, outcome="ok", response_model=response.model,
                           input_tokens=response.input_tokens,
                           output_tokens=response.output_tokens,
-                          finish_reason=response.finish_reason)
+                          finish_reason=response.finish_reason, response=response)
     else:
         tracer().end_chat(span, outcome="error", error=type(error).__name__)

@@ -21,10 +21,9 @@ from collections.abc import Callable
 from typing import Any
 
 from agentd._errors import Denied, HuhCode
-from agentd._handler import HandlerMetadata
+from agentd._handler import ChainStopped, HandlerMetadata
 from agentd._routing import Listener
 from agentd._threads import log_ids
-from agentd.telemetry import tracer
 
 log = logging.getLogger("agentd.pump")
 
@@ -91,8 +90,6 @@ class Invoker:
         started = time.perf_counter()
         self._deadlines[task] = loop.time() + listener.timeout_s
         result: object = RAISED
-        span = tracer().handler(listener.name, listener.is_agent, conversation, meta._seq,
-                                meta.redelivered)
         try:
             result = await handler(payload, meta)
         except asyncio.CancelledError:
@@ -122,8 +119,6 @@ class Invoker:
         else:
             listener.observe(time.perf_counter() - started)
             listener.count("ok")
-        if span is not None:
-            tracer().end_handler(span, *_outcome(result))
         return result
 
     async def _watch(self) -> None:
@@ -137,13 +132,14 @@ class Invoker:
                     task.cancel()
 
 
-def _outcome(result: object) -> tuple[str, str]:
+def outcome_of(result: object) -> tuple[str, str]:
     """A call's outcome and huh code, for its span."""
     if result is RAISED:
         return "error", "internal"
     if result is TIMED_OUT:
         return "timeout", "timeout"
-    if result.__class__ is CallFailed:
+    if result.__class__ is CallFailed or result.__class__ is ChainStopped:
         code = getattr(result, "code", "denied")
-        return "denied", str(getattr(code, "value", code))
+        outcome = "denied" if result.__class__ is CallFailed else "stopped"
+        return outcome, str(getattr(code, "value", code))
     return "ok", ""

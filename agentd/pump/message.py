@@ -32,6 +32,7 @@ class Message:
 
     __slots__ = (
         "about",
+        "cause",
         "envelope",
         "frame",
         "hops",
@@ -70,6 +71,9 @@ class Message:
         # so a caller with several calls open knows which one it answers ("": unknown,
         # e.g. after a restart; it is not journaled).
         self.about = ""
+        # With telemetry: the span whose work sent it (a handler's, an admission's),
+        # the parent of the span of its handling. Never journaled.
+        self.cause: object = None
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ from agentd.pump.batch import (
     thread_row,
 )
 from agentd.pump.gate import PASS, Deny, Park, Pass, gate
-from agentd.pump.invoker import CallFailed, Invoker
+from agentd.pump.invoker import CallFailed, Invoker, outcome_of
 from agentd.pump.message import (
     CORE,
     NO_CAPABILITY,
@@ -80,6 +80,7 @@ from agentd.pump.message import (
 from agentd.pump.response import ResponsePlan, plan_failure, plan_response, plan_stopped
 from agentd.pump.scheduler import Scheduler
 from agentd.pump.waits import WaitPlan, Waits
+from agentd.telemetry import tracer
 
 log = logging.getLogger("agentd.pump")
 
@@ -88,6 +89,7 @@ _REQUEST = MsgKind.REQUEST
 _INTENT = MsgKind.INTENT
 _INTENT_TEXT = "{https://xml-pipeline.org/ns/core/v1}text"
 _HUH_TAG = "{https://xml-pipeline.org/ns/core/v1}huh"
+_TRACEPARENT = "{https://xml-pipeline.org/ns/trace/v1}traceparent"
 
 
 class Pump:
@@ -136,6 +138,10 @@ class Pump:
         # Timers, handler state and parked messages (pump/waits.py), with the
         # daemon's one deadline scheduler; `clock` is the wall clock they run on.
         self.waits = Waits(self.registry, self.settings, self._due, clock)
+        # With telemetry: the span of the handler call whose outcome is being applied
+        # (set between its return and its commit, with no await in between): what it
+        # sends hangs from it, its huh codes and security events are its events.
+        self._span: Any = None
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -180,7 +186,8 @@ class Pump:
     # ---- client ingress --------------------------------------------------
 
     async def submit(
-        self, client: str, data: bytes, parsed: Envelope | None = None, hops: int = 0
+        self, client: str, data: bytes, parsed: Envelope | None = None, hops: int = 0,
+        traceparent: str = "",
     ) -> SubmitResult:
         """Admit one envelope from an authenticated client. The client is sent one
         `accepted` or one `huh` (through `deliver`), then whatever comes back. Waits
@@ -189,11 +196,12 @@ class Pump:
         from a caller that had to parse it first (the federation, which re-addresses
         a peer's envelope to the gateway). `hops`: the hops its causal chain has
         made already (a peer's call carries its caller's), so a chain that crosses
-        organisms back and forth still meets `max_hops`."""
+        organisms back and forth still meets `max_hops`. `traceparent`: the trace
+        context a peer organism's call carried (telemetry: its work continues it)."""
         scheduler = self._scheduler
         if scheduler.queued >= scheduler.max_queue:
             await scheduler.wait_for_room(self._loop or asyncio.get_running_loop())
-        result = self._submit_now(client, data, True, parsed, hops)
+        result = self._submit_now(client, data, True, parsed, hops, traceparent)
         if isinstance(result, SubmitResult):
             return result
         return await result
@@ -214,11 +222,13 @@ class Pump:
 
     def _submit_now(
         self, client: str, data: bytes, wait: bool, parsed: Envelope | None = None,
-        hops: int = 0,
+        hops: int = 0, traceparent: str = "",
     ) -> SubmitResult | asyncio.Future[SubmitResult]:
         """Parse, check, route and admit `data` without awaiting anything. With a
         kernel and `wait`, returns a future for the outcome of the journal commit."""
         metrics.HOT.received += 1
+        tracing = tracer()
+        started = time.time_ns() if tracing.enabled else 0
         thread = NIL_THREAD
         try:
             env = parsed if parsed is not None else parse_envelope(
@@ -231,12 +241,18 @@ class Pump:
             )  # fmt: skip
         except PrivilegedOnBus:
             self._security_event("priv-on-bus", {"client": client})
+            if started:
+                tracing.admit(client, thread_hint(data), started, None, "unroutable",
+                              "priv-on-bus")
             return self._refuse_client(client, thread_hint(data), HuhCode.UNROUTABLE)
         except Rejection as rej:
             if isinstance(rej, Violation):
                 self._security_event(rej.event, rej.fields)
             if thread == NIL_THREAD:  # refused before its meta was read (docs/protocol.md)
                 thread = thread_hint(data)
+            if started:
+                tracing.admit(client, thread, started, None, rej.code.value,
+                              rej.event if isinstance(rej, Violation) else "")
             log.info("rejected client=%s code=%s thread=%s detail=%s",
                      client, rej.code.value, thread, rej.detail)
             return self._refuse_client(client, thread, rej.code, rej.public)
@@ -251,6 +267,9 @@ class Pump:
         gated = gate(msg, frame.profile.table.gates, self.waits.counts)
         if isinstance(gated, Deny):
             self._security_event("approval-limit", gated.event)
+            if started:
+                tracing.admit(client, frame.uuid, started, None, gated.code.value,
+                              "approval-limit")
             return self._refuse_client(client, frame.uuid, gated.code)
         if known is None:
             self.registry.add(frame)  # registered only once every check has passed
@@ -258,8 +277,12 @@ class Pump:
             frame.touched = time.monotonic()
             self.registry.wake(frame)
         parked = None if isinstance(gated, Pass) else gated
+        if started:
+            self._trace_admission(client, env, msg, started, traceparent)
         meta_answer = msg.sender == CORE  # answered by the pump itself (agentd/_meta.py)
         if self.kernel is None:
+            if started:
+                tracing.end(msg.cause)
             self._seq += 1
             msg.seq = 0 if meta_answer else self._seq
             self._emit_core(client, frame.uuid, Accepted(frame.uuid, self._seq).to_bytes())
@@ -315,6 +338,8 @@ class Pump:
 
         def admitted(exc: BaseException | None) -> None:
             nonlocal refused
+            if msg.cause is not None:  # its agentd.admit span (telemetry)
+                tracer().end(msg.cause, exc)
             if exc is None:
                 self._emit_core(client, frame.uuid, Accepted(frame.uuid, seq).to_bytes())
                 if held is not None:
@@ -346,6 +371,21 @@ class Pump:
         if outcome is not None:
             return outcome
         return refused or SubmitResult(frame.uuid, seq=seq)
+
+    def _trace_admission(self, client: str, env: Envelope, msg: Message, started: int,
+                         traceparent: str) -> None:
+        """The `agentd.admit` span of an admitted envelope, the parent of its handling:
+        under the trace context a peer's call carried, or (only when the
+        configuration allows it) the client's own traceparent; otherwise the first
+        span of the conversation's trace, or a new root of it."""
+        tracing = tracer()
+        conversation = msg.frame.root.uuid
+        if not traceparent and tracing.accept_client_context and client not in self.gateways:
+            root = env.payload.getparent()  # the envelope; its first child is `meta`
+            found = None if root is None else root[0].find(_TRACEPARENT)
+            traceparent = (found.text or "").strip() if found is not None else ""
+        remote = tracing.adopt(conversation, traceparent) if traceparent else None
+        msg.cause = tracing.admit(client, conversation, started, remote)
 
     def _refuse_client(
         self, client: str, thread: str, code: HuhCode, message: str | None = None
@@ -468,9 +508,20 @@ class Pump:
             return
         if handled is not None and handled.seq:
             batch.tx.delivered(handled.seq)
-        self.kernel.commit_then(batch.tx, batch.committed)
+        if self._span is None:
+            self.kernel.commit_then(batch.tx, batch.committed)
+            return
+        span = tracer().commit(self._span)  # agentd.commit, under the handler's span
+
+        def committed(exc: BaseException | None) -> None:
+            batch.committed(exc)
+            tracer().end(span, exc)
+
+        self.kernel.commit_then(batch.tx, committed)
 
     def _enqueue(self, msg: Message, batch: Batch | None) -> None:
+        if msg.cause is None:
+            msg.cause = self._span
         if msg.kind is MsgKind.TO_HOLDER and not msg.targets:
             # The holder is the external client: deliver in order (after the commit
             # of its outbox row when durable).
@@ -536,7 +587,11 @@ class Pump:
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
                                self.waits.book, frame.root.uuid, None, msg.seq,
                                _hops=msg.hops, _about=msg.about)
+        tracing = tracer()
+        token = tracing.handler(listener.name, listener.is_agent, frame.root.uuid, msg.seq,
+                                msg.redelivered, msg.cause)
         result = await self._invoker.call(listener, payload, meta, frame.root.uuid)
+        span = self._span = None if token is None else tracing.detach(token)
         batch = self._open()
         if meta._after_commit is not None:  # a platform handler acts once its output is durable
             if batch is None:
@@ -569,6 +624,9 @@ class Pump:
             batch.tx.thread_put(thread_row(frame))
             frame.persisted = True
         self._close(batch, msg if last else None)
+        if span is not None:
+            self._span = None
+            tracing.end_handler(span, *outcome_of(result))
 
     def _apply(self, plan: ResponsePlan, listener: Listener | None, frame: Frame | None,
                hops: int, batch: Batch | None) -> None:
@@ -578,6 +636,8 @@ class Pump:
         if plan.notice_to is not None:
             if plan.rejected is not None:
                 metrics.envelopes_rejected.labels(plan.rejected.value).inc()
+                if self._span is not None:
+                    tracer().event(self._span, "agentd.huh", {"code": plan.rejected.value})
             # Whatever the notice says, it is about `listener`'s call (an ack or huh
             # for its caller) or its own output: a caller with calls open knows which.
             self._reenter_core(plan.notice_to, plan.notice, hops, batch,
@@ -819,6 +879,8 @@ class Pump:
     def _huh_to(self, frame: Frame, code: HuhCode, hops: int, batch: Batch | None,
                 about: str = "") -> None:
         metrics.envelopes_rejected.labels(code.value).inc()
+        if self._span is not None:
+            tracer().event(self._span, "agentd.huh", {"code": code.value})
         self._reenter_core(frame, Huh.of(code).to_bytes(), hops, batch, about)
 
     def _reenter_core(self, frame: Frame, payload: bytes, hops: int, batch: Batch | None,
@@ -851,6 +913,8 @@ class Pump:
 
     def _security_event(self, kind: str, fields: Mapping[str, str]) -> None:
         metrics.security_events.labels(kind).inc()
+        if self._span is not None:
+            tracer().event(self._span, "agentd.security", {"kind": kind, **fields})
         if self.on_security is not None:
             self.on_security(kind, fields)
         else:

@@ -62,6 +62,7 @@ from agentd.pump.batch import Batch, journal_message
 from agentd.pump.gate import Park, ParkedCounts, count_down, count_up, unindex
 from agentd.pump.message import CORE, Message
 from agentd.pump.response import ResponsePlan, plan_failure
+from agentd.telemetry import tracer
 
 log = logging.getLogger("agentd.pump")
 
@@ -286,6 +287,9 @@ class Waits:
                 "outcome": outcome.value, "by": by, "reason": reason})
         log.info("approval %s approval=%s listener=%s by=%s thread=%s", outcome.value,
                  row.id, row.listener, by, row.conversation)
+        tracing = tracer()
+        waited = None if not tracing.enabled else tracing.approval(
+            row.conversation, row.listener, outcome.value, by, row.created)
         if frame is None or not alive:
             if row.frame == row.conversation:  # the caller is the client: still told
                 return WaitPlan(client=(row.owner, row.conversation, _DENIED))
@@ -297,6 +301,7 @@ class Waits:
         if isinstance(msg, HuhCode):  # refused: the code its sender is answered
             answer = ResponsePlan((), None, False, frame, Huh.of(msg).to_bytes(), msg, None)
             return WaitPlan(answer, None, frame, row.hops, own=own, approval=row.id)
+        msg.cause = waited  # its handling hangs from the wait
         if own is not None:
             msg.seq = journal_message(own, msg, approved=True)
         return WaitPlan(dispatch=msg, own=own, approval=row.id)

@@ -9,7 +9,7 @@ from typing import Any
 
 from agentd.telemetry import _tracing
 from agentd.telemetry._conversation import Node, conversation_tree
-from agentd.telemetry._tracing import OFF, configure, shutdown, trace_id_of
+from agentd.telemetry._tracing import OFF, configure, secret_values, shutdown, trace_id_of
 
 
 def tracer() -> Any:
@@ -17,4 +17,5 @@ def tracer() -> Any:
     return _tracing.TRACER
 
 
-__all__ = ["OFF", "Node", "configure", "conversation_tree", "shutdown", "trace_id_of", "tracer"]
+__all__ = ["OFF", "Node", "configure", "conversation_tree", "secret_values", "shutdown",
+           "trace_id_of", "tracer"]

@@ -1,32 +1,41 @@
 """OpenTelemetry traces, when the organism has a `telemetry:` section.
 
-`TRACER` is what the pump, the LLM router and the daemon call, one line each.
-Without the section it is `OFF`, whose methods return at once: no OpenTelemetry
-module is imported and no span object is built, and `OTEL_*` environment
-variables change nothing (the SDK is only ever given explicit settings, and its
-tracer provider is never made the process's global one).
+`TRACER` is what the pump, the LLM router, the approval gates and the federation
+call, a line each. Without the section it is `OFF`, whose methods return at once:
+no OpenTelemetry module is imported and no span object is built, and `OTEL_*`
+environment variables change nothing (the SDK is only ever given explicit
+settings, and its tracer provider is never made the process's global one).
 
 With it, `configure` builds a tracer provider with a batch span processor (a
 bounded queue drained by the SDK's own thread: ending a span never waits for the
 network, a full queue drops spans) and an OTLP exporter. Invariants:
 
-- One trace per client thread: the trace id is the thread UUID's 128 bits, so
-  work resumed after a restart lands in the same trace without storing anything.
+- One trace per client thread: a conversation's first span takes the thread UUID's
+  128 bits as its trace id, and what follows hangs from the span whose work sent
+  it (the pump carries that span on the message). Work with no such span in
+  memory (resumed after a restart, a timer) is a root of the same trace id. A
+  peer's federation call (or, when allowed, a client's traceparent) makes the
+  conversation continue the caller's trace instead.
 - A handler call's span id is derived (through the SDK's id generator) from the
   conversation and the journal seq of the message it handles; a redelivered
   message's span gets a new id and a link to the interrupted one (never exported:
   a span is exported when it ends, and work the journal shows done is not
   redelivered).
-- No payload, prompt or completion is put in a span (content capture is not
-  implemented; `capture_content` is accepted and has no effect yet).
+- No payload, prompt or completion is put in a span unless `capture_content`; then
+  an LLM call's messages are, with every env value and key of the configuration
+  replaced by `[redacted]`.
 """
 
 from __future__ import annotations
 
 import contextvars
 import hashlib
+import json
 import logging
+import re
 import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +53,12 @@ _conversation: contextvars.ContextVar[str] = contextvars.ContextVar(
 _next_span_id: contextvars.ContextVar[int] = contextvars.ContextVar(
     "agentd_telemetry_next_span_id", default=0)
 
+# The trace id the next root span gets (0: a random one); see `_derived_ids`.
+_next_trace_id: contextvars.ContextVar[int] = contextvars.ContextVar(
+    "agentd_telemetry_next_trace_id", default=0)
+
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
+_REMOTE = 65536  # conversations continuing a remote trace, remembered (newest kept)
 _SCHEDULE_MS = 2000  # exported within this of ending (the contract allows 10 s)
 _QUEUE = 4096  # spans waiting for export; beyond it, dropped (never blocks)
 _BATCH = 512
@@ -55,18 +70,10 @@ class Off:
     enabled = False
 
     def handler(self, listener: str, agent: bool, conversation: str, seq: int,
-                redelivered: bool) -> None:
+                redelivered: bool, cause: Any = None) -> None:
         return None
 
-    def end_handler(self, token: Any, outcome: str, code: str = "") -> None:
-        return None
-
-    def chat(self, backend: str, model: str) -> None:
-        return None
-
-    def end_chat(self, token: Any, *, outcome: str, response_model: str = "",
-                 input_tokens: int = 0, output_tokens: int = 0, finish_reason: str = "",
-                 error: str = "") -> None:
+    def chat(self, backend: str, model: str, request: Any = None) -> None:
         return None
 
     def shutdown(self) -> None:
@@ -92,12 +99,16 @@ def trace_id_of(conversation: str) -> int:
 
 
 def _derived_ids() -> Any:
-    """The SDK's id generator, but a handler span takes the id derived for it."""
+    """The SDK's id generator, but a handler span takes the id derived for it, and a
+    conversation's root span its trace id."""
     from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 
     class DerivedIds(RandomIdGenerator):
         def generate_span_id(self) -> int:
             return _next_span_id.get() or super().generate_span_id()
+
+        def generate_trace_id(self) -> int:
+            return _next_trace_id.get() or super().generate_trace_id()
 
     return DerivedIds()
 
@@ -141,7 +152,8 @@ class On:
 
     enabled = True
 
-    def __init__(self, cfg: TelemetryConfig, organism: str, headers: dict[str, str]) -> None:
+    def __init__(self, cfg: TelemetryConfig, organism: str, headers: dict[str, str],
+                 secrets: Iterable[str] = ()) -> None:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -150,6 +162,14 @@ class On:
         from agentd import __version__
 
         self.cfg = cfg
+        self.capture = cfg.capture_content
+        self.accept_client_context = cfg.accept_client_context
+        # Values never put in a span, even with capture_content: env values, keys.
+        self.secrets = sorted({s for s in (*secrets, *headers.values()) if len(s) >= 4},
+                              key=len, reverse=True)
+        # Conversations whose trace was started elsewhere (a peer's federation call,
+        # an accepted client traceparent): their remote parent, newest kept.
+        self.remote: OrderedDict[str, Any] = OrderedDict()
         base = cfg.otlp_endpoint.rstrip("/")
         if cfg.protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
@@ -178,17 +198,126 @@ class On:
             if not any(isinstance(f, _Quieter) for f in sdk_log.filters):
                 sdk_log.addFilter(_Quieter())
 
-    def _root(self, conversation: str) -> Any:
-        """The context of the conversation's root: a parent every handler span of
-        the thread hangs from, with the trace id of the thread."""
+    # ---- where a span hangs ---------------------------------------------------------
+
+    def _start(self, name: str, conversation: str, cause: Any, **kw: Any) -> Any:
+        """A span under `cause` (a span: the one whose work sent this), else under the
+        conversation's remote parent, else a root of the conversation's trace."""
+        from opentelemetry import context, trace
+
+        if cause is None:
+            cause = self.remote.get(conversation)
+        if cause is not None:
+            return self.tracer.start_span(name, context=trace.set_span_in_context(cause), **kw)
+        derived = _next_trace_id.set(trace_id_of(conversation))
+        try:
+            return self.tracer.start_span(name, context=context.Context(), **kw)
+        finally:
+            _next_trace_id.reset(derived)
+
+    def adopt(self, conversation: str, traceparent: str) -> Any:
+        """A W3C traceparent from a peer organism (or a client allowed to send one):
+        the conversation's spans continue its trace. Returns the remote span, or
+        None when `traceparent` is not a valid one (ignored)."""
         from opentelemetry import trace
 
-        ctx = trace.SpanContext(trace_id_of(conversation), _span_id(conversation),
-                                is_remote=True, trace_flags=trace.TraceFlags(1))
-        return trace.set_span_in_context(trace.NonRecordingSpan(ctx))
+        found = _TRACEPARENT.fullmatch(traceparent or "")
+        if found is None:
+            return None
+        trace_id, span_id = int(found.group(1), 16), int(found.group(2), 16)
+        if not trace_id or not span_id:
+            return None
+        remote = trace.NonRecordingSpan(trace.SpanContext(
+            trace_id, span_id, is_remote=True, trace_flags=trace.TraceFlags(
+                int(found.group(3), 16) & 1)))
+        self.remote[conversation] = remote
+        self.remote.move_to_end(conversation)
+        while len(self.remote) > _REMOTE:
+            self.remote.popitem(last=False)
+        return remote
+
+    @staticmethod
+    def traceparent(span: Any) -> str:
+        ctx = span.get_span_context()
+        return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+    # ---- agentd's own spans ---------------------------------------------------------
+
+    def admit(self, client: str, conversation: str, started_ns: int, cause: Any = None,
+              code: str = "", security: str = "") -> Any:
+        """`agentd.admit`: a client's envelope checked, routed and journaled (ended by
+        `end`, once its journal entry committed). A refusal: ended at once."""
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        span = self._start("agentd.admit", conversation, cause, kind=SpanKind.SERVER,
+                           start_time=started_ns, attributes={
+                               "gen_ai.conversation.id": conversation,
+                               "agentd.client": client})
+        if security:
+            span.add_event("agentd.security", {"kind": security})
+        if code:
+            span.add_event("agentd.huh", {"code": code})
+            span.set_attribute("error.type", code)
+            span.set_status(Status(StatusCode.ERROR))
+            span.end()
+        return span
+
+    def commit(self, cause: Any) -> Any:
+        """`agentd.commit`: a step's journal transaction, from handing it to the
+        kernel's writer to its commit (ended by `end`)."""
+        from opentelemetry import trace
+
+        return self.tracer.start_span("agentd.commit",
+                                      context=trace.set_span_in_context(cause))
+
+    def end(self, span: Any, error: BaseException | None = None) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        if error is not None:
+            span.set_attribute("error.type", type(error).__name__)
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    def approval(self, conversation: str, listener: str, outcome: str, by: str,
+                 parked_at: float) -> Any:
+        """`agentd.approval`: the wait of a parked message, from when it was parked
+        (kept by the kernel, so a restart in between loses nothing) to its decision."""
+        span = self._start("agentd.approval", conversation, None,
+                           start_time=int(parked_at * 1e9), attributes={
+                               "gen_ai.conversation.id": conversation,
+                               "agentd.listener": listener, "agentd.outcome": outcome,
+                               "agentd.decided_by": by})
+        span.end()
+        return span
+
+    def federation_call(self, gateway: str, listener: str) -> Any:
+        """`agentd.federation.call`: a call to a peer organism, under the span of the
+        handler making it (the current one); its traceparent crosses in the frame."""
+        from opentelemetry.trace import SpanKind
+
+        return self.tracer.start_span("agentd.federation.call", kind=SpanKind.CLIENT,
+                                      attributes={"agentd.gateway": gateway,
+                                                  "agentd.listener": listener})
+
+    def end_federation(self, span: Any, outcome: str) -> None:
+        from opentelemetry.trace import Status, StatusCode
+
+        span.set_attribute("agentd.outcome", outcome)
+        if outcome != "ok":
+            span.add_event("agentd.huh", {"code": outcome})
+            span.set_attribute("error.type", outcome)
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+    @staticmethod
+    def event(span: Any, name: str, fields: Mapping[str, str]) -> None:
+        """A huh code or security event on a span still open (values bounded)."""
+        span.add_event(name, {k: str(v)[:200] for k, v in fields.items()})
+
+    # ---- GenAI spans ------------------------------------------------------------------
 
     def handler(self, listener: str, agent: bool, conversation: str, seq: int,
-                redelivered: bool) -> Any:
+                redelivered: bool, cause: Any = None) -> Any:
         from opentelemetry import context, trace
 
         links = []
@@ -212,19 +341,26 @@ class On:
         derived = _next_span_id.set(_span_id(conversation, seq, "resumed") if redelivered
                                     else _span_id(conversation, seq))
         try:
-            span = self.tracer.start_span(name, context=self._root(conversation),
-                                          kind=trace.SpanKind.INTERNAL, attributes=attrs,
-                                          links=links)
+            span = self._start(name, conversation, cause, kind=trace.SpanKind.INTERNAL,
+                               attributes=attrs, links=links)
         finally:
             _next_span_id.reset(derived)
         token = context.attach(trace.set_span_in_context(span))
         return (span, token, _conversation.set(conversation))
 
-    def end_handler(self, token: Any, outcome: str, code: str = "") -> None:
+    def detach(self, token: Any) -> Any:
+        """The handler has returned: later spans of the task are no longer its
+        children. Returns its span, open until `end_handler`."""
         from opentelemetry import context
-        from opentelemetry.trace import Status, StatusCode
 
         span, attached, conversation = token
+        context.detach(attached)
+        _conversation.reset(conversation)
+        return span
+
+    def end_handler(self, span: Any, outcome: str, code: str = "") -> None:
+        from opentelemetry.trace import Status, StatusCode
+
         span.set_attribute("agentd.outcome", outcome)
         if code:
             span.add_event("agentd.huh", {"code": code})
@@ -232,10 +368,8 @@ class On:
             span.set_attribute("error.type", code or outcome)
             span.set_status(Status(StatusCode.ERROR))
         span.end()
-        context.detach(attached)
-        _conversation.reset(conversation)
 
-    def chat(self, backend: str, model: str) -> Any:
+    def chat(self, backend: str, model: str, request: Any = None) -> Any:
         from opentelemetry.trace import SpanKind
 
         conversation = _conversation.get()
@@ -245,12 +379,17 @@ class On:
         }
         if conversation:
             attrs["gen_ai.conversation.id"] = conversation
+        if self.capture and request is not None:
+            attrs["gen_ai.input.messages"] = self._scrub(input_messages(request))
+            if request.system:
+                attrs["gen_ai.system_instructions"] = self._scrub(json.dumps(
+                    [{"type": "text", "content": request.system}], ensure_ascii=False))
         return self.tracer.start_span(f"chat {model or backend}", kind=SpanKind.CLIENT,
                                       attributes=attrs)
 
     def end_chat(self, token: Any, *, outcome: str, response_model: str = "",
                  input_tokens: int = 0, output_tokens: int = 0, finish_reason: str = "",
-                 error: str = "") -> None:
+                 error: str = "", response: Any = None) -> None:
         from opentelemetry.trace import Status, StatusCode
 
         span = token
@@ -261,18 +400,89 @@ class On:
                 "gen_ai.usage.output_tokens": output_tokens,
                 "gen_ai.response.finish_reasons": [finish_reason] if finish_reason else [],
             })
+            if self.capture and response is not None:
+                span.set_attribute("gen_ai.output.messages",
+                                   self._scrub(output_messages(response)))
         else:
             span.set_attribute("error.type", error or outcome)
             span.set_status(Status(StatusCode.ERROR))
         span.end()
 
+    def _scrub(self, text: str) -> str:
+        for secret in self.secrets:
+            if secret in text:
+                text = text.replace(secret, "[redacted]")
+        return text
+
     def shutdown(self) -> None:
         self.provider.shutdown()  # exports what is queued (bounded by the timeout)
 
 
-def configure(cfg: TelemetryConfig | None, organism: str, base_dir: Path | None = None) -> Any:
+def input_messages(request: Any) -> str:
+    """`gen_ai.input.messages` as the GenAI conventions shape it (JSON of role and
+    parts): text, the model's tool calls and their results."""
+    out = []
+    for message in request.messages:
+        parts: list[dict[str, Any]] = [
+            {"type": "tool_call_response", "id": r.call_id, "response": r.content}
+            for r in message.results]
+        if message.content:
+            parts.append({"type": "text", "content": message.content})
+        parts.extend({"type": "tool_call", "id": c.id, "name": c.name,
+                      "arguments": c.arguments} for c in message.calls)
+        out.append({"role": message.role, "parts": parts})
+    return json.dumps(out, ensure_ascii=False)
+
+
+def output_messages(response: Any) -> str:
+    parts: list[dict[str, Any]] = []
+    if response.text:
+        parts.append({"type": "text", "content": response.text})
+    parts.extend({"type": "tool_call", "id": c.id, "name": c.name, "arguments": c.arguments}
+                 for c in response.calls)
+    return json.dumps([{"role": "assistant", "parts": parts,
+                        "finish_reason": response.finish_reason or "stop"}],
+                      ensure_ascii=False)
+
+
+def secret_values(config: object) -> set[str]:
+    """What content capture must never show: every `env` value in the configuration
+    (tools, MCP servers, isolation workers) and the value of every `*_env` variable
+    it names (an API key read from the environment)."""
+    import dataclasses
+    import os
+
+    found: set[str] = set()
+
+    def walk(value: object, depth: int) -> None:
+        if depth > 12:
+            return
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                item = getattr(value, f.name, None)
+                if f.name == "env" and isinstance(item, Mapping):
+                    found.update(str(v) for v in item.values())
+                elif f.name.endswith("_env") and isinstance(item, str):
+                    found.add(os.environ.get(item, ""))
+                else:
+                    walk(item, depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item, depth + 1)
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item, depth + 1)
+
+    walk(config, 0)
+    found.discard("")
+    return found
+
+
+def configure(cfg: TelemetryConfig | None, organism: str, base_dir: Path | None = None,
+              secrets: Iterable[str] = ()) -> Any:
     """Install the tracer for `cfg` (None: `OFF`) and return it. Raises ConfigError
-    when the SDK is not installed or the headers file is bad."""
+    when the SDK is not installed or the headers file is bad. `secrets`: values
+    captured content must never show (see `secret_values`)."""
     global TRACER
     if cfg is None:
         TRACER = OFF
@@ -287,7 +497,7 @@ def configure(cfg: TelemetryConfig | None, organism: str, base_dir: Path | None 
         except OSError as exc:
             raise ConfigError([f"telemetry.headers_file: {exc}"]) from None
     try:
-        TRACER = On(cfg, organism, headers)
+        TRACER = On(cfg, organism, headers, secrets)
     except ImportError as exc:
         raise ConfigError([f"telemetry: the OpenTelemetry SDK is not installed ({exc.name}); "
                            "install agentd[telemetry] (grpc: also "
