@@ -83,6 +83,24 @@ def render_trace(value: Any) -> str:
     return "\n".join(lines)
 
 
+def _content_lines(content: dict[str, Any], indent: str, lines: list[str]) -> None:
+    """An LLM call's messages (`trace --content`): the role, then each part's text."""
+    if content.get("system"):
+        lines.extend(f"{indent}system: {line}" for line in str(content["system"]).splitlines())
+    for message in [*(content.get("input") or []), *(content.get("output") or [])]:
+        if not isinstance(message, dict):
+            continue
+        role = message.get("role", "?")
+        for part in message.get("parts") or []:
+            if not isinstance(part, dict):
+                continue
+            text = part.get("content", part.get("response", part.get("arguments", "")))
+            label = part.get("name") or part.get("type", "")
+            head = f"{role} {label}" if label and label != "text" else str(role)
+            for line in str(text).splitlines() or [""]:
+                lines.append(f"{indent}{head}: {line}")
+
+
 def _trace_node(node: dict[str, Any], depth: int, lines: list[str]) -> None:
     parts = [str(node.get("kind", "?")), f"{node.get('from') or '-'} -> {node.get('to') or '-'}"]
     if node.get("listener") and node.get("listener") != node.get("to"):
@@ -99,6 +117,9 @@ def _trace_node(node: dict[str, Any], depth: int, lines: list[str]) -> None:
     if isinstance(tokens, dict):
         parts.append(f"tokens={tokens.get('input')}+{tokens.get('output')}")
     lines.append("  " * depth + "  ".join(parts))
+    content = node.get("content")
+    if isinstance(content, dict):
+        _content_lines(content, "  " * (depth + 1) + "| ", lines)
     for child in node.get("children") or []:
         if isinstance(child, dict):
             _trace_node(child, depth + 1, lines)

@@ -427,13 +427,18 @@ def journal(ctx: click.Context, thread: Any, limit: int | None) -> None:
 @click.argument("thread", type=click.UUID, metavar="THREAD")
 @click.option("--limit", type=click.IntRange(min=1, max=10_000), metavar="N",
               help="Build the tree from at most the first N journal entries (2000).")
+@click.option("--content", is_flag=True,
+              help="Show each LLM call's prompt and completion (kept only with "
+                   "telemetry.capture_content).")
 @click.pass_context
-def trace(ctx: click.Context, thread: Any, limit: int | None) -> None:
+def trace(ctx: click.Context, thread: Any, limit: int | None, content: bool) -> None:
     """The conversation of client thread THREAD as a tree, from the journal: each
     hop, LLM call, tool call and result, approval and federation hop."""
     args = {"thread": str(thread)}
     if limit is not None:
         args["limit"] = str(limit)
+    if content:
+        args["content"] = "true"
     _send(ctx, "trace", args, unwrap="trace", text=render_trace)
 
 

@@ -339,7 +339,8 @@ class DaemonCommands:
             uuid, entries, state=row.state if row is not None else None,
             agents=[lst.name for lst in listeners if lst.is_agent],
             remote=[lst.name for lst in listeners
-                    if str(getattr(lst.config, "handler_ref", "")).startswith("federation:")])
+                    if str(getattr(lst.config, "handler_ref", "")).startswith("federation:")],
+            content=args.get("content") == "true")
         root = dict(tree)
         root.pop("thread", None)
         return result_element("trace", {"thread": uuid, "root": root})

@@ -51,6 +51,14 @@ async def converse(d: DaemonProcess) -> tuple[str, str]:
     return frame_kind(asked[0])[2], frame_kind(relayed[0])[2]
 
 
+def nodes_of(node: dict[str, Any], kind: str) -> Iterator[dict[str, Any]]:
+    """The nodes of `kind` in an `agentctl trace` tree, depth first."""
+    if node["kind"] == kind:
+        yield node
+    for child in node["children"]:
+        yield from nodes_of(child, kind)
+
+
 def with_telemetry(home: Path, url: str, **extra: Any) -> None:
     def edit(doc: dict[str, Any]) -> None:
         doc["telemetry"] = {"otlp_endpoint": url, **extra}
@@ -65,8 +73,12 @@ async def test_a_conversation_is_one_trace_with_genai_spans_and_no_content(
     d = await DaemonProcess(home).start()
     try:
         tutor_thread, relay_thread = await converse(d)
+        code, shown = await asyncio.to_thread(d.agentctl, "trace", tutor_thread, "--content")
     finally:
         assert await d.stop() == 0
+    assert code == 0, shown  # capture_content off: no prompt was kept to show
+    assert not any("content" in n for n in nodes_of(shown["result"]["root"], "llm"))
+    assert "What is" not in json.dumps(shown)
     spans = await asyncio.to_thread(receiver.wait_for, lambda s: len(
         [x for x in s if x.name.startswith("chat ")]) >= 3)
     tutor_trace = uuid.UUID(tutor_thread).hex
@@ -200,8 +212,20 @@ async def test_content_is_captured_only_when_asked_and_never_an_env_value(
     d = await DaemonProcess(home).start()
     try:
         tutor_thread, _ = await converse(d)
+        code, shown = await asyncio.to_thread(d.agentctl, "trace", tutor_thread, "--content")
+        code2, plain = await asyncio.to_thread(d.agentctl, "trace", tutor_thread)
     finally:
         assert await d.stop() == 0
+    assert (code, code2) == (0, 0), (shown, plain)
+    # The journal kept each call's prompt and completion: `trace --content` shows them.
+    llm_nodes = list(nodes_of(shown["result"]["root"], "llm"))
+    assert len(llm_nodes) == 3
+    first = llm_nodes[0]["content"]
+    assert "tutor" in first["system"]
+    assert "What is ([redacted]) * 7?" in json.dumps(first["input"])
+    assert "35" in json.dumps(llm_nodes[-1]["content"]["output"])
+    assert "2 + 3" not in json.dumps(shown)
+    assert not any("content" in n for n in nodes_of(plain["result"]["root"], "llm"))
     spans = await asyncio.to_thread(receiver.wait_for, lambda s: len(
         [x for x in s if x.name.startswith("chat ")]) >= 3)
     chats = sorted((s for s in spans if s.name.startswith("chat ")), key=lambda s: s.start)

@@ -134,3 +134,19 @@ def test_a_hop_without_an_answer_stays_open_and_a_bad_audit_body_is_kept_as_an_e
     hop = tree["children"][0]
     assert hop["outcome"] == "open" and hop["duration_ms"] is None
     assert [c["kind"] for c in hop["children"]] == ["approval", "approval", "security"]
+
+
+def test_the_human_form_shows_an_llm_calls_content_under_it() -> None:
+    from agentctl._render import render_trace
+
+    llm = {"kind": "llm", "from": "tutor", "to": "m", "listener": "tutor", "outcome": "ok",
+           "duration_ms": 1.0, "children": [], "content": {
+               "system": "Be brief.",
+               "input": [{"role": "user", "parts": [{"type": "text", "content": "2+2?"}]}],
+               "output": [{"role": "assistant", "parts": [
+                   {"type": "tool_call", "id": "c1", "name": "add", "arguments": '{"a":2}'}]}]}}
+    root = {"kind": "conversation", "from": "alice", "to": "tutor", "listener": None,
+            "outcome": "active", "duration_ms": 2.0, "children": [llm]}
+    lines = render_trace({"thread": "t", "root": root}).splitlines()
+    assert lines[3:] == ["    | system: Be brief.", "    | user: 2+2?",
+                         '    | assistant add: {"a":2}']

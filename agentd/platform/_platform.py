@@ -88,6 +88,7 @@ from agentd.platform._history import (
 from agentd.platform._prompts import AgentPrompt, PromptRegistry, ToolCatalogue, fact_key
 from agentd.platform._scope import IsolationError
 from agentd.platform._working import TaskContext
+from agentd.telemetry import tracer
 
 if TYPE_CHECKING:
     from agentd._threads import ThreadRegistry
@@ -744,6 +745,7 @@ class Platform:
             "output_tokens": response.output_tokens, "cached": response.cached,
             "attempts": response.attempts, "outcome": "ok", "model": response.model,
             "latency_ms": round(response.transport_s * 1000, 3),
+            **tracer().content(request, response),  # only with telemetry.capture_content
         })
         return request, response
 

@@ -53,7 +53,9 @@ class _Tree:
     """Hops still being handled, by listener (the newest last): where the next
     message a listener sends, or its LLM call, belongs."""
 
-    def __init__(self, thread: str, agents: frozenset[str], remote: frozenset[str]) -> None:
+    def __init__(self, thread: str, agents: frozenset[str], remote: frozenset[str],
+                 content: bool = False) -> None:
+        self.content = content
         self.root = _node("conversation", None, None, None, 0.0)
         self.root["thread"] = thread
         self.open: dict[str, list[Node]] = {}
@@ -145,6 +147,8 @@ class _Tree:
                 node["duration_ms"] = fields["latency_ms"]
             if "error" in fields:
                 node["code"] = fields["error"]
+            if self.content and isinstance(fields.get("content"), dict):
+                node["content"] = fields["content"]
         elif any(word in kind for word in _APPROVAL):
             node = _node("approval", entry.sender, entry.handler or None, entry.handler or None,
                          entry.ts)
@@ -178,12 +182,15 @@ def _strip(node: Node) -> None:
 
 
 def conversation_tree(thread: str, entries: Iterable[JournalEntry], *, state: str | None = None,
-                      agents: Iterable[str] = (), remote: Iterable[str] = ()) -> Node:
+                      agents: Iterable[str] = (), remote: Iterable[str] = (),
+                      content: bool = False) -> Node:
     """The tree of `thread` from its journal `entries` (those of the thread and of
     the frames under it, in commit order). `agents`: the listeners that are LLM
     agents (their requests are tool calls); `remote`: listeners served by a peer
-    organism (federation hops). `state`: the thread's state, the root's outcome."""
-    tree = _Tree(thread, frozenset(agents), frozenset(remote))
+    organism (federation hops). `state`: the thread's state, the root's outcome.
+    `content`: an LLM call's prompt and completion, where its record kept them
+    (`telemetry.capture_content`), as the node's `content`."""
+    tree = _Tree(thread, frozenset(agents), frozenset(remote), content)
     for entry in entries:
         if entry.kind != "meta":
             tree.add(entry)

@@ -76,6 +76,9 @@ class Off:
     def chat(self, backend: str, model: str, request: Any = None) -> None:
         return None
 
+    def content(self, request: Any, response: Any) -> dict[str, Any]:
+        return {}
+
     def shutdown(self) -> None:
         return None
 
@@ -380,10 +383,10 @@ class On:
         if conversation:
             attrs["gen_ai.conversation.id"] = conversation
         if self.capture and request is not None:
-            attrs["gen_ai.input.messages"] = self._scrub(input_messages(request))
+            attrs["gen_ai.input.messages"] = _json(input_messages(request, self._scrub))
             if request.system:
-                attrs["gen_ai.system_instructions"] = self._scrub(json.dumps(
-                    [{"type": "text", "content": request.system}], ensure_ascii=False))
+                attrs["gen_ai.system_instructions"] = _json(
+                    [{"type": "text", "content": self._scrub(request.system)}])
         return self.tracer.start_span(f"chat {model or backend}", kind=SpanKind.CLIENT,
                                       attributes=attrs)
 
@@ -402,11 +405,20 @@ class On:
             })
             if self.capture and response is not None:
                 span.set_attribute("gen_ai.output.messages",
-                                   self._scrub(output_messages(response)))
+                                   _json(output_messages(response, self._scrub)))
         else:
             span.set_attribute("error.type", error or outcome)
             span.set_status(Status(StatusCode.ERROR))
         span.end()
+
+    def content(self, request: Any, response: Any) -> dict[str, Any]:
+        """With `capture_content`, an LLM call's messages for its journal record
+        (`agentctl trace --content`), redacted as in spans; otherwise nothing."""
+        if not self.capture:
+            return {}
+        return {"content": {"system": self._scrub(request.system),
+                            "input": input_messages(request, self._scrub),
+                            "output": output_messages(response, self._scrub)}}
 
     def _scrub(self, text: str) -> str:
         for secret in self.secrets:
@@ -418,31 +430,34 @@ class On:
         self.provider.shutdown()  # exports what is queued (bounded by the timeout)
 
 
-def input_messages(request: Any) -> str:
-    """`gen_ai.input.messages` as the GenAI conventions shape it (JSON of role and
-    parts): text, the model's tool calls and their results."""
+def _json(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def input_messages(request: Any, scrub: Any) -> list[dict[str, Any]]:
+    """`gen_ai.input.messages` as the GenAI conventions shape them (role and parts):
+    text, the model's tool calls and their results, each text through `scrub`."""
     out = []
     for message in request.messages:
         parts: list[dict[str, Any]] = [
-            {"type": "tool_call_response", "id": r.call_id, "response": r.content}
+            {"type": "tool_call_response", "id": r.call_id, "response": scrub(r.content)}
             for r in message.results]
         if message.content:
-            parts.append({"type": "text", "content": message.content})
+            parts.append({"type": "text", "content": scrub(message.content)})
         parts.extend({"type": "tool_call", "id": c.id, "name": c.name,
-                      "arguments": c.arguments} for c in message.calls)
+                      "arguments": scrub(c.arguments)} for c in message.calls)
         out.append({"role": message.role, "parts": parts})
-    return json.dumps(out, ensure_ascii=False)
+    return out
 
 
-def output_messages(response: Any) -> str:
+def output_messages(response: Any, scrub: Any) -> list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     if response.text:
-        parts.append({"type": "text", "content": response.text})
-    parts.extend({"type": "tool_call", "id": c.id, "name": c.name, "arguments": c.arguments}
-                 for c in response.calls)
-    return json.dumps([{"role": "assistant", "parts": parts,
-                        "finish_reason": response.finish_reason or "stop"}],
-                      ensure_ascii=False)
+        parts.append({"type": "text", "content": scrub(response.text)})
+    parts.extend({"type": "tool_call", "id": c.id, "name": c.name,
+                  "arguments": scrub(c.arguments)} for c in response.calls)
+    return [{"role": "assistant", "parts": parts,
+             "finish_reason": response.finish_reason or "stop"}]
 
 
 def secret_values(config: object) -> set[str]:
