@@ -275,3 +275,31 @@ async def test_an_approval_wait_is_a_span_from_parked_to_decided_parent_of_the_c
     assert wait.start == int(parked_at * 1e9)
     (paid,) = [s for s in spans if s.name == "execute_tool pay"]
     assert paid.parent_id == wait.span_id and paid.trace_id == wait.trace_id
+
+
+async def test_a_streamed_llm_calls_span_has_its_time_to_first_chunk(
+        receiver: OtlpReceiver) -> None:
+    """The router against a real streaming HTTP server on loopback, the tracer
+    configured through its public seam: the streamed attempt's `chat` span says how
+    long the first text took; a whole reply's span has no such attribute."""
+    from agentd import telemetry
+    from agentd.config import TelemetryConfig
+    from tests.llm_servers import FakeLLM, Reply
+    from tests.test_llm import backend, request, router
+    from tests.test_llm_stream import Sink
+
+    telemetry.configure(TelemetryConfig(otlp_endpoint=receiver.url), "streams")
+    try:
+        async with FakeLLM("openai", [Reply(pieces=["4", "2"]), Reply(text="42")]) as server:
+            r = router(backend("a", server))
+            try:
+                await r.complete(request(), sink=Sink())  # type: ignore[arg-type]
+                await r.complete(request(text="again"))
+            finally:
+                await r.aclose()
+    finally:
+        await asyncio.to_thread(telemetry.shutdown)
+    spans = await asyncio.to_thread(receiver.wait_for, lambda s: len(s) == 2)
+    streamed, whole = sorted(spans, key=lambda s: s.start)
+    assert 0 < streamed.attributes["agentd.time_to_first_chunk_s"] < 30
+    assert "agentd.time_to_first_chunk_s" not in whole.attributes

@@ -150,7 +150,8 @@ class LlmRouter:
                     await self.clock.sleep(delay)
                     continue
                 metrics.llm_requests.labels(backend.name, "ok").inc()
-                observe_attempt(backend.name, sent, span, None, response)
+                observe_attempt(backend.name, sent, span, None, response,
+                                watched.first - sent if watched and watched.sent else None)
                 response = dataclasses.replace(
                     response, attempts=attempts, transport_s=transport_s + response.transport_s
                 )
@@ -173,14 +174,17 @@ class LlmRouter:
 class _Watched:
     """A sink that knows whether an attempt sent it anything."""
 
-    __slots__ = ("sent", "sink")
+    __slots__ = ("first", "sent", "sink")
 
     def __init__(self, sink: TextSink) -> None:
         self.sink = sink
         self.sent = False
+        self.first = 0.0  # perf_counter() at the first piece (its chat span's)
 
     def piece(self, text: str) -> None:
-        self.sent = True
+        if not self.sent:
+            self.sent = True
+            self.first = time.perf_counter()
         self.sink.piece(text)
 
     def interrupted(self) -> None:
@@ -188,8 +192,10 @@ class _Watched:
 
 
 def observe_attempt(backend: str, sent: float, span: Any, error: BaseException | None,
-                    response: LlmResponse | None = None) -> None:
-    """One attempt's latency (`agentd_llm_latency_seconds`) and its `chat` span."""
+                    response: LlmResponse | None = None, first_s: float | None = None
+                    ) -> None:
+    """One attempt's latency (`agentd_llm_latency_seconds`) and its `chat` span
+    (`first_s`: a streamed reply's time to its first text)."""
     metrics.llm_latency.labels(backend, "ok" if error is None else "error").observe(
         time.perf_counter() - sent)
     if span is None:
@@ -198,6 +204,7 @@ def observe_attempt(backend: str, sent: float, span: Any, error: BaseException |
         tracer().end_chat(span, outcome="ok", response_model=response.model,
                           input_tokens=response.input_tokens,
                           output_tokens=response.output_tokens,
-                          finish_reason=response.finish_reason, response=response)
+                          finish_reason=response.finish_reason, response=response,
+                          first_s=first_s)
     else:
         tracer().end_chat(span, outcome="error", error=type(error).__name__)

@@ -392,7 +392,7 @@ class On:
 
     def end_chat(self, token: Any, *, outcome: str, response_model: str = "",
                  input_tokens: int = 0, output_tokens: int = 0, finish_reason: str = "",
-                 error: str = "", response: Any = None) -> None:
+                 error: str = "", response: Any = None, first_s: float | None = None) -> None:
         from opentelemetry.trace import Status, StatusCode
 
         span = token
@@ -403,6 +403,8 @@ class On:
                 "gen_ai.usage.output_tokens": output_tokens,
                 "gen_ai.response.finish_reasons": [finish_reason] if finish_reason else [],
             })
+            if first_s is not None:  # streamed: the time to the first chunk of text
+                span.set_attribute("agentd.time_to_first_chunk_s", round(first_s, 6))
             if self.capture and response is not None:
                 span.set_attribute("gen_ai.output.messages",
                                    _json(output_messages(response, self._scrub)))
