@@ -123,6 +123,12 @@ def test_a_tool_description_says_what_a_call_needs(tmp_path: Path) -> None:
     run = prompt.catalogue.by_key["{https://xml-pipeline.org/ns/tools/exec/v1}run"]
     assert "`word` (matching `[a-z]{1,12}`), `count` (matching `[0-9]+`)" in run.notes[0]
     assert "needs a human's approval" in run.notes[1]
+    # Its example call names its own placeholders with values their patterns accept,
+    # not the payload's generic `<name>text</name>`.
+    example = ('<run xmlns="https://xml-pipeline.org/ns/tools/exec/v1"><arg><name>word</name>'
+               '<value>example</value></arg><arg><name>count</name><value>42</value></arg></run>')
+    assert run.example == example
+    assert example in prompt.core and "<name>text</name>" not in prompt.core
     text = prompt.core
     assert "Allowed URL schemes: https, http. Allowed hosts: example.org, *.example.net" \
         in text

@@ -117,6 +117,7 @@ class Tool:
     responses: tuple[XmlSpec, ...]
     is_self: bool = False
     notes: tuple[str, ...] = ()  # what a call needs, from the peer's configuration
+    example: str = ""  # a call of this peer, where its payload's own example is generic
 
     @property
     def tool_name(self) -> str:
@@ -256,7 +257,7 @@ def _tools(lst: ListenerConfig, by_name: Mapping[str, ListenerConfig]) -> list[T
         for cls in peer_cfg.payload_classes:
             spec = spec_of(cls)
             tools.append(Tool(peer, spec, peer_cfg.description or spec.description, responses,
-                              notes=tool_notes(peer_cfg)))
+                              notes=tool_notes(peer_cfg), example=tool_example(peer_cfg, spec)))
     for cls in lst.payload_classes:
         spec = spec_of(cls)
         tools.append(Tool(lst.name, spec, lst.description or spec.description, (), is_self=True))
@@ -304,6 +305,28 @@ def tool_notes(peer: ListenerConfig) -> tuple[str, ...]:
     return tuple(notes)
 
 
+# Values tried, in order, for an exec placeholder in a tool's example call: the first
+# its pattern accepts in full.
+_SAMPLE_VALUES = ("example", "notes.txt", "abc", "a", "42", "1", "x", "-v", "-l")
+
+
+def tool_example(peer: ListenerConfig, spec: XmlSpec) -> str:
+    """An exec tool's call with its own placeholders (the `run` payload's example
+    names a placeholder `text`, which no tool has); empty for other peers."""
+    from agentd.config.tools import ExecTool  # late: see tool_notes
+
+    tool = peer.tool
+    if not isinstance(tool, ExecTool):
+        return ""
+    args = []
+    for name in dict.fromkeys(PLACEHOLDER.findall(" ".join(tool.argv))):
+        pattern = tool.allow_args.get(name)
+        value = next((v for v in _SAMPLE_VALUES
+                      if pattern is None or re.fullmatch(pattern, v)), "")
+        args.append(f"<arg><name>{name}</name><value>{value}</value></arg>")
+    return f'<{spec.tag} xmlns="{spec.namespace}">{"".join(args)}</{spec.tag}>'
+
+
 def _tool_text(tool: Tool, mode: str, shared: tuple[str, ...]) -> str:
     """A tool as the system prompt lists it: with provider tools, under its tool
     name; with XML calls (`xml`, and `auto` for a backend without tools), with its
@@ -319,7 +342,10 @@ def _tool_text(tool: Tool, mode: str, shared: tuple[str, ...]) -> str:
             others = ", ".join(p for p in shared if p != tool.peer)
             lines.append(f"{others} also take <{tool.spec.tag}>: write `to=\"{tool.peer}\"` "
                          "on the element to call this one.")
-        lines.append(tool.spec.prompt)
+        prompt = tool.spec.prompt
+        if tool.example:
+            prompt = prompt.replace(tool.spec.example.decode(), tool.example)
+        lines.append(prompt)
     if tool.responses:
         answers = ", ".join(f"<{r.tag}> ({r.namespace})" for r in tool.responses)
         lines.append(f"Answers with: {answers}")
