@@ -399,7 +399,9 @@ gateways:
     remote = config.listener("beta:greeter")
     assert remote.handler_ref == f"federation:beta:greeter:{offer.digest}"
     core = PromptRegistry.build(config).get("tutor").core
-    assert "### beta:greeter: Listener greeter of the peer organism beta." in core
+    # Listed under its provider tool name (`:` maps to `--`), then the listener's.
+    assert "### beta--greeter (beta:greeter): Listener greeter of the peer organism beta." \
+        in core
     assert "[Third-party text from the tool's server" in core  # the peer's own words
     assert "<<<Greets someone by name.>>>" in core
     assert f'<greeting xmlns="{spec_of(Greeting).namespace}">' in core
