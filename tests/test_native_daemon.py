@@ -1,0 +1,116 @@
+"""Native tool calls in a real `agentd run` process killed with SIGKILL between the
+model's reply and the dispatch of its calls: its model a loopback server speaking
+the OpenAI protocol, the called tool gated by an operator's approval, which holds
+the first call parked (and the second not yet sent) when the process dies. After
+the restart on the same home each call id becomes one message and runs once (the
+tool's ledger), its result goes back under the same id, the model is not asked
+again for that reply, and the task finishes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from agentd.client import BusClient
+from agentd.kernel import DB_NAME, verify_journal_main
+from agentd.platform.demo import MathQuestion
+from tests.daemon_process import DaemonProcess, edit_config, make_home
+from tests.llm_servers import FakeLLM, Reply, Seen
+from tests.test_durable_daemon import ctl, next_on
+
+PAY: dict[str, Any] = {
+    "name": "pay", "payload_class": "tests.organisms.durable:Pay",
+    "response_class": "tests.organisms.durable:Paid",
+    "handler": "tests.organisms.durable:pay", "description": "Pays an amount.",
+    "approval": {"approvers": ["operator"], "timeout_s": 600}}
+
+
+def unescaped(frame: bytes) -> str:
+    return frame.decode().replace("&lt;", "<").replace("&gt;", ">")
+
+
+def calls_of(seen: Seen) -> list[str]:
+    return [i for i, _ in seen.calls()]
+
+
+def tool_results(seen: Seen) -> dict[str, str]:
+    return {m["tool_call_id"]: m["content"] for m in seen.json["messages"]
+            if m["role"] == "tool"}
+
+
+def pay_messages(home: Path) -> int:
+    """Requests journaled to `pay` (approved ones are journaled when released)."""
+    conn = sqlite3.connect(f"file:{home / 'state' / DB_NAME}?mode=ro", uri=True)
+    try:
+        return conn.execute(
+            "SELECT count(*) FROM journal WHERE handler = 'pay' AND direction = 'in' "
+            "AND tag LIKE '%}pay'").fetchone()[0]
+    finally:
+        conn.close()
+
+
+async def test_a_call_id_is_dispatched_once_when_the_daemon_is_killed_before_dispatch(
+        tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    make_home(home, [PAY])
+    ledger = tmp_path / "ledger"
+    script = [Reply("Paying twice.", calls=[
+                  ("p1", "pay", json.dumps({"amount": 7})),
+                  ("p2", "pay", json.dumps({"amount": 8}))]),
+              Reply("Paid 7 and 8.")]
+    async with FakeLLM("openai", script) as server:
+        def edit(doc: dict[str, Any]) -> None:
+            doc["llm"]["retries"] = 0
+            doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
+                                       "base_url": server.base_url, "model": "fake-1"}]
+            tutor = next(lst for lst in doc["listeners"] if lst["name"] == "tutor")
+            tutor["peers"] = ["pay"]
+
+        edit_config(home, edit)
+        env = {"AGENTD_TEST_LEDGER": str(ledger)}
+        d = await DaemonProcess(home, env=env).start()
+        try:
+            async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+                thread = await bus.send(MathQuestion(text="Pay 7, then 8."))
+                required = await next_on(bus, thread, "approval-required")
+                session = bus.session
+            assert "<amount>7</amount>" in unescaped(required)
+            # The model's reply (p1, p2) is in the task's history; p1 is parked, p2
+            # waits for p1's result: neither has run when the process dies.
+            assert len(server.requests) == 1
+        finally:
+            await d.stop(signal.SIGKILL)
+        assert not ledger.exists()
+
+        d = await DaemonProcess(home, env=env).start()
+        try:
+            async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
+                (first,) = (await ctl(d, "approvals"))["approvals"]
+                assert first["listener"] == "pay" and first["thread"] == thread
+                assert (await ctl(d, "approve", first["id"]))["approve"]["outcome"] == (
+                    "approved")
+                # p1's result comes back: the restored task sends p2, parked in turn
+                second = await next_on(bus, thread, "approval-required")
+                while first["id"].encode() in second:  # the first, sent again at login
+                    second = await next_on(bus, thread, "approval-required")
+                assert "<amount>8</amount>" in unescaped(second)
+                (pending,) = (await ctl(d, "approvals"))["approvals"]
+                assert pending["id"] != first["id"]
+                await ctl(d, "approve", pending["id"])
+                answer = await next_on(bus, thread, "answer")
+        finally:
+            assert await d.stop() == 0
+    assert b"Paid 7 and 8." in answer
+    assert ledger.read_text().split() == ["7", "8"]  # each call ran once
+    assert pay_messages(home) == 2  # each call id one message
+    assert len(server.requests) == 2  # the model was not asked again for its reply
+    last = server.requests[-1]
+    assert calls_of(last) == ["p1", "p2"] and last.orphans() == []
+    got = tool_results(last)
+    assert set(got) == {"p1", "p2"}
+    assert "<amount>7</amount>" in got["p1"] and "<amount>8</amount>" in got["p2"]
+    assert verify_journal_main(home / "state") == 0
+
