@@ -381,3 +381,47 @@ async def test_a_tools_own_huh_is_that_calls_error_result(protocol: str, tmp_pat
     got = results(server.requests[1])
     assert got["n1"][1] and "huh" in got["n1"][0]
     assert not got["p1"][1] and "from pages" in got["p1"][0]
+
+
+# ---- approvals: a denial answers the call it denies -----------------------------------------
+
+
+def gated_organism(backend: str) -> str:
+    extra = "".join(f"""\
+  - name: {name}
+    payload_class: tests.organisms.durable:{cls}
+    response_class: tests.organisms.durable:Paid
+    handler: tests.organisms.durable:{handler}
+    description: Pays an amount.
+    approval: {{approvers: [client], timeout_s: 600}}
+""" for name, cls, handler in (("pay", "Pay", "pay"), ("pay.op", "PayOp", "pay_op")))
+    text = organism_yaml(backend, peers="[pay, pay.op]", extra_listeners=extra)
+    return text.replace("listeners: [tutor, calculator.add, calculator.multiply, echo]",
+                        "listeners: [tutor, pay, pay.op]")
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_denied_approval_is_the_error_result_of_the_call_it_denies(
+        protocol: str) -> None:
+    """Two gated calls parked at once; the second one's approval is denied first. Its
+    `huh denied` was matched to the oldest call in flight (the first), and the first's
+    answer then to the second; each goes back under its own call now."""
+    from tests.test_approvals import child, decision, tag
+
+    script = [Reply(calls=[call("p1", "pay", amount=7), call("o1", "pay__op", amount=8)]),
+              Reply("one paid")]
+    async with FakeLLM(protocol, script) as server, \
+            organism(gated_organism(openai_backend(server))) as (h, _):
+        frames = await h.send("alice", MathQuestion(text="pay twice"))
+        required = {child(f, "listener"): f for f in frames if tag(f) == "approval-required"}
+        assert set(required) == {"pay", "pay.op"}
+        thread = child(frames[0], "thread")
+        await h.send("alice", decision("alice", thread, child(required["pay.op"], "approval"),
+                                       None, approve=False))
+        done = await h.send("alice", decision(
+            "alice", thread, child(required["pay"], "approval"),
+            child(required["pay"], "payload-sha256")))
+    assert answered(done) == "one paid"
+    got = results(server.requests[1])
+    assert got["o1"][1] and "huh denied" in got["o1"][0] and "not approved" in got["o1"][0]
+    assert not got["p1"][1] and "<amount>7</amount>" in got["p1"][0]

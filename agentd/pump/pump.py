@@ -629,10 +629,11 @@ class Pump:
             tracing.end_handler(span, *outcome_of(result))
 
     def _apply(self, plan: ResponsePlan, listener: Listener | None, frame: Frame | None,
-               hops: int, batch: Batch | None) -> None:
+               hops: int, batch: Batch | None, about: str = "") -> None:
         """Carry out a plan for `listener`'s call `frame`: the notice, the envelopes,
         then the end of the frame (only once every envelope was taken: a refused
-        answer leaves it open)."""
+        answer leaves it open). `about`: the listener whose call the notice answers,
+        when it is not `listener` (a parked call's denial)."""
         if plan.notice_to is not None:
             if plan.rejected is not None:
                 metrics.envelopes_rejected.labels(plan.rejected.value).inc()
@@ -641,7 +642,7 @@ class Pump:
             # Whatever the notice says, it is about `listener`'s call (an ack or huh
             # for its caller) or its own output: a caller with calls open knows which.
             self._reenter_core(plan.notice_to, plan.notice, hops, batch,
-                               listener.name if listener is not None else "")
+                               about or (listener.name if listener is not None else ""))
         taken = True
         thread = plan.thread
         adopted = plan.adopted
@@ -661,7 +662,7 @@ class Pump:
             self._security_event(*plan.event)
         if plan.client is not None:
             self._emit_core(*plan.client, batch)
-        self._apply(plan.answer, plan.listener, plan.frame, plan.hops, batch)
+        self._apply(plan.answer, plan.listener, plan.frame, plan.hops, batch, plan.about)
         msg, own = plan.dispatch, plan.own
         if own is None:
             if msg is not None:

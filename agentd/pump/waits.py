@@ -84,7 +84,8 @@ class WaitPlan(NamedTuple):
     `listener`'s call `frame` at `hops` (its envelopes re-enter, its notice goes to a
     holder, its frame ends); `dispatch`, an approved message, is queued once `own`
     (the approval's own transaction) has committed, or at once without one.
-    `approval` names the decision `own` records, for the log."""
+    `approval` names the decision `own` records, for the log; `about`, the listener
+    a parked call was for, whose caller is answered (its `huh` says which call)."""
 
     answer: ResponsePlan = _NOTHING
     listener: Listener | None = None
@@ -95,6 +96,7 @@ class WaitPlan(NamedTuple):
     own: Transaction | None = None
     approval: str = ""
     event: tuple[str, dict[str, str]] | None = None
+    about: str = ""
 
 
 NOTHING = WaitPlan()
@@ -296,11 +298,12 @@ class Waits:
             return NOTHING
         if outcome is not ApprovalState.APPROVED:
             return WaitPlan(ResponsePlan((), None, False, frame, _DENIED, None, None),
-                            None, frame, row.hops)
+                            None, frame, row.hops, about=row.listener)
         msg = self._route_again(row, frame)
         if isinstance(msg, HuhCode):  # refused: the code its sender is answered
             answer = ResponsePlan((), None, False, frame, Huh.of(msg).to_bytes(), msg, None)
-            return WaitPlan(answer, None, frame, row.hops, own=own, approval=row.id)
+            return WaitPlan(answer, None, frame, row.hops, own=own, approval=row.id,
+                            about=row.listener)
         msg.cause = waited  # its handling hangs from the wait
         if own is not None:
             msg.seq = journal_message(own, msg, approved=True)
