@@ -242,7 +242,7 @@ async def test_budget_exhaustion_gives_huh_budget_exceeded_and_ends_the_task() -
         assert child(frames[-1], "code") == "budget-exceeded"
         assert child(frames[-1], "retry-allowed") == "false"
         assert len(server.requests) == 1  # the second call was refused before it was sent
-        assert handlers["tutor"].tasks == {} and handlers.platform._tasks == {}
+        assert handlers["tutor"].tasks == {} and handlers.platform.open_tasks == 0
         assert not h.pump.queue_depth and not h.pump.running
 
 
@@ -253,7 +253,7 @@ async def test_a_model_slower_than_the_handler_timeout_ends_the_task_cleanly() -
         frames = await h.send("alice", MathQuestion(text="Think slowly."))
         assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
         assert child(frames[-1], "code") == "timeout"
-        assert handlers["tutor"].tasks == {} and handlers.platform._tasks == {}
+        assert handlers["tutor"].tasks == {} and handlers.platform.open_tasks == 0
         assert handlers.platform.budgets._held == {}  # the reservation was released
 
 

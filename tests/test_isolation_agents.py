@@ -68,7 +68,7 @@ def bridge_of(h: Harness) -> AgentBridge:
 def clean(h: Harness, handlers: AgentHandlers) -> bool:
     """Nothing of the task is left: not in the platform, not in the bridge, and the
     in-process loop (which the isolated listener does not use) never saw it."""
-    return (handlers.platform._tasks == {} and bridge_of(h).open_tasks() == 0
+    return (handlers.platform.open_tasks == 0 and bridge_of(h).open_tasks() == 0
             and handlers["tutor"].tasks == {})  # type: ignore[attr-defined]
 
 

@@ -47,19 +47,16 @@ if TYPE_CHECKING:
         KernelHistoryStore,
         Turn,
     )
+    from agentd.platform._metered import AuditFn, Completion
     from agentd.platform._platform import (
         AgentSession,
-        AuditFn,
-        Completion,
         ContextOverflow,
         OverrideViolation,
         Platform,
-        ThreadScope,
-        registry_resolver,
     )
     from agentd.platform._prompts import AgentPrompt, PromptRegistry, Tool, ToolCatalogue
     from agentd.platform._reply import ParsedReply, parse_reply
-    from agentd.platform._scope import IsolationError
+    from agentd.platform._scope import IsolationError, ThreadScope, registry_resolver
 
 __getattr__, __dir__ = lazy_exports(__name__, {
     "agentd.platform._agent": (
@@ -90,19 +87,16 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "KernelHistoryStore",
         "Turn",
     ),
+    "agentd.platform._metered": ("AuditFn", "Completion"),
     "agentd.platform._platform": (
         "AgentSession",
-        "AuditFn",
-        "Completion",
         "ContextOverflow",
         "OverrideViolation",
         "Platform",
-        "ThreadScope",
-        "registry_resolver",
     ),
     "agentd.platform._prompts": ("AgentPrompt", "PromptRegistry", "Tool", "ToolCatalogue"),
     "agentd.platform._reply": ("ParsedReply", "parse_reply"),
-    "agentd.platform._scope": ("IsolationError",),
+    "agentd.platform._scope": ("IsolationError", "ThreadScope", "registry_resolver"),
 })
 
 __all__ = [

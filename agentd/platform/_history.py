@@ -165,3 +165,12 @@ class KernelHistoryStore:
 def _log_failure(fut: Any) -> None:
     if not fut.cancelled() and fut.exception() is not None:
         log.error("history write failed: %s", fut.exception())
+
+
+def part_text(turn: Turn) -> str:
+    """A turn as its segment keeps it (what relevance, summaries and unfold read):
+    a reply's provider tool calls are written after its text."""
+    if not turn.calls:
+        return turn.content
+    calls = "\n".join(f"[tool call {c.id}: {c.name} {c.arguments}]" for c in turn.calls)
+    return f"{turn.content}\n{calls}" if turn.content else calls
