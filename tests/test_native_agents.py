@@ -343,6 +343,28 @@ async def test_a_call_id_is_sent_once_across_a_crash_between_reply_and_dispatch(
     assert last.orphans() == [] and "<value>35</value>" in results(last)["m1"][0]
 
 
+async def test_agentd_demo_works_with_either_mode(tmp_path: Path) -> None:
+    """The demo organism with `tool_calling: xml` answers from the same cassette (its
+    XML exchanges), as the default mode does from its native ones."""
+    from agentd.config import load_config_text
+    from agentd.demo import DEMO_DIR
+    from agentd.testing import Harness
+
+    text = (DEMO_DIR / "agent-demo.yaml").read_text()
+    assert "      max_iterations: 6\n" in text
+    text = text.replace("      max_iterations: 6\n",
+                        "      max_iterations: 6\n      tool_calling: xml\n")
+    config = load_config_text(text, base_dir=DEMO_DIR)
+    tutor = next(lst.agent for lst in config.listeners if lst.name == "tutor")
+    assert tutor is not None and tutor.tool_calling == "xml"
+    handlers = make_agent_handlers(config)
+    async with Harness(config, {"alice": "public"}, agent_handlers=handlers,
+                       durable=False) as h:
+        frames = await h.send("alice", MathQuestion(text="What is (2 + 3) * 7?"))
+    await handlers.platform.aclose()
+    assert kinds(frames)[-1] == ("tutor", "answer") and "35" in answered(frames)
+
+
 async def test_the_demo_tutor_calls_natively_through_its_cassette() -> None:
     from agentd.config import load_config
     from agentd.demo import DEMO_DIR
@@ -425,3 +447,4 @@ async def test_a_denied_approval_is_the_error_result_of_the_call_it_denies(
     got = results(server.requests[1])
     assert got["o1"][1] and "huh denied" in got["o1"][0] and "not approved" in got["o1"][0]
     assert not got["p1"][1] and "<amount>7</amount>" in got["p1"][0]
+

@@ -4,7 +4,9 @@ the OpenAI protocol, the called tool gated by an operator's approval, which hold
 the first call parked (and the second not yet sent) when the process dies. After
 the restart on the same home each call id becomes one message and runs once (the
 tool's ledger), its result goes back under the same id, the model is not asked
-again for that reply, and the task finishes."""
+again for that reply, and the task finishes. And killed while the tool runs: the
+call's message is delivered again after the restart, like any other, and the model
+sees the call once."""
 
 from __future__ import annotations
 
@@ -114,3 +116,44 @@ async def test_a_call_id_is_dispatched_once_when_the_daemon_is_killed_before_dis
     assert "<amount>7</amount>" in got["p1"] and "<amount>8</amount>" in got["p2"]
     assert verify_journal_main(home / "state") == 0
 
+
+
+async def test_a_call_killed_while_its_tool_runs_is_processed_again_and_seen_once(
+        tmp_path: Path) -> None:
+    """The call's message is durable and its tool is running (it blocks) when the
+    process dies: after the restart the message is delivered again, like any other,
+    and its result goes to the model once, under the call's id."""
+    home = tmp_path / "home"
+    make_home(home)
+    script = [Reply(calls=[("h1", "hold", json.dumps({"n": 5}))]), Reply("Held.")]
+    async with FakeLLM("openai", script) as server:
+        def edit(doc: dict[str, Any]) -> None:
+            doc["llm"]["retries"] = 0
+            doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
+                                       "base_url": server.base_url, "model": "fake-1"}]
+            tutor = next(lst for lst in doc["listeners"] if lst["name"] == "tutor")
+            tutor["peers"] = ["hold"]
+
+        edit_config(home, edit)
+        d = await DaemonProcess(home, env={"AGENTD_TEST_HOLD": "block"}).start()
+        try:
+            async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
+                thread = await bus.send(MathQuestion(text="Hold 5."))
+                await next_on(bus, thread, "accepted")
+                session = bus.session
+            await d.wait_for_line(r"hold: n=5 blocking")
+        finally:
+            await d.stop(signal.SIGKILL)
+
+        d = await DaemonProcess(home).start()
+        try:
+            async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
+                answer = await next_on(bus, thread, "answer")
+        finally:
+            assert await d.stop() == 0
+    assert b"Held." in answer
+    assert len(server.requests) == 2
+    last = server.requests[-1]
+    assert calls_of(last) == ["h1"] and last.orphans() == []
+    (result,) = tool_results(last).values()
+    assert "<by>redelivered</by>" in result and "<seq>5</seq>" in result

@@ -138,6 +138,24 @@ def test_a_tool_description_says_what_a_call_needs(tmp_path: Path) -> None:
     assert tool_notes(remote) == ("Served by the peer organism `hub`.",)
 
 
+def test_the_tool_descriptions_the_model_sees_say_what_a_call_needs(tmp_path: Path) -> None:
+    """Native calls: the provider tools themselves carry the exec placeholders with
+    their patterns, the http-fetch hosts and schemes, the file root as `/` and the
+    approval gate, never the host path."""
+    root = tmp_path / "private-host-folder"
+    root.mkdir()
+    text = tool_peers_yaml(root).replace("model: m}", "model: m, tool_calling: native}")
+    prompt = PromptRegistry.build(load(text)).get("tutor")
+    assert prompt.tool_calling == "native"
+    tools = {t.name: t.description for t in prompt.provider_tools}
+    assert "`word` (matching `[a-z]{1,12}`), `count` (matching `[0-9]+`)" in tools["run"]
+    assert "needs a human's approval" in tools["run"]
+    assert "Allowed URL schemes: https, http. Allowed hosts: example.org, *.example.net" \
+        in tools["web"]
+    assert "Its folder is `/` to you" in tools["notes"]
+    assert str(root) not in repr(prompt.provider_tools) + prompt.system_prompt
+
+
 def test_each_peer_is_offered_as_one_provider_tool_by_the_mcp_serve_mapping() -> None:
     from agentd._xmlify import spec_of
     from agentd.mcp.serve import input_schema, shape_of_xsd
