@@ -32,6 +32,18 @@ class ToolSpec:
     name: str
     description: str
     parameters: Mapping[str, Any]
+    # Sizes taken once (a spec lives as long as its prompt; requests read them on
+    # every call): characters for the token estimate, UTF-8 bytes on the wire.
+    estimate_chars: int = field(init=False, repr=False, compare=False)
+    wire_bytes: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        schema = json.dumps(self.parameters)
+        compact = json.dumps(self.parameters, separators=(",", ":"))
+        object.__setattr__(self, "estimate_chars",
+                           len(schema) + len(self.description) + len(self.name))
+        object.__setattr__(self, "wire_bytes", len(self.name) + len(self.description.encode())
+                           + len(compact.encode()) + 32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,10 +140,7 @@ class LlmRequest:
         replaced by its own SHA-256 (the same frozen prompt is hashed once, not on
         every call)."""
         material = self.normalised(with_system=False)
-        system = self.system
-        if self.organism:
-            system = _name_pattern(self.organism).sub(ORGANISM_PLACEHOLDER, system)
-        material["system_sha256"] = _system_digest(system)
+        material["system_sha256"] = _system_digest(self.system, self.organism)
         return _digest(material)
 
     @cached_property
@@ -145,8 +154,7 @@ class LlmRequest:
         """A provider-independent estimate (4 characters a token, rounded up), used
         for budgets and token buckets before the provider reports the real figure."""
         size = len(self.system) + sum(m.size + 4 for m in self.messages)
-        size += sum(len(json.dumps(t.parameters)) + len(t.description) + len(t.name)
-                    for t in self.tools)
+        size += sum(t.estimate_chars for t in self.tools)
         return (size + 3) // 4
 
     def with_max_tokens(self, max_tokens: int) -> LlmRequest:
@@ -163,7 +171,11 @@ def _name_pattern(name: str) -> re.Pattern[str]:
 
 
 @lru_cache(maxsize=256)
-def _system_digest(system: str) -> str:
+def _system_digest(system: str, organism: str) -> str:
+    """The system prompt's SHA-256 with the organism's name normalised out; cached
+    whole, as the name's substitution over a long prompt costs more than the hash."""
+    if organism:
+        system = _name_pattern(organism).sub(ORGANISM_PLACEHOLDER, system)
     return hashlib.sha256(system.encode()).hexdigest()
 
 

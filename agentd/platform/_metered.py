@@ -8,7 +8,6 @@ request, never on a second path.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -112,5 +111,4 @@ def request_bytes(system: str, messages: Sequence[ChatMessage],
 
 def tool_bytes(tool: ToolSpec) -> int:
     """What one provider tool definition adds to a request, in UTF-8 bytes."""
-    return (len(tool.name) + len(tool.description.encode())
-            + len(json.dumps(tool.parameters, separators=(",", ":")).encode()) + 32)
+    return tool.wire_bytes
