@@ -4,12 +4,13 @@ Three servers, each in its own process, driven by the same client program (this
 process) over real TLS WebSockets on 127.0.0.1, all on uvloop:
 
   floor   the design floor: a websockets TLS server doing per envelope only what
-          this design cannot skip: hardened parse, envelope and payload XSD, one
-          journal row committed in an SQLite WAL group commit (every envelope that
-          arrived in one loop turn, one COMMIT) before answering, then building the
-          reply and re-parsing and validating it (benchmarks/pump.py's
-          `ValidatedHop`). No `accepted` frame, no auth beyond echoing the first
-          frame, no routing, no thread registry, no outbox;
+          this design cannot skip: the client's TOTP checked on its first frame,
+          hardened parse, envelope and payload XSD, the reply built and re-parsed
+          and validated (benchmarks/pump.py's `ValidatedHop`), then two journal
+          rows (request and reply) committed by a writer process of its own in an
+          SQLite WAL group commit (every envelope of one loop turn in one batch, one
+          COMMIT, batches pipelined) before answering. No `accepted` frame, no
+          sessions, no routing, no thread registry, no outbox, no hash chain;
   echo    a bare websockets TLS server that sends every frame back (the limit of
           TLS + WebSocket framing + the event loop here; for reference);
   agentd  BusServer + ClientAuth + the real Pump serving `calculator.add`, with the
@@ -17,9 +18,11 @@ process) over real TLS WebSockets on 127.0.0.1, all on uvloop:
 
 Measured: 8 pipelined clients (request/response pairs per second: a pair is a
 request and its answer; agentd's `accepted` frames are read but not counted), one
-sequential client's round trip (p50/p99), both in 5 alternating rounds with the
-servers up side by side (medians; ratios are medians of per-round ratios), and the
-server's RSS growth per idle
+sequential client's round trip (p50/p99), both in 7 alternating rounds with the
+servers up side by side (medians; ratios are medians of per-round ratios); each
+server's CPU per pipelined pair (its main process and its children, the writer,
+from the scheduler's per-thread counts; connecting not counted) beside the floor's;
+and the server's RSS growth per idle
 authenticated connection (5,000 connections; --quick: 500). The in-process pump on
 the same workload is printed too (the cost of the network layer).
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import json
 import os
@@ -54,7 +58,7 @@ from agentd._xmlify import spec_of  # noqa: E402
 from agentd.tools.calculator import Add  # noqa: E402
 
 CLIENTS = 8
-ROUNDS = 5  # alternating echo/agentd rounds for pairs/s and round trips
+ROUNDS = 7  # alternating echo/agentd rounds for pairs/s and round trips
 WINDOW = 64  # requests outstanding per pipelined client
 
 
@@ -73,6 +77,30 @@ def _rss_kib() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+def _task_ns(pid: int) -> tuple[int, list[int]]:
+    """CPU nanoseconds run by `pid`'s threads (the scheduler's count: finer than
+    /proc/PID/stat's ticks), and its child processes' ids."""
+    ns, children = 0, []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            ns += int((task / "schedstat").read_text().split()[0])
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return ns, children
+
+
+def tree_cpu_ns(pid: int) -> tuple[int, int]:
+    """CPU nanoseconds of a server process and of all its descendants (its writer)."""
+    main, todo = _task_ns(pid)
+    rest = 0
+    while todo:
+        ns, more = _task_ns(todo.pop())
+        rest += ns
+        todo += more
+    return main, rest
 
 
 def _raise_nofile() -> None:
@@ -108,12 +136,40 @@ async def serve_echo(home: Path) -> None:
     await _serve_control(server.sockets[0].getsockname()[1], server)
 
 
-async def serve_floor(home: Path) -> None:
+def floor_writer(sock: Any, path: Path) -> None:
+    """The floor's writer process: each batch of rows (a length-prefixed pickle) is
+    inserted and committed in one SQLite WAL transaction, then acknowledged with
+    one byte, in order."""
+    import pickle
     import sqlite3
+    import struct
 
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("CREATE TABLE IF NOT EXISTS journal "
+               "(seq INTEGER PRIMARY KEY, thread TEXT NOT NULL, payload BLOB NOT NULL)")
+    f = sock.makefile("rb")
+    while (head := f.read(4)) and len(head) == 4:
+        rows = pickle.loads(f.read(struct.unpack("!I", head)[0]))
+        db.execute("BEGIN")
+        db.executemany("INSERT INTO journal (thread, payload) VALUES (?, ?)", rows)
+        db.execute("COMMIT")
+        sock.sendall(b"k")
+    db.close()
+
+
+async def serve_floor(home: Path) -> None:
+    import pickle
+    import socket
+    import struct
+
+    import yaml
     from websockets.asyncio.server import serve
 
+    from agentd._xml import parse_untrusted
     from agentd.bus import server_context
+    from agentd.bus._auth import current_totp
     from agentd.config import TlsConfig
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -121,47 +177,78 @@ async def serve_floor(home: Path) -> None:
 
     ctx = server_context(TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"))
     home.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(home / "floor.db", isolation_level=None)
-    db.execute("PRAGMA journal_mode=WAL")
-    db.execute("PRAGMA synchronous=NORMAL")
-    db.execute("CREATE TABLE IF NOT EXISTS journal "
-               "(seq INTEGER PRIMARY KEY, thread TEXT NOT NULL, payload BLOB NOT NULL)")
+    secrets = {name: entry["totp_secret"] for name, entry in
+               yaml.safe_load((home / "clients.yaml").read_text())["clients"].items()}
+    # The writer is forked before the loop starts: one process for the journal, as
+    # agentd's kernel has.
+    ours, theirs = socket.socketpair()
+    if os.fork() == 0:
+        ours.close()
+        floor_writer(theirs, home / "floor.db")
+        os._exit(0)
+    theirs.close()
     hop = ValidatedHop()
     loop = asyncio.get_running_loop()
-    pending: list[tuple[tuple[str, bytes], asyncio.Future[None]]] = []
+    reader, writer = await asyncio.open_connection(sock=ours)
+    pending: list[tuple[tuple[str, bytes], ...]] = []
+    waiting: list[asyncio.Future[None]] = []
+    sent: collections.deque[list[asyncio.Future[None]]] = collections.deque()
 
     def group_commit() -> None:
-        batch = pending[:]
+        """Every envelope's two rows of this loop turn in one batch (pipelined: the
+        next batch goes while this one commits)."""
+        rows = [row for pair in pending for row in pair]
+        body = pickle.dumps(rows, protocol=pickle.HIGHEST_PROTOCOL)
+        writer.write(struct.pack("!I", len(body)) + body)
+        sent.append(waiting[:])
         pending.clear()
-        db.execute("BEGIN")
-        db.executemany("INSERT INTO journal (thread, payload) VALUES (?, ?)",
-                       [row for row, _ in batch])
-        db.execute("COMMIT")
-        for _, fut in batch:
-            fut.set_result(None)
+        waiting.clear()
+
+    async def acknowledgements() -> None:
+        while await reader.read(1):
+            for fut in sent.popleft():
+                fut.set_result(None)
+
+    acks = loop.create_task(acknowledgements())
+
+    def authenticated(first: bytes | str) -> bool:
+        """The first frame: TOTP checked against the client's secret (this step's
+        code or the last one's)."""
+        root = parse_untrusted(first.encode() if isinstance(first, str) else first)
+        client, code = root[0].text or "", root[1].text or ""
+        secret = secrets.get(client)
+        now = time.time()
+        return secret is not None and code in (current_totp(secret, lambda: now),
+                                               current_totp(secret, lambda: now - 30))
 
     async def handle(ws: Any) -> None:
-        await ws.send(await ws.recv())  # the first frame: no auth in the floor
-        # Envelopes are read and checked as they come (pipelined, as agentd reads);
-        # a sender answers each, in order, once its row is committed.
-        committed: asyncio.Queue[tuple[str, int, int, asyncio.Future[None]] | None] = (
+        first = await ws.recv()
+        if not authenticated(first):
+            await ws.close(4001)
+            return
+        await ws.send(first)  # echoed: the client keeps no session for the floor
+        # Envelopes are read, checked and answered as they come (pipelined, as agentd
+        # reads); a sender sends each answer, in order, once both rows are committed.
+        committed: asyncio.Queue[tuple[bytes, asyncio.Future[None]] | None] = (
             asyncio.Queue())
 
         async def sender() -> None:
             while (item := await committed.get()) is not None:
-                thread, a, b, fut = item
+                out, fut = item
                 await fut
-                await ws.send(hop.reply(thread, a, b, "c"), text=True)
+                await ws.send(out, text=True)
 
         task = loop.create_task(sender())
         async for frame in ws:
             raw = frame.encode() if isinstance(frame, str) else frame
             thread, a, b = hop.check(raw)
+            out = hop.reply(thread, a, b, "c")
             fut = loop.create_future()
             if not pending:
                 loop.call_soon(group_commit)
-            pending.append(((thread, raw), fut))
-            committed.put_nowait((thread, a, b, fut))
+            pending.append(((thread, raw), (thread, out)))
+            waiting.append(fut)
+            committed.put_nowait((out, fut))
         committed.put_nowait(None)
         await task
 
@@ -169,7 +256,8 @@ async def serve_floor(home: Path) -> None:
                          max_size=256 * 1024, max_queue=(4, 1))
     tune_gc()
     await _serve_control(server.sockets[0].getsockname()[1], server)
-    db.close()
+    writer.close()
+    acks.cancel()
 
 
 # What the throughput rounds run with: no rate limit, no connection caps (every
@@ -256,6 +344,10 @@ class ServerProcess:
             raise RuntimeError(f"server did not start: {line!r}")
         self.port = int(line.split()[1])
 
+    def cpu_ns(self) -> tuple[int, int]:
+        """(main process, its children) CPU nanoseconds so far."""
+        return tree_cpu_ns(self.proc.pid)
+
     def rss(self) -> int:
         assert self.proc.stdin and self.proc.stdout
         self.proc.stdin.write("rss\n")
@@ -316,7 +408,11 @@ def _is_accepted(frame: bytes) -> bool:
     return b"<from>core</from>" in frame and b"<accepted " in frame
 
 
-async def pipelined(rig: Rig, port: int, n_per_client: int) -> float:
+async def pipelined(rig: Rig, port: int, n_per_client: int,
+                    cpu: list[tuple[int, int]] | None = None,
+                    server: ServerProcess | None = None) -> float:
+    """Pairs per second of CLIENTS pipelined clients; with `server`, the server's CPU
+    (main, children) over the pairs alone (connecting not counted) is added to `cpu`."""
     names = [f"c{i}" for i in range(CLIENTS)]
     conns = [await rig.connect(port, name) for name in names]
     work = {name: requests(name, n_per_client) for name in names}
@@ -340,9 +436,13 @@ async def pipelined(rig: Rig, port: int, n_per_client: int) -> float:
             await ws.send(r, text=True)
         await task
 
+    before = server.cpu_ns() if server is not None else (0, 0)
     start = time.perf_counter()
     await asyncio.gather(*(run(ws, work[name]) for ws, name in zip(conns, names, strict=True)))
     elapsed = time.perf_counter() - start
+    if server is not None and cpu is not None:
+        after = server.cpu_ns()
+        cpu.append((after[0] - before[0], after[1] - before[1]))
     for ws in conns:
         await ws.close()
     return CLIENTS * n_per_client / elapsed
@@ -439,13 +539,15 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                 kernel=not args.no_kernel) for m in modes}
     rates: dict[str, list[float]] = {m: [] for m in modes}
     lats: dict[str, list[list[float]]] = {m: [] for m in modes}
+    cpus: dict[str, list[tuple[int, int]]] = {m: [] for m in modes}
     try:
         for mode in modes:
             await pipelined(rig, servers[mode].port, max(50, n_pipe // 10))  # warm-up
             await sequential(rig, servers[mode].port, 50)
         for _ in range(ROUNDS):
             for mode in modes:
-                rates[mode].append(await pipelined(rig, servers[mode].port, n_pipe // ROUNDS))
+                rates[mode].append(await pipelined(rig, servers[mode].port, n_pipe // ROUNDS,
+                                                   cpus[mode], servers[mode]))
                 lats[mode].append(await sequential(rig, servers[mode].port, n_seq // ROUNDS))
     finally:
         for server in servers.values():
@@ -470,6 +572,23 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     print("per-round ratios to the floor: pairs/s "
           + " ".join(f"{r:.2f}" for r in floor_ratios)
           + "; p50 " + " ".join(f"{r:.2f}" for r in floor_p50_ratios))
+    # CPU per pair: each server's main process and its children (the writer), over
+    # the pipelined pairs of every round; the ratio is the median of per-round ones.
+    pairs_per_round = CLIENTS * (n_pipe // ROUNDS)
+    per_pair: dict[str, list[float]] = {}
+    for mode in modes:
+        per_pair[mode] = [(m + c) / 1000 / pairs_per_round for m, c in cpus[mode]]
+        main = sum(m for m, _ in cpus[mode]) / 1000 / (pairs_per_round * ROUNDS)
+        child = sum(c for _, c in cpus[mode]) / 1000 / (pairs_per_round * ROUNDS)
+        print(f"{mode:>6}: CPU per pair {main + child:6.1f} us ({main:.1f} main process, "
+              f"{child:.1f} writer); per round " + " ".join(f"{x:.0f}" for x in per_pair[mode]))
+        result[f"{mode}_cpu_us_per_pair"] = round(main + child, 1)
+        result[f"{mode}_main_cpu_us_per_pair"] = round(main, 1)
+        result[f"{mode}_writer_cpu_us_per_pair"] = round(child, 1)
+    cpu_ratios = [a / f for a, f in zip(per_pair["agentd"], per_pair["floor"], strict=True)]
+    print("per-round CPU per pair, agentd over the floor: "
+          + " ".join(f"{r:.2f}" for r in cpu_ratios))
+    result["cpu_ratio_to_floor"] = round(statistics.median(cpu_ratios), 2)
     for mode in modes:
         print(f"{mode:>6} per round: pairs/s " + " ".join(f"{r:.0f}" for r in rates[mode])
               + "; p50 us " + " ".join(f"{pct(lat, 0.5) * 1e6:.0f}" for lat in lats[mode]))
@@ -508,6 +627,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
           "(target >= 60%)")
     print(f"agentd p50 round trip is {result['p50_ratio_to_floor']}x the floor's "
           "(target <= 1.5x)")
+    print(f"agentd uses {result['cpu_ratio_to_floor']}x the floor's CPU per pair "
+          "(target <= 2.5x)")
     print(f"idle connection: {result['kib_per_idle_connection']} KiB (target < 40 KiB)")
     return result
 
