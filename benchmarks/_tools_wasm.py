@@ -5,7 +5,9 @@ A section of benchmarks/tools.py (`python benchmarks/tools.py [--quick]`).
 
 `wasm_call_p50_us`: the tool's handler awaited on the event loop (the payload to
 C14N, a fresh store and instance from the pre-linked module, stdin and stdout, the
-thread hop) echoing a 1 KiB payload. `python_call_p50_us`: an async Python handler
+thread hop) echoing a 1 KiB payload; `wasm_call_cpu_us`, the process's CPU per such
+call (every thread: the loop's, the pool's, wasmtime's), steadier than the wall
+time on a shared machine. `python_call_p50_us`: an async Python handler
 that serialises the same payload and answers with it. `wasm_runaway_stop_ms`: a
 module in an infinite loop with `timeout_ms: 100`, from the call to its `timeout`
 answer (the target is the limit plus a tick or two). Both kinds alternate in rounds.
@@ -78,12 +80,14 @@ async def measure(quick: bool) -> dict[str, float]:
         echo = handler(directory, "echo", ECHO_WAT)
         spin = handler(directory, "spin", SPIN_WAT, timeout_ms=100, fuel=10**15)
         await p50_us(echo, payload, 20)  # warm-up: the pool's threads, the ticker
-        wasm, python = [], []
+        wasm, python, cpu = [], [], []
         for i in range(rounds):
             python.append(await p50_us(python_echo, payload, calls))
+            cpu0 = time.process_time()
             wasm.append(await p50_us(echo, payload, calls))
-            print(f"round {i + 1}: wasm echo p50 {wasm[-1]:.0f} us, "
-                  f"python echo p50 {python[-1]:.1f} us")
+            cpu.append((time.process_time() - cpu0) / calls * 1e6)
+            print(f"round {i + 1}: wasm echo p50 {wasm[-1]:.0f} us ({cpu[-1]:.0f} us of "
+                  f"CPU a call), python echo p50 {python[-1]:.1f} us")
         stops = []
         meta = HandlerMetadata("00000000-0000-4000-8000-000000000000", "bench", "spin")
         for _ in range(runaways):
@@ -95,6 +99,7 @@ async def measure(quick: bool) -> dict[str, float]:
               f"(max {max(stops):.1f})")
     result = {
         "wasm_call_p50_us": round(statistics.median(wasm), 1),
+        "wasm_call_cpu_us": round(statistics.median(cpu), 1),
         "python_call_p50_us": round(statistics.median(python), 1),
         "wasm_over_python_p50": round(
             statistics.median(w / p for w, p in zip(wasm, python, strict=True)), 1),

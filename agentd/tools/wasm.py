@@ -2,7 +2,8 @@
 
 The request payload's C14N bytes are the module's stdin; what it writes to stdout is
 its response payload, which re-enters the pump and is validated like any handler's
-output. The module sees no filesystem except the configured preopens, no network
+output (stdout is a fresh memory file per call, sealed at 1 MiB: a write past that
+fails in the guest). The module sees no filesystem except the configured preopens, no network
 (WASI preview 1 has no sockets, and none are linked), no environment, no arguments
 beyond its name, and clocks rounded down to the millisecond (the host's clock
 functions are replaced, so a module cannot time the host finely); its process and
@@ -28,6 +29,7 @@ guest code runs.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import hashlib
 import logging
 import math
@@ -37,10 +39,12 @@ import time
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from ctypes import byref
 from dataclasses import dataclass
 from typing import Any
 
 import wasmtime
+from wasmtime import _ffi  # the C API's stdin-from-bytes (not in WasiConfig in 50.x)
 
 from agentd._errors import HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse
@@ -238,6 +242,32 @@ class _Capped:
         return b"".join(self.parts)
 
 
+def _stdout_file(wasi: wasmtime.WasiConfig) -> int:
+    """A memory file as the module's stdout, capped at MAX_STDOUT_BYTES + 1: wasmtime
+    opens (and truncates) it first, then it is sized and sealed against growing, so
+    a write past the cap fails in the guest and memory stays bounded. Unwritten
+    bytes read as zeros."""
+    fd = os.memfd_create("agentd-wasm-stdout", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        wasi.stdout_file = f"/proc/self/fd/{fd}"
+        os.ftruncate(fd, MAX_STDOUT_BYTES + 1)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _written(fd: int) -> bytes:
+    """What the module wrote to its stdout file, at most MAX_STDOUT_BYTES: stdout is a
+    stream, so it is a prefix of the file, up to the first hole (page-grained) and
+    less its trailing zero bytes (a response payload is XML text, in which a NUL
+    character has no place)."""
+    end = min(os.lseek(fd, 0, os.SEEK_HOLE), MAX_STDOUT_BYTES)
+    return os.pread(fd, end, 0).rstrip(b"\0")
+
+
 class WasmModule:
     """One configured module: its limits and its pre-linked code."""
 
@@ -259,29 +289,28 @@ class WasmModule:
         store.set_fuel(config.fuel)
         wasi = wasmtime.WasiConfig()
         wasi.argv = ["module"]
-        stdout, stderr = _Capped(MAX_STDOUT_BYTES), _Capped(MAX_STDERR_LOG_BYTES)
-        wasi.stdout_custom = stdout
+        stderr = _Capped(MAX_STDERR_LOG_BYTES)
         wasi.stderr_custom = stderr
         for guest, host in config.preopens.items():
             wasi.preopen_dir(str(host), guest)
-        # stdin is a path for wasmtime; an anonymous memory file is one that nothing
-        # else can open or swap.
-        fd = os.memfd_create("agentd-wasm-stdin", os.MFD_CLOEXEC)
+        # stdin from memory; stdout into an anonymous memory file that nothing else
+        # can open (a Python callback per write, or a file for stdin, costs wasmtime
+        # a hand-over to a thread of its own: ~100 us each).
+        _ffi.wasi_config_set_stdin_bytes(wasi.ptr(), byref(_ffi.bytes_to_capi(stdin)))
+        out = _stdout_file(wasi)
         try:
-            os.write(fd, stdin)
-            os.lseek(fd, 0, os.SEEK_SET)
-            wasi.stdin_file = f"/proc/self/fd/{fd}"
             store.set_wasi(wasi)
             with self.rt.ticker:
                 store.set_epoch_deadline(self.deadline_ticks)
                 _call.cpu0 = time.thread_time_ns()
                 outcome = self._start(store)
+            stdout = _written(out) if outcome is None else b""
         finally:
-            os.close(fd)
+            os.close(out)
         if stderr.size:
             log.info("wasm stderr module=%s: %r", config.module.name, stderr.value())
         if outcome is None:
-            return RunOutcome(stdout=stdout.value())
+            return RunOutcome(stdout=stdout)
         return outcome
 
     def _start(self, store: wasmtime.Store) -> RunOutcome | None:
