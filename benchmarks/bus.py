@@ -179,8 +179,8 @@ async def serve_floor(home: Path) -> None:
     home.mkdir(parents=True, exist_ok=True)
     secrets = {name: entry["totp_secret"] for name, entry in
                yaml.safe_load((home / "clients.yaml").read_text())["clients"].items()}
-    # The writer is forked before the loop starts: one process for the journal, as
-    # agentd's kernel has.
+    # One process for the journal, as agentd's kernel has: forked from the running
+    # loop, the child never returns to it (it serves the socket, then _exits).
     ours, theirs = socket.socketpair()
     if os.fork() == 0:
         ours.close()
