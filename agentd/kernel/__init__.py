@@ -13,15 +13,9 @@ from agentd.kernel._errors import (
     TransactionRejected,
 )
 from agentd.kernel._health import Health
-from agentd.kernel._kernel import (
-    DB_NAME,
-    Kernel,
-    SweepReport,
-    check_database,
-    read_lease,
-    verify_journal_main,
-)
+from agentd.kernel._kernel import Kernel
 from agentd.kernel._lock import StateDirLock
+from agentd.kernel._offline import DB_NAME, check_database, read_lease, verify_journal_main
 from agentd.kernel._options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from agentd.kernel._records import (
     PRUNE_ON_DELIVERY,
@@ -37,6 +31,7 @@ from agentd.kernel._records import (
     TimerRow,
     retain_days,
 )
+from agentd.kernel._sweeps import SweepReport
 from agentd.kernel._transaction import Transaction
 
 __all__ = [

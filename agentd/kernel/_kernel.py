@@ -21,8 +21,10 @@ Invariants:
   is accepted and everything already submitted is still committed.
 
 How queued transactions become batches, the two-batch pipeline and folds live in
-_batching (mixed in); this module keeps the lifecycle, the writer task's loop,
-health, restarts, checkpoints and sweeps.
+_batching; sweeps and checkpoints in _sweeps; replacing a dead writer, settling
+what it never answered and the lease in _restarts; the reads in _reads (all mixed
+in). This module keeps the lifecycle, the writer task's loop and health; what runs
+without a kernel (verify-journal, the PostgreSQL checks) is in _offline.
 
 Why the writer is a child process (`_writer.WriterProcess`) running the stdlib sqlite3
 module, not aiosqlite on a thread: aiosqlite hops to its thread and back once per call
@@ -41,38 +43,34 @@ import contextlib
 import logging
 import os
 import socket
-import sqlite3
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiosqlite
 
-from agentd.kernel._batching import KernelBatching, Queued, fail
-from agentd.kernel._chain import Verdict
+from agentd.kernel._batching import KernelBatching, fail
 from agentd.kernel._errors import (
     KernelUnavailable,
     LeaseLost,
-    SchemaTooNew,
-    TransactionRejected,
 )
 from agentd.kernel._health import BACKOFF_START_S, Health, HealthEvent, WriteHealth
 from agentd.kernel._lifecycle import Phase, PhaseEvent, next_phase
 from agentd.kernel._lock import StateDirLock
+from agentd.kernel._offline import DB_NAME
 from agentd.kernel._options import DEFAULT_KERNEL_OPTIONS, KernelOptions
 from agentd.kernel._reads import KernelReads
-from agentd.kernel._schema import code_version, read_version, too_new_message
+from agentd.kernel._restarts import KernelRestarts, start_writer
+from agentd.kernel._schema import code_version
 from agentd.kernel._store import (
     readonly_uri,
-    verify_file,
 )
+from agentd.kernel._sweeps import KernelSweeps, SweepReport
 from agentd.kernel._transaction import OnCommit, Transaction, TxContext
 from agentd.kernel._writer import WriterProcess
 
-DB_NAME = "agentd.db"
 # postgres: a lease holder whose renewals stop for this many intervals loses it.
 LEASE_MISSED_RENEWALS = 3
 
@@ -83,15 +81,8 @@ _HEALTHY = Health.HEALTHY
 _OPEN = Phase.OPEN
 
 
-@dataclass(frozen=True)
-class SweepReport:
-    journal_deleted: int
-    threads_deleted: int
-    buffers_deleted: int
-    outbox_deleted: int = 0
 
-
-class Kernel(KernelReads, KernelBatching):
+class Kernel(KernelReads, KernelBatching, KernelSweeps, KernelRestarts):
     """Use `await Kernel.open(state_dir)`; `async with` closes it."""
 
     def __init__(self, *, state_dir: Path, lock: StateDirLock, writer: WriterProcess,
@@ -186,7 +177,7 @@ class Kernel(KernelReads, KernelBatching):
         writer: WriterProcess | None = None
         try:
             writer, (seq, outbox_id, last_txn, migrated_from, counts, lease
-                     ) = await _start_writer(db, lock, store_options)
+                     ) = await start_writer(db, lock, store_options)
             if store_options.get("lease"):  # a new writer reclaims this epoch or stops
                 store_options.update(epoch=lease[0], standby=False)
             if migrated_from != code_version():
@@ -290,19 +281,6 @@ class Kernel(KernelReads, KernelBatching):
         await self.commit(Transaction(self._ctx))
         if not self._health.healthy:
             raise KernelUnavailable(f"kernel writes are failing: {self._health.last_error}")
-
-    async def sweep(self) -> SweepReport:
-        """Run retention, thread GC and idle context GC now (normally periodic)."""
-        if self._phase is not _OPEN:
-            raise KernelUnavailable("kernel is closed")
-        waiter: asyncio.Future[SweepReport] = self._loop.create_future()
-        self._sweep_waiters.append(waiter)
-        self._wake.set()
-        return await waiter
-
-    async def checkpoint(self) -> tuple[int, int, int]:
-        """`PRAGMA wal_checkpoint(TRUNCATE)` now (normally done when idle)."""
-        return await self._call("checkpoint", "TRUNCATE")
 
     async def set_max_db_bytes(self, max_bytes: int | None) -> int:
         """Cap the database size (writes beyond fail like a full disk); None: no cap."""
@@ -474,36 +452,6 @@ class Kernel(KernelReads, KernelBatching):
         self._queued_ops = 0
         self._fail_orphans(exc)
 
-    def _fail_orphans(self, exc: BaseException) -> None:
-        """No writer can say what became of the orphans: fail them (not acknowledged;
-        what committed of them is found again at the next start, like after a crash)."""
-        orphans, self._orphans = self._orphans, []
-        for _, batch in orphans:
-            self._storage_failed(KernelUnavailable(f"kernel writer lost: {exc}"), batch)
-
-    async def _probe(self) -> None:
-        try:
-            if not self._writer_proc.alive:
-                await self._restart_writer()
-            await self._call("probe")
-        except Exception as exc:
-            if isinstance(exc, LeaseLost):
-                self._lose_lease(exc)
-            self._record(HealthEvent.PROBE_FAILED, str(exc))
-            self._fail_orphans(exc)
-            return
-        self._record(HealthEvent.PROBE_SUCCEEDED)
-        log.warning("kernel: write probe succeeded after %.1f s; accepting",
-                    self._loop.time() - self._health.since)
-
-    def _writer_died(self, message: str) -> None:
-        """The writer process exited on its own: unhealthy now (not at the next
-        failed commit), and the writer loop's health probe starts a new one."""
-        if self._phase is not _OPEN:
-            return
-        self._record(HealthEvent.WRITER_EXITED, message)
-        self._wake.set()
-
     def _record(self, event: HealthEvent, error: str = "") -> bool:
         """Apply a health event; True if the state changed."""
         changed = self._health.record(event, self._loop.time(), error)
@@ -513,165 +461,6 @@ class Kernel(KernelReads, KernelBatching):
             else:
                 self._recovered.clear()
         return changed
-
-    async def _restart_writer(self) -> None:
-        """The writer process died (killed, out of memory): start another, which reads
-        the chain head back from the database, then settle the batches the dead one
-        never answered (`_settle_orphans`)."""
-        if self.lease_lost is not None:  # never another writer: see _lose_lease
-            raise LeaseLost(self.lease_lost)
-        old = self._writer_proc
-        with contextlib.suppress(Exception):
-            await old.stop()
-        while self._inflight:  # answered by now (the dead writer failed every call)
-            await self._inflight.popleft()
-        self._writer_proc, _ = await _start_writer(self.db_path, self._lock,
-                                                   self._store_options)
-        self._writer_proc.on_exit = self._writer_died
-        self.writer_restarts += 1
-        log.warning("kernel: writer process %d replaced by %d", old.pid,
-                    self._writer_proc.pid)
-        await self._settle_orphans()
-
-    async def _settle_orphans(self) -> None:
-        """Resolve each transaction of the batches a dead writer never answered, from
-        what its successor reads on disk: committed (acknowledged now), rejected
-        (failed alone), or never written (queued again, ahead of everything queued
-        since, so commits keep their order). Nothing is written twice and nothing
-        acknowledged is lost: a message whose handler's answer was in flight when the
-        writer died is answered once the new writer has committed it."""
-        if not self._orphans:
-            return
-        orphans = sorted(self._orphans, key=lambda orphan: orphan[0])
-        last, rejected_txns = await self._call("outcomes", orphans[0][0])
-        self._orphans = []
-        rejected = set(rejected_txns)
-        committed: list[Queued] = []
-        again: list[Queued] = []
-        refused = 0
-        for first, batch in orphans:
-            for txn, (tx, fut) in enumerate(batch, first):
-                if txn > last:
-                    again.append((tx, fut))
-                elif txn in rejected:
-                    refused += 1
-                    self._ctx.release(tx.ops)
-                    fail(fut, TransactionRejected("transaction rejected by the database"))
-                else:
-                    committed.append((tx, fut))
-        self._committed(committed, 0.0, 0)
-        self._queue.extendleft(reversed(again))
-        self._queued_ops += sum(len(tx.rows) + len(tx.ops) for tx, _ in again)
-        if again:
-            self._head_time = self._loop.time() - self._interval  # overdue: send at once
-            self._wake.set()
-        log.warning("kernel: transactions in flight when the writer died: %d had "
-                    "committed, %d were rejected, %d are sent again", len(committed),
-                    refused, len(again))
-
-    async def _renew_lease(self) -> None:
-        """Renew the lease every interval (the fence, alone); a refusal loses it. A
-        writer that died meanwhile is replaced by the health probe, which reclaims
-        the lease only if nobody took it over."""
-        while self.lease_lost is None:
-            await asyncio.sleep(self._lease_interval)
-            if not self._writer_proc.alive:
-                continue
-            try:
-                await self._call("renew")
-            except LeaseLost as exc:
-                self._lose_lease(exc)
-                return
-            except Exception:  # the writer died: the probe's restart decides
-                continue
-            self.lease_renewed = self._loop.time()
-
-    def _lose_lease(self, exc: BaseException) -> None:
-        """Another daemon may be the writer now: this kernel writes nothing more.
-        Its writer is killed (no batch in flight can commit: the fence refuses it
-        anyway), everything queued fails unacknowledged, and `on_lease_lost` tells the
-        daemon, which stops serving and exits non-zero."""
-        if self.lease_lost is not None:
-            return
-        self.lease_lost = str(exc)
-        log.error("kernel: %s; this daemon writes nothing more", exc)
-        self._loop.create_task(self._writer_proc.kill())
-        self._fail_all(LeaseLost(self.lease_lost))
-        if self.on_lease_lost is not None:
-            try:
-                self.on_lease_lost(self.lease_lost)
-            except Exception:
-                log.exception("kernel: on_lease_lost hook failed")
-
-    async def _idle_checkpoint(self) -> None:
-        try:
-            if self.dsn:
-                self._db_bytes = await self._call("size_bytes")
-            busy, _, _ = await self._call("checkpoint", "TRUNCATE")
-        except Exception as exc:
-            log.warning("kernel: WAL checkpoint failed: %s", exc)
-            busy = 1
-        if busy:  # a reader held it; try again after the next idle period
-            self._last_write = self._loop.time()
-        else:
-            self._dirty = False
-
-    async def _sweep(self) -> None:
-        """Thread GC, idle context GC, then retention in chunks of `sweep_chunk` rows
-        (when not forced, stops between chunks if transactions are waiting)."""
-        forced, self._sweep_waiters = self._sweep_waiters, []
-        now = self._clock()
-        journal_deleted = threads_deleted = buffers_deleted = outbox_deleted = 0
-        try:
-            if not self._retention_backlog or forced:
-                cutoff = now - self._context_ttl
-                idle = self._ctx.idle_buffers(cutoff)
-                threads_deleted, buffers_deleted = await self._call("gc", cutoff, idle)
-                outbox_deleted = await self._call("cap_outboxes", self._max_outbox)
-                if outbox_deleted:
-                    log.warning("kernel: %d outbox frames of long-absent clients dropped "
-                                "(more than %d waiting for one client)", outbox_deleted,
-                                self._max_outbox)
-            self._retention_backlog = False
-            while True:
-                deleted, more = await self._call("sweep_retention", now, self._sweep_chunk)
-                journal_deleted += deleted
-                if not more:
-                    break
-                if not forced and self._queue:
-                    self._retention_backlog = True
-                    break
-        except Exception as exc:
-            log.warning("kernel: sweep failed: %s", exc)
-            for waiter in forced:
-                fail(waiter, KernelUnavailable(f"sweep failed: {exc}"))
-            self._next_sweep = self._loop.time() + self._sweep_interval
-            return
-        if journal_deleted or threads_deleted or buffers_deleted:
-            self._dirty = True
-            log.info("kernel sweep: %d journal entries, %d threads, %d context buffers deleted",
-                     journal_deleted, threads_deleted, buffers_deleted)
-        self._next_sweep = self._loop.time() + self._sweep_interval
-        report = SweepReport(journal_deleted, threads_deleted, buffers_deleted, outbox_deleted)
-        for waiter in forced:
-            if not waiter.done():
-                waiter.set_result(report)
-
-
-async def _start_writer(db: Path, lock: StateDirLock, store_options: dict[str, Any]
-                        ) -> tuple[WriterProcess, tuple[int, int, int, int, dict,
-                                                        tuple[int, float]]]:
-    """Start a writer process and open the store in it: (writer, (seq, outbox_id, txn,
-    migrated_from, context_counts, (lease epoch, since))). Stops the process again if
-    the open fails."""
-    writer = await WriterProcess.start(lock.fd)
-    try:
-        info = await writer.call("open", str(db), store_options)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            await writer.stop()
-        raise
-    return writer, info
 
 
 class _Then:
@@ -705,77 +494,3 @@ class _Then:
         except Exception:
             log.exception("kernel: commit callback failed")
 
-
-def read_lease(dsn: str, organism: str) -> tuple[str, int, float] | None:
-    """(holder, epoch, since) of `organism`'s lease in the PostgreSQL database `dsn`,
-    or None if nobody took it yet. Blocking; raises KernelUnavailable."""
-    from agentd.kernel._postgres import read_lease as read  # psycopg: an optional extra
-
-    return read(dsn, organism)
-
-
-def check_database(dsn: str, organism: str) -> str:
-    """One line on the PostgreSQL database `dsn` for `agentd check-config` (reachable,
-    who holds `organism`'s lease); raises KernelUnavailable saying what is wrong."""
-    from agentd.kernel._postgres import check_database as check  # an optional extra
-
-    return check(dsn, organism)
-
-
-def verify_journal_main(state_dir: Path | str, dsn: str | None = None) -> int:
-    """`agentd verify-journal`: check the hash chain of `state_dir`'s journal (or of
-    the PostgreSQL database `dsn` names) without taking the lock (read-only, one
-    snapshot; safe while agentd runs). Prints the result; 0 if OK."""
-    if dsn:
-        return _verify_postgres_main(dsn)
-    db = Path(state_dir) / DB_NAME
-    if not db.exists():
-        print(f"verify-journal: {db}: no such database", file=sys.stderr)
-        return 1
-    try:
-        conn = sqlite3.connect(readonly_uri(db), uri=True)
-        try:
-            version = read_version(conn)
-        finally:
-            conn.close()
-        if version is not None and version > code_version():
-            raise SchemaTooNew(too_new_message(db, version))
-        verdict = verify_file(db)
-    except (sqlite3.Error, SchemaTooNew) as exc:
-        print(f"verify-journal: {db}: {exc}", file=sys.stderr)
-        return 1
-    return _report(str(db), verdict)
-
-
-def _verify_postgres_main(dsn: str) -> int:
-    from agentd.kernel._postgres import PgConnection  # psycopg: an optional extra
-    from agentd.kernel._store import verify_postgres
-
-    try:
-        conn = PgConnection.connect(dsn, pipeline=False)
-        try:
-            label = f"postgresql database {conn.raw.info.dbname}"
-            version = read_version(conn)
-        finally:
-            conn.close()
-        if version is not None and version > code_version():
-            raise SchemaTooNew(too_new_message(label, version))
-        if version is None:
-            print(f"verify-journal: {label}: no agentd tables (nothing was written yet)",
-                  file=sys.stderr)
-            return 1
-        verdict = verify_postgres(dsn)
-    except (KernelUnavailable, SchemaTooNew) as exc:
-        print(f"verify-journal: {exc}", file=sys.stderr)
-        return 1
-    return _report(label, verdict)
-
-
-def _report(label: str, verdict: Verdict) -> int:
-    """verify-journal's last line and exit code, whichever backend was walked."""
-    if verdict.ok:
-        print(f"{label}: {verdict.message}")
-        return 0
-    where = f" at seq {verdict.bad_seq}" if verdict.bad_seq is not None else ""
-    print(f"{label}: journal verification FAILED{where}: {verdict.message}")
-    return 1
