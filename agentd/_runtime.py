@@ -7,9 +7,9 @@ import gc
 # Collect the youngest generation every 20,000 net allocations instead of CPython's
 # 700: handling one message allocates a few hundred container objects (parsed trees'
 # proxies, tuples of journal rows, futures) that almost all die young, so the default
-# runs a collection every few messages. Measured on the pump benchmark (2 cores):
-# +10 % without the journal, +15-25 % with it. Memory held by cyclic garbage between
-# collections stays a few MB at most.
+# runs a collection every few messages. Memory held by cyclic garbage between
+# collections stays a few MB at most. The measured gain: docs/operations.md,
+# "Garbage collector".
 GEN0_THRESHOLD = 20_000
 
 

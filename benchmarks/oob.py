@@ -14,7 +14,7 @@
     requests never answered. Null (with the reason) if the daemon cannot run.
 
 Usage: python benchmarks/oob.py [--quick]. The last line is one JSON object with
-commands_per_s, reload_ms, dip_ms, lost (issue 5).
+commands_per_s, reload_ms, dip_ms, lost.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ _PARTIAL, _FINAL = _CORE + "partial", _CORE + "final"
 
 class Huh(AgentdError):
     """The daemon refused a call, or its handler failed: core `huh`. `code` is one
-    of the contract's codes (`unroutable`, `invalid-payload`, `denied`, ...);
+    of the core `huh` codes (`unroutable`, `invalid-payload`, `denied`, ...);
     `message` the daemon's text; `retry_allowed` whether sending it again may
     succeed. `thread` and `frame` (the envelope as received) locate it."""
 

@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 log = logging.getLogger("agentd.deadlines")
 
-# How late a timer may fire and still be on time (the contract's `late` flag).
+# How late a timer may fire and still be on time (later: its firing says `late`).
 LATE_AFTER_S = 1.0
 # Never sleep longer than this: a wall clock stepped forward is noticed within it.
 MAX_SLEEP_S = 30.0

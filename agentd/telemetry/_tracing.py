@@ -59,7 +59,7 @@ _next_trace_id: contextvars.ContextVar[int] = contextvars.ContextVar(
 
 _TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})")
 _REMOTE = 65536  # conversations continuing a remote trace, remembered (newest kept)
-_SCHEDULE_MS = 2000  # exported within this of ending (the contract allows 10 s)
+_SCHEDULE_MS = 2000  # export this often: a trace shows soon, in few requests
 _QUEUE = 4096  # spans waiting for export; beyond it, dropped (never blocks)
 _BATCH = 512
 

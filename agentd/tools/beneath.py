@@ -107,10 +107,6 @@ class Root:
         self.use_openat2 = OPENAT2 if use_openat2 is None else use_openat2 and OPENAT2
         self._libc = ctypes.CDLL(None, use_errno=True) if self.use_openat2 else None
 
-    @property
-    def mechanism(self) -> str:
-        return "openat2" if self.use_openat2 else "O_NOFOLLOW walk"
-
     def open(self, parts: tuple[str, ...], flags: int, mode: int = 0o644, *,
              path: str = "") -> int:
         """A descriptor for `parts` beneath the root; `Denied` if a component is a
