@@ -195,6 +195,7 @@ class FakeLLM:
         script: Script = ("ok",),
         model: str = "fake-1",
         embed: Callable[[str], list[float]] | None = None,
+        port: int = 0,  # a fixed port: one a proxy's config already names
     ):
         assert protocol in ("openai", "anthropic")
         self.protocol = protocol
@@ -206,7 +207,7 @@ class FakeLLM:
         self.peak = 0  # most requests being answered at once
         self.first_piece_at: list[float] = []  # time.monotonic() of each stream's first piece
         self._server: asyncio.Server | None = None
-        self.port = 0
+        self.port = port
 
     @property
     def base_url(self) -> str:
@@ -221,7 +222,7 @@ class FakeLLM:
         await self.stop()
 
     async def start(self) -> FakeLLM:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
