@@ -41,7 +41,7 @@ from agentd._reload import AgentPlatforms, build_agent_handlers, live_table_vers
 from agentd._routing import Routing
 from agentd._runtime import tune_gc
 from agentd._streams import StreamHub, StreamWriter
-from agentd._wiring import envelope_shape, kernel_dsn, kernel_options
+from agentd._wiring import kernel_dsn, kernel_options, pump_options
 from agentd.config import OrganismConfig, load_config
 from agentd.isolation import IsolationPools
 from agentd.kernel import Kernel, KernelUnavailable, StateDirLock, Transaction, read_lease
@@ -329,23 +329,12 @@ class Daemon:
         self.platforms.adopt(handlers, 1)  # adopted first, so a failed start closes it
         isolated = await self.isolation.apply(config, agents=handlers)
         self.routing = Routing.build(config, agent_handlers=handlers, isolated_handlers=isolated)
-        self.pump = Pump(
-            self.routing,
-            clients,
-            self._deliver,
-            config.pump,
-            self.kernel,
-            max_envelope_bytes=config.bus.max_envelope_bytes,
-            shape=envelope_shape(config.bus),
-        )
+        self.router = SemanticRouter.from_config(config, self._agent_platform)
+        self.pump = Pump(self.routing, clients, self._deliver, pump_options(config),
+                         self.kernel, on_security=self.audit, intents=self.router)
         if self.agents is not None:
             self.agents.platform.bind_threads(self.pump.registry)
             self.agents.platform.bind_previews(self.preview)
-        self.pump.on_security = self.audit
-        self.pump.meta_flags = config.meta
-        self.pump.gateways = frozenset(g.name for g in config.gateways if g.export)
-        self.router = SemanticRouter.from_config(config, self._agent_platform)
-        self.pump.intents = self.router
         resumed = await self.pump.recover()
         if resumed:
             log.info("recovered messages=%d", resumed)

@@ -370,8 +370,7 @@ def _swap(
         handlers.platform.bind_previews(daemon.preview)
     daemon.platforms.adopt(handlers, routing.version)
     old = daemon.routing
-    daemon.routing = daemon.pump.routing = routing
-    daemon.pump.meta_flags = new.config.meta
+    daemon.routing = routing
     for name in plan.removed:  # what is queued for them gets `unroutable`
         old.listeners[name].retired = True
     daemon.config, daemon.checked = new.config, new
@@ -382,12 +381,15 @@ def _swap(
             daemon.bus.reload_tls(new.config.bus.tls)
         except Exception as exc:  # changed on disk since preflight loaded it
             log.error("bus certificate not reloaded: %s", exc)
+    withdrawn: tuple[str, ...] = ()
+    clients = None
     if new.clients is not None and daemon.auth is not None:
         withdrawn = daemon.auth.replace(dict(new.clients)).withdrawn
-        daemon.pump.clients = daemon.client_profiles()
-        if daemon.bus is not None:
-            for client in withdrawn:
-                daemon.bus.disconnect(client)
+        clients = daemon.client_profiles()
+    daemon.pump.reload(routing, new.config.meta, clients)
+    if daemon.bus is not None:
+        for client in withdrawn:
+            daemon.bus.disconnect(client)
 
 
 def live_table_versions(daemon: ReloadedDaemon) -> set[int]:

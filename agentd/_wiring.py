@@ -3,16 +3,34 @@ place for the daemon and the test harness alike."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from agentd._errors import ConfigError
 from agentd._secrets import SecretFileError, read_secret_file
 from agentd._xml import ShapeLimits
 from agentd.config import BusConfig, OrganismConfig
 from agentd.kernel import KernelOptions, Retention
 
+if TYPE_CHECKING:
+    from agentd.pump.options import PumpOptions
+
 
 def envelope_shape(bus: BusConfig) -> ShapeLimits:
     """The shape every envelope is held to (`bus.max_attributes`, `bus.max_elements`)."""
     return ShapeLimits(bus.max_attributes, bus.max_elements)
+
+
+def pump_options(config: OrganismConfig) -> PumpOptions:
+    """The pump's options for `config`, handed to `Pump` whole."""
+    from agentd.pump.options import PumpOptions  # late: `agentd.cli` needs only the kernel's
+
+    return PumpOptions(
+        pump=config.pump,
+        max_envelope_bytes=config.bus.max_envelope_bytes,
+        shape=envelope_shape(config.bus),
+        meta=config.meta,
+        gateways=frozenset(g.name for g in config.gateways if g.export),
+    )
 
 
 def kernel_retention(config: OrganismConfig) -> dict[str, Retention]:

@@ -29,12 +29,12 @@ from agentd._core import Huh
 from agentd._envelope import NIL_THREAD, build_envelope
 from agentd._routing import Routing
 from agentd._threads import new_uuid
-from agentd._wiring import envelope_shape, kernel_options
+from agentd._wiring import kernel_options, pump_options
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.config import OrganismConfig, load_config
 from agentd.isolation import IsolationPools
 from agentd.kernel import Kernel, KernelUnavailable
-from agentd.pump import CORE, Pump
+from agentd.pump import CORE, IntentResolver, Pump, PumpOptions
 
 
 class _ThreadFrames:
@@ -54,7 +54,10 @@ class _ThreadFrames:
 class Harness:
     """Pump and kernel over a private temporary state directory (deleted on exit),
     or over `state_dir` when given (to test recovery: open a second Harness on the
-    same directory). `durable=False` runs the pump without the kernel."""
+    same directory). `durable=False` runs the pump without the kernel. The pump is
+    built on entry, as the daemon builds it: with `options` (default: from
+    `config`), `on_security` (security events; default: logged), `intents` (default:
+    the semantic router `config` describes) and `clock`."""
 
     def __init__(
         self,
@@ -65,6 +68,9 @@ class Harness:
         durable: bool = True,
         agent_handlers: Mapping[str, Any] | None = None,
         clock: Callable[[], float] = time.time,
+        options: PumpOptions | None = None,
+        on_security: Callable[[str, Mapping[str, str]], None] | None = None,
+        intents: IntentResolver | None = None,
     ) -> None:
         self.config = config
         self.clients = dict(clients)
@@ -90,23 +96,17 @@ class Harness:
             self._own_platform = built.platform
         self._agent_handlers = agent_handlers
         self.routing = Routing.build(config, agent_handlers=agent_handlers)
-        self.pump = Pump(
-            self.routing,
-            self.clients,
-            self._deliver,
-            config.pump,
-            max_envelope_bytes=config.bus.max_envelope_bytes,
-            shape=envelope_shape(config.bus),
-            clock=clock,
-        )
-        self.pump.meta_flags = config.meta
         from agentd.semantic import SemanticRouter  # late: numpy only when a harness runs
 
         platform = getattr(agent_handlers, "platform", None)
         self.router = SemanticRouter.from_config(config, lambda: platform)
-        self.pump.intents = self.router
-        if self._own_platform is not None:
-            self._own_platform.bind_threads(self.pump.registry)
+        # What the pump is built with on entry (once the kernel is open), as the
+        # daemon builds it.
+        self._options = options or pump_options(config)
+        self._on_security = on_security
+        self._intents = intents
+        self._clock = clock
+        self.pump: Pump
 
     @classmethod
     def from_config(cls, path: str | Path, clients: Mapping[str, str], **kwargs: Any) -> Harness:
@@ -119,7 +119,13 @@ class Harness:
             self.routing.listeners[name].bind(handler)
         if self.durable:
             self.kernel = await Kernel.open(self.state_dir, kernel_options(self.config))
-            self.pump.kernel = self.kernel
+        self.pump = Pump(self.routing, self.clients, self._deliver, self._options, self.kernel,
+                         on_security=self._on_security,
+                         intents=self.router if self._intents is None else self._intents,
+                         clock=self._clock)
+        if self._own_platform is not None:
+            self._own_platform.bind_threads(self.pump.registry)
+        if self.kernel is not None:
             await self.pump.recover()
             # What was committed for a client but not yet delivered (a crash between
             # the two) is delivered now, in order, as the bus does on reconnect.

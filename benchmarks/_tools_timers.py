@@ -66,19 +66,20 @@ async def timers(n: int) -> tuple[list[float], float]:
     config = load_config_text(ORGANISM, base_dir=Path(tempfile.gettempdir()))
     spec = spec_of(Wait)
     with tempfile.TemporaryDirectory(prefix="agentd-timers-") as state:
-        async with Harness(config, {"alice": "public"}, state_dir=Path(state)) as h:
-            delivered: dict[str, float] = {}
-            every = asyncio.Event()
-            deliver = h.pump.deliver
+        delivered: dict[str, float] = {}
+        every = asyncio.Event()
 
-            def record(client: str, thread: str, data: bytes, oid: int | None) -> None:
+        class Timed(Harness):
+            """Notes when each `woke` reaches the client."""
+
+            def _deliver(self, client: str, thread: str, data: bytes, oid: int | None) -> None:
                 if b"woke" in data and parse_envelope(data).payload.tag.endswith("}woke"):
                     delivered[thread] = time.time()
                     if len(delivered) == n:
                         every.set()
-                deliver(client, thread, data, oid)
+                super()._deliver(client, thread, data, oid)
 
-            h.pump.deliver = record
+        async with Timed(config, {"alice": "public"}, state_dir=Path(state)) as h:
             due_at = time.time() + LEAD_S
             started = time.perf_counter()
             sends = []

@@ -40,7 +40,7 @@ from agentd._xmlify import spec_of  # noqa: E402
 from agentd.config import load_config  # noqa: E402
 from agentd.platform import Platform, make_agent_handlers  # noqa: E402
 from agentd.platform.demo import MathQuestion  # noqa: E402
-from agentd.pump import Pump  # noqa: E402
+from agentd.pump import Pump, PumpOptions  # noqa: E402
 from agentd.testing import Harness  # noqa: E402
 from agentd.tools.calculator import Add  # noqa: E402
 from tests.llm_servers import (  # noqa: E402
@@ -65,7 +65,7 @@ async def pump_hop_us(n: int) -> float:
     data = [build_envelope("alice", str(uuid.uuid4()), spec.to_bytes(Add(a=i, b=2)))
             for i in range(n)]
     pump = Pump(Routing.build(config), {"alice": "public"},
-                lambda *_: None, config.pump)
+                lambda *_: None, PumpOptions(config.pump))
     await pump.start()
     start = time.perf_counter()
     for raw in data:

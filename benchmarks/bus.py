@@ -276,7 +276,7 @@ async def serve_agentd(home: Path, kernel: bool, limits: dict[str, Any] | None =
     from agentd._routing import Routing
     from agentd.bus import BusServer, ClientAuth
     from agentd.config import AuthConfig, BusConfig, TlsConfig, load_config
-    from agentd.pump import Pump
+    from agentd.pump import Pump, PumpOptions
 
     config = load_config(ROOT / "agentd" / "demo" / "organism.yaml",
                          state_dir_override=home / "state")
@@ -287,7 +287,6 @@ async def serve_agentd(home: Path, kernel: bool, limits: dict[str, Any] | None =
     def deliver(client: str, thread: str, data: bytes, outbox_id: int | None = None) -> None:
         holder["bus"].deliver(client, thread, data, outbox_id)
 
-    pump = Pump(Routing.build(config), auth.profiles(), deliver, config.pump)
     outbox = None
     kern = None
     if kernel:
@@ -296,8 +295,8 @@ async def serve_agentd(home: Path, kernel: bool, limits: dict[str, Any] | None =
         from agentd.kernel import Kernel
 
         kern = await Kernel.open(config.state_dir, kernel_options(config))
-        pump.kernel = kern
         outbox = KernelOutbox(kern)
+    pump = Pump(Routing.build(config), auth.profiles(), deliver, PumpOptions(config.pump), kern)
     await pump.start()
     cfg = replace(BusConfig(), host="127.0.0.1", port=0,
                   tls=TlsConfig(home / "tls" / "cert.pem", home / "tls" / "key.pem"),
@@ -475,7 +474,7 @@ async def inprocess(n: int) -> float:
     """The same workload through the pump in this process (no network, no journal)."""
     from agentd._routing import Routing
     from agentd.config import load_config
-    from agentd.pump import Pump
+    from agentd.pump import Pump, PumpOptions
 
     config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
     got = 0
@@ -485,7 +484,7 @@ async def inprocess(n: int) -> float:
         if not _is_accepted(d):
             got += 1
 
-    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump)
+    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, PumpOptions(config.pump))
     await pump.start()
     data = requests("alice", n)
     start = time.perf_counter()

@@ -39,7 +39,7 @@ from agentd._runtime import tune_gc  # noqa: E402
 from agentd._xml import parse_untrusted  # noqa: E402
 from agentd.config import load_config  # noqa: E402
 from agentd.kernel import Kernel  # noqa: E402
-from agentd.pump import Pump  # noqa: E402
+from agentd.pump import Pump, PumpOptions  # noqa: E402
 
 CONCURRENT = 64
 
@@ -66,7 +66,8 @@ class Arm:
             if b"<from>core</from>" not in frame:
                 arm.answered.pop(thread).set()
 
-        pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump, kernel)
+        pump = Pump(Routing.build(config), {"alice": "public"}, deliver, PumpOptions(config.pump),
+                    kernel)
         arm = cls(pump, kernel)
         await pump.start()
         return arm

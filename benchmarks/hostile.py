@@ -93,10 +93,10 @@ async def rejection_costs(quick: bool) -> dict[str, dict[str, Any]]:
     """µs to refuse each shape at each size, through the pump (no network, no kernel)."""
     from agentd._routing import Routing
     from agentd.config import load_config
-    from agentd.pump import Pump
+    from agentd.pump import Pump, PumpOptions
 
     config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
-    pump = Pump(Routing.build(config), {"seq": "public"}, lambda *a: None, config.pump)
+    pump = Pump(Routing.build(config), {"seq": "public"}, lambda *a: None, PumpOptions(config.pump))
     await pump.start()
     rounds = 5 if quick else 20
     out: dict[str, dict[str, Any]] = {}

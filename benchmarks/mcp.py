@@ -64,7 +64,7 @@ async def through_agentd(home: Path, calls: int) -> tuple[list[float], float]:
     from agentd.config import AuthConfig, BusConfig, TlsConfig, load_config_text
     from agentd.mcp import SERVERS
     from agentd.mcp._stdio import _LIVE_GROUPS
-    from agentd.pump import Pump
+    from agentd.pump import Pump, PumpOptions
 
     make_self_signed(home / "cert.pem", home / "key.pem")
     secret = pyotp.random_base32()
@@ -76,7 +76,7 @@ async def through_agentd(home: Path, calls: int) -> tuple[list[float], float]:
                            AuthConfig(clients_file=home / "clients.yaml"))
     holder: dict[str, Any] = {}
     pump = Pump(Routing.build(config), auth.profiles(),
-                lambda c, t, d, o=None: holder["bus"].deliver(c, t, d, o), config.pump)
+                lambda c, t, d, o=None: holder["bus"].deliver(c, t, d, o), PumpOptions(config.pump))
     await pump.start()
     bus = holder["bus"] = BusServer(
         BusConfig(host="127.0.0.1", port=0, tls=TlsConfig(home / "cert.pem", home / "key.pem")),

@@ -107,7 +107,7 @@ class AgentdRuntime(Runtime):
         from agentd._wiring import kernel_options
         from agentd.config import load_config
         from agentd.kernel import Kernel
-        from agentd.pump import Pump
+        from agentd.pump import Pump, PumpOptions
 
         config = load_config(ROOT / "agentd" / "demo" / "organism.yaml",
                              state_dir_override=directory / self.name)
@@ -127,8 +127,8 @@ class AgentdRuntime(Runtime):
                 return
             answers.pop(thread).set_result(frame)
 
-        self.pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump)
-        self.pump.kernel = self.kernel
+        self.pump = Pump(Routing.build(config), {"alice": "public"}, deliver,
+                         PumpOptions(config.pump), self.kernel)
         await self.pump.start()
 
     async def stop(self) -> None:

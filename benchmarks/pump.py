@@ -41,7 +41,7 @@ from agentd._xml import parse_untrusted  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.config import load_config  # noqa: E402
 from agentd.kernel import Kernel  # noqa: E402
-from agentd.pump import Pump  # noqa: E402
+from agentd.pump import Pump, PumpOptions  # noqa: E402
 from agentd.tools.calculator import Add, Sum  # noqa: E402
 
 CLIENTS = 256  # concurrent submitters
@@ -124,13 +124,13 @@ async def real_pump(
         if b"<from>core</from>" not in frame:
             latencies.append(time.perf_counter() - sent[thread])
 
-    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump)
     kernel = (
         await Kernel.open(journal_dir, commit_interval_s=COMMIT_INTERVAL_S)
         if journal_dir is not None
         else None
     )
-    pump.kernel = kernel
+    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, PumpOptions(config.pump),
+                kernel)
     await pump.start()
     threads = [parse_untrusted(d)[0][-1].text or "" for d in data]
     work = iter(zip(data, threads, strict=True))
@@ -166,7 +166,7 @@ async def latency(data: list[bytes]) -> list[float]:
         nonlocal got
         got += 1
 
-    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump)
+    pump = Pump(Routing.build(config), {"alice": "public"}, deliver, PumpOptions(config.pump))
     await pump.start()
     for raw in data:
         t0 = time.perf_counter()
@@ -282,9 +282,9 @@ async def sustained_rss(warm: int, n: int) -> tuple[float, float]:
         await pump.join()
 
     with tempfile.TemporaryDirectory(prefix="agentd-bench-") as tmp:
-        pump = Pump(Routing.build(config), {"alice": "public"}, deliver, config.pump)
         kernel = await Kernel.open(Path(tmp), commit_interval_s=COMMIT_INTERVAL_S)
-        pump.kernel = kernel
+        pump = Pump(Routing.build(config), {"alice": "public"}, deliver,
+                    PumpOptions(config.pump), kernel)
         await pump.start()
         await conversations(warm)
         gc.collect()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from lxml import etree
 
 from agentd._envelope import build_envelope
 from agentd._schemas import NS_CORE
+from agentd._wiring import pump_options
 from agentd._xmlify import to_xml
 from agentd.config import load_config, load_config_text
 from agentd.durable import Decision, judge
@@ -42,12 +44,14 @@ def _calls() -> None:
 
 
 def harness(clock: FakeClock, state_dir: Path | None = None, text: str | None = None,
-            ) -> Harness:
+            gateways: frozenset[str] = frozenset()) -> Harness:
     config = (load_config(ORGANISM) if text is None
               else load_config_text(text, base_dir=ORGANISM.parent))
-    h = Harness(config, CLIENTS, clock=clock, state_dir=state_dir)
-    h.events = []  # type: ignore[attr-defined]
-    h.pump.on_security = lambda kind, fields: h.events.append((kind, dict(fields)))  # type: ignore[attr-defined]
+    events: list[tuple[str, dict[str, str]]] = []
+    h = Harness(config, CLIENTS, clock=clock, state_dir=state_dir,
+                options=replace(pump_options(config), gateways=gateways),
+                on_security=lambda kind, fields: events.append((kind, dict(fields))))
+    h.events = events  # type: ignore[attr-defined]
     return h
 
 
@@ -526,8 +530,7 @@ async def test_a_peer_organism_gets_the_outcome_not_approval_required() -> None:
     fail while the approved handler still ran later. The peer is sent the outcome
     alone."""
     clock = FakeClock()
-    async with harness(clock) as h:
-        h.pump.gateways = frozenset({"alice"})  # alice stands for a peer organism here
+    async with harness(clock, gateways=frozenset({"alice"})) as h:  # alice: a peer organism
         frames = await h.send("alice", Pay(amount=9))
         assert [tag(f) for f in frames] == ["accepted"]
         (parked,) = h.pump.waits.parked.values()

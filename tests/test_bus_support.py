@@ -19,9 +19,10 @@ import yaml
 from agentd import HandlerMetadata, HandlerResponse, xmlify
 from agentd._daemon import KernelOutbox
 from agentd._routing import Routing
+from agentd._wiring import pump_options
 from agentd.bus import BusServer, ClientAuth, make_self_signed, totp_code
 from agentd.client import BusClient
-from agentd.config import AuthConfig, BusConfig, TlsConfig, load_config_text
+from agentd.config import AuthConfig, BusConfig, MetaConfig, TlsConfig, load_config_text
 from agentd.kernel import Kernel
 from agentd.pump import Pump
 
@@ -169,6 +170,7 @@ async def start_rig(
     kernel: bool = False,
     submit_hook: Callable[[Callable[[str, bytes], Awaitable[object]]], Any] | None = None,
     server_kw: dict[str, Any] | None = None,
+    meta: MetaConfig | None = None,
 ) -> Rig:
     home.mkdir(parents=True, exist_ok=True)
     config = load_config_text(ORGANISM, base_dir=home)
@@ -191,7 +193,10 @@ async def start_rig(
         holder["bus"].deliver(client, thread, data, outbox_id)
 
     store = await Kernel.open(config.state_dir) if kernel else None
-    pump = Pump(Routing.build(config), client_auth.profiles(), deliver, config.pump, store)
+    options = pump_options(config)
+    if meta is not None:
+        options = replace(options, meta=meta)
+    pump = Pump(Routing.build(config), client_auth.profiles(), deliver, options, store)
     await pump.start()
 
     async def submit(client: str, data: bytes) -> object:

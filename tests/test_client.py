@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agentd._cli_bus import init_cmd, totp_cmd
 from agentd._routing import Routing
+from agentd._wiring import pump_options
 from agentd.bus import BusServer, ClientAuth, TlsSetupError, client_context, server_context
 from agentd.client import (
     Accepted,
@@ -525,7 +526,7 @@ async def test_init_then_serve_then_send(tmp_path: Path) -> None:
     agents = make_agent_handlers(config)  # the init'd demo has the tutor agent
     pump = Pump(
         Routing.build(config, agent_handlers=agents), auth.profiles(),
-        lambda c, t, d, o=None: holder["bus"].deliver(c, t, d, o), config.pump,
+        lambda c, t, d, o=None: holder["bus"].deliver(c, t, d, o), pump_options(config),
     )
     await pump.start()
     bus = holder["bus"] = BusServer(replace(config.bus, port=0), auth, pump.submit,

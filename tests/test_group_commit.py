@@ -11,6 +11,7 @@ from pathlib import Path
 
 from agentd._envelope import build_envelope
 from agentd._routing import Routing
+from agentd._wiring import pump_options
 from agentd._xmlify import spec_of
 from agentd.config import load_config
 from agentd.kernel import Kernel
@@ -44,7 +45,8 @@ async def run_one(tmp_path: Path, payload: bytes) -> tuple[Conversation, Kernel,
     conv = Conversation()
     config = load_config(DEMO, state_dir_override=tmp_path / "state")
     kernel = await Kernel.open(config.state_dir, on_commit=conv.committed)
-    pump = Pump(Routing.build(config), {"alice": "public"}, conv.deliver, config.pump, kernel)
+    pump = Pump(Routing.build(config), {"alice": "public"}, conv.deliver, pump_options(config),
+                kernel)
     await pump.start()
     try:
         await kernel.flush()  # start-up writes out of the way

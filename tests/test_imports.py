@@ -147,3 +147,38 @@ def test_the_walk_sees_a_cycle_and_a_private_import() -> None:
     assert _private_module_owner("agentd.federation._remote") == "agentd.federation"
     assert not _inside("agentd._daemon", "agentd.federation")
     assert _inside("agentd.federation._link", "agentd.federation")
+
+
+def _pump_assignments(tree: ast.AST) -> list[int]:
+    """Lines that assign an attribute of something named `pump` (`pump.x = ...`,
+    `self.pump.x = ...`, `pump.x += ...`)."""
+    lines = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            for one in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if not isinstance(one, ast.Attribute):
+                    continue
+                owner = one.value
+                name = (owner.id if isinstance(owner, ast.Name)
+                        else owner.attr if isinstance(owner, ast.Attribute) else "")
+                if name == "pump":
+                    lines.append(node.lineno)
+    return lines
+
+
+def test_nothing_assigns_to_a_pump_after_it_is_built() -> None:
+    """The pump takes what it runs with at construction (`PumpOptions`, the kernel,
+    `on_security`, `intents`, `clock`) and a reload's changes through `Pump.reload`:
+    no module, test or benchmark sets its attributes afterwards."""
+    found = []
+    for top in (*PACKAGES, "tests", "benchmarks"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for line in _pump_assignments(ast.parse(path.read_text(), str(path))):
+                found.append(f"{path.relative_to(ROOT)}:{line}")
+    assert found == [], "assigned after construction:\n" + "\n".join(found)
+    assert _pump_assignments(ast.parse("h.pump.intents = x\npump.kernel = k")) == [1, 2]

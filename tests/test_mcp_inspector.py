@@ -29,8 +29,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 async def rig(tmp_path: Path):
-    r = await start_rig(tmp_path)
-    r.pump.meta_flags = MetaConfig(True, True, True)
+    r = await start_rig(tmp_path, meta=MetaConfig(True, True, True))
     yield r
     await stop_rig(r)
 

@@ -21,8 +21,7 @@ from tests.test_bus_support import Rig, start_rig, stop_rig
 
 @pytest.fixture
 async def rig(tmp_path: Path):
-    r = await start_rig(tmp_path)
-    r.pump.meta_flags = MetaConfig(True, True, True)
+    r = await start_rig(tmp_path, meta=MetaConfig(True, True, True))
     yield r
     await stop_rig(r)
 

@@ -14,7 +14,7 @@ from agentd._envelope import NIL_THREAD, build_envelope, parse_envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._xmlify import spec_of, to_xml
 from agentd.client import frame_kind
-from agentd.pump import pump as pump_module
+from agentd.pump import dispatch as dispatch_module
 from agentd.testing import Harness
 from agentd.tools.calculator import Add
 from agentd.tools.relay import Relay
@@ -34,6 +34,18 @@ def _reset() -> None:
 async def h():
     async with Harness.from_config(ORGANISM, clients=CLIENTS) as harness:
         yield harness
+
+
+Events = list[tuple[str, dict[str, str]]]
+
+
+@pytest.fixture
+async def watched():
+    """A harness and the security events its pump reported."""
+    events: Events = []
+    async with Harness.from_config(ORGANISM, clients=CLIENTS, on_security=lambda kind, fields:
+                                   events.append((kind, dict(fields)))) as harness:
+        yield harness, events
 
 
 def kinds(frames: list[bytes]) -> list[tuple[str, str]]:
@@ -254,13 +266,13 @@ async def test_well_formed_raw_output_is_not_parsed_a_second_time(
     # The pump parsed the handler's bytes to split them; the envelopes it builds
     # around the elements are adopted (checked, not parsed again).
     parsed: list[bytes] = []
-    real = pump_module.parse_built_envelope
+    real = dispatch_module.parse_built_envelope
 
     def counting(data: bytes, **limits: object) -> object:
         parsed.append(data)
         return real(data, **limits)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pump_module, "parse_built_envelope", counting)
+    monkeypatch.setattr(dispatch_module, "parse_built_envelope", counting)
     await order(h, "multi")
     assert sorted(p.value for p in hostile_inbox()) == [3, 7, 11]  # type: ignore[attr-defined]
     assert not [d for d in parsed if b"calculator/add/v1" in d]
@@ -288,9 +300,10 @@ async def test_privileged_payload_from_a_handler_is_refused(h: Harness) -> None:
 # Bytes with a privileged element deep inside; an object of a class declared in the
 # privileged namespace (serialised by the pump, not the handler).
 @pytest.mark.parametrize("kind", ["priv-deep", "priv-object"])
-async def test_privileged_handler_output_is_a_security_event(h: Harness, kind: str) -> None:
-    events: list[tuple[str, dict[str, str]]] = []
-    h.pump.on_security = lambda kind, fields: events.append((kind, dict(fields)))
+async def test_privileged_handler_output_is_a_security_event(
+    watched: tuple[Harness, Events], kind: str
+) -> None:
+    h, events = watched
     frames = await order(h, kind)
     (huh,) = hostile_inbox()
     assert isinstance(huh, Huh) and huh.code is HuhCode.UNROUTABLE
@@ -316,10 +329,9 @@ async def test_handler_error_goes_to_the_caller_as_huh(h: Harness) -> None:
 
 
 async def test_confinement_refusal_is_a_generic_denied_huh_and_a_security_event(
-    h: Harness,
+    watched: tuple[Harness, Events],
 ) -> None:
-    events: list[tuple[str, dict[str, str]]] = []
-    h.pump.on_security = lambda kind, fields: events.append((kind, dict(fields)))
+    h, events = watched
     frames = await order(h, "denied")
     assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
     assert field(frames[-1], "code") == "denied"
@@ -499,7 +511,7 @@ async def test_messages_on_one_thread_are_handled_in_order(h: Harness) -> None:
 async def test_busy_thread_does_not_starve_others() -> None:
     from agentd._routing import Routing
     from agentd.config import PumpConfig, load_config
-    from agentd.pump import Pump
+    from agentd.pump import Pump, PumpOptions
 
     busy = str(uuid.uuid4())
     done_when_bob_answered: list[int] = []
@@ -513,7 +525,7 @@ async def test_busy_thread_does_not_starve_others() -> None:
             done_when_bob_answered.append(busy_done)
 
     config = load_config(ORGANISM)
-    pump = Pump(Routing.build(config), CLIENTS, deliver, PumpConfig(max_concurrency=4))
+    pump = Pump(Routing.build(config), CLIENTS, deliver, PumpOptions(PumpConfig(max_concurrency=4)))
     work = spec_of(L.Work)
     for seq in range(200):
         await pump.submit("alice", build_envelope("alice", busy, work.to_bytes(L.Work(seq=seq))))
@@ -529,7 +541,7 @@ async def test_busy_thread_does_not_starve_others() -> None:
 async def test_queue_applies_backpressure_to_clients() -> None:
     from agentd._routing import Routing
     from agentd.config import PumpConfig, load_config
-    from agentd.pump import Pump
+    from agentd.pump import Pump, PumpOptions
 
     config = load_config(ORGANISM)
     delivered: list[bytes] = []
@@ -537,7 +549,7 @@ async def test_queue_applies_backpressure_to_clients() -> None:
         Routing.build(config),
         CLIENTS,
         lambda c, t, d, o: delivered.append(d),
-        PumpConfig(max_concurrency=1, max_queue=5),
+        PumpOptions(PumpConfig(max_concurrency=1, max_queue=5)),
     )
     # Not started: nothing drains, so the sixth submit must wait.
     for _ in range(5):
@@ -629,12 +641,12 @@ async def test_submit_nowait_admits_at_once_or_says_there_is_no_room() -> None:
     when the pump is full, so the caller falls back to waiting in `submit`."""
     from agentd._routing import Routing
     from agentd.config import PumpConfig, load_config
-    from agentd.pump import Pump
+    from agentd.pump import Pump, PumpOptions
 
     config = load_config(ORGANISM)
     delivered: list[bytes] = []
     pump = Pump(Routing.build(config), CLIENTS, lambda c, t, d, o: delivered.append(d),
-                PumpConfig(max_concurrency=1, max_queue=2))
+                PumpOptions(PumpConfig(max_concurrency=1, max_queue=2)))
     first, second = (envelope("alice", ADD) for _ in range(2))
     for data in (first, second):
         result = pump.submit_nowait("alice", data)

@@ -351,9 +351,9 @@ async def test_an_accepted_intent_is_routed_after_a_restart(tmp_path: Path) -> N
         config = load_config_text(organism_text(server), base_dir=TESTS)
         data = intent("alice", "read the contents of main.rs")
         thread = parse_envelope(data).thread
-        async with Harness(config, {"alice": "users"}, state_dir=tmp_path) as first:
-            stuck = StuckResolver()
-            first.pump.intents = stuck
+        stuck = StuckResolver()
+        async with Harness(config, {"alice": "users"}, state_dir=tmp_path,
+                           intents=stuck) as first:
             result = await first.pump.submit("alice", data)
             assert result.seq is not None
             await stuck.started.wait()
@@ -382,9 +382,8 @@ async def test_an_intent_is_bounded_in_time_and_in_slots() -> None:
             "pump: {max_hops: 20, handler_timeout_s: 20}",
             "pump: {max_hops: 20, handler_timeout_s: 0.5, max_concurrency: 4}")
         config = load_config_text(text, base_dir=TESTS)
-        async with Harness(config, {"alice": "users"}) as h:
-            stuck = StuckResolver()
-            h.pump.intents = stuck
+        stuck = StuckResolver()
+        async with Harness(config, {"alice": "users"}, intents=stuck) as h:
             first = intent("alice", "read the contents of main.rs")
             assert (await h.pump.submit("alice", first)).accepted
             await stuck.started.wait()

@@ -232,8 +232,8 @@ async def test_refusal_end_to_end_is_huh_denied_and_a_security_event(tmp_path: P
         "    tool: {kind: exec, argv: [/bin/echo, '{n}'], allow_args: {n: '[0-9]+'}}\n",
         base_dir=tmp_path)
     events: list[tuple[str, dict[str, str]]] = []
-    async with Harness(config, {"alice": "p"}) as h:
-        h.pump.on_security = lambda kind, fields: events.append((kind, dict(fields)))
+    async with Harness(config, {"alice": "p"}, on_security=lambda kind, fields:
+                       events.append((kind, dict(fields)))) as h:
         ok = await h.send("alice", Run(arg=[Arg(name="n", value="42")]))
         assert b"<stdout>42\n</stdout>" in ok[-1]
         refused = await h.send("alice", Run(arg=[Arg(name="n", value="$(id)")]))

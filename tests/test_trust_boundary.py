@@ -89,9 +89,8 @@ class Recorder:
 
 
 async def test_privileged_meta_extension_is_dropped_journaled_and_answered_unroutable() -> None:
-    async with Harness.from_config(ORGANISM, clients={"alice": "public"}) as h:
-        seen = Recorder()
-        h.pump.on_security = seen
+    seen = Recorder()
+    async with Harness.from_config(ORGANISM, clients={"alice": "public"}, on_security=seen) as h:
         thread = str(uuid.uuid4())
         data = build_envelope("alice", thread, ADD.encode())
         data = data.replace(b"</thread></meta>", f'</thread><x xmlns="{PRIV}"/></meta>'.encode())

@@ -12,6 +12,7 @@ from agentd.pump.message import (
     IntentResolver,
     SubmitResult,
 )
+from agentd.pump.options import PumpOptions
 from agentd.pump.pump import Pump
 
 __all__ = [
@@ -21,5 +22,6 @@ __all__ = [
     "IntentOutcome",
     "IntentResolver",
     "Pump",
+    "PumpOptions",
     "SubmitResult",
 ]
