@@ -197,13 +197,17 @@ async def test_an_agent_trying_to_call_a_non_peer_gets_huh_unroutable() -> None:
             return f'I will multiply. <multiply xmlns="{MUL_NS}"><a>6</a><b>7</b></multiply>'
         return f"I could not: {conv.results[-1].content}"
 
-    before = metrics.security_events.labels("peer-violation")._value.get()
+    def peer_violations() -> float:
+        return metrics.REGISTRY.get_sample_value(
+            "agentd_security_events_total", {"kind": "peer-violation"}) or 0.0
+
+    before = peer_violations()
     async with FakeLLM("openai", scripted(script)) as server, \
             organism(organism_yaml(openai_backend(server), peers="[calculator.add]")) as (h, _):
         frames = await h.send("alice", MathQuestion(text="6 times 7?"))
     text = answered(frames)
     assert text.startswith("I could not: huh unroutable: Message could not be delivered.")
-    assert metrics.security_events.labels("peer-violation")._value.get() == before + 1
+    assert peer_violations() == before + 1
     # the tool list of its prompt never offered multiply
     assert "<multiply" not in server.requests[0].conversation().system
 
@@ -254,7 +258,7 @@ async def test_a_model_slower_than_the_handler_timeout_ends_the_task_cleanly() -
         assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
         assert child(frames[-1], "code") == "timeout"
         assert handlers["tutor"].tasks == {} and handlers.platform.open_tasks == 0
-        assert handlers.platform.budgets._held == {}  # the reservation was released
+        assert handlers.platform.budgets.reserved == 0  # the reservation was released
 
 
 async def test_the_conversation_budget_of_the_profile_is_enforced() -> None:

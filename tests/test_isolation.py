@@ -173,7 +173,8 @@ async def test_worker_that_dies_is_contained_and_replaced(
     assert pool_pids(h) != before
     assert await ask(h, "echo", "still here") == ("outcome", "still here")
     from agentd import _metrics
-    assert _metrics.worker_restarts.labels("prober", reason)._value.get() >= 1
+    assert (_metrics.REGISTRY.get_sample_value(
+        "agentd_worker_restarts_total", {"listener": "prober", "reason": reason}) or 0) >= 1
 
 
 @pytest.mark.parametrize("action,arg", [("loop", ""), ("sleep", "600")])
@@ -239,13 +240,13 @@ async def test_a_worker_that_dies_as_it_starts_is_restarted_ever_more_slowly(
     monkeypatch.setattr(_pool, "_QUICK_DEATH_S", 600.0)
     pool = h.isolation.pools["prober"]
     await settled(h, 0)
-    assert pool._backoff == 0.0
+    assert pool.restart_pause_s == 0.0
     assert await ask(h, "exit-soon") == ("outcome", "exiting")
     await settled(h, 1)
-    assert pool._backoff == 0.1
+    assert pool.restart_pause_s == 0.1
     assert await ask(h, "exit-soon") == ("outcome", "exiting")
     await settled(h, 2)
-    assert pool._backoff == 0.2
+    assert pool.restart_pause_s == 0.2
     assert await ask(h, "echo", "ok") == ("outcome", "ok")
 
 

@@ -265,7 +265,7 @@ async def test_prompt_assembly_order_and_roles() -> None:
     body = server.requests[1].json
     roles = [m["role"] for m in body["messages"]]
     assert roles == ["system", "user", "assistant", "user"]
-    assert body["messages"][0]["content"] == platform._registry.get("tutor").system_prompt
+    assert body["messages"][0]["content"] == platform.prompt("tutor").system_prompt
     first = body["messages"][1]["content"]
     layers = [int(x) for x in re.findall(r"layer=(\d)", first)]
     assert layers == [3, 4, 6]  # shared, delegated (the task as XML), long-term memory
@@ -356,7 +356,7 @@ async def test_injection_in_tool_output_is_neutralised() -> None:
         await session.complete(THREAD)
         await platform.aclose()
     conv = server.requests[0].conversation()
-    assert conv.system == platform._registry.get("tutor").system_prompt  # untouched
+    assert conv.system == platform.prompt("tutor").system_prompt  # untouched
     (result,) = conv.results
     assert result.source == "result:search"
     assert_neutralised(result.content)
@@ -583,12 +583,13 @@ def test_budget_ledger_reserves_then_settles() -> None:
     r = ledger.reserve([scope], input_tokens=300, max_output=500)
     assert r.max_output == 500 and ledger.remaining(scope) == 200
     r2 = ledger.reserve([scope], input_tokens=100, max_output=500)  # concurrent: what is left
-    assert r2.max_output == 100
+    assert r2.max_output == 100 and ledger.reserved == 1000
     with pytest.raises(BudgetExceeded):
         ledger.reserve([scope], input_tokens=10, max_output=500)
     ledger.settle(r, 350)
     ledger.settle(r2, None)  # failed call: nothing charged
     assert ledger.spent("agent:t") == 350 and ledger.remaining(scope) == 650
+    assert ledger.reserved == 0
     assert ledger.reserve([Scope("free", None)], 10**9, 5).max_output == 5
 
 

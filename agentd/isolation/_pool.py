@@ -191,6 +191,12 @@ class WorkerPool:
                 "leftovers_checked": int(self.leftovers_checked),
                 "tasks_limited": int(self.tasks_limited)}
 
+    @property
+    def restart_pause_s(self) -> float:
+        """The pause before the next restart: doubled by each worker that dies soon
+        after it was ready, 0 again after one that lived."""
+        return self._backoff
+
     # ---- calls ---------------------------------------------------------------
 
     @property

@@ -56,6 +56,11 @@ class BudgetLedger:
     def spent(self, scope: str) -> int:
         return self._spent.get(scope, 0)
 
+    @property
+    def reserved(self) -> int:
+        """Tokens held by reservations not settled yet: 0 once no call is in flight."""
+        return sum(self._held.values())
+
     def remaining(self, scope: Scope) -> int | None:
         if scope.limit is None:
             return None
