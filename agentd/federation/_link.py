@@ -22,22 +22,18 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.asyncio.connection import Connection
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
 from websockets.http11 import Request, Response
 
-from agentd._core import Huh
-from agentd._envelope import Envelope, build_envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
 from agentd._xml import DEFAULT_SHAPE, ShapeLimits
 from agentd.bus import TokenBucket
@@ -53,24 +49,22 @@ from agentd.federation._frames import (
     message_limit,
     too_big,
 )
-from agentd.federation._gateway import Backoff, LinkEvent, LinkState, keeps_link, transition
+from agentd.federation._gateway import Backoff, LinkEvent, LinkState, keeps_link
 from agentd.federation._handshake import (
     HANDSHAKE_FAILED,
-    MIN_FRAME_LIMIT,
     Handshake,
     HandshakeFailed,
     Role,
 )
-from agentd.federation._identity import Identity, fingerprint, parse_public_line
+from agentd.federation._identity import Identity, parse_public_line
+from agentd.federation._outbox import GatewayOutbox
+from agentd.federation._peers import MAX_PENDING_REPLIES, Audit, CallHost, GatewayLink
+from agentd.federation._pins import SchemaPins
 from agentd.federation._remote import (
     MAX_OFFERS,
-    Offer,
     RemoteCalls,
     calls_for,
-    load_pins,
-    save_pins,
     sweep_forever,
-    weigh_offers,
 )
 from agentd.federation._replies import ReplyWindow
 
@@ -86,70 +80,6 @@ SECURITY_KINDS = frozenset({
     "federation-reply-refused", "federation-bad-offer", "federation-schema-mismatch",
     "federation-peer-not-reading",
 })
-MAX_PENDING_REPLIES = 10_000  # replies sent and not yet acknowledged, per link
-
-Audit = Callable[[str, Mapping[str, str]], None]
-
-
-class CallHost(Protocol):
-    """What serving a peer's calls needs of the daemon: the pump (as for any bus
-    client, under the gateway's name) and the kernel's outbox of replies."""
-
-    # A pump SubmitResult; `parsed`: `data` as parsed with the pump's limits.
-    async def submit(self, client: str, data: bytes, parsed: Envelope, hops: int = 0,
-                     traceparent: str = "") -> Any: ...
-
-    async def thread_exists(self, thread: str, durable: bool) -> bool: ...
-
-    async def pending(self, client: str) -> list[tuple[int, str, bytes]]: ...
-
-    def delivered(self, client: str, outbox_id: int) -> None: ...
-
-    def offers(self, names: list[str]) -> list[Offer]: ...  # local listeners, as offered
-
-    def local_classes(self) -> Mapping[tuple[str, str], type]: ...  # payload roots here
-
-
-@dataclass
-class GatewayLink:
-    """One gateway's live state (what `agentctl status` shows)."""
-
-    config: GatewayConfig
-    public_key: Ed25519PublicKey
-    state: LinkState = LinkState.DOWN
-    since: float = field(default_factory=time.time)
-    attempts: int = 0  # failed dials since the last success
-    connection: Connection | None = None
-    dialed: bool = False  # whether the up link is one we dialed
-    up_count: int = 0  # how many times a link came up
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
-    bucket: TokenBucket | None = None  # the peer's call rate, per link
-    admitting: int = 0  # the peer's calls being admitted now
-    replies: ReplyWindow = field(default_factory=lambda: ReplyWindow(MAX_PENDING_REPLIES))
-    peer_max_frame: int = MIN_FRAME_LIMIT  # the largest frame the peer takes (its HELLO)
-    sending: FrameQueue | None = None  # frames for the up link's writer
-    offer_expected: bool = False  # our schema request is unanswered on the up link
-
-    def apply(self, event: LinkEvent) -> None:
-        new = transition(self.state, event)
-        if new is not self.state:
-            self.state, self.since = new, time.time()
-        self.changed.set()
-
-    def status(self, imports: Mapping[str, str] | None = None) -> dict[str, Any]:
-        return {
-            "imports": dict(imports or {}),
-            "name": self.config.name,
-            "state": self.state.value,
-            "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.since)),
-            "direction": ("out" if self.dialed else "in") if self.state is LinkState.UP else "",
-            "url": self.config.url or "",
-            "failed_dials": self.attempts,
-            # The largest frame the peer takes, from the last link's handshake.
-            "peer_max_frame": self.peer_max_frame if self.up_count else None,
-            "peer_key": fingerprint(self.public_key),
-        }
-
 
 def federation_server_context(config: FederationConfig) -> ssl.SSLContext:
     from agentd.bus import server_context
@@ -188,7 +118,6 @@ class Federation:
         on_pinned: Callable[[], None] | None = None,
     ) -> None:
         self.state_dir = state_dir
-        self.on_pinned = on_pinned  # a first pin: the routing is to be reloaded
         self.host = host
         self.allow_meta = allow_meta
         self.max_envelope_bytes = max_envelope_bytes
@@ -208,18 +137,16 @@ class Federation:
         self._pending = 0
         self._stopping = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
-        # Live replies that arrived while a gateway's outbox was being loaded.
-        self._held: dict[str, dict[int, tuple[str, bytes]]] = {}
+        self.outbox = GatewayOutbox(host, self._send, self._tasks)
         # Calls being admitted, by thread: a duplicate waits for the first's outcome.
         self._admitting: dict[str, asyncio.Future[tuple[bool, HuhCode | None]]] = {}
         # Calling the peer's listeners: calls in flight, pins, offers not yet accepted.
         self.outgoing = {name: calls_for(name) for name, link in self.links.items()
                          if link.config.import_}
-        self.pins = load_pins(state_dir) if state_dir is not None and self.outgoing else {}
-        self.offered: dict[str, dict[str, Offer]] = {}  # changed offers, for a reload
+        self.pins = SchemaPins(state_dir, self.outgoing, audit, on_pinned)
         for name, calls in self.outgoing.items():
             for remote in self.links[name].config.import_:
-                pinned = remote in self.pins.get(name, {})
+                pinned = remote in self.pins.pins.get(name, {})
                 calls.imports[remote] = "pinned" if pinned else "unpinned"
 
     # ---- lifecycle -------------------------------------------------------------
@@ -281,7 +208,7 @@ class Federation:
         out = []
         for name, link in self.links.items():
             row = link.status(self.outgoing[name].imports if name in self.outgoing else None)
-            pins = self.pins.get(name, {})
+            pins = self.pins.pins.get(name, {})
             row["import_sha256"] = {n: pins[n].digest for n in link.config.import_ if n in pins}
             offers = self.host.offers(list(link.config.export)) if self.host is not None else []
             row["export_sha256"] = {o.name: o.digest for o in offers}
@@ -414,7 +341,7 @@ class Federation:
         queue = FrameQueue(max_bytes=max(SEND_QUEUE_BYTES, 4 * link.peer_max_frame))
         link.sending = queue
         link.replies = ReplyWindow(MAX_PENDING_REPLIES)
-        writer = asyncio.create_task(self._write(ws, queue),
+        writer = asyncio.create_task(_write(ws, queue),
                                      name=f"federation-write-{link.config.name}")
         calls = self.outgoing.get(link.config.name)
         if calls is not None:  # what we import: its schemas first, then our calls again
@@ -424,7 +351,7 @@ class Federation:
             calls.link_up()
         most = self.config.max_frame_bytes
         try:
-            await self._load_outbox(link)
+            await self.outbox.load(link)
             with contextlib.suppress(ConnectionClosed):
                 async for message in ws:
                     for frame in lines(message):
@@ -440,12 +367,6 @@ class Federation:
             with contextlib.suppress(asyncio.CancelledError):
                 await writer
 
-    @staticmethod
-    async def _write(ws: Connection, queue: FrameQueue) -> None:
-        with contextlib.suppress(ConnectionClosed):
-            while True:
-                await ws.send(await queue.message())
-
     async def _frame(self, link: GatewayLink, ws: Connection, data: str | bytes) -> bool:
         """One frame from an authenticated peer; False once the link is closed."""
         peer = link.config.name
@@ -459,7 +380,7 @@ class Federation:
             self._spawn_call(link, msg)
             return True
         if kind == "ack" and isinstance(msg, dict) and isinstance(msg.get("id"), int):
-            self._acknowledged(link, msg["id"])
+            self.outbox.acknowledged(link, msg["id"])
             return True
         if kind == "schemas" and isinstance(msg, dict) and self.host is not None:
             names = msg.get("names")
@@ -601,91 +522,17 @@ class Federation:
             calls.reply(call_id, thread, msg["envelope"])
         elif kind == "offer" and isinstance(msg.get("listeners"), list) and link.offer_expected:
             link.offer_expected = False  # one offer per request: never unsolicited
-            self._offers(link, calls, msg["listeners"])
+            local = self.host.local_classes() if self.host is not None else {}
+            self.pins.offers(link, calls, msg["listeners"], local)
         else:
             return False
         return True
 
-    def _offers(self, link: GatewayLink, calls: RemoteCalls, items: list[Any]) -> None:
-        """The peer's schemas for what we import: pin what is new (and ask for the
-        routing to be reloaded), block what differs from its pin."""
-        peer = link.config.name
-        local = self.host.local_classes() if self.host is not None else {}
-        pins = self.pins.setdefault(peer, {})
-        weighed = weigh_offers(link.config.import_, items, pins, local, link.config.schema_pins)
-        for detail in weighed.bad:
-            self.audit("federation-bad-offer", {"peer": peer, "detail": detail})
-        for name, offer in weighed.mismatched.items():
-            self.audit("federation-schema-mismatch", {
-                "peer": peer, "listener": name, "declared": link.config.schema_pins[name],
-                "offered": offer.digest})
-        calls.imports.update(weighed.states)
-        for name, offer in weighed.changed.items():
-            self.offered.setdefault(peer, {})[name] = offer
-            self.audit("federation-schema-changed", {
-                "peer": peer, "listener": name, "pinned": pins[name].digest,
-                "offered": offer.digest})
-        for name, offer in weighed.new.items():
-            log.info("federation gateway=%s: pinned %s sha256=%s", peer, name, offer.digest)
-        pins.update(weighed.new)
-        if weighed.new and self.state_dir is not None:
-            save_pins(self.state_dir, self.pins)
-            if self.on_pinned is not None:
-                self.on_pinned()
-
     def accept_offers(self) -> list[str]:
         """A reload accepts the changed schemas offered since the last one: they
         become the pins. Returns `GATEWAY:LISTENER` of each."""
-        accepted = [f"{peer}:{name}" for peer, offers in self.offered.items() for name in offers]
-        if not accepted or self.state_dir is None:
-            return []
-        for peer, offers in self.offered.items():
-            self.pins.setdefault(peer, {}).update(offers)
-            for name in offers:
-                self.outgoing[peer].imports[name] = "pinned"
-        self.offered = {}
-        save_pins(self.state_dir, self.pins)
-        return accepted
+        return self.pins.accept()
 
-    async def _load_outbox(self, link: GatewayLink) -> None:
-        """Send the gateway's outbox rows, and the live replies held meanwhile."""
-        if self.host is None:
-            return
-        window = link.replies
-        window.start_load()
-        self._held[link.config.name] = {}
-        try:
-            rows = await self.host.pending(link.config.name)
-        except BaseException:
-            window.end_load([])
-            raise
-        by_id = {oid: (thread, data) for oid, thread, data in rows}
-        by_id.update(self._held.pop(link.config.name, {}))
-        for oid in window.end_load(list(by_id)):
-            self._send_reply(link, oid, *by_id[oid])
-
-    def _send_reply(self, link: GatewayLink, outbox_id: int, thread: str, data: bytes) -> None:
-        try:
-            self._send(link, {"t": "reply", "id": outbox_id, "thread": thread,
-                              "envelope": data.decode("utf-8")})
-        except FrameTooLarge:  # the caller is told so, and acknowledges this row
-            # From `core`, as the pump's own huh: the caller takes it as the answer.
-            too_large = build_envelope("core", thread, Huh.of(HuhCode.TOO_LARGE).to_bytes())
-            self._send(link, {"t": "reply", "id": outbox_id, "thread": thread,
-                              "envelope": too_large.decode("utf-8")})
-
-    def _acknowledged(self, link: GatewayLink, outbox_id: int) -> None:
-        """Outbox rows are removed up to an id; only up to an unbroken run of
-        acknowledgements (`ReplyWindow`), so no unsent or uncommitted reply goes."""
-        if self.host is None:
-            return
-        up_to = link.replies.acknowledge(outbox_id)
-        if up_to is not None:
-            self.host.delivered(link.config.name, up_to)
-        if link.replies.needs_reload:
-            task = asyncio.create_task(self._load_outbox(link))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     def deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> bool:
         """A frame the pump has for the gateway `client` (False: not a gateway).
@@ -695,12 +542,14 @@ class Federation:
         if link is None:
             return False
         if outbox_id is not None and link.sending is not None:
-            if link.replies.loading:
-                self._held.setdefault(client, {})[outbox_id] = (thread, data)
-                link.replies.offer(outbox_id)
-            elif link.replies.offer(outbox_id):
-                self._send_reply(link, outbox_id, thread, data)
+            self.outbox.deliver(link, thread, data, outbox_id)
         return True
+
+async def _write(ws: Connection, queue: FrameQueue) -> None:
+    """A link's writer: our frames, in order, until the link closes."""
+    with contextlib.suppress(ConnectionClosed):
+        while True:
+            await ws.send(await queue.message())
 
 
 def _address(ws: Connection) -> str:
