@@ -281,7 +281,7 @@ async def test_callee_killed_mid_call_runs_once_and_answers_once(
         # A barrier: a later call answered means no second answer was on its way.
         answer = await answer_of(bus, Echo(text="barrier"), "beta:echo")
         assert from_xml(EchoReply, payload_bytes(answer)).text == "barrier"
-        extra = [f for f in bus._backlog if frame_kind(f)[2] == thread]
+        extra = [f for f in bus.kept if frame_kind(f)[2] == thread]
         assert not extra
     assert gateway_states(a) == {"beta": "up"}
 
@@ -307,7 +307,7 @@ async def test_both_sides_killed_mid_call_the_call_runs_once_and_is_answered_onc
         assert (done.seq, done.by) == (9, "redelivered")
         answer = await answer_of(bus, Echo(text="barrier"), "beta:echo")
         assert from_xml(EchoReply, payload_bytes(answer)).text == "barrier"
-        assert not [f for f in bus._backlog if frame_kind(f)[2] == thread]
+        assert not [f for f in bus.kept if frame_kind(f)[2] == thread]
     _, doc = b.agentctl("journal", "--limit", "200")
     holds = [(e["direction"], e["kind"]) for e in doc["result"]["journal"]
              if e["thread"] and "hold" in (e["handler"], e["sender"])]

@@ -279,7 +279,7 @@ def test_several_requests_on_one_connection(setup: Setup, server: ServerThread) 
 def test_pipelined_requests_are_answered_in_order(setup: Setup, server: ServerThread) -> None:
     frames = [setup.sign("journal", {"limit": str(i)}) for i in range(1, 6)]
     with client(setup) as c:
-        c._raw_send(b"".join(encode_frame(f) for f in frames))
+        c.send_bytes(b"".join(encode_frame(f) for f in frames))
         for i in range(1, 6):
             resp = parse_response(c.recv_frame())
             assert resp.result is not None and len(resp.result[0]) == i
@@ -367,7 +367,7 @@ def test_the_audit_entry_of_introspect_names_what_it_looked_at(
 def test_huge_length_prefix_closes_the_connection_and_the_server_keeps_serving(
         setup: Setup, server: ServerThread) -> None:
     with client(setup) as c:
-        c._raw_send(struct.pack(">I", 0xFFFFFFFF) + b"<privileged")
+        c.send_bytes(struct.pack(">I", 0xFFFFFFFF) + b"<privileged")
         resp = parse_response(c.recv_frame())
         assert resp.error_code == "invalid" and "exceeds" in resp.error_message
         with pytest.raises(OobProtocolError, match="closed"):
@@ -409,7 +409,7 @@ def test_a_peer_sending_unsigned_frames_is_disconnected_after_the_first(
     the connection stayed open (about 7,000 security rows a second). The first one
     is answered and the connection closed: the rest are never read."""
     with client(setup) as c:
-        c._raw_send(b"".join(encode_frame(b"<x/>") for _ in range(200)))
+        c.send_bytes(b"".join(encode_frame(b"<x/>") for _ in range(200)))
         assert parse_response(c.recv_frame()).error_code == "invalid"
         with pytest.raises(OobProtocolError, match="closed"):
             c.recv_frame()
@@ -475,7 +475,7 @@ async def test_a_confined_child_is_refused_at_connect(tmp_path: Path) -> None:
 def test_half_a_frame_then_disconnect_does_not_hurt(setup: Setup,
                                                     server: ServerThread) -> None:
     with client(setup) as c:
-        c._raw_send(struct.pack(">I", 100) + b"<priv")
+        c.send_bytes(struct.pack(">I", 100) + b"<priv")
     with client(setup) as c:
         assert c.request(setup.sign()).ok
 
@@ -483,7 +483,7 @@ def test_half_a_frame_then_disconnect_does_not_hurt(setup: Setup,
 def test_idle_connection_is_closed(setup: Setup) -> None:
     with ServerThread(setup.socket, setup.authorized, idle_timeout_s=0.3) as srv:
         with client(setup) as c:
-            c._raw_send(struct.pack(">I", 100) + b"<priv")  # and never the rest
+            c.send_bytes(struct.pack(">I", 100) + b"<priv")  # and never the rest
             with pytest.raises(OobProtocolError, match="closed"):
                 c.recv_frame()
         assert srv.server.state is ServerState.SERVING
@@ -560,10 +560,10 @@ def test_connection_limit(setup: Setup) -> None:
 
         async def closed() -> int:  # loop turns until the server has seen them go
             for _ in range(10_000):
-                if not srv.server._connections:
+                if not srv.server.connections:
                     break
                 await asyncio.sleep(0)
-            return len(srv.server._connections)
+            return srv.server.connections
 
         assert srv.run(closed()) == 0
         with client(setup) as c:

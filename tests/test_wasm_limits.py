@@ -134,7 +134,7 @@ def test_compiled_code_goes_with_the_last_listener_using_it(tmp_path: Path) -> N
            ' (data (i32.const 0) "once"))')
     digest = hashlib.sha256(wasmtime.wat2wasm(wat)).hexdigest()
     held = module(tmp_path, wat)
-    assert digest in runtime()._compiled
+    assert runtime().holds(digest)
     del held
     gc.collect()
-    assert digest not in runtime()._compiled
+    assert not runtime().holds(digest)

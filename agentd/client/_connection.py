@@ -179,6 +179,12 @@ class BusClient:
         return self._ws
 
     @property
+    def kept(self) -> tuple[bytes, ...]:
+        """Frames for other threads that `exchange` passed over, oldest first: the
+        next `recv` calls return them before anything new."""
+        return tuple(self._backlog)
+
+    @property
     def close_code(self) -> int | None:
         return None if self._ws is None else self._ws.close_code
 

@@ -74,9 +74,10 @@ class OobClient:
             self._sock = None
 
     def send_frame(self, payload: bytes) -> None:
-        self._raw_send(encode_frame(payload))
+        self.send_bytes(encode_frame(payload))
 
-    def _raw_send(self, data: bytes) -> None:
+    def send_bytes(self, data: bytes) -> None:
+        """`data` as it is, framed or not: `send_frame` for a well-formed frame."""
         sock = self._require()
         try:
             sock.sendall(data)

@@ -206,6 +206,11 @@ class OobServer:
         return self._state
 
     @property
+    def connections(self) -> int:
+        """Operator connections open now (each counts against `max_connections`)."""
+        return len(self._connections)
+
+    @property
     def key_ids(self) -> list[str]:
         return sorted(self._verifier.keys)
 

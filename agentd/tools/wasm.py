@@ -152,6 +152,12 @@ class WasmRuntime:
                 self._compiled[digest] = pre
             return pre
 
+    def holds(self, digest: str) -> bool:
+        """Whether the module with this content is compiled in memory: only while a
+        tool built on it is alive."""
+        with self._lock:
+            return digest in self._compiled
+
 
 _runtime: WasmRuntime | None = None
 
