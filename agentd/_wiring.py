@@ -12,7 +12,7 @@ from agentd.config import BusConfig, OrganismConfig
 from agentd.kernel import KernelOptions, Retention
 
 if TYPE_CHECKING:
-    from agentd.pump.options import PumpOptions
+    from agentd.pump import PumpOptions
 
 
 def envelope_shape(bus: BusConfig) -> ShapeLimits:
@@ -22,7 +22,7 @@ def envelope_shape(bus: BusConfig) -> ShapeLimits:
 
 def pump_options(config: OrganismConfig) -> PumpOptions:
     """The pump's options for `config`, handed to `Pump` whole."""
-    from agentd.pump.options import PumpOptions  # late: `agentd.cli` needs only the kernel's
+    from agentd.pump import PumpOptions  # late: `agentd.cli` needs only the kernel's
 
     return PumpOptions(
         pump=config.pump,
