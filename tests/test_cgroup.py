@@ -250,8 +250,8 @@ async def test_a_fork_bomb_in_an_isolated_handler_is_bounded_and_its_worker_repl
         assert pool.status()["tasks_limited"] == 1
         assert h.isolation.status()["confinement"]["pids_cgroup"].startswith(
             f"cgroup v{FOUND.hierarchy.version} pids at ")  # type: ignore[union-attr]
-        groups = [_spawn._GROUPS[w.proc] for w in pool._workers]  # one serves, a spare
-        for worker, group in zip(pool._workers, groups, strict=True):
+        groups = [_spawn._GROUPS[w.proc] for w in pool.workers]  # one serves, a spare
+        for worker, group in zip(pool.workers, groups, strict=True):
             assert group.path.name in Path(f"/proc/{worker.pid}/cgroup").read_text()
         kind, text = await ask(h, "fork-bomb", "2000")
         assert kind == "outcome"
@@ -271,10 +271,9 @@ async def test_a_worker_cannot_move_itself_out_of_its_cgroup(tmp_path: Path) -> 
     config = load_config(organism(tmp_path, "{memory_mb: 1024, workers: 1}", timeout_s=30))
     (tmp_path / "state").mkdir()
     async with Harness(config, CLIENTS, state_dir=tmp_path / "state") as h:
-        workers = h.isolation.pools["prober"]._workers
         kind, text = await ask(h, "leave-cgroup", str(hierarchy.base / "cgroup.procs"))
         assert (kind, text) == ("outcome", "refused errno=13")
-        for worker in workers:
+        for worker in h.isolation.pools["prober"].workers:
             assert _spawn._GROUPS[worker.proc].path.name in Path(
                 f"/proc/{worker.pid}/cgroup").read_text()
 

@@ -103,7 +103,7 @@ async def ask(h: Harness, action: str, arg: str = "") -> tuple[str, str]:
 
 
 def pool_pids(h: Harness) -> set[int]:
-    return {w.pid for w in h.isolation.pools["prober"]._workers}
+    return {w.pid for w in h.isolation.pools["prober"].workers}
 
 
 async def settled(h: Harness, restarts: int) -> None:
@@ -372,7 +372,7 @@ async def test_a_leftover_is_found_under_steady_load(tmp_path: Path) -> None:
         loads = [asyncio.ensure_future(load()) for _ in range(8)]
         try:
             for _ in range(3000):  # the load is on: callers wait for room in the queue
-                if len(pool._waiters) >= 4:
+                if pool.waiting >= 4:
                     break
                 await asyncio.sleep(0.01)
             async with asyncio.timeout(30):  # a caller that arrived later is not served
@@ -708,7 +708,7 @@ async def test_a_call_queued_behind_one_whose_worker_dies_runs_on_another(
         running = asyncio.create_task(pool.call(Probe("sleep", "600"), meta))
         queued = asyncio.create_task(pool.call(Probe("pid"), meta))
         for _ in range(10_000):  # both written to the one worker (loop turns, no clock)
-            busy = [w for w in pool._workers if len(w.inflight) == 2]
+            busy = [w for w in pool.workers if len(w.inflight) == 2]
             if busy:
                 break
             await asyncio.sleep(0)
@@ -731,18 +731,18 @@ async def test_a_caller_cancelled_while_waiting_for_a_worker_leaves_the_queue(
                    for _ in range(pool.pipeline)]  # the one worker's queue is full
         waiting = [asyncio.create_task(pool.call(Probe("pid"), meta)) for _ in range(2)]
         for _ in range(10_000):
-            if len(pool._waiters) == 2:
+            if pool.waiting == 2:
                 break
             await asyncio.sleep(0)
-        assert len(pool._waiters) == 2
+        assert pool.waiting == 2
         waiting[0].cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting[0]
-        assert len(pool._waiters) == 1  # gone from the queue, not left for _wake to skip
+        assert pool.waiting == 1  # gone from the queue, not left for _wake to skip
         assert await waiting[1] is not None  # served once the worker had room
         for task in running:
             assert await task is not None
-        assert not pool._waiters and pool.status()["restarts"] == 0
+        assert not pool.waiting and pool.status()["restarts"] == 0
 
 
 async def test_meta_state_of_an_isolated_handler_persists_like_in_process(h: Harness) -> None:

@@ -192,6 +192,16 @@ class WorkerPool:
                 "tasks_limited": int(self.tasks_limited)}
 
     @property
+    def workers(self) -> tuple[Worker, ...]:
+        """The worker processes the pool holds now, the spare among them."""
+        return tuple(self._workers)
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for a worker with room, to be served in arrival order."""
+        return len(self._waiters)
+
+    @property
     def restart_pause_s(self) -> float:
         """The pause before the next restart: doubled by each worker that dies soon
         after it was ready, 0 again after one that lived."""
