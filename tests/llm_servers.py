@@ -207,6 +207,7 @@ class FakeLLM:
         self.peak = 0  # most requests being answered at once
         self.first_piece_at: list[float] = []  # time.monotonic() of each stream's first piece
         self._server: asyncio.Server | None = None
+        self._open: set[asyncio.StreamWriter] = set()  # connections being served
         self.port = port
 
     @property
@@ -229,6 +230,11 @@ class FakeLLM:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+            # Kept-alive connections too: a client's pooled connection must not reach
+            # this server's script after it stopped (a proxy in front of a server that
+            # a later test starts on the same port would be answered by the old one).
+            for writer in list(self._open):
+                writer.transport.abort()
             await self._server.wait_closed()
             self._server = None
 
@@ -241,6 +247,7 @@ class FakeLLM:
         return Reply(reply) if isinstance(reply, str) else reply
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._open.add(writer)
         try:
             while True:
                 try:
@@ -277,6 +284,7 @@ class FakeLLM:
         except (ConnectionError, asyncio.CancelledError):
             return
         finally:
+            self._open.discard(writer)
             writer.close()
 
     async def _stream(self, seen: Seen, reply: Reply, writer: asyncio.StreamWriter) -> bool:

@@ -4,11 +4,12 @@ and no network, and stopped at the end. An agent's native tool calls round-trip
 through it on the OpenAI protocol and the Anthropic protocol (`/v1/messages`), two
 parallel calls and an error result among them; a streamed answer reaches an
 `agentd.client` stream as partials, in order, before its final, and its usage is
-counted from the stream's usage chunk.
+counted from the stream's usage chunk. A stream the upstream cuts ends interrupted
+and is asked again; an upstream's 400 to tools lets `auto` fall back to XML.
 
 The proxy is found through AGENTD_LITELLM (the `litellm` command of a venv of its
 own: `.ci/run` installs it from .ci/litellm-requirements.txt); without it the tests
-skip.
+that need it skip.
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from agentd.platform.demo import MathQuestion
 from tests.daemon_process import DaemonProcess, edit_config, make_home
 from tests.llm_servers import FakeLLM, Reply, Seen, add_call, values
 from tests.test_agents import answered, organism
+from tests.test_llm import backend, router
+from tests.test_llm_stream import Sink, complete
+from tests.test_llm_tools_wire import refuses_tools, with_tools
 from tests.test_native_agents import call, files_organism
 
 LITELLM = os.environ.get("AGENTD_LITELLM", "")
-pytestmark = pytest.mark.skipif(
-    not LITELLM, reason="AGENTD_LITELLM is not set: .ci/run installs LiteLLM's proxy")
 PROTOCOLS = ["openai", "anthropic"]
 # (the proxy's model, the protocol agentd speaks to it, the upstream's protocol): the
 # proxy passes each protocol through, and translates OpenAI to Anthropic, the way it
@@ -78,6 +80,8 @@ class Proxy:
 
 @pytest.fixture(scope="module")
 def proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Proxy]:
+    if not LITELLM:
+        pytest.skip("AGENTD_LITELLM is not set: .ci/run installs LiteLLM's proxy")
     home = tmp_path_factory.mktemp("litellm")
     upstream = {model: free_port() for model, _, _ in ROUTES}
     config = {
@@ -243,3 +247,53 @@ async def test_a_streamed_answer_through_the_proxy_reaches_the_client_in_order(
     # the usage the upstream's stream reported, as the proxy passed it on
     assert tokens(metrics, "input") == 1201 + 1302
     assert tokens(metrics, "output") == 31 + 42
+
+
+# ---- what the proxy makes of an upstream's failures ------------------------------------
+
+
+@pytest.mark.parametrize("model, protocol, upstream", ROUTES)
+async def test_a_stream_the_upstream_cuts_ends_interrupted_and_is_retried(
+        model: str, protocol: str, upstream: str, proxy: Proxy) -> None:
+    """The proxy turns an upstream's cut into an error event (an OpenAI stream then
+    ends with `[DONE]` all the same): agentd ends the stream interrupted and asks
+    again, never taking the pieces before the cut for the answer."""
+    script = [Reply(text="one two three four", cut_after=2), Reply(text="the whole answer")]
+    async with proxy.upstream_server(model, upstream, script) as server:
+        live = router(backend("proxy", **{k: v for k, v in proxy.backend(model, protocol).items()
+                                          if k != "name"}), retries=1)
+        sink = Sink()
+        response = await complete(live, sink)
+    assert sink.log == ["one ", "two ", None, "the ", "whole ", "answer"]
+    assert response.text == "the whole answer" and len(server.requests) == 2
+
+
+async def test_auto_falls_back_to_xml_when_the_upstream_behind_the_proxy_refuses_tools(
+        proxy: Proxy) -> None:
+    """A server without tool support behind the proxy: its 400 comes through as a 400,
+    so `auto` sends the request again without tools, once."""
+    async with proxy.upstream_server("via-openai", "openai", refuses_tools) as server:
+        live = router(backend("proxy", **{k: v for k, v in proxy.backend(
+            "via-openai", "openai").items() if k != "name"}))
+        first = await live.complete(with_tools(optional=True))
+        second = await live.complete(with_tools(optional=True))
+        await live.aclose()
+    assert first.without_tools and second.without_tools and first.text == "<add>...</add>"
+    assert ["tools" in seen.json for seen in server.requests] == [True, False, False]
+
+
+async def test_a_stopped_upstream_does_not_answer_on_a_kept_alive_connection() -> None:
+    """The scripted upstreams take fixed ports one test after another: a stopped one
+    closes the connections it kept alive, so the proxy's next request reaches the
+    server of the next test, not the old one's script."""
+    import httpx
+
+    port = free_port()
+    async with httpx.AsyncClient() as client:
+        async with FakeLLM("openai", ["old"], port=port) as old:
+            first = await client.post(f"{old.base_url}/chat/completions", json={})
+        async with FakeLLM("openai", ["new"], port=port) as new:
+            second = await client.post(f"{new.base_url}/chat/completions", json={})
+    assert first.json()["choices"][0]["message"]["content"] == "old"
+    assert second.json()["choices"][0]["message"]["content"] == "new"
+    assert len(old.requests) == 1 and len(new.requests) == 1
