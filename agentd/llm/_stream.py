@@ -119,17 +119,40 @@ class _Call:
     arguments: list[str] = field(default_factory=list)
 
 
-class OpenAIChatStream:
-    name = "openai"
+class _Reply:
+    """What both decoders collect as the events come (the text pieces, usage, the
+    finish reason, the model, whether the terminator came) and the `Decoded` they
+    end with; each names its provider, its terminator and how it orders its calls."""
+
+    name = ""
+    terminator = ""
 
     def __init__(self) -> None:
         self.text: list[str] = []
-        self.calls: dict[int, _Call] = {}
         self.input_tokens: int | None = None
         self.output_tokens: int | None = None
         self.finish_reason = ""
         self.model = ""
         self.done = False
+
+    def _calls(self) -> list[ToolCall]:
+        raise NotImplementedError
+
+    def finish(self) -> Decoded:
+        if not self.done:
+            raise BackendError(self.name, f"stream ended before {self.terminator}",
+                               retryable=True)
+        return Decoded("".join(self.text), self.input_tokens, self.output_tokens,
+                       self.finish_reason, self.model, tuple(self._calls()))
+
+
+class OpenAIChatStream(_Reply):
+    name = "openai"
+    terminator = "[DONE]"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[int, _Call] = {}
 
     def feed(self, event: SseEvent) -> list[str]:
         if event.data.strip() == "[DONE]":
@@ -170,30 +193,23 @@ class OpenAIChatStream:
             return [content]
         return []
 
-    def finish(self) -> Decoded:
-        if not self.done:
-            raise BackendError(self.name, "stream ended before [DONE]", retryable=True)
+    def _calls(self) -> list[ToolCall]:
         calls = []
         for _, call in sorted(self.calls.items()):
             if not call.id:
                 raise BackendError(self.name, "a tool call without id", retryable=True)
             calls.append(ToolCall(call.id, call.name, "".join(call.arguments)))
-        return Decoded("".join(self.text), self.input_tokens, self.output_tokens,
-                       self.finish_reason, self.model, tuple(calls))
+        return calls
 
 
-class AnthropicStream:
+class AnthropicStream(_Reply):
     name = "anthropic"
+    terminator = "message_stop"
 
     def __init__(self) -> None:
-        self.text: list[str] = []
+        super().__init__()
         self.blocks: dict[int, _Call | None] = {}  # index -> tool_use, None: text
         self.order: list[int] = []
-        self.input_tokens: int | None = None
-        self.output_tokens: int | None = None
-        self.finish_reason = ""
-        self.model = ""
-        self.done = False
 
     def feed(self, event: SseEvent) -> list[str]:
         obj = _json(event.data, self.name)
@@ -250,17 +266,14 @@ class AnthropicStream:
             self.done = True
         return []
 
-    def finish(self) -> Decoded:
-        if not self.done:
-            raise BackendError(self.name, "stream ended before message_stop", retryable=True)
+    def _calls(self) -> list[ToolCall]:
         calls = []
         for index in self.order:
             call = self.blocks[index]
             assert call is not None
             arguments = "".join(call.arguments) or "{}"
             calls.append(ToolCall(call.id, call.name, arguments))
-        return Decoded("".join(self.text), self.input_tokens, self.output_tokens,
-                       self.finish_reason, self.model, tuple(calls))
+        return calls
 
 
 def stream_decoder(provider: str) -> StreamDecoder:
