@@ -49,6 +49,7 @@ from tests.llm_servers import (  # noqa: E402
     add_call,
     load,
     numbers,
+    openai_backend,
     organism_yaml,
     values,
 )
@@ -77,8 +78,7 @@ async def pump_hop_us(n: int) -> float:
 
 
 def backend(server: FakeLLM) -> str:
-    return (f'{{name: primary, provider: openai, base_url: "{server.base_url}", '
-            "model: fake-1, max_concurrency: 8}")
+    return openai_backend(server, extra=", max_concurrency: 8")
 
 
 async def call_overhead(n: int) -> tuple[list[float], float]:

@@ -52,6 +52,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _process import rss_kb, run  # noqa: E402
+
 from agentd._envelope import build_envelope  # noqa: E402
 from agentd._runtime import tune_gc  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
@@ -60,23 +62,6 @@ from agentd.tools.calculator import Add  # noqa: E402
 CLIENTS = 8
 ROUNDS = 7  # alternating echo/agentd rounds for pairs/s and round trips
 WINDOW = 64  # requests outstanding per pipelined client
-
-
-def _loop_run(coro: Any) -> Any:
-    try:
-        import uvloop
-
-        return uvloop.run(coro)
-    except ImportError:  # pragma: no cover
-        return asyncio.run(coro)
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
 
 
 def _task_ns(pid: int) -> tuple[int, list[int]]:
@@ -323,7 +308,7 @@ async def _serve_control(port: int, server: Any) -> None:
         if line == "rss":
             gc.collect()
             await asyncio.sleep(0.2)
-            print(f"RSS {_rss_kib()}", flush=True)
+            print(f"RSS {rss_kb()}", flush=True)
         elif line in ("quit", ""):
             break
     if server is not None:
@@ -655,13 +640,13 @@ def main() -> None:
         _raise_nofile()
         home = args.home
         if args.serve == "echo":
-            _loop_run(serve_echo(home))
+            run(serve_echo(home))
         elif args.serve == "floor":
-            _loop_run(serve_floor(agentd_home(home)))
+            run(serve_floor(agentd_home(home)))
         else:
-            _loop_run(serve_agentd(agentd_home(home), kernel=not args.no_kernel))
+            run(serve_agentd(agentd_home(home), kernel=not args.no_kernel))
         return
-    result = _loop_run(bench(args))
+    result = run(bench(args))
     print(json.dumps(result))
 
 

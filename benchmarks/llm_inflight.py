@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import resource
@@ -53,10 +52,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
+from _process import cpu_s, rss_kb, run  # noqa: E402
 
 from tests.llm_servers import FakeLLM, Reply, Seen  # noqa: E402
 
-TICKS = os.sysconf("SC_CLK_TCK")
 ANSWER = "Two and two make 4."
 
 
@@ -76,63 +75,16 @@ class CountingLLM(FakeLLM):
         return self
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """FakeLLM's keep-alive loop; while `held` is set, an answer also waits for it."""
         self.connections += 1
-        try:
-            while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
-                    return
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers = {k.strip().lower(): v.strip() for k, _, v in
-                           (line.partition(":") for line in lines[1:] if ":" in line)}
-                n = int(headers.get("content-length", "0"))
-                body = await reader.readexactly(n) if n else b""
-                seen = Seen(method, path, headers, body, self.protocol)
-                self.arrivals.append(time.monotonic())
-                reply = self._expected_path(seen) or self._next(seen)
-                if self.held is not None:
-                    await self.held.wait()
-                else:
-                    await asyncio.sleep(reply.delay_s)
-                writer.write(self._response(seen, reply))
-                await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            return
-        finally:
-            writer.close()
+        await super()._serve(reader, writer)
 
-
-def _pids(pid: int) -> list[int]:
-    """`pid` and its descendants (the daemon's writer, workers)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
-def cpu_s(pid: int) -> float:
-    total = 0
-    for p in _pids(pid):
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / TICKS
-
-
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    async def _delay(self, seen: Seen, reply: Reply) -> None:
+        """Stamped as it arrives; while `held` is set, the answer waits for it."""
+        self.arrivals.append(time.monotonic())
+        if self.held is not None:
+            await self.held.wait()
+        else:
+            await super()._delay(seen, reply)
 
 
 def make_home(home: Path, base_url: str, n: int, concurrency: int) -> Path:
@@ -324,14 +276,6 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _run(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="200 conversations")
@@ -345,13 +289,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.bare:
         lib, url, n = args.bare
-        print(json.dumps(_run(bare(lib, url, int(n)))))
+        print(json.dumps(run(bare(lib, url, int(n)))))
         return
     args.n = args.n or (200 if args.quick else 1000)
     args.backend_concurrency = args.backend_concurrency or args.n
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 8192)), hard))
-    result = _run(bench(args))
+    result = run(bench(args))
     for key, value in result.items():
         print(f"{key}: {value}")
     print(json.dumps(result))

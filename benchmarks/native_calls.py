@@ -45,6 +45,7 @@ from tests.llm_servers import (  # noqa: E402
     add_call,
     load,
     numbers,
+    openai_backend,
     organism_yaml,
     values,
 )
@@ -91,9 +92,8 @@ class Backend:
 async def run_mode(server: FakeLLM, mode: str, tasks: int) -> dict[str, Any]:
     """`tasks` tasks in `mode`: medians per tool call of wall time, CPU time of this
     thread, and wall time less the backend's; the mean prompt per model call."""
-    backend = (f"{{name: primary, provider: openai, base_url: \"{server.base_url}\", "
-               "model: fake-1}")
-    config = load(organism_yaml(backend, agent=f", tool_calling: {mode}, max_iterations: 8"))
+    agent = f", tool_calling: {mode}, max_iterations: 8"
+    config = load(organism_yaml(openai_backend(server), agent=agent))
     waited: list[float] = []  # seconds on the backend, from each llm-call record
 
     def audit(kind: str, thread: str, fields: Any) -> None:

@@ -46,6 +46,7 @@ from typing import Any, TypedDict
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from _process import run  # noqa: E402
 from autogen_core import (  # noqa: E402
     AgentId,
     MessageContext,
@@ -414,19 +415,11 @@ def report(rates: dict[tuple[str, str], list[float]], p50s: dict[str, list[float
     return result
 
 
-def _loop_run(coro: Any) -> Any:
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI sizes (under a minute)")
     args = parser.parse_args()
-    result = _loop_run(bench(args.quick))
+    result = run(bench(args.quick))
     print(json.dumps(result))
 
 

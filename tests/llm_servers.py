@@ -246,31 +246,42 @@ class FakeLLM:
             reply = self.script[i]
         return Reply(reply) if isinstance(reply, str) else reply
 
+    async def _request(self, reader: asyncio.StreamReader) -> Seen | None:
+        """The next request on a keep-alive connection; None once it ends."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            return None
+        lines = head.decode("latin-1").split("\r\n")
+        method, path, _ = lines[0].split(" ", 2)
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        n = int(headers.get("content-length", "0"))
+        body = await reader.readexactly(n) if n else b""
+        return Seen(method, path, headers, body, self.protocol)
+
+    async def _delay(self, seen: Seen, reply: Reply) -> None:
+        """What happens before an answer goes out: the reply's delay."""
+        if reply.delay_s:
+            await asyncio.sleep(reply.delay_s)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._open.add(writer)
         try:
             while True:
-                try:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+                seen = await self._request(reader)
+                if seen is None:
                     return
-                lines = head.decode("latin-1").split("\r\n")
-                method, path, _ = lines[0].split(" ", 2)
-                headers: dict[str, str] = {}
-                for line in lines[1:]:
-                    if ":" in line:
-                        k, v = line.split(":", 1)
-                        headers[k.strip().lower()] = v.strip()
-                n = int(headers.get("content-length", "0"))
-                body = await reader.readexactly(n) if n else b""
-                seen = Seen(method, path, headers, body, self.protocol)
+                headers = seen.headers
                 self.requests.append(seen)
                 reply = self._expected_path(seen) or self._next(seen)
                 self.in_flight += 1
                 self.peak = max(self.peak, self.in_flight)
                 try:
-                    if reply.delay_s:
-                        await asyncio.sleep(reply.delay_s)
+                    await self._delay(seen, reply)
                     if reply.status == 200 and reply.body is None and seen.streamed:
                         if not await self._stream(seen, reply, writer):
                             return  # cut: the connection goes without the end

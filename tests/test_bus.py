@@ -48,6 +48,14 @@ async def rig(tmp_path: Path):
     await stop_rig(r)
 
 
+@pytest.fixture
+async def outbox_rig(tmp_path: Path):
+    """A rig with a kernel: the delivery tests' outbox is durable."""
+    r = await start_rig(tmp_path, kernel=True)
+    yield r
+    await stop_rig(r)
+
+
 @pytest.fixture(autouse=True)
 def _gate():
     GATE.update(event=None, entered=0, watch=None, times=[])
@@ -773,55 +781,47 @@ async def test_a_client_that_never_reads_is_bounded(tmp_path: Path) -> None:
 
 
 async def test_answers_for_a_disconnected_client_arrive_on_reconnect_in_order(
-    tmp_path: Path,
+    outbox_rig: Rig,
 ) -> None:
-    r = await start_rig(tmp_path, kernel=True)
-    kernel = r.kernel
+    r, kernel = outbox_rig, outbox_rig.kernel
     assert kernel is not None
     GATE["event"] = event = asyncio.Event()
-    try:
-        c = await r.login("alice")
-        threads = [await c.send(Gate(n=i)) for i in range(5)]
-        for _ in threads:
-            assert frame_kind(await c.recv(timeout=30))[1] == "accepted"
-        await c.close()  # mid-conversation
-        event.set()
-        await r.pump.join()
-        await kernel.flush()
-        assert [t for _, t, _ in await kernel.outbox("alice")] == threads
-        async with r.client("alice", session=c.session) as again:
-            replayed = [await again.recv(timeout=30) for _ in threads]
-            assert [frame_kind(f)[2] for f in replayed] == threads
-            assert [value(f, "n") for f in replayed] == ["0", "1", "2", "3", "4"]
-            # new traffic comes after the replay
-            frames = await again.exchange(Add(a=3, b=4), timeout=30)
-            assert value(frames[-1], "value") == "7"
-        await kernel.flush()
-        assert not [f for f in await kernel.outbox("alice") if f[1] in threads]  # delivered
-    finally:
-        await stop_rig(r)
+    c = await r.login("alice")
+    threads = [await c.send(Gate(n=i)) for i in range(5)]
+    for _ in threads:
+        assert frame_kind(await c.recv(timeout=30))[1] == "accepted"
+    await c.close()  # mid-conversation
+    event.set()
+    await r.pump.join()
+    await kernel.flush()
+    assert [t for _, t, _ in await kernel.outbox("alice")] == threads
+    async with r.client("alice", session=c.session) as again:
+        replayed = [await again.recv(timeout=30) for _ in threads]
+        assert [frame_kind(f)[2] for f in replayed] == threads
+        assert [value(f, "n") for f in replayed] == ["0", "1", "2", "3", "4"]
+        # new traffic comes after the replay
+        frames = await again.exchange(Add(a=3, b=4), timeout=30)
+        assert value(frames[-1], "value") == "7"
+    await kernel.flush()
+    assert not [f for f in await kernel.outbox("alice") if f[1] in threads]  # delivered
 
 
-async def test_outbox_frames_are_replayed_before_anything_new(tmp_path: Path) -> None:
-    r = await start_rig(tmp_path, kernel=True)
-    kernel = r.kernel
+async def test_outbox_frames_are_replayed_before_anything_new(outbox_rig: Rig) -> None:
+    r, kernel = outbox_rig, outbox_rig.kernel
     assert kernel is not None
-    try:
-        seeded = [str(uuid.uuid4()) for _ in range(3)]
-        tx = kernel.transaction()
-        for i, t in enumerate(seeded):
-            body = f'<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1"><value>{i}</value></sum>'
-            frame = build_envelope("calculator.add", t, body.encode(), to="alice")
-            tx.outbox_put("alice", t, frame)
-        await kernel.commit(tx)
-        async with r.client("alice") as c:
-            assert [frame_kind(await c.recv(timeout=30))[2] for _ in seeded] == seeded
-            frames = await c.exchange(Add(a=1, b=2), timeout=30)
-            assert value(frames[-1], "value") == "3"
-        await kernel.flush()
-        assert await kernel.outbox("alice") == []
-    finally:
-        await stop_rig(r)
+    seeded = [str(uuid.uuid4()) for _ in range(3)]
+    tx = kernel.transaction()
+    for i, t in enumerate(seeded):
+        body = f'<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1"><value>{i}</value></sum>'
+        frame = build_envelope("calculator.add", t, body.encode(), to="alice")
+        tx.outbox_put("alice", t, frame)
+    await kernel.commit(tx)
+    async with r.client("alice") as c:
+        assert [frame_kind(await c.recv(timeout=30))[2] for _ in seeded] == seeded
+        frames = await c.exchange(Add(a=1, b=2), timeout=30)
+        assert value(frames[-1], "value") == "3"
+    await kernel.flush()
+    assert await kernel.outbox("alice") == []
 
 
 async def test_a_frame_written_on_one_connection_keeps_anothers_queued_frames(
@@ -885,86 +885,68 @@ async def _until_outbox(kernel: Kernel, ids: list[int]) -> None:
             await asyncio.sleep(0.01)
 
 
-async def test_an_outbox_frame_stays_until_the_client_acknowledges_its_seq(
-    tmp_path: Path,
-) -> None:
-    r = await start_rig(tmp_path, kernel=True)
-    kernel = r.kernel
+async def test_an_outbox_frame_stays_until_the_client_acknowledges_its_seq(outbox_rig: Rig) -> None:
+    r, kernel = outbox_rig, outbox_rig.kernel
     assert kernel is not None
-    try:
-        async with r.client("alice", delivered=0) as c:
-            frames = await c.exchange(Add(a=2, b=3), timeout=30)
-            answer = frames[-1]
-            seq = seq_of(parse_envelope(answer))
-            assert seq is not None and seq_of(parse_envelope(frames[0])) is None  # accepted
-            # Meta's first extension, in C14N form.
-            assert (f'<thread>{frame_kind(answer)[2]}</thread><d:seq xmlns:d="{NS_DELIVERY}">'
-                    f"{seq}</d:seq></meta>").encode() in answer
-            await r.pump.join()
-            assert await _outbox_ids(kernel) == [seq]  # written, not yet acknowledged
-            await c.ack(seq)
-            await _until_outbox(kernel, [])
-    finally:
-        await stop_rig(r)
+    async with r.client("alice", delivered=0) as c:
+        frames = await c.exchange(Add(a=2, b=3), timeout=30)
+        answer = frames[-1]
+        seq = seq_of(parse_envelope(answer))
+        assert seq is not None and seq_of(parse_envelope(frames[0])) is None  # accepted
+        # Meta's first extension, in C14N form.
+        assert (f'<thread>{frame_kind(answer)[2]}</thread><d:seq xmlns:d="{NS_DELIVERY}">'
+                f"{seq}</d:seq></meta>").encode() in answer
+        await r.pump.join()
+        assert await _outbox_ids(kernel) == [seq]  # written, not yet acknowledged
+        await c.ack(seq)
+        await _until_outbox(kernel, [])
 
 
 async def test_a_resume_resends_only_what_follows_the_seq_in_the_auth_frame(
-    tmp_path: Path,
+    outbox_rig: Rig,
 ) -> None:
-    r = await start_rig(tmp_path, kernel=True)
-    kernel = r.kernel
+    r, kernel = outbox_rig, outbox_rig.kernel
     assert kernel is not None
-    try:
-        tx = kernel.transaction()
-        ids = []
-        for i in range(3):
-            t = str(uuid.uuid4())
-            body = f'<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1"><value>{i}</value></sum>'
-            ids.append(tx.outbox_put("alice", t, build_envelope("calculator.add", t,
-                                                                body.encode(), to="alice")))
-        await kernel.commit(tx)
-        async with r.client("alice", delivered=ids[1]) as c:
-            frame = await c.recv(timeout=30)
-            assert seq_of(parse_envelope(frame)) == ids[2] and value(frame, "value") == "2"
-            await _until_outbox(kernel, [ids[2]])  # the two it had are gone
-            with pytest.raises(TimeoutError):
-                await c.recv(timeout=0.3)  # nothing else comes
-    finally:
-        await stop_rig(r)
+    tx = kernel.transaction()
+    ids = []
+    for i in range(3):
+        t = str(uuid.uuid4())
+        body = f'<sum xmlns="https://xml-pipeline.org/ns/calculator/sum/v1"><value>{i}</value></sum>'
+        ids.append(tx.outbox_put("alice", t, build_envelope("calculator.add", t,
+                                                            body.encode(), to="alice")))
+    await kernel.commit(tx)
+    async with r.client("alice", delivered=ids[1]) as c:
+        frame = await c.recv(timeout=30)
+        assert seq_of(parse_envelope(frame)) == ids[2] and value(frame, "value") == "2"
+        await _until_outbox(kernel, [ids[2]])  # the two it had are gone
+        with pytest.raises(TimeoutError):
+            await c.recv(timeout=0.3)  # nothing else comes
 
 
-async def test_an_ack_in_another_clients_name_is_a_forged_from(tmp_path: Path) -> None:
-    r = await start_rig(tmp_path, kernel=True)
-    kernel = r.kernel
+async def test_an_ack_in_another_clients_name_is_a_forged_from(outbox_rig: Rig) -> None:
+    r, kernel = outbox_rig, outbox_rig.kernel
     assert kernel is not None
-    try:
-        async with r.client("alice", delivered=0) as c:
-            frames = await c.exchange(Add(a=2, b=3), timeout=30)
-            seq = seq_of(parse_envelope(frames[-1]))
-            assert seq is not None
-            await c.send_raw(ack_frame("bob", seq))
-            refusal = await c.recv(timeout=30)
-            assert frame_kind(refusal)[1] == "huh" and value(refusal, "code") == "invalid-envelope"
-            await r.pump.join()
-            assert await _outbox_ids(kernel) == [seq]  # still kept
-    finally:
-        await stop_rig(r)
+    async with r.client("alice", delivered=0) as c:
+        frames = await c.exchange(Add(a=2, b=3), timeout=30)
+        seq = seq_of(parse_envelope(frames[-1]))
+        assert seq is not None
+        await c.send_raw(ack_frame("bob", seq))
+        refusal = await c.recv(timeout=30)
+        assert frame_kind(refusal)[1] == "huh" and value(refusal, "code") == "invalid-envelope"
+        await r.pump.join()
+        assert await _outbox_ids(kernel) == [seq]  # still kept
 
 
 async def test_a_client_that_does_not_acknowledge_has_frames_removed_once_written(
-    tmp_path: Path,
+    outbox_rig: Rig,
 ) -> None:
-    r = await start_rig(tmp_path, kernel=True)
-    kernel = r.kernel
+    r, kernel = outbox_rig, outbox_rig.kernel
     assert kernel is not None
-    try:
-        async with r.client("alice") as c:
-            frames = await c.exchange(Add(a=2, b=3), timeout=30)
-            assert seq_of(parse_envelope(frames[-1])) is not None  # stamped all the same
-            await r.pump.join()
-            await _until_outbox(kernel, [])
-    finally:
-        await stop_rig(r)
+    async with r.client("alice") as c:
+        frames = await c.exchange(Add(a=2, b=3), timeout=30)
+        assert seq_of(parse_envelope(frames[-1])) is not None  # stamped all the same
+        await r.pump.join()
+        await _until_outbox(kernel, [])
 
 
 # ---- lifecycle and metrics ---------------------------------------------------------
