@@ -53,7 +53,7 @@ class OtlpReceiver:
                     self.send_error(404)
                     return
                 request = ExportTraceServiceRequest.FromString(body)
-                receiver._add(request, {k.lower(): v for k, v in self.headers.items()})
+                receiver.add(request, {k.lower(): v for k, v in self.headers.items()})
                 out = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -77,7 +77,7 @@ class OtlpReceiver:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def _add(self, request: ExportTraceServiceRequest, headers: dict[str, str]) -> None:
+    def add(self, request: ExportTraceServiceRequest, headers: dict[str, str]) -> None:
         got = []
         for rs in request.resource_spans:
             res = {a.key: _value(a.value) for a in rs.resource.attributes}
