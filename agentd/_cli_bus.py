@@ -377,6 +377,7 @@ async def _send_main(
         Final,
         Huh,
         Partial,
+        Step,
     )
 
     secret_path = secret_file or DEFAULT_HOME / f"{client}.totp"
@@ -425,6 +426,9 @@ async def _send_main(
                     continue
                 if isinstance(event, Final):
                     emit("final", {"thread": event.thread, "text": ""})
+                    continue
+                if isinstance(event, Step):
+                    emit("step", {"thread": event.thread, "text": event.describe()})
                     continue
                 kind = ("accepted" if not isinstance(event, Answer | ApprovalRequired)
                         else "approval-required" if isinstance(event, ApprovalRequired)
@@ -512,7 +516,8 @@ def default_cafile(secret_file: Path) -> Path | None:
 @click.option("--insecure", is_flag=True, help="Do not verify the server certificate.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document at the end.")
 @click.option("--stream", is_flag=True,
-              help="Write an agent's text to stdout as it is written, then the answer.")
+              help="Write an agent's text to stdout as it is written, then the answer; "
+                   "what it does (tool calls, their results, waits) goes to stderr.")
 @click.argument("file", type=click.File("rb"))
 def send_cmd(
     urls: tuple[str, ...], client: str, secret_file: Path | None, session_file: Path | None,
@@ -541,6 +546,10 @@ def send_cmd(
             click.echo(f"agentd send: waiting for approval {entry['approval']} of a call to "
                        f"{entry['listener']} (expires {entry['expires']}): "
                        f"agentctl approve {entry['approval']}", err=True)
+            return
+        if what == "step":  # what the agent does, beside its text: stderr
+            if not as_json:
+                click.echo(f"agentd send: {entry['text']}", err=True)
             return
         if what in ("partial", "final"):
             if not as_json:  # raw text as it comes; a stream's end ends its line

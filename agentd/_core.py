@@ -110,6 +110,43 @@ class Final:
                 f"<last-seq>{self.last_seq}</last-seq>{flag}</final>").encode()
 
 
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What an agent is doing, for the owning client (a preview like `partial`):
+    `kind` is tool-call, tool-result, approval-wait, timer-wait or progress;
+    `listener` the listener the step is about; `call` the id a call's steps share
+    (progress has none); `payload` the call's C14N payload (tool-call only);
+    `progress`, `total`, `message` an MCP server's progress notification."""
+
+    kind: str
+    listener: str
+    call: str = ""
+    payload: bytes | None = None
+    progress: float | None = None
+    total: float | None = None
+    message: str | None = None
+    tag: ClassVar[str] = "step"
+
+    def to_bytes(self) -> bytes:
+        parts = [f'<step xmlns="{NS_CORE}"><kind>{self.kind}</kind>'
+                 f"<listener>{escape_text(self.listener)}</listener>"]
+        if self.call:
+            parts.append(f"<call>{escape_text(self.call)}</call>")
+        if self.payload is not None:
+            parts.append(f"<payload>{self.payload.decode()}</payload>")
+        if self.progress is not None:
+            parts.append(f"<progress>{self.progress:g}</progress>")
+            if self.total is not None:
+                parts.append(f"<total>{self.total:g}</total>")
+            if self.message is not None:
+                text = _NOT_XML.sub(chr(0xfffd), self.message[:MAX_STEP_MESSAGE])
+                parts.append(f"<message>{escape_text(text)}</message>")
+        parts.append("</step>")
+        return "".join(parts).encode()
+
+
+MAX_STEP_MESSAGE = 4096  # characters of a progress message passed on
+
 CorePayload = Accepted | Huh | Ack | Answer
 
 

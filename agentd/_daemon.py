@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from agentd import _metrics as metrics
 from agentd import telemetry
+from agentd._core import Final
+from agentd._envelope import build_envelope
 from agentd._errors import ConfigError
 from agentd._observability import sd_notify, watchdog_interval, watchdog_pinger
 from agentd._operator import DaemonCommands, mcp_status
@@ -40,7 +42,7 @@ from agentd._preflight import CheckedConfig, preflight
 from agentd._reload import AgentPlatforms, build_agent_handlers, live_table_versions, reload_daemon
 from agentd._routing import Routing
 from agentd._runtime import tune_gc
-from agentd._streams import StreamHub, StreamWriter
+from agentd._streams import StepFrames, StreamHub, StreamWriter
 from agentd._wiring import kernel_dsn, kernel_options, pump_options
 from agentd.config import OrganismConfig, load_config
 from agentd.isolation import IsolationPools
@@ -202,7 +204,9 @@ class Daemon:
         self.bus: Any = None
         # Previews of agents' model calls, straight to the bus (no outbox row).
         self.streams = StreamHub(lambda c, t, d: self._deliver(c, t, d, None),
-                                 lambda c: self.bus is not None and self.bus.busy(c))
+                                 lambda c: self.bus is not None and self.bus.busy(c),
+                                 record=self._record_stream)
+        self._streaming: tuple[OrganismConfig, frozenset[str]] | None = None
         self.oob: Any = None
         self.metrics_server: Any = None
         self.federation: Any = None
@@ -331,10 +335,12 @@ class Daemon:
         self.routing = Routing.build(config, agent_handlers=handlers, isolated_handlers=isolated)
         self.router = SemanticRouter.from_config(config, self._agent_platform)
         self.pump = Pump(self.routing, clients, self._deliver, pump_options(config),
-                         self.kernel, on_security=self.audit, intents=self.router)
+                         self.kernel, on_security=self.audit, intents=self.router,
+                         steps=StepFrames(self.streams, self._streams_configured))
         if self.agents is not None:
             self.agents.platform.bind_threads(self.pump.registry)
             self.agents.platform.bind_previews(self.preview)
+        await self._interrupted_streams()
         resumed = await self.pump.recover()
         if resumed:
             log.info("recovered messages=%d", resumed)
@@ -462,6 +468,59 @@ class Daemon:
         if self.bus is None or not (configured or self.streams.wanted(owner, conversation)):
             return None
         return self.streams.writer(owner, conversation)
+
+    def _record_stream(self, stream: str, client: str, thread: str, last_seq: int) -> None:
+        """The kernel's record of a stream in flight (`last_seq` 0: it ended)."""
+        kernel = self.kernel
+        if kernel is None:
+            return
+        tx = kernel.transaction()
+        if last_seq:
+            tx.stream_put(stream, client, thread, last_seq)
+        else:
+            tx.stream_delete(stream)
+        try:
+            kernel.commit(tx).add_done_callback(_log_failure)
+        except KernelUnavailable as exc:
+            log.warning("stream record not written: %s", exc)
+
+    async def _interrupted_streams(self) -> None:
+        """Streams the last run left in flight (`kill -9`): each client is told
+        `final … interrupted` through its outbox, which it gets at login before any
+        live frame, so before the resumed task's new stream; its conversation is
+        opted in again, so that task streams. A peer organism is told nothing (its
+        call's answer is what it takes from the outbox)."""
+        assert self.kernel is not None
+        rows = await self.kernel.open_streams()
+        if not rows:
+            return
+        gateways = {g.name for g in self.config.gateways}
+        tx = self.kernel.transaction()
+        for stream, client, thread, last_seq in rows:
+            if client not in gateways:
+                body = Final(stream, last_seq, interrupted=True).to_bytes()
+                tx.outbox_put(client, thread, build_envelope("core", thread, body, to=client))
+                # The opt-in died with the last run: the resumed task streams again.
+                self.streams.thread_opted_in(client, thread)
+            tx.stream_delete(stream)
+        await self.kernel.commit(tx)
+        log.warning("streams interrupted by the last stop, told to their clients count=%d",
+                    len(rows))
+
+    def _streams_configured(self, frame: Any) -> bool:
+        """Whether the configuration streams `frame`'s conversation without being
+        asked: its profile, or an agent on its path, has `stream: true`."""
+        if self.bus is None:
+            return False
+        config = self.config
+        cached = self._streaming
+        if cached is None or cached[0] is not config:
+            cached = self._streaming = (config, frozenset(
+                lst.name for lst in config.listeners if lst.agent is not None and lst.stream))
+        profile = config.profiles.get(frame.root.profile.name)
+        if profile is not None and profile.stream:
+            return True
+        return bool(cached[1]) and not cached[1].isdisjoint(frame.path)
 
     def _deliver(self, client: str, thread: str, data: bytes, outbox_id: int | None) -> None:
         if self.federation is not None and self.federation.deliver(client, thread, data,

@@ -40,6 +40,9 @@ class HandlerMetadata:
     # A core message (ack, huh) answering one of the handler's calls: the listener
     # that call went to ("" when unknown). Platform handlers only (an agent's calls).
     _about: str = field(default="", repr=False, compare=False)
+    # When the conversation's owner asked to see steps: report(progress, total,
+    # message) turns a tool's progress into `step progress` frames (MCP tools).
+    _progress: Any = field(default=None, repr=False, compare=False)
 
     @property
     def state(self) -> StateView:

@@ -20,19 +20,35 @@ Invariants:
 - `final` is sent only for a stream that sent a partial; an attempt the router
   gave up on mid-stream ends its stream `interrupted`, and the retry's text starts
   a new stream.
+- A stream that sent a partial is recorded in the kernel (`record`: at its first
+  partial, its last seq at most once a second, its end), so that after `kill -9`
+  its client is told `final … interrupted` (the daemon's start puts one in its
+  outbox, before the resumed task's new stream). Only that record is durable.
+- Agent steps (core `step`: a tool call, its result, a wait, a tool's progress) go
+  the same way to the same clients (`StepFrames`, the pump's `StepSink`): sent
+  at once, never kept.
 """
 
 from __future__ import annotations
 
 import secrets
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from agentd._core import Final, Partial
 from agentd._envelope import build_envelope
 
+if TYPE_CHECKING:
+    from agentd._threads import Frame
+
 SendFn = Callable[[str, str, bytes], None]  # (client, thread, envelope bytes)
 BusyFn = Callable[[str], bool]  # is the client's connection still writing?
+# (stream, client, thread, last seq sent; 0: the stream ended): the kernel's record
+# of the streams in flight, so that after a crash each is told interrupted.
+RecordFn = Callable[[str, str, str, int], None]
+RECORD_EVERY_S = 1.0  # a live stream's last seq is recorded at most this often
 
 BUFFER_BYTES = 256 * 1024
 KEPT_STREAMS = 128  # at most 32 MiB of buffered previews for resumes
@@ -79,7 +95,8 @@ class VisibleText:
 class Stream:
     """One model call's previews (a `TextSink` for the router)."""
 
-    __slots__ = ("_hub", "buffered", "client", "ended", "id", "pending", "sent", "seq", "thread")
+    __slots__ = ("_hub", "buffered", "client", "ended", "id", "pending", "recorded", "sent",
+                 "seq", "thread")
 
     def __init__(self, hub: StreamHub, client: str, thread: str) -> None:
         self._hub = hub
@@ -91,6 +108,7 @@ class Stream:
         self.sent: deque[tuple[int, str]] = deque()
         self.buffered = 0
         self.ended = False
+        self.recorded = 0.0  # when its last seq was last recorded (monotonic)
 
     def piece(self, text: str) -> None:
         if self.ended or not text:
@@ -106,7 +124,13 @@ class Stream:
         self.pending = []
         self.seq += 1
         self._keep(self.seq, text)
-        self._hub.emit(self.client, self.thread, Partial(self.id, self.seq, text).to_bytes())
+        hub = self._hub
+        hub.emit(self.client, self.thread, Partial(self.id, self.seq, text).to_bytes())
+        if hub.record is not None:
+            now = time.monotonic()
+            if self.seq == 1 or now - self.recorded >= RECORD_EVERY_S:
+                self.recorded = now
+                hub.record(self.id, self.client, self.thread, self.seq)
 
     def end(self, interrupted: bool = False) -> None:
         """No more text: what waits goes out, then `final` if anything was sent."""
@@ -115,8 +139,10 @@ class Stream:
         self.flush()
         self.ended = True
         if self.seq:
-            self._hub.emit(self.client, self.thread,
-                           Final(self.id, self.seq, interrupted).to_bytes())
+            hub = self._hub
+            hub.emit(self.client, self.thread, Final(self.id, self.seq, interrupted).to_bytes())
+            if hub.record is not None:
+                hub.record(self.id, self.client, self.thread, 0)
 
     def _keep(self, seq: int, text: str) -> None:
         self.sent.append((seq, text))
@@ -172,9 +198,10 @@ class StreamHub:
     """The daemon's streams and who asked for them; `send` and `busy` are the bus's."""
 
     def __init__(self, send: SendFn, busy: BusyFn | None = None,
-                 buffer_bytes: int = BUFFER_BYTES) -> None:
+                 buffer_bytes: int = BUFFER_BYTES, record: RecordFn | None = None) -> None:
         self._send = send
         self._busy = busy
+        self.record = record
         self.buffer_bytes = buffer_bytes
         self._sessions: dict[str, int] = {}  # client -> its connections that opted in
         self._threads: OrderedDict[tuple[str, str], None] = OrderedDict()
@@ -234,3 +261,26 @@ class StreamHub:
     def emit(self, client: str, thread: str, body: bytes) -> None:
         self.sent += 1
         self._send(client, thread, build_envelope("core", thread, body, to=client))
+
+
+class StepFrames:
+    """The pump's `StepSink`: a conversation's steps reach its owner when previews
+    are wanted there (`configured`: its profile, or a listener on the frame's path,
+    streams without being asked), through the hub as partials do."""
+
+    def __init__(self, hub: StreamHub, configured: Callable[[Frame], bool]) -> None:
+        self._hub = hub
+        self._configured = configured
+        self.dropped = 0  # progress steps left out for a connection that was behind
+
+    def wanted(self, frame: Frame) -> bool:
+        root = frame.root
+        return self._hub.wanted(root.owner, root.uuid) or self._configured(frame)
+
+    def send(self, root: Frame, body: bytes, lossy: bool = False) -> None:
+        """`lossy` (a tool's progress, which a server may send without end): left
+        out while the owner's connection is behind, never queued behind it."""
+        if lossy and self._hub.busy(root.owner):
+            self.dropped += 1
+            return
+        self._hub.emit(root.owner, root.uuid, body)

@@ -77,6 +77,7 @@ def transition(state: ThreadState, event: ThreadEvent) -> ThreadState:
 
 class Frame:
     __slots__ = (
+        "call",
         "children",
         "owner",
         "parent",
@@ -102,6 +103,9 @@ class Frame:
         self.children = 0  # open child frames (calls in progress)
         self.touched = time.monotonic()
         self.persisted = False  # written to the kernel's thread table
+        # The id the owning client's `step` frames give the call this frame runs
+        # ("": none was shown, e.g. the client's own envelope, or after a restart).
+        self.call = ""
 
     @property
     def is_root(self) -> bool:

@@ -123,3 +123,30 @@ def test_characters_xml_cannot_carry_are_replaced_in_a_preview() -> None:
     w.piece(">x</tag> ok")
     w.close()
     assert wire.seen()[0][1]["text"] == "bell\ufffd & "
+
+
+def test_steps_validate_against_the_core_schema_and_progress_waits_for_no_one() -> None:
+    from agentd._core import Step
+    from agentd._streams import StepFrames
+    from agentd._threads import Frame
+
+    wire = Wire()
+    h = hub(wire)
+    h.thread_opted_in("alice", T)
+    steps = StepFrames(h, lambda frame: False)
+    root = Frame(T, ("alice",), None, "alice", None)  # type: ignore[arg-type]
+    assert steps.wanted(root)
+    add = b'<add xmlns="https://xml-pipeline.org/ns/calculator/add/v1"><a>2</a><b>3</b></add>'
+    steps.send(root, Step("tool-call", "calculator.add", "c1", add).to_bytes())
+    steps.send(root, Step("progress", "calc.count", progress=2, total=3,
+                          message="at \x00 2" + "x" * 5000).to_bytes(), lossy=True)
+    wire.busy = True
+    steps.send(root, Step("progress", "calc.count", progress=3).to_bytes(), lossy=True)
+    steps.send(root, Step("tool-result", "calculator.add", "c1").to_bytes())
+    seen = wire.seen()
+    assert [(k, v["kind"]) for k, v in seen] == [
+        ("step", "tool-call"), ("step", "progress"), ("step", "tool-result")]
+    assert steps.dropped == 1  # the progress that found the connection behind
+    assert len(seen[1][1]["message"]) == 4096 and "\x00" not in seen[1][1]["message"]
+    other = Frame("0f1c2a9e-8d4b-4c1e-9a57-2b1f0c3d4e5f", ("bob",), None, "bob", None)  # type: ignore[arg-type]
+    assert not steps.wanted(other)  # bob never asked

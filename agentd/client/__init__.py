@@ -2,7 +2,8 @@
 
 `Client` makes calls: `await c.call(payload)` returns the answer or raises `Huh`;
 `c.stream(payload)` yields its events (`Accepted`, `Partial` previews of a
-model's text and each stream's `Final`, `ApprovalRequired`, the `Answer` last).
+model's text and each stream's `Final`, `Step`s of what the agent does,
+`ApprovalRequired`, the `Answer` last).
 `agentd send` and `agentd mcp-serve` use it. `BusClient` is the connection
 underneath (raw frames; tests use it for hostile input).
 """
@@ -16,6 +17,7 @@ from agentd.client._calls import (
     Huh,
     Other,
     Partial,
+    Step,
 )
 from agentd.client._client import Client, Exchange, read_secret, read_session_file
 from agentd.client._connection import (
@@ -40,6 +42,7 @@ __all__ = [
     "Huh",
     "Other",
     "Partial",
+    "Step",
     "frame_kind",
     "is_answer",
     "read_secret",

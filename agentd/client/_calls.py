@@ -37,7 +37,7 @@ from agentd._xmlify import class_for, from_xml
 
 _CORE = "{" + NS_CORE + "}"
 _ACCEPTED, _APPROVAL, _HUH = _CORE + "accepted", _CORE + "approval-required", _CORE + "huh"
-_PARTIAL, _FINAL = _CORE + "partial", _CORE + "final"
+_PARTIAL, _FINAL, _STEP = _CORE + "partial", _CORE + "final", _CORE + "step"
 
 
 class Huh(AgentdError):
@@ -124,6 +124,35 @@ class Final(Event):
 
 
 @dataclass(frozen=True)
+class Step(Event):
+    """What an agent is doing (a preview): `kind` is `tool-call`, `tool-result`,
+    `approval-wait`, `timer-wait` or `progress`; `listener` the listener it is
+    about; `call` the id a call's steps share. `payload` (C14N) is the call's
+    payload for a `tool-call`; `progress`, `total` and `message` an MCP tool's
+    progress report."""
+
+    kind: str
+    listener: str
+    call: str
+    payload: bytes | None = None
+    progress: float | None = None
+    total: float | None = None
+    message: str | None = None
+
+    def describe(self) -> str:
+        """The step in words, one line (`agentd send --stream` writes it to stderr,
+        `mcp-serve` makes it a progress message)."""
+        if self.kind == "progress":
+            total = f"/{self.total:g}" if self.total is not None else ""
+            said = f": {self.message}" if self.message else ""
+            return f"progress of {self.listener}: {self.progress or 0:g}{total}{said}"
+        what = {"tool-call": "calls", "tool-result": "answered:",
+                "approval-wait": "waits for approval of a call to",
+                "timer-wait": "waits on its timer:"}.get(self.kind, self.kind)
+        return f"{what} {self.listener}" + (f" (call {self.call})" if self.call else "")
+
+
+@dataclass(frozen=True)
 class Other(Event):
     """A frame of a thread this client did not start (for instance an answer an
     earlier process left in the outbox): not any call's."""
@@ -207,6 +236,8 @@ class Calls:
             kind = CallEvent.ACCEPTED
         elif sender == "core" and tag == _APPROVAL:
             kind = CallEvent.PARKED
+        elif sender == "core" and tag == _STEP:
+            kind = CallEvent.PREVIEW
         elif sender == "core" and tag in (_PARTIAL, _FINAL):
             kind = CallEvent.PREVIEW
             kids = _children(env.payload)
@@ -229,6 +260,8 @@ class Calls:
         call.state = step("call", TRANSITIONS, call.state, kind)
         if kind is CallEvent.PREVIEW:
             kids = _children(env.payload)
+            if tag == _STEP:
+                return call, _step(thread, sender, frame, env.payload, kids)
             if tag == _PARTIAL:
                 text = next((c.text or "" for c in env.payload if _local(c.tag) == "text"), "")
                 return call, Partial(thread, sender, frame, kids.get("stream", ""),
@@ -260,6 +293,21 @@ class Calls:
         return call, event
 
 
+def _step(thread: str, sender: str, frame: bytes, el: Any, kids: dict[str, str]) -> Step:
+    held = next((c for c in el if _local(c.tag) == "payload"), None)
+    payload = c14n(held[0]) if held is not None and len(held) else None
+    return Step(thread, sender, frame, kids.get("kind", ""), kids.get("listener", ""),
+                kids.get("call", ""), payload, _number(kids.get("progress")),
+                _number(kids.get("total")), kids.get("message"))
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return None if text is None else float(text)
+    except ValueError:
+        return None
+
+
 def typed(tag: str, xml: bytes) -> Any:
     """`xml` as an instance of the one @xmlify class of this process for `tag`, or
     the bytes themselves (no such class, several, or it does not validate)."""
@@ -282,5 +330,5 @@ def _children(el: Any) -> dict[str, str]:
 
 __all__ = [
     "NIL_THREAD", "Accepted", "Answer", "ApprovalRequired", "Call", "CallState", "Calls",
-    "Event", "Final", "Huh", "Other", "Partial", "typed",
+    "Event", "Final", "Huh", "Other", "Partial", "Step", "typed",
 ]

@@ -49,7 +49,11 @@ from agentd.client._connection import AuthenticationFailed, BusClient, BusError
 log = logging.getLogger("agentd.client")
 
 OTHERS_KEPT = 1000  # frames of other threads kept in `Client.others`
-RESUME_TRIES = 5  # rounds over the URLs after a drop, 0.2 s, 0.4 s, ... apart
+# After a drop, rounds over the URLs 0.2 s, 0.4 s, ... (at most 2 s) apart, for
+# this long: a daemon restarted after a crash (systemd, then its recovery) is back
+# within it, and the session token still logs in.
+RESUME_S = 30.0
+RESUME_MAX_DELAY_S = 2.0
 
 
 class Exchange:
@@ -132,6 +136,8 @@ class Client:
         open_timeout: float = 10.0,
         on_other: Callable[[Other], object] | None = None,
         stream: bool = False,
+        ping_interval: float | None = 20.0,
+        ping_timeout: float | None = 20.0,
     ) -> None:
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls:
@@ -156,6 +162,8 @@ class Client:
         self.cafile = cafile
         self.verify = verify
         self.open_timeout = open_timeout
+        # How soon a dead link is noticed (a ping unanswered within ping_timeout).
+        self.ping_interval, self.ping_timeout = ping_interval, ping_timeout
         self.on_other = on_other
         self.stream_all = stream  # previews on every thread of the session
         self.others: deque[Other] = deque(maxlen=OTHERS_KEPT)
@@ -245,7 +253,8 @@ class Client:
     def _bus(self, url: str, **kw: Any) -> BusClient:
         return BusClient(url, self.client_id, cafile=self.cafile, verify=self.verify,
                          open_timeout=self.open_timeout, delivered=self._calls.delivered,
-                         stream=self.stream_all, **kw)
+                         stream=self.stream_all, ping_interval=self.ping_interval,
+                         ping_timeout=self.ping_timeout, **kw)
 
     def _logged_in(self, url: str, conn: BusClient) -> BusClient:
         self.url = url
@@ -262,20 +271,21 @@ class Client:
         return conn
 
     async def _resume(self) -> BusClient:
-        """After a drop: the session token on each URL, a few rounds."""
+        """After a drop: the session token on each URL, round after round for
+        `RESUME_S` seconds."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + RESUME_S
         delay = 0.2
-        last: BusError | None = None
-        for _ in range(RESUME_TRIES):
+        while True:
             try:
                 return await self._login()
             except AuthenticationFailed:
                 raise
-            except BusError as exc:
-                last = exc
+            except BusError:
+                if loop.time() + delay > give_up:
+                    raise
             await asyncio.sleep(delay)
-            delay *= 2
-        assert last is not None
-        raise last
+            delay = min(delay * 2, RESUME_MAX_DELAY_S)
 
     async def _read(self) -> None:
         while True:

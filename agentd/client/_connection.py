@@ -94,6 +94,8 @@ class BusClient:
         open_timeout: float = 10.0,
         delivered: int | None = None,
         stream: bool = False,
+        ping_interval: float | None = 20.0,
+        ping_timeout: float | None = 20.0,
     ) -> None:
         if secret is None and session is None and totp is None:
             raise ValueError("BusClient needs a TOTP secret, a code or a session token")
@@ -111,6 +113,10 @@ class BusClient:
         self.open_timeout = open_timeout
         self.delivered = delivered
         self.stream = stream  # previews of models' text on every thread (auth frame)
+        # Keepalive: a ping every `ping_interval` s; no pong within `ping_timeout` s
+        # and the link is taken for dead (a `Client` then resumes the session).
+        self.ping_interval = ping_interval
+        self.ping_timeout = ping_timeout
         self._ws: ClientConnection | None = None
         self._backlog: deque[bytes] = deque()
 
@@ -137,6 +143,8 @@ class BusClient:
                 compression=None,
                 max_size=self.max_size,
                 open_timeout=self.open_timeout,
+                ping_interval=self.ping_interval,
+                ping_timeout=self.ping_timeout,
             )
         except InvalidStatus as exc:
             raise BusError(f"{self.url}: HTTP {exc.response.status_code}") from None

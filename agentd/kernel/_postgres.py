@@ -44,6 +44,7 @@ _KEYS = {
     "timers": ("id",),
     "handler_state": ("conversation", "listener", "key"),
     "bus_auth": ("client",),
+    "streams": ("id",),
 }
 _OR_REPLACE = re.compile(r"INSERT OR REPLACE INTO (\w+) \(([^)]*)\)(.*)", re.S)
 _OR_IGNORE = re.compile(r"INSERT OR IGNORE INTO (.*)", re.S)

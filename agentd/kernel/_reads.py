@@ -155,6 +155,12 @@ class KernelReads:
         rows = await self._reader.execute_fetchall("SELECT client, state FROM bus_auth")
         return {str(client): str(state) for client, state in rows}
 
+    async def open_streams(self) -> list[tuple[str, str, str, int]]:
+        """Streams not ended (`Transaction.stream_put`): (id, client, thread, last_seq)."""
+        rows = await self._reader.execute_fetchall(
+            "SELECT id, client, thread, last_seq FROM streams ORDER BY id")
+        return [(str(r[0]), str(r[1]), str(r[2]), int(r[3])) for r in rows]
+
     async def handler_state(self) -> list[tuple[str, str, str, str]]:
         """Every handler-state entry: (listener, conversation, key, value)."""
         rows = await self._reader.execute_fetchall(

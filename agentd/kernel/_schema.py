@@ -176,8 +176,15 @@ _V5_BUS_AUTH = (
     "CREATE TABLE IF NOT EXISTS bus_auth (client TEXT PRIMARY KEY, state TEXT NOT NULL)",
 )
 
+# Model-text streams that sent a client a partial and have not ended: after a crash
+# each is told to its client as interrupted (a `final` in its outbox).
+_V6_STREAMS = (
+    "CREATE TABLE IF NOT EXISTS streams (id TEXT PRIMARY KEY, client TEXT NOT NULL, "
+    "thread TEXT NOT NULL, last_seq INTEGER NOT NULL)",
+)
+
 MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_CONTEXT, 3: _V3_DURABLE,
-                                          4: _V4_OUTCOMES, 5: _V5_BUS_AUTH}
+                                          4: _V4_OUTCOMES, 5: _V5_BUS_AUTH, 6: _V6_STREAMS}
 
 
 def is_postgres(conn: Any) -> bool:

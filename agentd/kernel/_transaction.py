@@ -57,6 +57,8 @@ OP_APPROVAL_PUT = 16  # (op, ApprovalRow)
 OP_APPROVAL_DECIDE = 17  # (op, id, state, decided_by, reason, decided_at)
 OP_OUTBOX_SENT = 18  # (op, client, ids)
 OP_AUTH_PUT = 19  # (op, (client, state JSON))
+OP_STREAM_PUT = 20  # (op, (id, client, thread, last_seq))
+OP_STREAM_DELETE = 21  # (op, (id,))
 
 _DURABLE_SQL = {
     OP_TIMER_PUT: "INSERT OR REPLACE INTO timers (id, conversation, frame, listener, due, note, "
@@ -72,6 +74,9 @@ _DURABLE_SQL = {
                      "state, decided_by, reason, decided_at) "
                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     OP_AUTH_PUT: "INSERT OR REPLACE INTO bus_auth (client, state) VALUES (?, ?)",
+    OP_STREAM_PUT: "INSERT OR REPLACE INTO streams (id, client, thread, last_seq) "
+                   "VALUES (?, ?, ?, ?)",
+    OP_STREAM_DELETE: "DELETE FROM streams WHERE id = ?",
     # Only a pending approval can be decided: a second decision changes nothing.
     OP_APPROVAL_DECIDE: "UPDATE approvals SET state = ?, decided_by = ?, reason = ?, "
                         "decided_at = ? WHERE id = ? AND state = 'pending'",
@@ -338,6 +343,16 @@ class Transaction:
         """The bus's authentication state of `client` (JSON), replacing the last."""
         self._check_open()
         self.ops.append((OP_AUTH_PUT, (client, state)))
+
+    def stream_put(self, stream: str, client: str, thread: str, last_seq: int) -> None:
+        """A model-text stream that sent `client` partials up to `last_seq` (at least)."""
+        self._check_open()
+        self.ops.append((OP_STREAM_PUT, (stream, client, thread, last_seq)))
+
+    def stream_delete(self, stream: str) -> None:
+        """The stream ended (its `final` was sent)."""
+        self._check_open()
+        self.ops.append((OP_STREAM_DELETE, (stream,)))
 
     def state_delete(self, listener: str, conversation: str, key: str) -> None:
         self._check_open()

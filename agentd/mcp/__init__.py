@@ -150,7 +150,8 @@ class McpToolCall:
     async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
         count = _metrics.mcp_calls
         try:
-            answer = await self.server.call(self.tool, arguments_of(payload))
+            answer = await self.server.call(self.tool, arguments_of(payload),
+                                            progress=_reporter(meta._progress))
         except Denied:
             count.labels(self.listener, "refused").inc()
             raise
@@ -168,6 +169,18 @@ class McpToolCall:
             raise
         count.labels(self.listener, "error" if answer.isError else "ok").inc()
         return HandlerResponse.respond(response)
+
+
+def _reporter(report: Any) -> Any:
+    """The SDK's progress callback for a call whose conversation's owner asked to
+    see steps (`report`, from the pump); None: the server is not asked for any."""
+    if report is None:
+        return None
+
+    async def progress(value: float, total: float | None, message: str | None) -> None:
+        report(value, total, message)
+
+    return progress
 
 
 def result_of(answer: types.CallToolResult, result_cls: type, cap: int) -> Any:

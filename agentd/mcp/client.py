@@ -88,17 +88,20 @@ def pin_of(tool: types.Tool) -> str:
     return hashlib.sha256(material.encode()).hexdigest()
 
 
-async def call_tool(session: ClientSession, tool: str, arguments: dict[str, Any]
-                    ) -> types.CallToolResult:
+async def call_tool(session: ClientSession, tool: str, arguments: dict[str, Any],
+                    progress: Any = None) -> types.CallToolResult:
     """`tools/call`, without `ClientSession.call_tool`'s check of `structuredContent`
     against the server's `outputSchema`: that schema is the server's (unpinned, it
     may arrive after load), jsonschema runs its patterns on the event loop, and one
     pattern with catastrophic backtracking stalled the daemon for seconds per call.
-    agentd reads only a result's content (`result_of`), never `structuredContent`."""
+    agentd reads only a result's content (`result_of`), never `structuredContent`.
+    With `progress` the request carries a progress token, and the server's progress
+    notifications for it go there."""
     return await session.send_request(
         types.ClientRequest(types.CallToolRequest(
             params=types.CallToolRequestParams(name=tool, arguments=arguments))),
         types.CallToolResult,
+        progress_callback=progress,
     )
 
 
@@ -180,7 +183,7 @@ class McpServer:
 
     async def call(self, tool: str, arguments: dict[str, Any],
                    on_security: Callable[[str, dict[str, str]], None] | None = None,
-                   ) -> types.CallToolResult:
+                   progress: Any = None) -> types.CallToolResult:
         session = await self._session_for_call()
         if tool in self.refused:
             raise Denied("mcp tool changed since it was pinned", code=HuhCode.UNROUTABLE,
@@ -188,12 +191,12 @@ class McpServer:
                          offered=self.refused[tool])
         try:
             if self._ending is None:
-                return await asyncio.wait_for(call_tool(session, tool, arguments),
+                return await asyncio.wait_for(call_tool(session, tool, arguments, progress),
                                               self.config.timeout_s)
             # A server that ends mid-call fails the call at once (`internal`), not
             # at its timeout.
-            return await _unless_ended(call_tool(session, tool, arguments), self._ending,
-                                       self.config.timeout_s)
+            return await _unless_ended(call_tool(session, tool, arguments, progress),
+                                       self._ending, self.config.timeout_s)
         except TimeoutError:
             raise CallTimedOut(f"mcp server {self.name}: {tool} did not answer in "
                                f"{self.config.timeout_s}s") from None

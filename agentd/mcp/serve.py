@@ -11,8 +11,8 @@ sends it on a new thread through `agentd.client.Client` (so calls run
 concurrently, wait through an approval gate, and survive a dropped connection), and
 returns the answer's C14N XML as text, with `isError` for a `huh`. When the MCP
 client gives a progress token, the call asks for previews and each `partial` of an
-agent's text becomes a `notifications/progress` (progress: the partials so far;
-message: the piece).
+agent's text and each `step` of what it does becomes a `notifications/progress`
+(progress: the notifications so far; message: the piece, or the step in words).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from agentd._envelope import parse_envelope
 from agentd._errors import AgentdError
 from agentd._schemas import NS_CORE
 from agentd._xml import c14n, escape_text
-from agentd.client import Answer, Client, Event, Huh, Partial
+from agentd.client import Answer, Client, Event, Huh, Partial, Step
 from agentd.llm.tools import Shape, input_schema, payload_xml, shape_of_xsd
 
 
@@ -131,10 +131,11 @@ def _progress(server: Server) -> Callable[[Event], Awaitable[None]] | None:
 
     async def notify(event: Event) -> None:
         nonlocal sent
-        if isinstance(event, Partial):
+        if isinstance(event, Partial | Step):
             sent += 1
+            text = event.text if isinstance(event, Partial) else event.describe()
             await ctx.session.send_progress_notification(
-                token, float(sent), message=event.text, related_request_id=str(ctx.request_id))
+                token, float(sent), message=text, related_request_id=str(ctx.request_id))
 
     return notify
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -35,7 +36,7 @@ from typing import Any
 from lxml import etree
 
 from agentd import _metrics as metrics
-from agentd._core import Huh, core_from_element
+from agentd._core import Huh, Step, core_from_element
 from agentd._envelope import (
     PrivilegedOnBus,
     adopt_envelope,
@@ -47,6 +48,7 @@ from agentd._errors import HuhCode, Rejection
 from agentd._handler import ChainStopped, HandlerMetadata
 from agentd._routing import Listener
 from agentd._threads import Frame, ThreadEvent, ThreadRegistry, ThreadState
+from agentd._xml import c14n
 from agentd.durable import Deadline, StateLimitExceeded, StateView, TimerRequest
 from agentd.kernel import Kernel
 from agentd.pump import admission
@@ -63,7 +65,14 @@ from agentd.pump.batch import (
 from agentd.pump.gate import Deny, Park, Pass, gate
 from agentd.pump.intents import Busy, IntentDesk
 from agentd.pump.invoker import CallFailed, Invoker, outcome_of
-from agentd.pump.message import CORE, NO_CAPABILITY, IntentResolver, Message, MsgKind
+from agentd.pump.message import (
+    CORE,
+    NO_CAPABILITY,
+    IntentResolver,
+    Message,
+    MsgKind,
+    StepSink,
+)
 from agentd.pump.options import PumpOptions
 from agentd.pump.response import ResponsePlan, plan_failure, plan_response, plan_stopped
 from agentd.pump.scheduler import Scheduler
@@ -92,6 +101,7 @@ class Dispatch:
         intents: IntentResolver | None,
         clock: Callable[[], float],
         tick: Callable[[], float],
+        steps: StepSink | None = None,
     ) -> None:
         settings = self.settings = options.pump
         self.registry = registry
@@ -102,6 +112,8 @@ class Dispatch:
         self.shape = options.shape
         self.gateways = options.gateways
         self.intents = IntentDesk(intents, settings)
+        # Core `step` frames for a conversation's owner who asked; None: none.
+        self.steps = steps
         self.scheduler = Scheduler(self.handle, settings.max_concurrency, settings.max_queue)
         self.invoker = Invoker(tick)
         self._hard_cap = settings.max_queue * 2
@@ -218,6 +230,11 @@ class Dispatch:
         created = msg.kind is _REQUEST
         frame = self.registry.extend(msg.frame, listener.name) if created else msg.frame
         frame.touched = time.monotonic()
+        steps = self.steps
+        if steps is not None and not steps.wanted(frame):
+            steps = None
+        if created and msg.call:
+            frame.call = msg.call
         spec = msg.spec
         payload: Any = (
             msg.payload if listener.takes_element  # an isolation pool: no object to build
@@ -226,7 +243,9 @@ class Dispatch:
         )
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
                                self.waits.book, frame.root.uuid, None, msg.seq,
-                               _hops=msg.hops, _about=msg.about)
+                               _hops=msg.hops, _about=msg.about,
+                               _progress=None if steps is None else _progress(
+                                   steps, frame.root, listener.name))
         tracing = tracer()
         token = tracing.handler(listener.name, listener.is_agent, frame.root.uuid, msg.seq,
                                 msg.redelivered, msg.cause)
@@ -254,6 +273,9 @@ class Dispatch:
             if wait.event is not None:
                 self.security_event(*wait.event)
             plan = wait.answer
+            if steps is not None and not plan.envelopes and plan.notice_to is None:
+                steps.send(frame.root, Step("timer-wait", listener.name,
+                                            frame.call or _call_id()).to_bytes())
         else:
             plan = plan_response(msg, listener, frame, result, self.settings.max_fanout)
         self._apply(plan, listener, frame, hops, batch)
@@ -294,6 +316,12 @@ class Dispatch:
         if plan.end is not None and taken:
             assert frame is not None
             self.end(frame, plan.end, batch)
+            if frame.call:  # a call shown to the owner: its result is in
+                steps = self.steps
+                if steps is not None and listener is not None and steps.wanted(frame):
+                    steps.send(frame.root,
+                               Step("tool-result", listener.name, frame.call).to_bytes())
+                frame.call = ""
 
     def apply_wait(self, plan: WaitPlan, batch: Batch | None) -> None:
         """Carry out a wait's plan (see `WaitPlan`): its event, its frame for a
@@ -304,6 +332,8 @@ class Dispatch:
             self.emit_core(*plan.client, batch)
         self._apply(plan.answer, plan.listener, plan.frame, plan.hops, batch, plan.about)
         msg, own = plan.dispatch, plan.own
+        if msg is not None and plan.approval and self.steps is not None:
+            msg.call = plan.approval  # its tool-call and approval-wait steps had this id
         if own is None:
             if msg is not None:
                 self.enqueue(msg, None)
@@ -426,7 +456,11 @@ class Dispatch:
                 gated = gate(msg, frame.profile.table.gates, self.waits.counts)
                 if not isinstance(gated, Pass):
                     msg.hops = hops
-                    return self.hold(msg, gated, own, hops, batch, about)
+                    if isinstance(gated, Deny):
+                        return self.hold(msg, gated, own, hops, batch, about)
+                    approval = self.park(msg, gated, batch)
+                    self._show_call(msg, approval)
+                    return True
         except PrivilegedOnBus:
             self.security_event("priv-from-handler",
                                  {"listener": listener.name, "thread": frame.root.uuid})
@@ -442,8 +476,24 @@ class Dispatch:
             self._huh_to(own, rej.code, hops, batch, about)
             return False
         msg.hops = hops
+        if not respond and self.steps is not None:
+            self._show_call(msg)
         self.enqueue(msg, batch)
         return True
+
+    def _show_call(self, msg: Message, approval: str = "") -> None:
+        """`step tool-call` (and `approval-wait` for a parked one) for the owner of
+        `msg`'s conversation, if it asked. A parked call's id is its approval's, so
+        its steps still share it when it is approved after a restart."""
+        steps, root = self.steps, msg.frame.root
+        if steps is None or not steps.wanted(msg.frame):
+            return
+        msg.call = call = approval or _call_id()
+        payload = c14n(msg.payload)
+        for target in msg.targets:
+            steps.send(root, Step("tool-call", target.name, call, payload).to_bytes())
+            if approval:
+                steps.send(root, Step("approval-wait", target.name, call).to_bytes())
 
     def hold(self, msg: Message, gated: Park | Deny, own: Frame, hops: int,
               batch: Batch | None, about: str = "") -> bool:
@@ -506,3 +556,20 @@ class Dispatch:
         else:
             detail = " ".join(f"{k}={v}" for k, v in fields.items())
             log.warning("security event kind=%s %s", kind, detail)
+
+
+def _progress(steps: StepSink, root: Frame, listener: str) -> Any:
+    """What a handler calls with its tool's progress (`HandlerMetadata._progress`):
+    each report becomes `step progress` for the conversation's owner (left out
+    while the owner's connection is behind)."""
+
+    def report(progress: float, total: float | None = None,
+               message: str | None = None) -> None:
+        steps.send(root, Step("progress", listener, progress=progress, total=total,
+                              message=message).to_bytes(), lossy=True)
+
+    return report
+
+
+def _call_id() -> str:
+    return secrets.token_hex(8)

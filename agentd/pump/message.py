@@ -32,6 +32,7 @@ class Message:
 
     __slots__ = (
         "about",
+        "call",
         "cause",
         "envelope",
         "frame",
@@ -74,6 +75,9 @@ class Message:
         # With telemetry: the span whose work sent it (a handler's, an admission's),
         # the parent of the span of its handling. Never journaled.
         self.cause: object = None
+        # A handler's request shown to the owning client as `step` frames: the id its
+        # steps share ("" when none were shown). Never journaled.
+        self.call = ""
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,17 @@ class IntentOutcome:
     payload: bytes | None
     listener: str | None
     record: bytes
+
+
+class StepSink(Protocol):
+    """Where the pump reports what a conversation's handlers do (core `step`
+    frames for its owner, previews like `partial`: never journaled). `wanted`
+    says whether the owner of `frame`'s conversation asked, or a listener on its
+    path streams (the pump builds nothing otherwise)."""
+
+    def wanted(self, frame: Frame) -> bool: ...
+
+    def send(self, root: Frame, body: bytes, lossy: bool = False) -> None: ...
 
 
 class IntentResolver(Protocol):

@@ -51,7 +51,7 @@ from agentd.pump.admission import Violation
 from agentd.pump.batch import Batch, DeliverFn, journal_message, thread_row
 from agentd.pump.dispatch import Dispatch
 from agentd.pump.gate import PASS, Deny, Park, Pass, gate
-from agentd.pump.message import CORE, IntentResolver, Message, SubmitResult
+from agentd.pump.message import CORE, IntentResolver, Message, StepSink, SubmitResult
 from agentd.pump.options import PumpOptions
 from agentd.telemetry import tracer
 
@@ -66,7 +66,8 @@ class Pump:
     (`PumpOptions`, built from the loaded configuration), the `kernel` (None: not
     durable), `on_security` (where security events go; None: logged), `intents`
     (the resolver of core `intent`; None: every intent is unroutable, and said so
-    in the log) and `clock` (the wall clock of timers and approvals). A reload
+    in the log), `steps` (where a conversation's `step` frames go; None: nowhere)
+    and `clock` (the wall clock of timers and approvals). A reload
     swaps what it may change through `reload`."""
 
     def __init__(
@@ -79,6 +80,7 @@ class Pump:
         *,
         on_security: Callable[[str, Mapping[str, str]], None] | None = None,
         intents: IntentResolver | None = None,
+        steps: StepSink | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         options = options or PumpOptions()
@@ -96,7 +98,7 @@ class Pump:
         self.kernel = kernel
         # The steps: handler calls and what their outcomes, waits and decisions do.
         dispatch = self._dispatch = Dispatch(self.registry, deliver, options, kernel,
-                                             on_security, intents, clock, self._tick)
+                                             on_security, intents, clock, self._tick, steps)
         self._scheduler = dispatch.scheduler
         self._invoker = dispatch.invoker
         self.waits = dispatch.waits

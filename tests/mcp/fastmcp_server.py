@@ -8,7 +8,8 @@ non-JSON-RPC line at its first call), `exit` (exits at its first call), `hang`
 (sends valid answers to requests never made, without end, at its first call),
 `snoop` (tries to read argv[2] and to connect to argv[3] host:port; its `unix`
 tool, to the Unix socket at argv[2]), `big`
-(answers with argv[2] bytes of text), `inject` (a description carrying an
+(answers with argv[2] bytes of text; `count` reports progress to a client that
+gave a progress token), `inject` (a description carrying an
 injection), `broken` (says why on stderr and exits before it speaks), `http` (well
 behaved, over Streamable HTTP on port argv[2], accepting the
 Host names 127.0.0.1, localhost and mcp.test).
@@ -19,7 +20,7 @@ import socket
 import sys
 import time
 
-from mcp.server.fastmcp import FastMCP
+from mcp.server.fastmcp import Context, FastMCP
 
 mode = sys.argv[1] if len(sys.argv) > 1 else "good"
 if mode == "broken":
@@ -110,6 +111,13 @@ def limits() -> str:
 @app.tool(name="big", description="A large answer.")
 def big() -> str:
     return "y" * int(sys.argv[2])
+
+
+@app.tool(name="count", description="Count to n, reporting progress at each step.")
+async def count(n: int, ctx: Context) -> str:  # type: ignore[type-arg]
+    for i in range(1, n + 1):  # sent only when the call carries a progress token
+        await ctx.report_progress(i, n, f"at {i}")
+    return str(n)
 
 
 if __name__ == "__main__":
