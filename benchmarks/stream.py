@@ -10,7 +10,12 @@ frame and the bus), the client's gaps between partials (p50, p99, in ms; the
 backend's gap is 20 ms), and partials per answer (fewer than 12 when coalesced).
 Then C conversations at once on one connection (1,000; 100 with --quick): the
 daemon's peak RSS, each conversation's p99 gap between partials (its median and
-worst over the conversations), and how long the last answer took.
+worst over the conversations), and how long the last answer took. Last, a client
+that reads nothing: it asks 20 questions whose answers stream for about 10 s each
+(100 KB of text; 3 s with --quick) and reads nothing for 10 s (3 s); reported: the
+daemon's RSS growth at its peak meanwhile, and the bound it must stay under (the
+connection's send queue, 4 MiB, plus per stream its 256 KiB resume buffer and the
+text waiting to be joined), then whether every answer still arrived once it reads.
 
 Usage: python benchmarks/stream.py [--quick]. The last line is one JSON object.
 """
@@ -30,17 +35,66 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from agentd.client import Answer, Client, Partial  # noqa: E402
+from _process import rss_kb as rss_kib  # noqa: E402
+
+from agentd.client import Answer, BusClient, Client, Partial, frame_kind  # noqa: E402
 from agentd.platform.demo import MathQuestion  # noqa: E402
 from tests.daemon_process import DaemonProcess, edit_config, make_home  # noqa: E402
 from tests.llm_servers import FakeLLM, Reply  # noqa: E402
 
 FIRST_S, GAP_S, PIECES = 0.2, 0.02, 12
+IDLE = {"on": False, "pieces": 1000, "gap_s": 0.01}  # the non-reading client's answers
+IDLE_PIECE = "x" * 99 + " "
+SEND_QUEUE_BYTES = 4 * 1024 * 1024  # the bus's per-connection send queue
+RESUME_BUFFER_BYTES = 256 * 1024
 
 
 def reply(_seen: Any) -> Reply:
+    if IDLE["on"]:
+        return Reply(pieces=[IDLE_PIECE] * int(IDLE["pieces"]), gap_s=float(IDLE["gap_s"]))
     return Reply(pieces=[f"word{i} " for i in range(PIECES)], first_s=FIRST_S, gap_s=GAP_S)
+
+
+async def not_reading(d: DaemonProcess, session: str, seconds: float, n: int = 20
+                      ) -> dict[str, Any]:
+    """A client that asks `n` streamed questions and reads nothing for `seconds`
+    (its library buffers a few frames, then its socket fills and stays full)."""
+    pid = d.proc.pid if d.proc is not None else 0
+    IDLE.update(on=True, pieces=int(seconds / 0.01))
+    text_bytes = int(IDLE["pieces"]) * len(IDLE_PIECE)
+    bus = BusClient(d.url, "alice", session=session, cafile=d.cafile, stream=True)
+    await bus.connect()
+    before = rss_kib(pid)
+    peak = before
+    threads = [await bus.send(MathQuestion(text=f"Idle {i}?")) for i in range(n)]
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        peak = max(peak, rss_kib(pid))
+        await asyncio.sleep(0.05)
+    answered: set[str] = set()
+    closed = None
+    try:
+        async with asyncio.timeout(120):
+            while len(answered) < n:
+                sender, kind, thread = frame_kind(await bus.recv())
+                if sender == "tutor" or kind == "answer":
+                    answered.add(thread)
+    except Exception as exc:  # the daemon closed it (send queue overflow): reported
+        closed = f"{type(exc).__name__}: {exc}"
+    await bus.close()
+    IDLE["on"] = False
+    bound = SEND_QUEUE_BYTES + n * (RESUME_BUFFER_BYTES + text_bytes)
+    return {
+        "idle_client_s": seconds,
+        "idle_client_streams": n,
+        "idle_client_text_per_stream_kb": round(text_bytes / 1000, 1),
+        "idle_client_rss_growth_mb": round((peak - before) / 1024, 1),
+        "idle_client_bound_mb": round(bound / 2**20, 1),
+        "idle_client_answers_after": len(answered & set(threads)),
+        "idle_client_closed": closed,
+    }
 
 
 def pct(values: list[float], q: float) -> float:
@@ -53,10 +107,6 @@ async def at_once(c: Client, d: DaemonProcess, n: int) -> dict[str, Any]:
     pid = d.proc.pid if d.proc is not None else 0
     peak = 0
 
-    def rss_kib() -> int:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-
     async def one(i: int) -> list[float]:
         seen: list[float] = []
         async for event in c.stream(MathQuestion(text=f"Many {i}?"), timeout=600):
@@ -67,10 +117,10 @@ async def at_once(c: Client, d: DaemonProcess, n: int) -> dict[str, Any]:
     async def watch() -> None:
         nonlocal peak
         while True:
-            peak = max(peak, rss_kib())
+            peak = max(peak, rss_kib(pid))
             await asyncio.sleep(0.1)
 
-    before = rss_kib()
+    before = rss_kib(pid)
     watcher = asyncio.create_task(watch())
     start = time.monotonic()
     gaps = await asyncio.gather(*(one(i) for i in range(n)))
@@ -87,7 +137,7 @@ async def at_once(c: Client, d: DaemonProcess, n: int) -> dict[str, Any]:
     }
 
 
-async def run(n: int, many: int) -> dict[str, Any]:
+async def run(n: int, many: int, idle_s: float) -> dict[str, Any]:
     firsts: list[float] = []
     gaps: list[float] = []
     counts: list[int] = []
@@ -119,6 +169,8 @@ async def run(n: int, many: int) -> dict[str, Any]:
                         gaps += [(b - a) * 1000 for a, b in pairwise(seen)]
                         counts.append(len(seen))
                     concurrent = await at_once(c, d, many)
+                    assert c.session is not None
+                    idle = await not_reading(d, c.session, idle_s)
             finally:
                 await d.stop()
     return {
@@ -132,6 +184,7 @@ async def run(n: int, many: int) -> dict[str, Any]:
         "backend_gap_ms": GAP_S * 1000,
         "partials_per_answer_median": statistics.median(counts),
         "pieces_per_answer": PIECES,
+        **idle,
     }
 
 
@@ -139,7 +192,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    result = asyncio.run(run(15 if args.quick else 100, 100 if args.quick else 1000))
+    result = asyncio.run(run(15 if args.quick else 100, 100 if args.quick else 1000,
+                             3.0 if args.quick else 10.0))
     for key, value in result.items():
         print(f"{key}: {value}")
     print(json.dumps({"benchmark": "stream", **result}))
