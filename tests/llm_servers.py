@@ -14,7 +14,8 @@ A request with `"stream": true` is answered with Server-Sent Events shaped like
 the provider's (chunked transfer encoding): the reply's text in `pieces` (default:
 one per word), the first after `first_s`, then one every `gap_s`, then the usage
 and the terminator; `cut_after=N` drops the connection after N pieces, without
-the end; `events` sends these raw SSE events instead.
+the end; `events` sends these raw SSE events instead. A reply's native `calls`
+are streamed after its text, as the provider streams them.
 
 Run as a script to re-record the demo cassette: `python -m tests.llm_servers`.
 """
@@ -317,7 +318,8 @@ class FakeLLM:
         events = reply.events
         if events is None:
             events = [self._sse_piece(p) for p in pieces]
-            head, tail = self._sse_ends(tokens_in, tokens_out)
+            events += [e for i, c in enumerate(reply.calls) for e in self._sse_call(i, *c)]
+            head, tail = self._sse_ends(tokens_in, tokens_out, bool(reply.calls))
             events = head + events + tail
         else:
             head = []
@@ -346,11 +348,35 @@ class FakeLLM:
             {"type": "content_block_delta", "index": 0,
              "delta": {"type": "text_delta", "text": text}}) + "\n\n"
 
-    def _sse_ends(self, tokens_in: int, tokens_out: int) -> tuple[list[str], list[str]]:
+    def _sse_call(self, i: int, call_id: str, name: str, arguments: str) -> list[str]:
+        """A native call streamed as the provider does: id and name first, then the
+        arguments in two pieces (an Anthropic tool_use block after the text block)."""
+        half = [arguments[:len(arguments) // 2], arguments[len(arguments) // 2:]]
+        if self.protocol == "openai":
+            def delta(call: dict[str, Any]) -> str:
+                return "data: " + json.dumps({"id": "c", "model": self.model, "choices": [
+                    {"index": 0, "delta": {"tool_calls": [{"index": i, **call}]},
+                     "finish_reason": None}]}) + "\n\n"
+            return [delta({"id": call_id, "type": "function",
+                           "function": {"name": name, "arguments": ""}})] + [
+                delta({"function": {"arguments": a}}) for a in half]
+
+        def ev(kind: str, obj: dict[str, Any]) -> str:
+            return f"event: {kind}\ndata: " + json.dumps({"type": kind, **obj}) + "\n\n"
+        close_text = [ev("content_block_stop", {"index": 0})] if i == 0 else []
+        return [*close_text, ev("content_block_start", {"index": i + 1, "content_block": {
+                    "type": "tool_use", "id": call_id, "name": name, "input": {}}}),
+                *[ev("content_block_delta", {"index": i + 1, "delta": {
+                    "type": "input_json_delta", "partial_json": a}}) for a in half],
+                ev("content_block_stop", {"index": i + 1})]
+
+    def _sse_ends(self, tokens_in: int, tokens_out: int,
+                  calls: bool = False) -> tuple[list[str], list[str]]:
         if self.protocol == "openai":
             return [], [
                 "data: " + json.dumps({"id": "c", "model": self.model, "choices": [
-                    {"index": 0, "delta": {}, "finish_reason": "stop"}]}) + "\n\n",
+                    {"index": 0, "delta": {}, "finish_reason": "tool_calls" if calls
+                     else "stop"}]}) + "\n\n",
                 "data: " + json.dumps({"id": "c", "model": self.model, "choices": [],
                                        "usage": {"prompt_tokens": tokens_in,
                                                  "completion_tokens": tokens_out}}) + "\n\n",
@@ -361,8 +387,9 @@ class FakeLLM:
                     "input_tokens": tokens_in, "output_tokens": 1}}}),
                 ev("content_block_start", {"index": 0, "content_block": {"type": "text",
                                                                           "text": ""}})], [
-                ev("content_block_stop", {"index": 0}),
-                ev("message_delta", {"delta": {"stop_reason": "end_turn"},
+                *([] if calls else [ev("content_block_stop", {"index": 0})]),
+                ev("message_delta", {"delta": {"stop_reason": "tool_use" if calls
+                                               else "end_turn"},
                                      "usage": {"output_tokens": tokens_out}}),
                 ev("message_stop", {})]
 

@@ -249,6 +249,51 @@ async def test_a_streamed_answer_through_the_proxy_reaches_the_client_in_order(
     assert tokens(metrics, "output") == 31 + 42
 
 
+def streamed_call(seen: Seen) -> Reply:
+    """The first reply calls calculator.add natively, its call streamed in pieces
+    after the text; the second writes the answer from the call's result."""
+    got = [int(v) for text, _ in results(seen).values()
+           for v in re.findall(r"<value>(-?\d+)</value>", text)]
+    if not got:
+        return Reply(pieces=["Let me ", "add."], gap_s=0.01, input_tokens=1201,
+                     output_tokens=31, calls=[call("call_s1", "calculator__add", a=2, b=40)])
+    return Reply(pieces=["The ", "sum ", "is ", f"{got[0]}."], gap_s=0.01,
+                 input_tokens=1302, output_tokens=42)
+
+
+@pytest.mark.parametrize("model, protocol, upstream", ROUTES)
+async def test_a_streamed_native_call_through_the_proxy_is_dispatched_and_answered(
+        model: str, protocol: str, upstream: str, proxy: Proxy, tmp_path: Path) -> None:
+    """The call's pieces (OpenAI `tool_calls` deltas, Anthropic `input_json_delta`),
+    re-chunked or translated by the proxy, are put together into one call that is
+    dispatched; its markup is never shown as a partial."""
+    home = tmp_path / "home"
+    make_home(home)
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["llm"]["retries"] = 0
+        doc["llm"]["backends"] = [proxy.backend(model, protocol)]
+        for lst in doc["listeners"]:
+            if lst.get("agent"):
+                lst["agent"]["model"] = "proxy"
+
+    edit_config(home, edit)
+    async with proxy.upstream_server(model, upstream, streamed_call) as server:
+        d = await DaemonProcess(home, env={"AGENTD_TEST_LITELLM_KEY": proxy.key}).start()
+        try:
+            async with Client.connect(d.url, "alice", secret=d.secret, cafile=d.cafile) as c:
+                events = [e async for e in c.stream(MathQuestion(text="What is 2 + 40?"))]
+        finally:
+            assert await d.stop() == 0
+    assert isinstance(events[-1], Answer), (events, d.log[-20:])
+    assert events[-1].text is not None and "The sum is 42." in events[-1].text
+    first, second = server.requests
+    assert first.streamed and second.streamed
+    assert second.calls() == [("call_s1", "calculator__add")] and second.orphans() == []
+    shown = "".join(e.text for e in events if isinstance(e, Partial))
+    assert shown == "Let me add.The sum is 42."
+
+
 # ---- what the proxy makes of an upstream's failures ------------------------------------
 
 
