@@ -7,6 +7,7 @@ its dispatch under the same id, and stays with its result through the librarian.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -448,3 +449,33 @@ async def test_a_denied_approval_is_the_error_result_of_the_call_it_denies(
     assert got["o1"][1] and "huh denied" in got["o1"][0] and "not approved" in got["o1"][0]
     assert not got["p1"][1] and "<amount>7</amount>" in got["p1"][0]
 
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_several_calls_in_one_reply_run_in_parallel(protocol: str) -> None:
+    """Two calls of one reply to two listeners: each handler waits for the other to
+    have started, so they answer `met` only if they ran at the same time."""
+    from tests.organisms import meet
+
+    meet.ARRIVED.clear()
+    meet.BOTH = asyncio.Event()  # on this test's loop
+    extra = "".join(f"""\
+  - name: {name}
+    payload_class: tests.organisms.meet:Meet
+    response_class: tests.organisms.meet:Met
+    handler: tests.organisms.meet:meet
+    description: Meets another call.
+""" for name in ("left", "right"))
+    script = [Reply(calls=[call("l1", "left", side="l"), call("r1", "right", side="r")]),
+              Reply("met")]
+    async with FakeLLM(protocol, script) as server:
+        text = organism_yaml(openai_backend(server), peers="[left, right]",
+                             extra_listeners=extra).replace(
+            "listeners: [tutor, calculator.add, calculator.multiply, echo]",
+            "listeners: [tutor, left, right]")
+        async with organism(text) as (h, _):
+            frames = await h.send("alice", MathQuestion(text="meet"))
+    assert answered(frames) == "met"
+    got = results(server.requests[1])
+    assert "<met>true</met>" in got["l1"][0] and "<met>true</met>" in got["r1"][0]
+    assert "<side>l</side>" in got["l1"][0] and "<side>r</side>" in got["r1"][0]

@@ -122,38 +122,48 @@ async def test_a_call_killed_while_its_tool_runs_is_processed_again_and_seen_onc
         tmp_path: Path) -> None:
     """The call's message is durable and its tool is running (it blocks) when the
     process dies: after the restart the message is delivered again, like any other,
-    and its result goes to the model once, under the call's id."""
+    and its result goes to the model once, under the call's id. (The reply's other
+    call is parked: the client hears of it once the step holding both calls has
+    committed, so the kill comes after that commit.)"""
     home = tmp_path / "home"
-    make_home(home)
-    script = [Reply(calls=[("h1", "hold", json.dumps({"n": 5}))]), Reply("Held.")]
+    make_home(home, [PAY])
+    ledger = tmp_path / "ledger"
+    script = [Reply(calls=[("a1", "pay", json.dumps({"amount": 3})),
+                           ("h1", "hold", json.dumps({"n": 5}))]),
+              Reply("Held.")]
     async with FakeLLM("openai", script) as server:
         def edit(doc: dict[str, Any]) -> None:
             doc["llm"]["retries"] = 0
             doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
                                        "base_url": server.base_url, "model": "fake-1"}]
             tutor = next(lst for lst in doc["listeners"] if lst["name"] == "tutor")
-            tutor["peers"] = ["hold"]
+            tutor["peers"] = ["pay", "hold"]
 
         edit_config(home, edit)
-        d = await DaemonProcess(home, env={"AGENTD_TEST_HOLD": "block"}).start()
+        env = {"AGENTD_TEST_LEDGER": str(ledger)}
+        d = await DaemonProcess(home, env={**env, "AGENTD_TEST_HOLD": "block"}).start()
         try:
             async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
-                thread = await bus.send(MathQuestion(text="Hold 5."))
-                await next_on(bus, thread, "accepted")
+                thread = await bus.send(MathQuestion(text="Pay 3 and hold 5."))
+                await next_on(bus, thread, "approval-required")  # the step committed
                 session = bus.session
             await d.wait_for_line(r"hold: n=5 blocking")
         finally:
             await d.stop(signal.SIGKILL)
 
-        d = await DaemonProcess(home).start()
+        d = await DaemonProcess(home, env=env).start()
         try:
             async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
+                (pending,) = (await ctl(d, "approvals"))["approvals"]
+                await ctl(d, "approve", pending["id"])
                 answer = await next_on(bus, thread, "answer")
         finally:
             assert await d.stop() == 0
     assert b"Held." in answer
+    assert ledger.read_text().split() == ["3"]
     assert len(server.requests) == 2
     last = server.requests[-1]
-    assert calls_of(last) == ["h1"] and last.orphans() == []
-    (result,) = tool_results(last).values()
-    assert "<by>redelivered</by>" in result and "<seq>5</seq>" in result
+    assert calls_of(last) == ["a1", "h1"] and last.orphans() == []
+    got = tool_results(last)
+    assert "<by>redelivered</by>" in got["h1"] and "<seq>5</seq>" in got["h1"]
+    assert "<amount>3</amount>" in got["a1"]

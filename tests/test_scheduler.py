@@ -72,6 +72,53 @@ async def test_one_frame_is_handled_in_order_one_at_a_time() -> None:
     assert s.queued == 0 and s.running == 0 and not s.has_inbox(f.uuid)
 
 
+def call(f: Frame, n: int) -> Message:
+    """A call the holder of `f` (a frame below the conversation's root) sent."""
+    return Message(MsgKind.REQUEST, "agent", f, None, (), None, str(n).encode())  # type: ignore[arg-type]
+
+
+def for_holder(f: Frame, n: int) -> Message:
+    return Message(MsgKind.TO_HOLDER, "tool", f, None, (), None, str(n).encode())  # type: ignore[arg-type]
+
+
+async def test_a_handlers_calls_run_at_once_and_its_holders_messages_one_at_a_time() -> None:
+    """The calls one handler sent start in order and run at once (each runs its
+    callee in a frame of its own); the messages for that frame's holder, queued
+    behind them, still run one at a time and in order. Before, the three calls ran
+    one after the other, and the first waited for the others forever."""
+    calls: list[bytes] = []
+    holder: list[bytes] = []
+    handled: list[bytes] = []
+    all_calls = asyncio.Event()
+
+    async def handle(msg: Message) -> None:
+        if msg.kind is MsgKind.REQUEST:
+            calls.append(msg.envelope)
+            if len(calls) == 3:
+                all_calls.set()
+            await all_calls.wait()  # only if the three run at once
+        else:
+            holder.append(msg.envelope)
+            assert len(holder) == 1  # never two of the holder's messages at once
+            await all_calls.wait()
+            holder.remove(msg.envelope)
+        handled.append(msg.envelope)
+
+    s = Scheduler(handle, workers=8, max_queue=100)
+    agent = Frame(new_uuid(), ("alice", "agent"), frame(), "alice", PROFILE)
+    for n in range(3):
+        s.put(call(agent, n))
+    for n in (5, 6, 7):
+        s.put(for_holder(agent, n))
+    s.start()
+    async with asyncio.timeout(10):
+        await s.join()
+    await s.stop()
+    assert calls == [b"0", b"1", b"2"]
+    assert [m for m in handled if m >= b"5"] == [b"5", b"6", b"7"]
+    assert s.queued == 0 and s.running == 0 and not s.has_inbox(agent.uuid)
+
+
 async def test_frames_take_turns_so_a_busy_one_cannot_starve_the_others() -> None:
     order: list[str] = []
 

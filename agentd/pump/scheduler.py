@@ -1,8 +1,13 @@
 """The scheduler: per-frame inboxes served round-robin by a fixed pool of workers.
 
 Invariants:
-- Messages on one frame are handled one at a time, in arrival order: a frame's
-  inbox is in the ready queue or held by one worker, never both.
+- Messages on one frame are handled one at a time, in arrival order, but for the
+  calls a handler sends (requests on a frame below the conversation's root): each
+  runs its callee in a frame of its own, so they start in order and run at once,
+  beside each other and beside the next message for the frame's holder (an agent's
+  calls of one reply run in parallel). A client's requests on its conversation stay
+  one at a time. A frame's inbox is in the ready queue at most once, and stays
+  known while any of its messages is queued or running.
 - Frames are served round-robin, so one busy frame cannot starve the others, and no
   task is created per message: `max_concurrency` workers take turns.
 - `queued` counts messages admitted and not yet taken, `running` those being
@@ -23,7 +28,7 @@ from typing import Any
 
 from agentd._threads import Frame
 from agentd._waiters import WaiterQueue
-from agentd.pump.message import Message
+from agentd.pump.message import Message, MsgKind
 
 log = logging.getLogger("agentd.pump")
 
@@ -31,14 +36,28 @@ HandleFn = Callable[[Message], Coroutine[Any, Any, None]]
 
 
 class Inbox:
-    """Per-frame FIFO; `scheduled` is True while the frame is queued or running."""
+    """Per-frame FIFO; `scheduled` is True while the inbox is in the ready queue,
+    `holding` while a message for the frame's holder is being handled, `running`
+    counts its messages being handled."""
 
-    __slots__ = ("frame", "items", "scheduled")
+    __slots__ = ("frame", "holding", "items", "running", "scheduled")
 
     def __init__(self, frame: Frame) -> None:
         self.frame = frame
         self.items: deque[Message] = deque()
         self.scheduled = False
+        self.holding = False
+        self.running = 0
+
+    def startable(self) -> bool:
+        """Its next message may start now: a handler's call always, anything else
+        once no other message for the holder is being handled."""
+        return bool(self.items) and (not self.holding or _a_call(self.items[0]))
+
+
+def _a_call(msg: Message) -> bool:
+    """A call a handler sent: it runs in a frame of its own, beside others."""
+    return msg.kind is MsgKind.REQUEST and msg.frame.parent is not None
 
 
 class Scheduler:
@@ -84,7 +103,7 @@ class Scheduler:
             inbox = self._inboxes[uuid] = Inbox(msg.frame)
         inbox.items.append(msg)
         self.queued += 1
-        if not inbox.scheduled:
+        if not inbox.scheduled and inbox.startable():
             inbox.scheduled = True
             self._ready.append(inbox)
             if not self._waking and self._idle_workers.wake_one():
@@ -114,9 +133,17 @@ class Scheduler:
                         self._waking -= 1
                 continue
             inbox = ready.popleft()
+            msg = inbox.items.popleft()
+            holds = not _a_call(msg)
+            inbox.running += 1
+            if holds:
+                inbox.holding = True
+            if not inbox.startable():
+                inbox.scheduled = False
+            else:  # a call: what follows it may start beside it
+                ready.append(inbox)
             if ready and not self._waking and idle.wake_one():
                 self._waking += 1  # more is ready: let the next worker start on it
-            msg = inbox.items.popleft()
             self.queued -= 1
             self.running += 1
             try:
@@ -128,10 +155,13 @@ class Scheduler:
                 # An idle worker must not keep its last message (and its payload)
                 # alive until its next one: every worker would hold one.
                 del msg
-            if inbox.items:
+            inbox.running -= 1
+            if holds:
+                inbox.holding = False
+            if not inbox.scheduled and inbox.startable():
+                inbox.scheduled = True
                 ready.append(inbox)
-            else:
-                inbox.scheduled = False
+            elif not inbox.scheduled and not inbox.items and not inbox.running:
                 del self._inboxes[inbox.frame.uuid]
             del inbox
             if self.room_waiters and self.queued < self.max_queue:
