@@ -306,8 +306,9 @@ class Daemon:
             raise
         self.waited_s = time.monotonic() - started
         self.role = "primary"
-        log.warning("standby: took the lease (epoch %d) after waiting %.2f s; recovering",
-                    self.kernel.lease_epoch, self.waited_s)
+        log.warning("standby: took the lease (epoch %d) after waiting %.2f s at journal "
+                    "seq %d; recovering", self.kernel.lease_epoch, self.waited_s,
+                    self.kernel.journal_seq)
         if self.oob is not None:
             await self._restore_nonces()
         return True

@@ -15,9 +15,13 @@ import psycopg
 import pytest
 import yaml
 
+from agentd.bus import current_totp
+from agentd.client import BusClient, frame_kind
 from agentd.kernel import Kernel, KernelUnavailable, LeaseHeld
 from agentd.kernel._store import verify_postgres
 from tests.daemon_process import DaemonProcess, edit_config, make_home
+from tests.organisms.tally import LISTENER as TALLY
+from tests.organisms.tally import Tally
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -222,3 +226,39 @@ async def test_a_daemon_that_lost_its_lease_stops_serving_and_exits_non_zero(
     host, port = daemon.url.removeprefix("wss://").split("/")[0].rsplit(":", 1)
     with pytest.raises(OSError):  # its bus is closed
         socket.create_connection((host, int(port)), timeout=2).close()
+
+
+async def test_a_daemon_whose_lease_expired_by_its_own_clock_starts_no_handler(
+        tmp_path: Path, postgres_db: str, daemons: list[DaemonProcess]) -> None:
+    """Its writer stuck (here: stopped), no renewal for three lease intervals: a
+    standby may have the lease by now, so a message that comes in waits for the next
+    renewal before its handler runs (and runs once that comes: nobody took over)."""
+    home = tmp_path / "home"
+    make_home(home, extra_listeners=[TALLY])
+    edit_config(home, lambda doc: doc.update(kernel={"backend": "postgres",
+                                                     "dsn": postgres_db}))
+    runs = tmp_path / "runs"
+    daemon = DaemonProcess(home, env={"AGENTD_TEST_RUNS": str(runs)})
+    daemons.append(daemon)
+    await daemon.start()
+    assert daemon.proc is not None
+    code, doc = await asyncio.to_thread(daemon.agentctl, "status")
+    assert code == 0, doc
+    writer = int(doc["result"]["status"]["kernel_writer_pid"])
+    async with BusClient(daemon.url, "alice", totp=current_totp(daemon.secret),
+                         cafile=daemon.cafile) as bus:
+        mark = len(daemon.log)
+        os.kill(writer, signal.SIGSTOP)
+        try:
+            await daemon.wait_for_line("no handler starts until it is", after=mark)
+            await bus.send(Tally(n=1))
+            await daemon.wait_for_line("a handler waits for the lease", after=mark)
+            assert not runs.exists()  # the handler did not run
+        finally:
+            os.kill(writer, signal.SIGCONT)
+        await daemon.wait_for_line("lease renewed; handlers start again", after=mark)
+        async with asyncio.timeout(30):
+            while frame_kind(await bus.recv())[1] != "done":
+                pass
+    assert runs.read_text().split() == [str(daemon.proc.pid), "1"]
+    assert await daemon.stop() == 0

@@ -134,8 +134,12 @@ class Kernel(KernelReads, KernelBatching, KernelSweeps, KernelRestarts):
         self.lease_holder: str = store_options.get("holder", "")
         self.lease_lost: str | None = None
         self.on_lease_lost: Callable[[str], None] | None = None  # the daemon stops
+        # When the last renewal that succeeded was sent (event-loop clock; see
+        # KernelRestarts.lease_expired), and the handlers waiting for the next one.
         self.lease_renewed = self._loop.time()
         self._lease_interval = lease_interval_s
+        self._lease_timeout = LEASE_MISSED_RENEWALS * lease_interval_s
+        self._lease_waiters: list[asyncio.Future[bool]] = []
         self._lease_task = (asyncio.create_task(self._renew_lease(), name="agentd-lease")
                             if store_options.get("lease") else None)
 
@@ -317,6 +321,11 @@ class Kernel(KernelReads, KernelBatching, KernelSweeps, KernelRestarts):
         return self._writer_proc.pid
 
     @property
+    def journal_seq(self) -> int:
+        """The seq of the last journal entry submitted (committed once `flush` returns)."""
+        return self._ctx.next_seq - 1
+
+    @property
     def writer(self) -> WriterProcess:
         """The writer process's handle (its pid, `alive`, `kill()`): what an operator's
         `kill -9` or a crash does to it, a test does through this; the kernel replaces
@@ -350,7 +359,7 @@ class Kernel(KernelReads, KernelBatching, KernelSweeps, KernelRestarts):
                     await self._idle()
                     continue
                 if not self._health.healthy and self._phase is _OPEN:
-                    await self._pause(self._health.backoff)
+                    await self._pause(self._backoff())
                 if not self._writer_proc.alive and self._phase is _OPEN:
                     try:
                         await self._restart_writer()
@@ -372,6 +381,14 @@ class Kernel(KernelReads, KernelBatching, KernelSweeps, KernelRestarts):
                 self._fail_all(KernelUnavailable("kernel writer error"))
                 await asyncio.sleep(BACKOFF_START_S)
 
+    def _backoff(self) -> float:
+        """The wait before the next retry while writes fail. A lease holder whose
+        connection was lost (a PostgreSQL restart) tries at least four times a lease
+        interval: it must reclaim its epoch before a standby may take over."""
+        if self._lease_task is None:
+            return self._health.backoff
+        return min(self._health.backoff, self._lease_interval / 4)
+
     async def _pause(self, seconds: float) -> None:
         """Sleep, but return early on close."""
         self._wake.clear()
@@ -392,7 +409,7 @@ class Kernel(KernelReads, KernelBatching, KernelSweeps, KernelRestarts):
         if self._sweep_waiters:
             due = now
         elif not self._health.healthy:
-            due = now + self._health.backoff
+            due = now + self._backoff()
         else:
             due = self._next_sweep
             if self._dirty:

@@ -387,30 +387,67 @@ def take_lease(pg: PgConnection, organism: str, holder: str, *, wait: bool,
     the lock; the holder's next statement then finds its connection gone. Raises LeaseHeld (held
     and not `wait`), LeaseLost (`epoch` is no longer the current one), KernelUnavailable
     (`abandoned()` came true while waiting: the daemon stopped or died)."""
-    raw = pg.raw
     key = _lease_key(organism)
+    while True:
+        _wait_for_lock(pg, organism, key, wait=wait, epoch=epoch, timeout_s=timeout_s,
+                       abandoned=abandoned)
+        raw = pg.raw
+        try:
+            new, since = _take(raw, organism, holder, epoch)
+            break
+        except psycopg.OperationalError:  # the server went away meanwhile: again
+            if not (wait or epoch is not None) or not (raw.broken or raw.closed):
+                raise
+            time.sleep(_LEASE_POLL_S)
+            pg.reconnect()
+    pg.fence = (organism, new)
+    return new, since
+
+
+def _wait_for_lock(pg: PgConnection, organism: str, key: str, *, wait: bool,
+                   epoch: int | None, timeout_s: float,
+                   abandoned: Callable[[], bool] | None) -> None:
+    """Poll until this session holds the lease's advisory lock (see `take_lease`)."""
+    raw = pg.raw
     while True:
         if abandoned is not None and abandoned():
             raise KernelUnavailable("stopped while waiting for the lease")
         try:
             row = raw.execute("SELECT pg_try_advisory_lock(hashtextextended(%s, 0))",
                               (key,)).fetchone()
+            got = row is not None and bool(row[0])
+            if got and epoch is None and wait and _holder_may_return(raw, organism,
+                                                                    timeout_s):
+                raw.execute("SELECT pg_advisory_unlock(hashtextextended(%s, 0))", (key,))
+                got = False
+            if got:
+                break
+            if epoch is not None:
+                if _current_epoch(raw, organism) != epoch:
+                    raise LeaseLost(f"lease lost: {describe_lease(raw, organism)}")
+                # Still ours: the lock is held by this daemon's own old session (cut
+                # off, not yet ended by the server) or, for a moment, by a standby
+                # looking.
+                _end_own_session(raw, organism, epoch)
+                time.sleep(_LEASE_POLL_S / 5)
+                continue
+            if not wait:
+                raise LeaseHeld(f"{describe_lease(raw, organism)}; start this daemon with "
+                                "--standby to wait for it")
+            _end_expired(raw, organism, timeout_s)
         except psycopg.OperationalError:
-            if not wait or not (raw.broken or raw.closed):
+            if not (wait or epoch is not None) or not (raw.broken or raw.closed):
                 raise
             time.sleep(_LEASE_POLL_S)  # the server restarts: wait on, reconnected
             pg.reconnect()
             raw = pg.raw
             continue
-        if row is not None and row[0]:
-            break
-        if epoch is not None:
-            raise LeaseLost(f"lease lost: {describe_lease(raw, organism)}")
-        if not wait:
-            raise LeaseHeld(f"{describe_lease(raw, organism)}; start this daemon with "
-                            "--standby to wait for it")
-        _end_expired(raw, organism, timeout_s)
         time.sleep(_LEASE_POLL_S)
+
+
+def _take(raw: psycopg.Connection[Any], organism: str, holder: str, epoch: int | None
+          ) -> tuple[int, float]:
+    """With the lock held: the lease row, its epoch +1 (or kept: `epoch`)."""
     try:
         with raw.transaction():
             raw.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
@@ -435,12 +472,48 @@ def take_lease(pg: PgConnection, organism: str, holder: str, *, wait: bool,
         with contextlib.suppress(psycopg.Error):
             raw.execute("SELECT pg_advisory_unlock_all()")
         raise
-    pg.fence = (organism, new)
     return new, since
+
+
+def _holder_may_return(raw: psycopg.Connection[Any], organism: str, timeout_s: float
+                       ) -> bool:
+    """The lock is free, but the server restarted since the holder last renewed and
+    that was less than `timeout_s` ago: every session ended with the restart, and
+    the holder is reconnecting to reclaim its epoch. A standby waits for it (a
+    PostgreSQL restart is no failover). A holder whose session ended while the server
+    ran (killed, cut off and ended by `_end_expired`) is taken over at once."""
+    try:
+        row = raw.execute(f"SELECT {_NOW} - renewed < %s AND renewed < extract(epoch "
+                          "from pg_postmaster_start_time()) FROM lease WHERE organism = %s",
+                          (timeout_s, organism)).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return False
+    return bool(row and row[0])
+
+
+def _current_epoch(raw: psycopg.Connection[Any], organism: str) -> int | None:
+    try:
+        row = raw.execute("SELECT epoch FROM lease WHERE organism = %s",
+                          (organism,)).fetchone()
+    except psycopg.errors.UndefinedTable:
+        return None
+    return int(row[0]) if row else None
+
+
+def _end_own_session(raw: psycopg.Connection[Any], organism: str, epoch: int) -> None:
+    """End this daemon's previous session (the lease row names its backend), which
+    still holds the lock: the connection was lost on this side only. Only a backend
+    of the server's current run (one started before a restart has another pid's
+    meaning)."""
+    raw.execute("SELECT pg_terminate_backend(backend) FROM lease WHERE organism = %s "
+                "AND epoch = %s AND backend != 0 AND backend != pg_backend_pid() "
+                "AND renewed > extract(epoch from pg_postmaster_start_time())",
+                (organism, epoch))
 
 
 def _end_expired(raw: psycopg.Connection[Any], organism: str, timeout_s: float) -> None:
     """End the session of a holder that has not renewed for `timeout_s`."""
     with contextlib.suppress(psycopg.errors.UndefinedTable):
         raw.execute(f"SELECT pg_terminate_backend(backend) FROM lease WHERE organism = %s "
-                    f"AND {_NOW} - renewed > %s AND backend != 0", (organism, timeout_s))
+                    f"AND {_NOW} - renewed > %s AND backend != 0 AND renewed > "
+                    "extract(epoch from pg_postmaster_start_time())", (organism, timeout_s))

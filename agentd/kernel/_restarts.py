@@ -54,6 +54,9 @@ class KernelRestarts:
     lease_lost: str | None
     lease_renewed: float
     _lease_interval: float
+    _lease_timeout: float
+    _lease_task: asyncio.Task[None] | None
+    _lease_waiters: list[asyncio.Future[bool]]
     on_lease_lost: Callable[[str], None] | None
     # Kernel's: a call into the writer, health events, a batch's outcome.
     _call: Callable[..., asyncio.Future[Any]]
@@ -99,6 +102,7 @@ class KernelRestarts:
         if self.lease_lost is not None:  # never another writer: see _lose_lease
             raise LeaseLost(self.lease_lost)
         old = self._writer_proc
+        started = self._loop.time()
         with contextlib.suppress(Exception):
             await old.stop()
         while self._inflight:  # answered by now (the dead writer failed every call)
@@ -107,6 +111,8 @@ class KernelRestarts:
                                                    self._store_options)
         self._writer_proc.on_exit = self._writer_died
         self.writer_restarts += 1
+        if self._lease_task is not None:  # it reclaimed this daemon's epoch
+            self._lease_kept(started)
         log.warning("kernel: writer process %d replaced by %d", old.pid,
                     self._writer_proc.pid)
         await self._settle_orphans()
@@ -155,14 +161,57 @@ class KernelRestarts:
             await asyncio.sleep(self._lease_interval)
             if not self._writer_proc.alive:
                 continue
+            sent = self._loop.time()
             try:
-                await self._call("renew")
+                renewal = self._call("renew")
+                left = self.lease_renewed + self._lease_timeout - self._loop.time()
+                done, _ = await asyncio.wait({renewal}, timeout=max(left, 0.0))
+                if not done:  # stuck (a cut network, a stopped writer): say so once
+                    log.warning("kernel: the lease was not renewed for %.1f s by this "
+                                "daemon's clock (a standby may take over); no handler "
+                                "starts until it is", self._loop.time() - self.lease_renewed)
+                await renewal
             except LeaseLost as exc:
                 self._lose_lease(exc)
                 return
             except Exception:  # the writer died: the probe's restart decides
                 continue
-            self.lease_renewed = self._loop.time()
+            self._lease_kept(sent)
+
+    @property
+    def lease_expired(self) -> bool:
+        """By this daemon's own clock, a standby may have taken the lease over: no
+        renewal sent in the last `LEASE_MISSED_RENEWALS` intervals succeeded (the
+        writer is stuck on a cut network, the daemon was paused, the server
+        restarts). Always False without a lease (SQLite)."""
+        return self._lease_task is not None and (
+            self.lease_lost is not None
+            or self._loop.time() - self.lease_renewed >= self._lease_timeout)
+
+    async def lease_current(self) -> bool:
+        """True at once if the lease is not `lease_expired`; else wait until a renewal
+        succeeds (True) or the lease is lost (False). The pump starts no handler
+        while the lease may be another daemon's."""
+        if not self.lease_expired:
+            return True
+        if self.lease_lost is not None:
+            return False
+        if not self._lease_waiters:
+            log.warning("kernel: a handler waits for the lease to be renewed")
+        waiter: asyncio.Future[bool] = self._loop.create_future()
+        self._lease_waiters.append(waiter)
+        return await waiter
+
+    def _lease_kept(self, sent: float) -> None:
+        """A renewal (or a reclaim by a new writer) sent at `sent` succeeded: the
+        server stamped it later, so the lease lasts at least a timeout from `sent`."""
+        self.lease_renewed = max(self.lease_renewed, sent)
+        waiters, self._lease_waiters = self._lease_waiters, []
+        if waiters:
+            log.warning("kernel: lease renewed; handlers start again")
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(True)
 
     def _lose_lease(self, exc: BaseException) -> None:
         """Another daemon may be the writer now: this kernel writes nothing more.
@@ -175,6 +224,10 @@ class KernelRestarts:
         log.error("kernel: %s; this daemon writes nothing more", exc)
         self._loop.create_task(self._writer_proc.kill())
         self._fail_all(LeaseLost(self.lease_lost))
+        waiters, self._lease_waiters = self._lease_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(False)
         if self.on_lease_lost is not None:
             try:
                 self.on_lease_lost(self.lease_lost)

@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import sqlite3
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -79,6 +80,9 @@ class Head:
     txn: int  # the last transaction number made durable (see `commit`)
 
 
+_STANDBY_RETRY_S = 0.25  # a waiting standby that cannot reach the server tries again
+
+
 class Store:
     """On SQLite (`open`) or PostgreSQL (`open_postgres`: `conn` is then a
     `_postgres.PgConnection`, which speaks this module's SQL): the same statements,
@@ -142,7 +146,14 @@ class Store:
         `abandoned()`: a standby stops waiting once it is true."""
         from agentd.kernel._postgres import PgConnection, take_lease  # optional extra
 
-        conn = PgConnection.connect(dsn, exit_on_loss=epoch is not None or not standby)
+        while True:
+            try:
+                conn = PgConnection.connect(dsn, exit_on_loss=epoch is not None or not standby)
+                break
+            except KernelUnavailable:  # a standby waits on while the server is away
+                if not standby or (abandoned is not None and abandoned()):
+                    raise
+                time.sleep(_STANDBY_RETRY_S)
         try:
             label = f"postgresql database {conn.raw.info.dbname}"
             lease_epoch, since = 0, 0.0

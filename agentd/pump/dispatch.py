@@ -222,6 +222,9 @@ class Dispatch:
     async def _call(self, msg: Message, listener: Listener, last: bool) -> None:
         """Run one handler on one message. `last`: this call completes the message."""
         hops = msg.hops + 1
+        kernel = self.kernel
+        if kernel is not None and kernel.lease_expired and not await kernel.lease_current():
+            return  # another daemon has the lease: it runs this message (recovery)
         if listener.retired:
             batch = self.open()
             self._huh_to(msg.frame, HuhCode.UNROUTABLE, hops, batch)
