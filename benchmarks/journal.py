@@ -14,7 +14,11 @@ Commit latency is commit() -> future resolved, sampled on every 8th commit.
 
 Baseline and kernel runs alternate, `ROUNDS` times; the ratio is the median of the
 per-round ratios, so a machine whose speed drifts (shared CI boxes) skews it less.
-The last line is one JSON object.
+The postgres arm (`postgres` in the JSON; see _postgres.py for where its server comes
+from, and its "skipped" reason when there is none): the pump's workload over the
+kernel on PostgreSQL and on SQLite, alternately, pairs/s and the p50 of a pair under
+that load, and this benchmark's kernel run on each; the round trips to PostgreSQL
+per committed batch, counted in libpq's trace. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -80,9 +85,10 @@ def baseline_rows_per_s(n: int, directory: Path) -> float:
     return n / elapsed
 
 
-async def kernel_run(n: int, directory: Path, pending: bool = False
+async def kernel_run(n: int, directory: Path, pending: bool = False, dsn: str | None = None
                      ) -> tuple[float, list[float]]:
-    kernel = await Kernel.open(directory / "kernel", commit_max_entries=BATCH)
+    kernel = await Kernel.open(directory / "kernel", commit_max_entries=BATCH, dsn=dsn,
+                               lease="journal-bench" if dsn else None)
     latencies: list[float] = []
     per_producer = n // PRODUCERS
     perf = time.perf_counter
@@ -143,6 +149,72 @@ def pump_journal_ratio(quick: bool) -> float | None:
     return statistics.median(ratios)
 
 
+def postgres_arm(quick: bool) -> dict[str, Any]:
+    """The kernel on PostgreSQL beside the kernel on SQLite, alternately in this run:
+    the pump's workload with the journal on (pairs/s, p50 of a pair under load) and
+    this benchmark's kernel run (entries/s), plus the round trips per committed batch
+    (see _postgres.py). Skipped, and said so, without a server."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import _postgres as postgres
+    import pump as pump_bench
+
+    with postgres.database() as dsn:
+        if dsn is None:
+            print(f"postgres arm skipped: {postgres.skipped()}")
+            return {"skipped": postgres.skipped()}
+        trips = postgres.round_trips_per_batch(dsn)
+        data = pump_bench.envelopes(2000 if quick else 10000)
+        n = 10_000 if quick else 50_000
+        arms: dict[str, dict[str, list[float]]] = {
+            b: {"pairs": [], "p50": [], "entries": []} for b in ("sqlite", "postgres")}
+        for r in range(3 if quick else 5):
+            for backend in ("sqlite", "postgres") if r % 2 == 0 else ("postgres", "sqlite"):
+                with tempfile.TemporaryDirectory(prefix="agentd-bench-") as tmp:
+                    on = dsn if backend == "postgres" else None
+                    rate, lat = asyncio.run(pump_bench.real_pump(data, Path(tmp), dsn=on))
+                    if on:  # each run its own tables
+                        _drop_tables(on)
+                    entries, _ = asyncio.run(_kernel_run_on(n, Path(tmp) / "k", on))
+                    if on:
+                        _drop_tables(on)
+                arms[backend]["pairs"].append(rate)
+                arms[backend]["p50"].append(statistics.median(lat) * 1e3)
+                arms[backend]["entries"].append(entries)
+            print(f"round {r}: " + ", ".join(
+                f"{b} {a['pairs'][-1]:,.0f} pairs/s p50 {a['p50'][-1]:.1f} ms, "
+                f"{a['entries'][-1]:,.0f} entries/s" for b, a in arms.items()))
+    ratio = statistics.median(p / s for p, s in zip(arms["postgres"]["pairs"],
+                                                      arms["sqlite"]["pairs"], strict=True))
+    med = {b: {k: statistics.median(v) for k, v in a.items()} for b, a in arms.items()}
+    print(f"pump over the kernel: postgres {med['postgres']['pairs']:,.0f} pairs/s "
+          f"(p50 {med['postgres']['p50']:.1f} ms), sqlite {med['sqlite']['pairs']:,.0f} "
+          f"pairs/s (p50 {med['sqlite']['p50']:.1f} ms); ratio {ratio:.2f} (target >= 0.5); "
+          f"{trips:g} round trips per committed batch")
+    return {
+        "pairs_per_s": round(med["postgres"]["pairs"]),
+        "sqlite_pairs_per_s": round(med["sqlite"]["pairs"]),
+        "pairs_ratio": round(ratio, 3),
+        "p50_ms": round(med["postgres"]["p50"], 2),
+        "sqlite_p50_ms": round(med["sqlite"]["p50"], 2),
+        "journal_per_s": round(med["postgres"]["entries"]),
+        "sqlite_journal_per_s": round(med["sqlite"]["entries"]),
+        "round_trips_per_batch": trips,
+    }
+
+
+async def _kernel_run_on(n: int, directory: Path, dsn: str | None) -> tuple[float, list[float]]:
+    return await kernel_run(n, directory, dsn=dsn)
+
+
+def _drop_tables(dsn: str) -> None:
+    """A fresh schema for the next run (its journal starts at the genesis again)."""
+    import psycopg
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP SCHEMA public CASCADE")
+        conn.execute("CREATE SCHEMA public")
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if values else 0.0
 
@@ -189,6 +261,7 @@ def main() -> None:
         "commit_p99_ms": round(p99, 3),
         "pump_journal_ratio": pump_journal_ratio(args.quick),
         "journal_pending_per_s": round(pending),
+        "postgres": postgres_arm(args.quick),
     }))
 
 

@@ -8,6 +8,9 @@ Runtimes (all in this process, all on uvloop, the same GC tuning for all):
                     driven the way the bus drives it: `submit_nowait` (else `submit`),
                     frames handed to `deliver`, outbox rows marked delivered through
                     the daemon's `KernelOutbox`;
+  agentd_postgres   the same over the kernel on PostgreSQL (the lease held, as a daemon
+                    holds it), when a server is there (see _postgres.py; else the
+                    JSON's "postgres" says it was skipped);
   agentd_nojournal  the same pump without a kernel;
   autogen           AutoGen core: `SingleThreadedAgentRuntime`, `RoutedAgent`s,
                     `send_message` (persists nothing);
@@ -39,7 +42,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypedDict
 
@@ -60,6 +63,9 @@ from agentd._runtime import tune_gc  # noqa: E402
 from agentd._xmlify import spec_of  # noqa: E402
 from agentd.tools.calculator import Add  # noqa: E402
 from agentd.tools.relay import Relay  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _postgres as postgres  # noqa: E402
 
 CONVERSATIONS = 64
 ROUNDS = 5
@@ -97,9 +103,10 @@ class Runtime:
 
 
 class AgentdRuntime(Runtime):
-    def __init__(self, journal: bool) -> None:
+    def __init__(self, journal: bool, dsn: str | None = None) -> None:
         self.journal = journal
-        self.name = "agentd" if journal else "agentd_nojournal"
+        self.dsn = dsn  # the kernel on PostgreSQL (the lease held, as a daemon holds it)
+        self.name = "agentd_postgres" if dsn else "agentd" if journal else "agentd_nojournal"
         self._answers: dict[str, asyncio.Future[bytes]] = {}
 
     async def start(self, directory: Path) -> None:
@@ -115,7 +122,10 @@ class AgentdRuntime(Runtime):
         self.kernel = None
         outbox = None
         if self.journal:
-            self.kernel = await Kernel.open(config.state_dir, kernel_options(config))
+            options = kernel_options(config)
+            if self.dsn:
+                options = replace(options, dsn=self.dsn, lease="peers-bench")
+            self.kernel = await Kernel.open(config.state_dir, options)
             outbox = KernelOutbox(self.kernel)
         answers = self._answers
 
@@ -345,14 +355,17 @@ def _make(name: str) -> Runtime:
     return factories[name]()
 
 
-async def bench(quick: bool) -> dict[str, Any]:
+async def bench(quick: bool, dsn: str | None = None) -> dict[str, Any]:
     n = 1500 if quick else 8000
     n_seq = 200 if quick else 1000
+    names = RUNTIMES + (("agentd_postgres",) if dsn else ())
     rates: dict[tuple[str, str], list[float]] = {
-        (r, w): [] for r in RUNTIMES for w in ("w1", "w2")}
-    p50s: dict[str, list[float]] = {r: [] for r in RUNTIMES}
+        (r, w): [] for r in names for w in ("w1", "w2")}
+    p50s: dict[str, list[float]] = {r: [] for r in names}
     with tempfile.TemporaryDirectory(prefix="agentd-peers-") as tmp:
         runtimes = [_make(name) for name in RUNTIMES]
+        if dsn:
+            runtimes.append(AgentdRuntime(True, dsn))
         started: list[Runtime] = []
         try:
             for rt in runtimes:
@@ -390,7 +403,7 @@ def report(rates: dict[tuple[str, str], list[float]], p50s: dict[str, list[float
     result: dict[str, Any] = {"conversations": CONVERSATIONS, "rounds": ROUNDS}
     print(f"\n{'runtime':<18} {'w1 pairs/s':>12} {'w2 chains/s':>12} {'p50 us':>8}"
           "   (medians; per-round spread min..max)")
-    for name in RUNTIMES:
+    for name in p50s:
         w1, w2, p50 = rates[(name, "w1")], rates[(name, "w2")], p50s[name]
         print(f"{name:<18} {statistics.median(w1):>12,.0f} {statistics.median(w2):>12,.0f} "
               f"{statistics.median(p50) * 1e6:>8.0f}   w1 {min(w1):,.0f}..{max(w1):,.0f}, "
@@ -405,7 +418,13 @@ def report(rates: dict[tuple[str, str], list[float]], p50s: dict[str, list[float
         "agentd_over_langgraph_sqlite_w1": _per_round(rates[("agentd", "w1")],
                                                       rates[("langgraph_sqlite", "w1")]),
     }
-    targets = {"agentd_over_autogen_w1": ">= 1.5", "agentd_over_autogen_w2": ">= 1.5",
+    if "agentd_postgres" in p50s:  # the kernel on PostgreSQL over the kernel on SQLite
+        ratios["postgres_over_sqlite_w1"] = _per_round(rates[("agentd_postgres", "w1")],
+                                                       rates[("agentd", "w1")])
+        ratios["postgres_over_sqlite_w2"] = _per_round(rates[("agentd_postgres", "w2")],
+                                                       rates[("agentd", "w2")])
+    targets = {"postgres_over_sqlite_w1": ">= 0.5", "postgres_over_sqlite_w2": ">= 0.5",
+               "agentd_over_autogen_w1": ">= 1.5", "agentd_over_autogen_w2": ">= 1.5",
                "agentd_p50_over_autogen_w1": "<= 1.2",
                "agentd_over_langgraph_sqlite_w1": ">= 30"}
     for key, per_round in ratios.items():
@@ -419,7 +438,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="CI sizes (under a minute)")
     args = parser.parse_args()
-    result = run(bench(args.quick))
+    with postgres.database() as dsn:
+        result = run(bench(args.quick, dsn))
+        if dsn is None:
+            result["postgres"] = {"skipped": postgres.skipped()}
+        else:
+            result["postgres_round_trips_per_batch"] = postgres.round_trips_per_batch(dsn)
     print(json.dumps(result))
 
 

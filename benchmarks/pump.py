@@ -113,9 +113,10 @@ async def baseline(data: list[bytes], reparse: bool = True) -> float:
 
 
 async def real_pump(
-    data: list[bytes], journal_dir: Path | None = None
+    data: list[bytes], journal_dir: Path | None = None, dsn: str | None = None
 ) -> tuple[float, list[float]]:
-    """The pump on the workload; with `journal_dir`, over a real kernel (SQLite WAL)."""
+    """The pump on the workload; with `journal_dir`, over a real kernel (SQLite WAL,
+    or with `dsn` PostgreSQL, the lease held as a daemon holds it)."""
     config = load_config(ROOT / "agentd" / "demo" / "organism.yaml")
     sent: dict[str, float] = {}
     latencies: list[float] = []
@@ -125,7 +126,8 @@ async def real_pump(
             latencies.append(time.perf_counter() - sent[thread])
 
     kernel = (
-        await Kernel.open(journal_dir, commit_interval_s=COMMIT_INTERVAL_S)
+        await Kernel.open(journal_dir, commit_interval_s=COMMIT_INTERVAL_S, dsn=dsn,
+                          lease="pump-bench" if dsn else None)
         if journal_dir is not None
         else None
     )
