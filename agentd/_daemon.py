@@ -535,17 +535,24 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, "graceful")
 
-    def _save_auth(self, clients: dict[str, str]) -> None:
-        """The bus's authentication state, written to the kernel (postgres)."""
+    def _save_auth(self, clients: dict[str, str]) -> asyncio.Future[Any] | None:
+        """The bus's authentication state, written to the kernel (postgres). Returns
+        the commit: a login's `auth-ok` waits for it (a failed one closes the login)."""
         if self.kernel is None:
-            return
+            return None
         tx = self.kernel.transaction()
         for client, state in clients.items():
             tx.auth_put(client, state)
         try:
-            self.kernel.commit(tx).add_done_callback(_log_failure)
+            fut = self.kernel.commit(tx)
         except KernelUnavailable as exc:
             log.warning("bus authentication state not written to the kernel: %s", exc)
+            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            failed.set_exception(exc)
+            failed.add_done_callback(_log_failure)  # retrieved, whoever waits or not
+            return failed
+        fut.add_done_callback(_log_failure)
+        return fut
 
     def _lease_lost(self, why: str) -> None:
         """Another daemon may be the writer now (postgres backend): stop serving at

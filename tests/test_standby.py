@@ -249,3 +249,50 @@ async def test_check_config_reaches_the_database_and_says_what_is_wrong(
     finally:
         with psycopg.connect(postgres_db, autocommit=True) as conn:
             conn.execute("DROP ROLE agentd_nologin")
+
+
+async def lock_waiters(conn: psycopg.AsyncConnection[Any]) -> int:
+    """How many sessions of this database wait for a lock now."""
+    cur = await conn.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                             "current_database() AND wait_event_type = 'Lock'")
+    row = await cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+async def test_a_login_is_committed_before_auth_ok_so_a_takeover_right_after_keeps_it(
+        home: Path, tmp_path: Path, postgres_db: str, daemons: list[DaemonProcess]) -> None:
+    """The session token a TOTP login opens is in the kernel before the client is told
+    `auth-ok`: the primary killed the moment the client has it, the standby that takes
+    over resumes that session. The kernel's commit is held back (the bus_auth table
+    locked by another connection) to see the order: no `auth-ok` while it waits."""
+    primary = DaemonProcess(home)
+    daemons.append(primary)
+    await primary.start()
+    standby = DaemonProcess(home, args=("--standby", "--state-dir", str(tmp_path / "b")))
+    daemons.append(standby)
+    await standby.start(until=("socket",))
+
+    bus = BusClient(primary.url, "alice", totp=current_totp(primary.secret),
+                    cafile=primary.cafile)
+    async with await psycopg.AsyncConnection.connect(postgres_db) as locker, \
+            await psycopg.AsyncConnection.connect(postgres_db, autocommit=True) as watcher:
+        await locker.execute("LOCK TABLE bus_auth IN EXCLUSIVE MODE")
+        login = asyncio.create_task(bus.connect())
+        async with asyncio.timeout(30):  # until the writer waits for the table
+            while not await lock_waiters(watcher):
+                await asyncio.sleep(0.01)
+        assert not login.done(), "auth-ok was sent before the session was committed"
+        await locker.rollback()
+    await asyncio.wait_for(login, 30)
+    session = bus.session
+    assert session
+    await primary.stop(signal.SIGKILL)  # the moment the client has its token
+    await bus.close()
+
+    line = await standby.wait_for_line(_BUS.pattern, timeout=30)
+    standby.url = _BUS.search(line).group(1)  # type: ignore[union-attr]
+    async with Client.connect([primary.url, standby.url], "alice", session=session,
+                              cafile=standby.cafile) as client:
+        assert client.url == standby.url
+        assert await client.call(Hold(n=1), timeout=30) == Done(seq=1, by="hold")
+    assert await standby.stop() == 0

@@ -359,6 +359,30 @@ class BusConnection(asyncio.Protocol):
             log.info("auth refused peer=%s", self.peer)
             self._run(session.auth_result(None))
             return
+        commit = server.auth.take_commit()
+        if commit is not None:  # the session is in the kernel before the client has it
+            server.spawn(self._login_committed(commit, who, frame))
+            return
+        self._logged_in(who, frame)
+
+    async def _login_committed(
+        self, commit: Awaitable[object], who: tuple[str, str], frame: bytes
+    ) -> None:
+        session = self.session
+        assert session is not None
+        try:
+            await commit
+        except Exception as exc:  # the kernel refused it: the token would not survive
+            log.warning("login not committed client=%s (%s); closing", who[0], exc)
+            if session.state is ConnState.AUTHENTICATING:
+                self._run(session.go_away())
+            return
+        if session.state is ConnState.AUTHENTICATING:  # not timed out or gone meanwhile
+            self._logged_in(who, frame)
+
+    def _logged_in(self, who: tuple[str, str], frame: bytes) -> None:
+        session, server = self.session, self.server
+        assert session is not None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -13,7 +13,9 @@ Invariants:
   so response time does not tell which ids exist.
 - A TOTP step, once accepted for a client, is never accepted again: the last
   accepted step is persisted before `auth-ok` goes out, so a restart does not
-  reopen the window.
+  reopen the window. When the state is in the kernel too (postgres), the session
+  a login opens is committed there before `auth-ok` goes out (`take_commit`), so a
+  standby that takes over right after knows the token the client was just given.
 - Session tokens are 256-bit random strings; only their SHA-256 is kept (in memory
   and on disk), with an absolute expiry. A lockout revokes all of a client's tokens.
 - `max_failures` failures within `failure_window_s` lock the client out for
@@ -35,7 +37,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -257,7 +259,8 @@ class ClientAuth:
         self._code_at = code_at  # (secret, step) -> code; injectable to count the work
         self._state: dict[str, _ClientState] = {c: _ClientState() for c in entries}
         self.on_lockout: Callable[[str], None] | None = None
-        self._save: Callable[[dict[str, str]], None] | None = None  # see `restore`
+        self._save: Callable[[dict[str, str]], Awaitable[object] | None] | None = None
+        self._commit: Awaitable[object] | None = None  # see `take_commit`
 
     @classmethod
     def load(
@@ -281,13 +284,14 @@ class ClientAuth:
         *,
         clock: Callable[[], float] = time.time,
         saved: Mapping[str, str] | None = None,
-        save: Callable[[dict[str, str]], None] | None = None,
+        save: Callable[[dict[str, str]], Awaitable[object] | None] | None = None,
     ) -> ClientAuth:
         """`entries` already read and checked (the daemon's preflight), with the
         persisted state (sessions, last accepted steps, lockouts). `saved` and `save`:
         that state also in the kernel, one JSON text per client (on PostgreSQL a
         standby that takes over reads it there); `saved` wins over the file when it
-        has any client."""
+        has any client; `save` returns the kernel's commit, which `take_commit`
+        hands to whoever must wait for it."""
         auth = cls(dict(entries), Path(state_dir) / STATE_FILE, cfg, clock=clock)
         auth._save = save
         if saved:
@@ -307,6 +311,7 @@ class ClientAuth:
 
     def authenticate(self, frame: bytes) -> tuple[str, str] | None:
         """The first frame -> (client, session token), or None for any failure."""
+        self._commit = None  # only this call's write is waited for
         req = parse_auth_frame(frame)
         if req is None:
             log.info("auth failed reason=malformed-frame")
@@ -346,6 +351,13 @@ class ClientAuth:
             return None
         log.info("auth ok client=%s method=session", req.client)
         return req.client, req.session
+
+    def take_commit(self) -> Awaitable[object] | None:
+        """The kernel's commit of the state the last `authenticate` wrote (None when
+        it wrote none, or keeps no state in the kernel). The bus sends `auth-ok` only
+        once it is done: the session must outlive a takeover that follows at once."""
+        commit, self._commit = self._commit, None
+        return commit
 
     def diff(self, entries: dict[str, ClientEntry]) -> ClientsDiff:
         return diff_clients(self._entries, entries)
@@ -461,7 +473,8 @@ class ClientAuth:
                 "sessions": sessions,
             }
         if self._save is not None:  # every client: a cleared one replaces its old row
-            self._save({c: json.dumps(body, sort_keys=True) for c, body in clients.items()})
+            self._commit = self._save(
+                {c: json.dumps(body, sort_keys=True) for c, body in clients.items()})
         kept = {c: body for c, body in clients.items()
                 if body["last_step"] != -1 or body["sessions"] or _locked(body, now)}
         body = json.dumps({"version": 1, "clients": kept}, sort_keys=True).encode()
