@@ -1,6 +1,8 @@
 """The daemon: one process that ties the kernel, the pump, the main bus, the
-out-of-band channel and the metrics listener together; the operator commands it
-answers live in `agentd._operator`.
+out-of-band channel and the metrics listener together. Beside it: the operator
+commands it answers (`agentd._operator`), its `status` answers (`agentd._status`),
+its own kernel writes (`agentd._daemon_journal`) and the outbox views it hands the
+bus and the federation (`agentd._kernel_outbox`).
 
 Start order: preflight (every check on the configuration and the files it names,
 the same as `check-config`) -> kernel (lock, recover) -> routing -> pump (recover,
@@ -10,7 +12,7 @@ answers in flight can reach clients.
 
 Invariants kept here:
 - Only the kernel writes the database; audit and security events are journal
-  entries of their own kinds (`audit`, `security`).
+  entries of their own kinds (`audit`, `security`), written by `DaemonJournal`.
 - A reload (`agentd._reload`) validates the whole new configuration before changing
   anything, and threads that exist keep the dispatch table they were created with.
 """
@@ -26,27 +28,28 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentd import _metrics as metrics
 from agentd import telemetry
-from agentd._core import Final
-from agentd._envelope import build_envelope
+from agentd._daemon_journal import DaemonJournal
 from agentd._errors import ConfigError
+from agentd._kernel_outbox import FederationHost, KernelOutbox
 from agentd._observability import sd_notify, watchdog_interval, watchdog_pinger
-from agentd._operator import DaemonCommands, mcp_status
+from agentd._operator import DaemonCommands
 from agentd._preflight import CheckedConfig, preflight
 from agentd._reload import AgentPlatforms, build_agent_handlers, live_table_versions, reload_daemon
 from agentd._routing import Routing
 from agentd._runtime import tune_gc
+from agentd._status import kernel_status, organism_status
 from agentd._streams import StepFrames, StreamHub, StreamWriter
-from agentd._wiring import kernel_dsn, kernel_options, pump_options
+from agentd._wiring import kernel_options, pump_options
 from agentd.config import OrganismConfig, load_config
 from agentd.isolation import IsolationPools
-from agentd.kernel import Kernel, KernelUnavailable, StateDirLock, Transaction, read_lease
+from agentd.kernel import Kernel, StateDirLock
 from agentd.pump import Pump
 from agentd.semantic import SemanticRouter
 
@@ -55,133 +58,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentd.daemon")
 
-# Pump and bus security events; the OOB channel's own kinds are added below.
-_PUMP_SECURITY_KINDS = frozenset(
-    {"forged-from", "priv-on-bus", "priv-from-handler", "peer-violation", "lockout",
-     "tool-denied", "approval-refused", "approval-limit"}
-)
-
-
-
-class KernelOutbox:
-    """The bus's view of the kernel's durable outbox. Delivery marks are coalesced:
-    the frames written in one loop iteration are deleted by one transaction. Each
-    by its id: a client may hold several connections, and a frame written to one
-    says nothing of older frames still queued on another (deleting up to an id
-    would lose those if the daemon died before they were written). Marks whose
-    transaction failed (the kernel's writer died) are kept and tried again: dropped,
-    their frames were sent a second time at the client's next connection."""
-
-    def __init__(self, kernel: Kernel) -> None:
-        self.kernel = kernel
-        self._marks: dict[str, list[int]] = {}
-        self._flush_due = False
-
-    async def pending(self, client: str) -> list[tuple[int, str, bytes]]:
-        return await self.kernel.outbox(client)
-
-    def delivered(self, client: str, outbox_id: int) -> None:
-        self._marks.setdefault(client, []).append(outbox_id)
-        self._schedule(0.0)
-
-    def _schedule(self, delay: float) -> None:
-        if not self._flush_due:
-            self._flush_due = True
-            loop = asyncio.get_running_loop()
-            if delay:
-                loop.call_later(delay, self._flush)
-            else:
-                loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_due = False
-        marks, self._marks = self._marks, {}
-        if marks:
-            self._commit(marks, Transaction.outbox_sent, self._keep)
-
-    def _keep(self, marks: Mapping[str, Any]) -> None:
-        for client, ids in marks.items():
-            self._marks.setdefault(client, []).extend(ids)
-
-    def _commit(self, marks: Mapping[str, Any],
-                mark: Callable[[Transaction, str, Any], None],
-                keep: Callable[[Mapping[str, Any]], None]) -> None:
-        """One transaction with `mark(tx, client, value)` for each client's marks; if
-        it fails, `keep(marks)` puts them back and a flush is tried again later."""
-        tx = self.kernel.transaction()
-        for client, value in marks.items():
-            mark(tx, client, value)
-
-        def done(fut: asyncio.Future[Any]) -> None:
-            if fut.cancelled() or fut.exception() is not None:
-                if not fut.cancelled():
-                    log.warning("outbox delivery marks not written (%s); trying again",
-                                fut.exception())
-                keep(marks)
-                self._schedule(_MARK_RETRY_S)
-
-        try:
-            self.kernel.commit(tx).add_done_callback(done)
-        except KernelUnavailable as exc:  # closed: the next daemon replays the frames
-            log.warning("outbox delivery marks not written: %s", exc)
-
-
-class FederationHost(KernelOutbox):
-    """What the federation needs to serve a peer's calls: the pump, where a gateway
-    is a client under its own name, and the kernel's outbox of its replies."""
-
-    def __init__(self, kernel: Kernel, pump: Pump, config: Callable[[], OrganismConfig]) -> None:
-        super().__init__(kernel)
-        self.pump = pump
-        self.config = config  # the configuration in force (a reload replaces it)
-        self._up_to: dict[str, int] = {}
-
-    def delivered(self, client: str, outbox_id: int) -> None:
-        """A peer acknowledged every reply up to `outbox_id` (the link only says so
-        for an unbroken run): one range delete per gateway and loop iteration."""
-        if outbox_id > self._up_to.get(client, 0):
-            self._up_to[client] = outbox_id
-        self._schedule(0.0)
-
-    def _flush(self) -> None:
-        self._flush_due = False
-        marks, self._up_to = self._up_to, {}
-        if marks:
-            self._commit(marks, Transaction.outbox_delivered, self._keep_up_to)
-
-    def _keep_up_to(self, marks: Mapping[str, Any]) -> None:
-        for client, up_to in marks.items():
-            if up_to > self._up_to.get(client, 0):
-                self._up_to[client] = up_to
-
-    def offers(self, names: list[str]) -> list[Any]:
-        from agentd.federation import offer_of
-
-        config = self.config()
-        known = {lst.name for lst in config.listeners if ":" not in lst.name}
-        return [offer_of(config.listener(n)) for n in names if n in known]
-
-    def local_classes(self) -> dict[tuple[str, str], type]:
-        from agentd.federation import classes_by_root
-
-        return classes_by_root(self.config().listeners)
-
-    async def submit(self, client: str, data: bytes, parsed: Any = None, hops: int = 0,
-                     traceparent: str = "") -> Any:
-        return await self.pump.submit(client, data, parsed, hops, traceparent)
-
-    async def thread_exists(self, thread: str, durable: bool) -> bool:
-        return self.pump.registry.get(thread) is not None or (
-            durable and await self.kernel.thread(thread) is not None)
-
-
-def _log_failure(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled() and fut.exception() is not None:
-        log.error("kernel write failed: %s", fut.exception())
-
-
 LEASE_LOST_STATUS = 3  # `agentd run` after its kernel lost the postgres lease
-_MARK_RETRY_S = 0.5  # delivery marks whose transaction failed are tried again this late
 
 
 class Daemon:
@@ -202,10 +79,11 @@ class Daemon:
         self.pump: Pump | None = None
         self.router: SemanticRouter | None = None  # core `intent` (semantic routing)
         self.bus: Any = None
+        self.journal = DaemonJournal(lambda: self.kernel)
         # Previews of agents' model calls, straight to the bus (no outbox row).
         self.streams = StreamHub(lambda c, t, d: self._deliver(c, t, d, None),
                                  lambda c: self.bus is not None and self.bus.busy(c),
-                                 record=self._record_stream)
+                                 record=self.journal.record_stream)
         self._streaming: tuple[OrganismConfig, frozenset[str]] | None = None
         self.oob: Any = None
         self.metrics_server: Any = None
@@ -327,7 +205,7 @@ class Daemon:
             self.auth = ClientAuth.restore(
                 self.checked.clients, config.state_dir, config.auth,
                 saved=await self.kernel.bus_auth() if shared else None,
-                save=self._save_auth if shared else None)
+                save=self.journal.save_auth if shared else None)
             self.auth.on_lockout = lambda client: self.audit("lockout", {"client": client})
         clients = self.client_profiles()
         handlers = build_agent_handlers(config, self.kernel, self.audit)
@@ -341,7 +219,8 @@ class Daemon:
         if self.agents is not None:
             self.agents.platform.bind_threads(self.pump.registry)
             self.agents.platform.bind_previews(self.preview)
-        await self._interrupted_streams()
+        await self.journal.interrupted_streams({g.name for g in config.gateways},
+                                               self.streams.thread_opted_in)
         resumed = await self.pump.recover()
         if resumed:
             log.info("recovered messages=%d", resumed)
@@ -470,44 +349,6 @@ class Daemon:
             return None
         return self.streams.writer(owner, conversation)
 
-    def _record_stream(self, stream: str, client: str, thread: str, last_seq: int) -> None:
-        """The kernel's record of a stream in flight (`last_seq` 0: it ended)."""
-        kernel = self.kernel
-        if kernel is None:
-            return
-        tx = kernel.transaction()
-        if last_seq:
-            tx.stream_put(stream, client, thread, last_seq)
-        else:
-            tx.stream_delete(stream)
-        try:
-            kernel.commit(tx).add_done_callback(_log_failure)
-        except KernelUnavailable as exc:
-            log.warning("stream record not written: %s", exc)
-
-    async def _interrupted_streams(self) -> None:
-        """Streams the last run left in flight (`kill -9`): each client is told
-        `final … interrupted` through its outbox, which it gets at login before any
-        live frame, so before the resumed task's new stream; its conversation is
-        opted in again, so that task streams. A peer organism is told nothing (its
-        call's answer is what it takes from the outbox)."""
-        assert self.kernel is not None
-        rows = await self.kernel.open_streams()
-        if not rows:
-            return
-        gateways = {g.name for g in self.config.gateways}
-        tx = self.kernel.transaction()
-        for stream, client, thread, last_seq in rows:
-            if client not in gateways:
-                body = Final(stream, last_seq, interrupted=True).to_bytes()
-                tx.outbox_put(client, thread, build_envelope("core", thread, body, to=client))
-                # The opt-in died with the last run: the resumed task streams again.
-                self.streams.thread_opted_in(client, thread)
-            tx.stream_delete(stream)
-        await self.kernel.commit(tx)
-        log.warning("streams interrupted by the last stop, told to their clients count=%d",
-                    len(rows))
-
     def _streams_configured(self, frame: Any) -> bool:
         """Whether the configuration streams `frame`'s conversation without being
         asked: its profile, or an agent on its path, has `stream: true`."""
@@ -534,25 +375,6 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, "graceful")
-
-    def _save_auth(self, clients: dict[str, str]) -> asyncio.Future[Any] | None:
-        """The bus's authentication state, written to the kernel (postgres). Returns
-        the commit: a login's `auth-ok` waits for it (a failed one closes the login)."""
-        if self.kernel is None:
-            return None
-        tx = self.kernel.transaction()
-        for client, state in clients.items():
-            tx.auth_put(client, state)
-        try:
-            fut = self.kernel.commit(tx)
-        except KernelUnavailable as exc:
-            log.warning("bus authentication state not written to the kernel: %s", exc)
-            failed: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            failed.set_exception(exc)
-            failed.add_done_callback(_log_failure)  # retrieved, whoever waits or not
-            return failed
-        fut.add_done_callback(_log_failure)
-        return fut
 
     def _lease_lost(self, why: str) -> None:
         """Another daemon may be the writer now (postgres backend): stop serving at
@@ -618,86 +440,15 @@ class Daemon:
 
     def audit(self, kind: str, fields: Mapping[str, str]) -> None:
         """An audit or security event, journaled as an entry of its own kind."""
-        from agentd.federation import SECURITY_KINDS as FEDERATION_SECURITY_KINDS
-        from agentd.oob import SECURITY_KINDS as OOB_SECURITY_KINDS
-
-        security = (kind in _PUMP_SECURITY_KINDS or kind in OOB_SECURITY_KINDS
-                    or kind in FEDERATION_SECURITY_KINDS)
-        direction = "security" if security else "audit"
-        if fields.get("channel") != "oob":  # the OOB server logs its own events
-            log.log(
-                logging.WARNING if direction == "security" else logging.INFO,
-                "%s kind=%s %s",
-                direction,
-                kind,
-                " ".join(f"{k}={v}" for k, v in fields.items()),
-            )
-        if self.kernel is None:
-            return
-        tx = self.kernel.transaction()
-        tx.journal(
-            thread=fields.get("thread", ""),
-            direction=direction,
-            kind=kind,
-            handler=fields.get("command", ""),
-            sender=fields.get("key_id", fields.get("client", fields.get("listener", ""))),
-            tag=fields.get("cause", ""),  # a tool's refusal: why, readable in the listing
-            payload=json.dumps(dict(fields), sort_keys=True).encode(),
-        )
-        self.kernel.commit(tx).add_done_callback(_log_failure)
+        self.journal.audit(kind, fields)
 
     # ---- operator commands -------------------------------------------------------------
 
     async def kernel_status(self) -> dict[str, Any]:
-        """`kernel: {backend, role, lease: {holder, epoch, since}}` for `status`. The
-        holder's own lease is known here; a standby asks the database who holds it."""
-        from agentd.oob import format_time
-
-        backend = self.config.kernel.backend
-        doc: dict[str, Any] = {"backend": backend, "role": self.role, "lease": None}
-        if backend != "postgres":
-            return doc
-        k = self.kernel
-        if k is not None:
-            held: tuple[str, int, float] | None = (k.lease_holder, k.lease_epoch,
-                                                   k.lease_since)
-        else:
-            try:
-                held = await asyncio.wait_for(asyncio.to_thread(
-                    read_lease, kernel_dsn(self.config) or "", self.config.name), 10)
-            except (KernelUnavailable, TimeoutError) as exc:
-                doc["lease"] = {"error": str(exc) or "the database did not answer"}
-                return doc
-        if held is not None:
-            doc["lease"] = {"holder": held[0], "epoch": held[1], "since": format_time(held[2])}
-        return doc
+        return await kernel_status(self)
 
     def status(self) -> dict[str, Any]:
-        if self.kernel is None or self.pump is None or self.routing is None:
-            # A standby waiting for the lease: nothing else runs yet.
-            return {"organism": self.config.name,
-                    "uptime_s": round(time.time() - self.started, 1),
-                    "config_sha256": self.config.digest}
-        return {
-            "organism": self.config.name,
-            "uptime_s": round(time.time() - self.started, 1),
-            "config_sha256": self.config.digest,
-            "routing_version": self.routing.version,
-            "listeners": sorted(self.routing.listeners),
-            "threads": len(self.pump.registry),
-            "queue_depth": self.pump.queue_depth,
-            "kernel_healthy": self.kernel.healthy,
-            "kernel_writer_pid": self.kernel.writer_pid,
-            "kernel_writer_restarts": self.kernel.writer_restarts,
-            "db_bytes": self.kernel.db_size_bytes(),
-            "bus_connections": self.bus.connections if self.bus is not None else 0,
-            "isolation": self.isolation.status(),
-            "gateways": self.federation.status() if self.federation is not None else [],
-            **mcp_status(),
-            "approvals_pending": len(self.pump.waits.parked),
-            "approvals_parked_bytes": self.pump.waits.parked_bytes,
-            "timers_pending": len(self.pump.waits.timers),
-        }
+        return organism_status(self)
 
     async def reload(self, dry_run: bool) -> dict[str, Any]:
         """Check the configuration file fully, then apply the difference (see
