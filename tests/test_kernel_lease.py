@@ -14,6 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 import yaml
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from agentd.bus import current_totp
 from agentd.client import BusClient, frame_kind
@@ -126,6 +127,42 @@ async def test_a_dropped_connection_with_nobody_taking_over_keeps_the_lease(
     with psycopg.connect(postgres_db) as conn:
         assert conn.execute("SELECT epoch FROM lease").fetchone() == (1,)
     assert len(senders(postgres_db)) == 4
+
+
+async def test_transactions_queued_while_the_writer_reconnects_are_committed_not_failed(
+        tmp_path: Path, postgres_db: str) -> None:
+    """The server ends the writer's session (pg_terminate_backend from another
+    connection) and refuses new ones for a moment: the transactions queued meanwhile
+    wait for a writer while the lease is current, and the one that connects reclaims
+    the same epoch and commits them; none fails unacknowledged."""
+    lost: list[str] = []
+    name = conninfo_to_dict(postgres_db)["dbname"]
+    async with await Kernel.open(tmp_path / "a", dsn=postgres_db, lease="org") as k:
+        k.on_lease_lost = lost.append
+        await journal(k, "a", 2)
+        with psycopg.connect(make_conninfo(postgres_db, dbname="postgres"),
+                             autocommit=True) as conn:
+            conn.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS false')
+            conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE datname = %s", (name,))
+            commits = []
+            for n in range(20):
+                tx = k.transaction()
+                tx.journal(thread=f"q{n}", direction="in", handler="h", sender="a",
+                           tag="{urn:t}m", payload=b"<m/>", profile="public")
+                commits.append(k.commit(tx))
+            async with asyncio.timeout(30):  # until a new writer was refused
+                while "not currently accepting connections" not in k.last_error:
+                    await asyncio.sleep(0.01)
+            conn.execute(f'ALTER DATABASE "{name}" WITH ALLOW_CONNECTIONS true')
+        async with asyncio.timeout(30):
+            results = await asyncio.gather(*commits, return_exceptions=True)
+        assert [r for r in results if r is not None] == []
+        assert not lost and k.writer_restarts == 1
+    with psycopg.connect(postgres_db) as conn:
+        assert conn.execute("SELECT epoch FROM lease").fetchone() == (1,)
+    assert len(senders(postgres_db)) == 22
+    assert verify_postgres(postgres_db).ok
 
 
 class Child:

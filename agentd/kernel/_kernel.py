@@ -364,6 +364,11 @@ class Kernel(KernelReads, KernelBatching, KernelSweeps, KernelRestarts):
                     try:
                         await self._restart_writer()
                     except Exception as exc:  # cannot start one: fail, do not hang
+                        if self._holding_on(exc):  # a lease holder tries again soon
+                            self._record(HealthEvent.WRITE_FAILED, str(exc))
+                            log.info("kernel: no writer yet (%s); %d transactions wait",
+                                     exc, len(self._queue))
+                            continue
                         self._storage_failed(exc, self._take())
                         self._fail_orphans(exc)
                         continue

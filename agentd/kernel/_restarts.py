@@ -5,7 +5,8 @@ kernel is unhealthy) and replaced by the writer task's health probe; the batches
 never answered are settled from what its successor reads on disk
 (`_settle_orphans`): nothing is written twice, nothing acknowledged is lost. On the
 postgres backend a lease is renewed every interval; a lost one stops all writing
-for good (`_lose_lease`).
+for good (`_lose_lease`), and while a current one is held a writer that cannot be
+replaced yet is tried again with what is queued kept (`_holding_on`).
 """
 
 from __future__ import annotations
@@ -81,11 +82,22 @@ class KernelRestarts:
             if isinstance(exc, LeaseLost):
                 self._lose_lease(exc)
             self._record(HealthEvent.PROBE_FAILED, str(exc))
-            self._fail_orphans(exc)
+            if not self._holding_on(exc):
+                self._fail_orphans(exc)
             return
         self._record(HealthEvent.PROBE_SUCCEEDED)
         log.warning("kernel: write probe succeeded after %.1f s; accepting",
                     self._loop.time() - self._health.since)
+
+    def _holding_on(self, exc: BaseException) -> bool:
+        """Whether what is queued and in flight waits for the next try to start a
+        writer, rather than failing now: only for a lease holder (postgres) whose
+        lease is current by its own clock. A server that ends the writer's session or
+        refuses connections for a moment (a terminated backend, a restart) then loses
+        no client's message; once the lease may be another daemon's they fail, and if
+        another took over meanwhile the next writer's reclaim refuses them anyway."""
+        return (self._lease_task is not None and self._phase is _OPEN
+                and not isinstance(exc, LeaseLost) and not self.lease_expired)
 
     def _writer_died(self, message: str) -> None:
         """The writer process exited on its own: unhealthy now (not at the next
