@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import bus  # noqa: E402  (benchmarks/bus.py: the server process and the client rig)
+from _process import run  # noqa: E402  (benchmarks/_process.py: the uvloop runner)
 
 from agentd._envelope import build_envelope  # noqa: E402
 from agentd._schemas import NS_PRIV  # noqa: E402
@@ -210,9 +211,9 @@ def main() -> None:
     logging.getLogger("agentd").setLevel(logging.ERROR)  # one warning per hostile frame
     if args.serve:
         # The daemon's defaults: rate limit, caps (the clients come from 127.0.0.1).
-        bus._loop_run(bus.serve_agentd(bus.agentd_home(args.home), kernel=False, limits={}))
+        run(bus.serve_agentd(bus.agentd_home(args.home), kernel=False, limits={}))
         return
-    print(json.dumps(bus._loop_run(bench(args.quick))))
+    print(json.dumps(run(bench(args.quick))))
 
 
 if __name__ == "__main__":
