@@ -204,9 +204,8 @@ def tokens(metrics: str, kind: str) -> float:
     return float(m.group(2))
 
 
-@pytest.mark.parametrize("model, protocol, upstream", ROUTES)
-async def test_a_streamed_answer_through_the_proxy_reaches_the_client_in_order(
-        model: str, protocol: str, upstream: str, proxy: Proxy, tmp_path: Path) -> None:
+def demo_on_the_proxy(tmp_path: Path, proxy: Proxy, model: str, protocol: str) -> Path:
+    """A demo home whose agents call `model` through the proxy, with no retries."""
     home = tmp_path / "home"
     make_home(home)
 
@@ -218,6 +217,13 @@ async def test_a_streamed_answer_through_the_proxy_reaches_the_client_in_order(
                 lst["agent"]["model"] = "proxy"
 
     edit_config(home, edit)
+    return home
+
+
+@pytest.mark.parametrize("model, protocol, upstream", ROUTES)
+async def test_a_streamed_answer_through_the_proxy_reaches_the_client_in_order(
+        model: str, protocol: str, upstream: str, proxy: Proxy, tmp_path: Path) -> None:
+    home = demo_on_the_proxy(tmp_path, proxy, model, protocol)
     async with proxy.upstream_server(model, upstream, streamed) as server:
         d = await DaemonProcess(home, env={"AGENTD_TEST_LITELLM_KEY": proxy.key}).start()
         try:
@@ -267,17 +273,7 @@ async def test_a_streamed_native_call_through_the_proxy_is_dispatched_and_answer
     """The call's pieces (OpenAI `tool_calls` deltas, Anthropic `input_json_delta`),
     re-chunked or translated by the proxy, are put together into one call that is
     dispatched; its markup is never shown as a partial."""
-    home = tmp_path / "home"
-    make_home(home)
-
-    def edit(doc: dict[str, Any]) -> None:
-        doc["llm"]["retries"] = 0
-        doc["llm"]["backends"] = [proxy.backend(model, protocol)]
-        for lst in doc["listeners"]:
-            if lst.get("agent"):
-                lst["agent"]["model"] = "proxy"
-
-    edit_config(home, edit)
+    home = demo_on_the_proxy(tmp_path, proxy, model, protocol)
     async with proxy.upstream_server(model, upstream, streamed_call) as server:
         d = await DaemonProcess(home, env={"AGENTD_TEST_LITELLM_KEY": proxy.key}).start()
         try:

@@ -54,6 +54,18 @@ def pay_messages(home: Path) -> int:
         conn.close()
 
 
+def tutor_on(home: Path, server: FakeLLM, peers: list[str]) -> None:
+    """The demo tutor on the fake model, with no retries, calling `peers`."""
+    def edit(doc: dict[str, Any]) -> None:
+        doc["llm"]["retries"] = 0
+        doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
+                                   "base_url": server.base_url, "model": "fake-1"}]
+        tutor = next(lst for lst in doc["listeners"] if lst["name"] == "tutor")
+        tutor["peers"] = peers
+
+    edit_config(home, edit)
+
+
 async def test_a_call_id_is_dispatched_once_when_the_daemon_is_killed_before_dispatch(
         tmp_path: Path) -> None:
     home = tmp_path / "home"
@@ -64,14 +76,7 @@ async def test_a_call_id_is_dispatched_once_when_the_daemon_is_killed_before_dis
                   ("p2", "pay", json.dumps({"amount": 8}))]),
               Reply("Paid 7 and 8.")]
     async with FakeLLM("openai", script) as server:
-        def edit(doc: dict[str, Any]) -> None:
-            doc["llm"]["retries"] = 0
-            doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
-                                       "base_url": server.base_url, "model": "fake-1"}]
-            tutor = next(lst for lst in doc["listeners"] if lst["name"] == "tutor")
-            tutor["peers"] = ["pay"]
-
-        edit_config(home, edit)
+        tutor_on(home, server, ["pay"])
         env = {"AGENTD_TEST_LEDGER": str(ledger)}
         d = await DaemonProcess(home, env=env).start()
         try:
@@ -132,14 +137,7 @@ async def test_a_call_killed_while_its_tool_runs_is_processed_again_and_seen_onc
                            ("h1", "hold", json.dumps({"n": 5}))]),
               Reply("Held.")]
     async with FakeLLM("openai", script) as server:
-        def edit(doc: dict[str, Any]) -> None:
-            doc["llm"]["retries"] = 0
-            doc["llm"]["backends"] = [{"name": "tutor-model", "provider": "openai",
-                                       "base_url": server.base_url, "model": "fake-1"}]
-            tutor = next(lst for lst in doc["listeners"] if lst["name"] == "tutor")
-            tutor["peers"] = ["pay", "hold"]
-
-        edit_config(home, edit)
+        tutor_on(home, server, ["pay", "hold"])
         env = {"AGENTD_TEST_LEDGER": str(ledger)}
         d = await DaemonProcess(home, env={**env, "AGENTD_TEST_HOLD": "block"}).start()
         try:

@@ -92,14 +92,21 @@ class Load:
             await self.changed.wait()
 
 
-async def test_a_standby_takes_over_a_primary_killed_under_load_and_answers_every_accepted_message(
-        home: Path, tmp_path: Path, postgres_db: str, daemons: list[DaemonProcess]) -> None:
+async def primary_and_standby(home: Path, tmp_path: Path, daemons: list[DaemonProcess],
+                              ) -> tuple[DaemonProcess, DaemonProcess]:
+    """A primary serving, and a `--standby` of the same organism waiting for its lease
+    (its OOB socket up, its bus closed)."""
     primary = DaemonProcess(home)
     daemons.append(primary)
     await primary.start()
     standby = DaemonProcess(home, args=("--standby", "--state-dir", str(tmp_path / "b")))
     daemons.append(standby)
     await standby.start(until=("socket",))
+    return primary, standby
+
+async def test_a_standby_takes_over_a_primary_killed_under_load_and_answers_every_accepted_message(
+        home: Path, tmp_path: Path, postgres_db: str, daemons: list[DaemonProcess]) -> None:
+    primary, standby = await primary_and_standby(home, tmp_path, daemons)
 
     # Waiting: its OOB socket says who holds the lease, its bus is closed.
     status = (await ctl(standby, "status"))["result"]["status"]
@@ -265,12 +272,7 @@ async def test_a_login_is_committed_before_auth_ok_so_a_takeover_right_after_kee
     `auth-ok`: the primary killed the moment the client has it, the standby that takes
     over resumes that session. The kernel's commit is held back (the bus_auth table
     locked by another connection) to see the order: no `auth-ok` while it waits."""
-    primary = DaemonProcess(home)
-    daemons.append(primary)
-    await primary.start()
-    standby = DaemonProcess(home, args=("--standby", "--state-dir", str(tmp_path / "b")))
-    daemons.append(standby)
-    await standby.start(until=("socket",))
+    primary, standby = await primary_and_standby(home, tmp_path, daemons)
 
     bus = BusClient(primary.url, "alice", totp=current_totp(primary.secret),
                     cafile=primary.cafile)
