@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from agentd import xmlify
+from agentd import _core, xmlify
 from agentd._core import Accepted as CoreAccepted
 from agentd._core import Huh as CoreHuh
 from agentd._delivery import stamp
@@ -15,7 +15,7 @@ from agentd._errors import HuhCode
 from agentd._schemas import NS_CORE
 from agentd._states import step
 from agentd._xmlify import spec_of
-from agentd.client import Accepted, Answer, ApprovalRequired, Huh, Other
+from agentd.client import Accepted, Answer, ApprovalRequired, Final, Huh, Other, Partial, Step
 from agentd.client._calls import TRANSITIONS, CallEvent, Calls, CallState, typed
 from agentd.tools.calculator import Sum
 from tests.state_tables import walk_table
@@ -56,6 +56,22 @@ def test_a_call_goes_accepted_parked_then_answered() -> None:
     assert answer.xml == SUM and call.state is CallState.DONE and len(calls) == 0
     _, late = calls.feed(build_envelope("calculator.add", T1, SUM, to="alice"))
     assert isinstance(late, Other)  # the call is over: not taken for another answer
+
+
+def test_a_preview_event_is_the_core_frame_as_sent() -> None:
+    # Partial, Final and Step are the daemon's core frames read back with the
+    # envelope they came in: every field of the frame, none lost or renamed.
+    calls = Calls()
+    calls.start(T1)
+    sent = [_core.Partial("s1", 1, "The sum"), _core.Final("s1", 1, interrupted=True),
+            _core.Step("tool-call", "calculator.add", "c1", SUM),
+            _core.Step("progress", "calc.count", progress=2, total=3, message="two")]
+    for frame, event_class in zip(sent, (Partial, Final, Step, Step), strict=True):
+        envelope = core(T1, frame.to_bytes())
+        _, event = calls.feed(envelope)
+        assert isinstance(event, event_class) and isinstance(event, type(frame))
+        assert (event.thread, event.sender, event.frame) == (T1, "core", envelope)
+        assert event.to_bytes() == frame.to_bytes()
 
 
 def test_a_huh_ends_the_call_as_an_exception_value() -> None:

@@ -27,6 +27,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentd import _core
 from agentd._delivery import seq_of
 from agentd._envelope import NIL_THREAD, parse_envelope
 from agentd._errors import AgentdError, HuhCode
@@ -104,40 +105,25 @@ class Answer(Event):
 
 
 @dataclass(frozen=True)
-class Partial(Event):
+class Partial(_core.Partial, Event):
     """The next piece of a model's text while it writes (a preview: the answer, when
-    it comes, is what counts). `seq` counts from 1 within `stream`."""
-
-    stream: str
-    seq: int
-    text: str
+    it comes, is what counts): the core `partial` frame as received (`stream`, `seq`
+    counting from 1 within it, `text`) with the envelope it came in."""
 
 
 @dataclass(frozen=True)
-class Final(Event):
-    """No more partials of `stream` will come (`interrupted`: it broke off; a new
-    stream may follow)."""
-
-    stream: str
-    last_seq: int
-    interrupted: bool
+class Final(_core.Final, Event):
+    """No more partials of `stream` will come (`last_seq`; `interrupted`: it broke
+    off, and a new stream may follow): the core `final` frame as received."""
 
 
 @dataclass(frozen=True)
-class Step(Event):
-    """What an agent is doing (a preview): `kind` is `tool-call`, `tool-result`,
-    `approval-wait`, `timer-wait` or `progress`; `listener` the listener it is
-    about; `call` the id a call's steps share. `payload` (C14N) is the call's
-    payload for a `tool-call`; `progress`, `total` and `message` an MCP tool's
-    progress report."""
-
-    kind: str
-    listener: str
-    call: str
-    payload: bytes | None = None
-    progress: float | None = None
-    total: float | None = None
-    message: str | None = None
+class Step(_core.Step, Event):
+    """What an agent is doing (a preview): the core `step` frame as received, with
+    the envelope it came in. `kind` is `tool-call`, `tool-result`, `approval-wait`,
+    `timer-wait` or `progress`; `listener` the listener it is about; `call` the id a
+    call's steps share. `payload` (C14N) is the call's payload for a `tool-call`;
+    `progress`, `total` and `message` an MCP tool's progress report."""
 
     def describe(self) -> str:
         """The step in words, one line (`agentd send --stream` writes it to stderr,
