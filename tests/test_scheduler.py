@@ -7,7 +7,7 @@ import asyncio
 
 from agentd._routing import Profile, build_table
 from agentd._threads import Frame, new_uuid
-from agentd._waiters import WaiterQueue
+from agentd._waiters import TurnQueue, WaiterQueue
 from agentd.pump.message import Message, MsgKind
 from agentd.pump.scheduler import Scheduler
 
@@ -37,6 +37,31 @@ async def test_a_cancelled_waiter_does_not_swallow_a_wake_up() -> None:
     gone, waiting = q.park(loop), q.park(loop)
     gone.cancel()
     assert q.wake_one() and waiting.done() and waiting.result() is None
+
+
+async def test_a_woken_caller_keeps_its_turn_and_a_cancelled_one_hands_it_on() -> None:
+    line = TurnQueue()
+    assert not line.behind
+    first = asyncio.ensure_future(line.wait())
+    second = asyncio.ensure_future(line.wait())
+    while len(line) < 2:
+        await asyncio.sleep(0)
+    line.wake()  # `first` woken, not run yet: a newcomer still goes behind
+    assert line.behind and len(line) == 1
+    first.cancel()  # cancelled before it ran: its turn goes to `second`
+    await asyncio.gather(first, return_exceptions=True)
+    await second
+    assert not line.behind and not len(line)
+
+
+async def test_a_failed_turn_queue_raises_in_every_waiting_caller() -> None:
+    line = TurnQueue()
+    waiting = [asyncio.ensure_future(line.wait()) for _ in range(2)]
+    while len(line) < 2:
+        await asyncio.sleep(0)
+    line.fail(RuntimeError("stopped"))
+    results = await asyncio.gather(*waiting, return_exceptions=True)
+    assert [str(r) for r in results] == ["stopped", "stopped"]
 
 
 async def test_wake_all_releases_everyone() -> None:

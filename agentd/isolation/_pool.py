@@ -52,6 +52,7 @@ from agentd._handler import HandlerMetadata, HandlerResponse, takes_element
 from agentd._schemas import NS_CORE
 from agentd._spin import LoopSpin
 from agentd._states import step
+from agentd._waiters import TurnQueue
 from agentd._xml import c14n
 from agentd._xmlify import is_xmlified, spec_of
 from agentd.confine import kill_group, spawn, tasks_limited
@@ -70,6 +71,8 @@ from agentd.isolation._worker import (
     drain_stderr,
     exit_reason,
     fail_calls,
+    handshake,
+    start_failure,
 )
 
 log = logging.getLogger("agentd.isolation")
@@ -119,8 +122,7 @@ class WorkerPool:
         self.restarts = 0
         self._workers: set[Worker] = set()
         self._idle: deque[Worker] = deque()
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._woken = 0  # waiters woken by `_wake` that have not run yet
+        self._line = TurnQueue()  # callers waiting for a worker with room
         self._background: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._backoff = 0.0
@@ -177,9 +179,7 @@ class WorkerPool:
         for task in list(self._background):
             with contextlib.suppress(BaseException):
                 await task
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_exception(WorkerFailed("stopped"))
+        self._line.fail(WorkerFailed("stopped"))
 
     def status(self) -> dict[str, int]:
         states = [w.state for w in self._workers if w is not self._spare]
@@ -199,7 +199,7 @@ class WorkerPool:
     @property
     def waiting(self) -> int:
         """Calls waiting for a worker with room, to be served in arrival order."""
-        return len(self._waiters)
+        return len(self._line)
 
     @property
     def restart_pause_s(self) -> float:
@@ -237,7 +237,7 @@ class WorkerPool:
 
     async def _call(self, key: str | None, body: bytes, meta: HandlerMetadata, payload: Any
                     ) -> HandlerResponse | None:
-        spin = spins(bool(self._waiters), self.spec.workers, self.others, self._cores)
+        spin = spins(bool(self._line), self.spec.workers, self.others, self._cores)
         extra: dict[str, Any] = {"spin": spin}
         entries = p.state_slice(meta)
         if entries is not None:
@@ -249,7 +249,7 @@ class WorkerPool:
         frame = p.encode_call(meta, key, body, extra)
         for _ in range(_MAX_REDISPATCH):
             worker, answer = await self._deliver(frame, context)
-            if spin and len(worker.inflight) == 1 and not self._waiters:
+            if spin and len(worker.inflight) == 1 and not self._line:
                 # A lone call: the loop polls for its answer instead of sleeping. Not
                 # with calls queued: the loop has their work to do meanwhile.
                 self._spin.until(answer)
@@ -368,10 +368,7 @@ class WorkerPool:
 
     async def _acquire(self) -> Worker:
         """An idle worker, else a busy one with room in its queue, else wait."""
-        # One arriving while others wait, or while a woken one has yet to take its
-        # worker, goes behind them (the woken waiter would otherwise find its worker
-        # taken and wait again, for ever under load).
-        behind = bool(self._waiters) or self._woken > 0
+        behind = self._line.behind  # one arriving while others wait goes behind them
         while True:
             if not behind:
                 while self._idle:
@@ -389,27 +386,14 @@ class WorkerPool:
             behind = False
             if self._stopping:
                 raise WorkerFailed("stopped")
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter  # `_wake` takes it out of `_waiters`
-            except BaseException:
-                if waiter.cancelled():  # still queued: O(n), but only on cancellation
-                    with contextlib.suppress(ValueError):
-                        self._waiters.remove(waiter)
-                elif waiter.exception() is None:
-                    self._woken -= 1
-                    self._wake()  # woken, then cancelled: the room is the next caller's
-                raise
-            if waiter.exception() is None:
-                self._woken -= 1
+            await self._line.wait()
 
     def _answered(self, worker: Worker) -> None:
         worker.calls += 1
-        if not worker.worn_out and self._worn_out(worker):
+        if not worker.worn_out and worker.over_marks(self.spec):
             worker.worn_out = True
         if worker.inflight:
-            self._wake()  # room in its queue again
+            self._line.wake()  # room in its queue again
             return
         if self._left_over(worker):  # nothing runs in it now: nothing may be left
             return
@@ -418,7 +402,7 @@ class WorkerPool:
             return
         self._set(worker, WorkerEvent.DONE)
         self._idle.append(worker)
-        self._wake()
+        self._line.wake()
 
     def _left_over(self, worker: Worker) -> bool:
         """Check a worker running no call for what its handler left behind; replace
@@ -450,23 +434,6 @@ class WorkerPool:
                 log.exception("isolation listener=%s: leftover check failed",
                               self.spec.listener)
 
-    def _worn_out(self, worker: Worker) -> bool:
-        """Over its call count, its RSS mark, or half its CPU seconds (RLIMIT_CPU
-        counts a worker's whole life: the next call starts with at least half)."""
-        spec = self.spec
-        cpu = spec.policy.cpu_s
-        return ((spec.max_calls is not None and worker.calls >= spec.max_calls)
-                or (spec.max_rss_mb is not None and worker.rss_mb() > spec.max_rss_mb)
-                or (cpu is not None and worker.cpu_s() >= cpu / 2))
-
-    def _wake(self) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                self._woken += 1
-                return
-
     # ---- workers -------------------------------------------------------------
 
     def _set(self, worker: Worker, event: WorkerEvent) -> None:
@@ -479,14 +446,7 @@ class WorkerPool:
         self._workers.add(worker)
         worker.tasks.append(asyncio.create_task(drain_stderr(worker, self.spec.listener)))
         try:
-            assert proc.stdin is not None and proc.stdout is not None
-            proc.stdin.write(p.encode(p.INIT, dict(spec.init)))
-            await proc.stdin.drain()
-            async with asyncio.timeout(_START_TIMEOUT_S):
-                size = p.frame_length(await proc.stdout.readexactly(4))
-                kind, _, _ = p.decode(await proc.stdout.readexactly(size))
-            if kind != p.READY:
-                raise p.ProtocolError("expected READY")
+            await handshake(proc, spec.init, _START_TIMEOUT_S)
         except (Exception, asyncio.CancelledError) as exc:
             if isinstance(exc, asyncio.IncompleteReadError):  # it exited: hear why
                 with contextlib.suppress(TimeoutError):
@@ -494,13 +454,7 @@ class WorkerPool:
             await self._kill(worker)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            why = f": {worker.last_words}" if worker.last_words else ""
-            if "PermissionError" in why:  # Landlock: a file not granted (see _plan)
-                why += (f"; a file the handler reads as it starts (a module it imports "
-                        f"at run time, data) must be listed in the isolation: read of "
-                        f"listener {spec.listener}")
-            raise WorkerFailed(f"worker for {spec.listener} did not start "
-                               f"(exit {proc.returncode}){why}") from None
+            raise start_failure(spec, worker) from None
         self._set(worker, WorkerEvent.READY)
         worker.ready_at = asyncio.get_running_loop().time()
         if self.leftovers_checked:
@@ -513,7 +467,7 @@ class WorkerPool:
             self._spare = worker
         else:
             self._idle.append(worker)
-            self._wake()
+            self._line.wake()
         return worker
 
     def _watch(self, worker: Worker) -> None:
@@ -578,7 +532,7 @@ class WorkerPool:
         self._spare = None
         if spare is not None and spare is not worker:
             self._idle.append(spare)  # serves at once; a new spare starts behind it
-            self._wake()
+            self._line.wake()
         lived = asyncio.get_running_loop().time() - worker.ready_at
         if reason not in _NOT_SELF_INFLICTED and worker.ready_at and lived < _QUICK_DEATH_S:
             self._slower()  # it dies as soon as it starts: no tight restart loop

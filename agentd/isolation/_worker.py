@@ -1,6 +1,7 @@
-"""An isolated listener's worker process as the pool sees it: its states, the calls
-written to it, why it ended, and the logging of its stderr. The pool (`_pool`)
-decides which worker serves a call and when one is replaced."""
+"""An isolated listener's worker process as the pool sees it: its states, its start
+handshake, the calls written to it, when it is worn out, why it ended or did not
+start, and the logging of its stderr. The pool (`_pool`) decides which worker
+serves a call and when one is replaced."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 from agentd._procfs import stat_fields
 from agentd.bus import TokenBucket
 from agentd.confine import Policy
+from agentd.isolation import _protocol as p
 from agentd.isolation._children import ChildWatch
 
 log = logging.getLogger("agentd.isolation")
@@ -135,6 +137,40 @@ class Worker:
             return (int(fields[11]) + int(fields[12])) / _CLK_TCK
         except (OSError, ValueError, IndexError):
             return 0.0
+
+    def over_marks(self, spec: WorkerSpec) -> bool:
+        """Over its call count, its RSS mark, or half its CPU seconds (RLIMIT_CPU
+        counts a worker's whole life: the next call starts with at least half)."""
+        cpu = spec.policy.cpu_s
+        return ((spec.max_calls is not None and self.calls >= spec.max_calls)
+                or (spec.max_rss_mb is not None and self.rss_mb() > spec.max_rss_mb)
+                or (cpu is not None and self.cpu_s() >= cpu / 2))
+
+
+async def handshake(proc: asyncio.subprocess.Process, init: Mapping[str, Any],
+                    timeout_s: float) -> None:
+    """A new worker's start: INIT written, READY read within `timeout_s` (the
+    handler imported); anything else is a `ProtocolError`."""
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(p.encode(p.INIT, dict(init)))
+    await proc.stdin.drain()
+    async with asyncio.timeout(timeout_s):
+        size = p.frame_length(await proc.stdout.readexactly(4))
+        kind, _, _ = p.decode(await proc.stdout.readexactly(size))
+    if kind != p.READY:
+        raise p.ProtocolError("expected READY")
+
+
+def start_failure(spec: WorkerSpec, worker: Worker) -> WorkerFailed:
+    """Why a worker did not start, for the operator: its exit and last stderr line,
+    and what to grant when the confinement refused a file."""
+    why = f": {worker.last_words}" if worker.last_words else ""
+    if "PermissionError" in why:  # Landlock: a file not granted (see _plan)
+        why += (f"; a file the handler reads as it starts (a module it imports "
+                f"at run time, data) must be listed in the isolation: read of "
+                f"listener {spec.listener}")
+    return WorkerFailed(f"worker for {spec.listener} did not start "
+                        f"(exit {worker.proc.returncode}){why}")
 
 
 def fail_calls(worker: Worker, reason: str | None) -> None:
