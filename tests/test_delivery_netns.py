@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -25,42 +23,21 @@ from agentd._cli_bus import init_home
 from agentd.client import Accepted, Answer, Client
 from agentd.durable.timers import Wait, Woke
 from tests.daemon_process import DaemonProcess
+from tests.network_namespaces import ip, network
 
 HOST, DAEMON = "10.231.9.1", "10.231.9.2"
 CALLS = 20
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def link() -> Iterator[tuple[str, str]]:
     """(the daemon's namespace, the test's end of the veth pair)."""
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 (`ip`) is not installed")
-    tag = f"agd{os.getpid()}"
-    ns, here, there = f"{tag}d", f"{tag}h", f"{tag}t"
-    made = _ip("netns", "add", ns)
-    if made.returncode != 0:
-        pytest.skip(f"`ip netns add` is not permitted here: {made.stderr.strip()}")
-    try:
-        for step in [
-            ("link", "add", here, "type", "veth", "peer", "name", there),
-            ("link", "set", there, "netns", ns),
-            ("addr", "add", f"{HOST}/30", "dev", here),
-            ("-n", ns, "addr", "add", f"{DAEMON}/30", "dev", there),
-            ("link", "set", here, "up"),
-            ("-n", ns, "link", "set", there, "up"),
-            ("-n", ns, "link", "set", "lo", "up"),
-        ]:
-            done = _ip(*step)
-            if done.returncode != 0:
-                pytest.skip(f"`ip {' '.join(step)}` failed: {done.stderr.strip()}")
+    with network(f"agd{os.getpid()}") as net:
+        ns = net.namespace("d")
+        here = f"{net.tag}h"
+        net.veth(here, f"{net.tag}t", peer_ns=ns, address=f"{HOST}/30",
+                 peer_address=f"{DAEMON}/30")
         yield ns, here
-    finally:
-        _ip("link", "delete", here)  # deletes both ends
-        _ip("netns", "delete", ns)
 
 
 def home_on(home: Path) -> None:
@@ -91,16 +68,16 @@ async def test_answers_written_while_the_link_is_down_arrive_once_after_the_resu
             streams = [call.events() for call in calls]
             for events in streams:  # every call is in before the link goes
                 assert isinstance(await anext(events), Accepted)
-            assert _ip("link", "set", here, "down").returncode == 0
+            assert ip("link", "set", here, "down").returncode == 0
             # The timers fire 1.5 s on: the daemon writes every answer into a socket
             # whose peer cannot hear, and the client's keepalive gives that link up.
             await asyncio.sleep(3.0)
-            assert _ip("link", "set", here, "up").returncode == 0
+            assert ip("link", "set", here, "up").returncode == 0
             answers = [await anext(events) for events in streams]
             assert c.session == first  # resumed with its session, no new TOTP code
         log = "\n".join(d.log)
     finally:
-        _ip("link", "set", here, "up")
+        ip("link", "set", here, "up")
         assert await d.stop() == 0
     assert all(isinstance(a, Answer) and isinstance(a.payload, Woke) for a in answers)
     assert sorted(a.payload.note for a in answers) == sorted(f"n{i}" for i in range(CALLS))

@@ -38,6 +38,7 @@ from agentd.platform.demo import MathQuestion
 from agentd.tools.calculator import Sum
 from agentd.tools.relay import Relay
 from tests.daemon_process import DaemonProcess, edit_config, make_home
+from tests.network_namespaces import ip, network
 from tests.organisms.listeners import Done
 from tests.organisms.tally import LISTENER as TALLY
 from tests.organisms.tally import Tally
@@ -49,10 +50,6 @@ CLIENT, PG, HOST_A, HOST_B = (f"{SUBNET}.{n}" for n in (1, 2, 3, 4))
 BUS_PORT = 8765
 _TOOK = re.compile(r"took the lease \(epoch (\d+)\) after waiting \S+ s at journal seq (\d+)")
 _QUESTION = "What is (2 + 3) * 7?"  # the demo cassette's conversation
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
 @dataclass
@@ -71,7 +68,7 @@ class Hosts:
                               timeout=60)
 
     def link(self, role: str, state: str) -> None:
-        done = _ip("-n", self.ns[role], "link", "set", self.links[role], state)
+        done = ip("-n", self.ns[role], "link", "set", self.links[role], state)
         assert done.returncode == 0, done.stderr
 
     def database(self) -> str:
@@ -85,68 +82,45 @@ class Hosts:
 
 @pytest.fixture(scope="module")
 def hosts() -> Iterator[Hosts]:
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 (`ip`) is not installed")
     if os.geteuid() != 0:
         pytest.skip("network namespaces and a PostgreSQL server user need root")
     folder = server_bin()
     if folder is None:
         pytest.skip("no PostgreSQL 15+ server binaries (apt-get install postgresql-15)")
-    tag = f"fo{os.getpid() % 100000}"
-    ns = {role: f"{tag}{role}" for role in ("sw", "pg", "a", "b")}
-    made = _ip("netns", "add", ns["sw"])
-    if made.returncode != 0:
-        pytest.skip(f"`ip netns add` is not permitted here: {made.stderr.strip()}")
-    root = Path(tempfile.mkdtemp(prefix="agentd-failover-pg-"))
-    try:
-        steps = [("-n", ns["sw"], "link", "add", "br0", "type", "bridge"),
-                 ("-n", ns["sw"], "link", "set", "br0", "up"),
-                 ("-n", ns["sw"], "link", "set", "lo", "up")]
+    with network(f"fo{os.getpid() % 100000}") as net:
+        tag = net.tag
+        ns = {role: net.namespace(role) for role in ("sw", "pg", "a", "b")}
         # The client's link: this (the root) namespace's end keeps its name.
-        steps += [("link", "add", f"{tag}c", "type", "veth", "peer", "name", f"{tag}cs"),
-                  ("link", "set", f"{tag}cs", "netns", ns["sw"]),
-                  ("addr", "add", f"{CLIENT}/24", "dev", f"{tag}c"),
-                  ("link", "set", f"{tag}c", "up")]
+        net.veth(f"{tag}c", f"{tag}cs", peer_ns=ns["sw"], address=f"{CLIENT}/24")
         links = {}
         for role, address in (("pg", PG), ("a", HOST_A), ("b", HOST_B)):
             end = links[role] = f"{tag}{role}0"
-            steps += [("netns", "add", ns[role]),
-                      ("link", "add", end, "type", "veth", "peer", "name", f"{tag}{role}s"),
-                      ("link", "set", end, "netns", ns[role]),
-                      ("link", "set", f"{tag}{role}s", "netns", ns["sw"]),
-                      ("-n", ns[role], "addr", "add", f"{address}/24", "dev", end),
-                      ("-n", ns[role], "link", "set", end, "up"),
-                      ("-n", ns[role], "link", "set", "lo", "up")]
-        for end in (f"{tag}cs", f"{tag}pgs", f"{tag}as", f"{tag}bs"):
-            steps += [("-n", ns["sw"], "link", "set", end, "master", "br0"),
-                      ("-n", ns["sw"], "link", "set", end, "up")]
-        for step in steps:
-            done = _ip(*step)
-            if done.returncode != 0:
-                pytest.skip(f"`ip {' '.join(step)}` failed: {done.stderr.strip()}")
-        made_hosts = Hosts(ns, links, root, folder)
-        os.chown(root, *_postgres_ids())
-        data = root / "data"
-        done = made_hosts.run_pg(str(folder / "initdb"), "-D", str(data), "-U", "agentd",
-                                 "-A", "trust", "-E", "UTF8", "--no-sync", "--no-instructions")
-        assert done.returncode == 0, done.stderr
-        with open(data / "pg_hba.conf", "a") as hba:
-            hba.write(f"host all all {SUBNET}.0/24 trust\n")
-        done = made_hosts.run_pg(
-            str(folder / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-o",
-            f"-k {root} -c listen_addresses={PG} -c fsync=off -c max_connections=100",
-            "start")
-        assert done.returncode == 0, done.stderr + (root / "log").read_text()
+            net.veth(end, f"{tag}{role}s", ns=ns[role], peer_ns=ns["sw"],
+                     address=f"{address}/24")
+        net.bridge(ns["sw"], "br0", [f"{tag}cs", f"{tag}pgs", f"{tag}as", f"{tag}bs"])
+        root = Path(tempfile.mkdtemp(prefix="agentd-failover-pg-"))
         try:
-            yield made_hosts
+            made_hosts = Hosts(ns, links, root, folder)
+            os.chown(root, *_postgres_ids())
+            data = root / "data"
+            done = made_hosts.run_pg(str(folder / "initdb"), "-D", str(data), "-U", "agentd",
+                                     "-A", "trust", "-E", "UTF8", "--no-sync",
+                                     "--no-instructions")
+            assert done.returncode == 0, done.stderr
+            with open(data / "pg_hba.conf", "a") as hba:
+                hba.write(f"host all all {SUBNET}.0/24 trust\n")
+            done = made_hosts.run_pg(
+                str(folder / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-o",
+                f"-k {root} -c listen_addresses={PG} -c fsync=off -c max_connections=100",
+                "start")
+            assert done.returncode == 0, done.stderr + (root / "log").read_text()
+            try:
+                yield made_hosts
+            finally:
+                made_hosts.run_pg(str(folder / "pg_ctl"), "-D", str(data), "-m", "immediate",
+                                  "-w", "stop")
         finally:
-            made_hosts.run_pg(str(folder / "pg_ctl"), "-D", str(data), "-m", "immediate",
-                              "-w", "stop")
-    finally:
-        for name in ns.values():  # deleting a namespace deletes its ends of the veths
-            _ip("netns", "delete", name)
-        _ip("link", "delete", f"{tag}c")
-        shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def _postgres_ids() -> tuple[int, int]:

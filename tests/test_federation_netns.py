@@ -7,7 +7,6 @@ beta's `echo` through it. Skipped with the reason where
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from agentd._envelope import build_envelope
 from agentd._xmlify import to_xml
 from agentd.tools.echo import Echo
 from tests.daemon_process import ROOT, DaemonProcess, edit_config
+from tests.network_namespaces import network
 from tests.test_federation_daemons import (
     declare,
     federation_port,
@@ -33,40 +33,13 @@ from tests.test_federation_daemons import (
 ADDRESS_A, ADDRESS_B = "10.231.7.1", "10.231.7.2"
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def namespaces() -> Iterator[tuple[str, str]]:
-    if shutil.which("ip") is None:
-        pytest.skip("iproute2 (`ip`) is not installed")
-    tag = f"agentd{os.getpid()}"
-    ns_a, ns_b = f"{tag}a", f"{tag}b"
-    made = _ip("netns", "add", ns_a)
-    if made.returncode != 0:
-        pytest.skip(f"`ip netns add` is not permitted here: {made.stderr.strip()}")
-    try:
-        steps = [
-            ("netns", "add", ns_b),
-            ("link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb"),
-            ("link", "set", f"{tag}va", "netns", ns_a),
-            ("link", "set", f"{tag}vb", "netns", ns_b),
-            ("-n", ns_a, "addr", "add", f"{ADDRESS_A}/30", "dev", f"{tag}va"),
-            ("-n", ns_b, "addr", "add", f"{ADDRESS_B}/30", "dev", f"{tag}vb"),
-            ("-n", ns_a, "link", "set", f"{tag}va", "up"),
-            ("-n", ns_b, "link", "set", f"{tag}vb", "up"),
-            ("-n", ns_a, "link", "set", "lo", "up"),
-            ("-n", ns_b, "link", "set", "lo", "up"),
-        ]
-        for step in steps:
-            done = _ip(*step)
-            if done.returncode != 0:
-                pytest.skip(f"`ip {' '.join(step)}` failed: {done.stderr.strip()}")
+    with network(f"agentd{os.getpid()}") as net:
+        ns_a, ns_b = net.namespace("a"), net.namespace("b")
+        net.veth(f"{net.tag}va", f"{net.tag}vb", ns=ns_a, peer_ns=ns_b,
+                 address=f"{ADDRESS_A}/30", peer_address=f"{ADDRESS_B}/30")
         yield ns_a, ns_b
-    finally:
-        for ns in (ns_a, ns_b):  # deleting a namespace deletes its end of the veth pair
-            _ip("netns", "delete", ns)
 
 
 async def test_link_across_two_network_namespaces(
