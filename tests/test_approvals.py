@@ -176,15 +176,12 @@ async def test_a_conversation_cannot_park_more_than_its_share() -> None:
         assert durable.CALLS == []
 
 
-async def test_a_client_cannot_park_more_than_its_share_of_the_daemon(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_client_cannot_park_more_than_its_share_of_the_daemon() -> None:
     """One client filling the daemon's 10,000 parked messages (one a conversation)
     had every other client's gated request refused for an hour: a client parks at
-    most MAX_PARKED_PER_CLIENT."""
-    from agentd.pump import gate
-
-    monkeypatch.setattr(gate, "MAX_PARKED_PER_CLIENT", 3)
+    most its share (MAX_PARKED_PER_CLIENT; 3 here)."""
     async with harness(FakeClock()) as h:
+        h.pump.waits.counts.max_parked_per_client = 3
         for _ in range(3):
             await park(h)  # three conversations
         refused = await h.send("alice", Pay(amount=1))

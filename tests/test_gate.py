@@ -104,9 +104,8 @@ def test_a_full_conversation_is_denied_with_the_security_event(routing: Routing)
 
 
 def test_a_client_past_its_share_is_denied_and_another_client_parks(
-        routing: Routing, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gates, "MAX_PARKED_PER_CLIENT", 2)
-    counts = ParkedCounts(BIG, BIG)
+        routing: Routing) -> None:
+    counts = ParkedCounts(BIG, BIG, max_parked_per_client=2)
     for _ in range(2):
         counts.add(parked(conversation(routing)))
     alice = conversation(routing)
@@ -117,10 +116,8 @@ def test_a_client_past_its_share_is_denied_and_another_client_parks(
                            counts), Park)
 
 
-def test_everyone_past_max_parked_is_denied(
-        routing: Routing, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gates, "MAX_PARKED", 3)
-    counts = ParkedCounts(BIG, BIG)
+def test_everyone_past_max_parked_is_denied(routing: Routing) -> None:
+    counts = ParkedCounts(BIG, BIG, max_parked=3)
     for client in ("alice", "bob", "olga"):
         counts.add(parked(conversation(routing, client)))
     carl = conversation(routing, "carl")

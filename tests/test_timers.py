@@ -150,13 +150,12 @@ async def test_pending_timers_per_thread_are_capped() -> None:
         assert len(h.pump.waits.timers) == 3
 
 
-async def test_pending_timers_per_client_are_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_pending_timers_per_client_are_capped() -> None:
     """A client's calls on thousands of threads, each leaving a timer, could fill
-    the daemon's timers for every other client; each client has its share."""
-    from agentd.pump import waits
-
-    monkeypatch.setattr(waits, "MAX_TIMERS_PER_CLIENT", 2)
+    the daemon's timers for every other client; each client has its share
+    (MAX_TIMERS_PER_CLIENT; 2 here)."""
     async with harness(FakeClock()) as h:
+        h.pump.waits.max_timers_per_client = 2
         for _ in range(2):
             assert tags(await h.send("alice", Wait(seconds=Decimal("10")))) == ["accepted"]
         frames = await h.send("alice", Wait(seconds=Decimal("10")))
@@ -165,7 +164,10 @@ async def test_pending_timers_per_client_are_capped(monkeypatch: pytest.MonkeyPa
         first = next(iter(h.pump.waits.timers.values()))
         await h.end_conversation(first.conversation)  # its timer cancelled: room again
         assert tags(await h.send("alice", Wait(seconds=Decimal("10")))) == ["accepted"]
-        assert h.pump.waits._timers_by_owner == {"alice": 2, "bob": 1}
+        # Counted again: alice is at her share, bob has room for one more.
+        assert tags(await h.send("alice", Wait(seconds=Decimal("10")))) == ["accepted", "huh"]
+        assert tags(await h.send("bob", Wait(seconds=Decimal("10")))) == ["accepted"]
+        assert tags(await h.send("bob", Wait(seconds=Decimal("10")))) == ["accepted", "huh"]
 
 
 async def test_a_timer_survives_a_restart_and_fires_late_exactly_once(tmp_path: Path) -> None:

@@ -63,11 +63,15 @@ class ParkedCounts:
     last message, so each map holds only what is pending."""
 
     __slots__ = ("bytes", "bytes_of_client", "ids_of", "max_bytes", "max_bytes_per_client",
-                 "of_client", "total")
+                 "max_parked", "max_parked_per_client", "of_client", "total")
 
-    def __init__(self, max_bytes: int, max_bytes_per_client: int) -> None:
+    def __init__(self, max_bytes: int, max_bytes_per_client: int, *,
+                 max_parked: int = MAX_PARKED,
+                 max_parked_per_client: int = MAX_PARKED_PER_CLIENT) -> None:
         self.max_bytes = max_bytes
         self.max_bytes_per_client = max_bytes_per_client
+        self.max_parked = max_parked
+        self.max_parked_per_client = max_parked_per_client
         self.total = 0
         self.bytes = 0  # envelope bytes of every parked message
         self.ids_of: dict[str, set[str]] = {}  # conversation -> approval ids
@@ -109,9 +113,9 @@ def gate(msg: Message, gates: Mapping[str, ApprovalRules], counts: ParkedCounts
     root = msg.frame.root
     owner = root.owner
     size = len(msg.envelope)
-    if (counts.total >= MAX_PARKED
+    if (counts.total >= counts.max_parked
             or len(counts.ids_of.get(root.uuid, ())) >= MAX_PARKED_PER_CONVERSATION
-            or counts.of_client.get(owner, 0) >= MAX_PARKED_PER_CLIENT):
+            or counts.of_client.get(owner, 0) >= counts.max_parked_per_client):
         code = HuhCode.DENIED
     elif (counts.bytes + size > counts.max_bytes
           or counts.bytes_of_client.get(owner, 0) + size > counts.max_bytes_per_client):

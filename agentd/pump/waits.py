@@ -121,6 +121,7 @@ class Waits:
         self._timers_of: dict[str, set[str]] = {}  # conversation -> timer ids
         self._timer_owner: dict[str, str] = {}  # conversation with timers -> its client
         self._timers_by_owner: dict[str, int] = {}  # client -> pending timers
+        self.max_timers_per_client = MAX_TIMERS_PER_CLIENT
         self.live: set[tuple[str, str]] = set()  # (kind, id) still pending
         self.holds: dict[str, int] = {}  # frame uuid -> pending timers and parked messages
         self.deadlines = DeadlineScheduler(fire, self.live, clock)
@@ -159,7 +160,7 @@ class Waits:
         conversation = frame.root.uuid
         if (len(self._timers_of.get(conversation, ())) >= req.max_pending
                 or len(self.timers) >= MAX_TIMERS
-                or self._timers_by_owner.get(frame.root.owner, 0) >= MAX_TIMERS_PER_CLIENT):
+                or self._timers_by_owner.get(frame.root.owner, 0) >= self.max_timers_per_client):
             return WaitPlan(plan_failure(msg, frame, HuhCode.DENIED), listener, frame, hops,
                             event=("tool-denied", {
                                 "listener": listener.name, "cause": "too many pending timers",
