@@ -19,7 +19,7 @@ import pytest
 
 from agentd.config import load_config
 from agentd.confine import Policy, _cgroup, _spawn, cgroups, kill_group, spawn
-from agentd.confine._cgroup import Cgroups, Hierarchy, TaskGroup, locate, prepare
+from agentd.confine._cgroup import PREFIX, Cgroups, Hierarchy, TaskGroup, locate, prepare
 from agentd.isolation._plan import worker_policy
 from agentd.testing import Harness
 from tests.isolated.watch import gone
@@ -28,6 +28,19 @@ from tests.test_isolation import CLIENTS, ask, needs_landlock, organism, settled
 FOUND = Cgroups.discover()
 needs_pids_cgroup = pytest.mark.skipif(
     not FOUND.available, reason=f"no pids cgroup to make children in: {FOUND.reason}")
+
+
+
+def group_of(pid: int) -> TaskGroup | None:
+    """The agentd cgroup the kernel lists a live `pid` in (/proc/PID/cgroup), if any."""
+    if FOUND.hierarchy is None:
+        return None
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        for part in line.partition(":")[2].partition(":")[2].split("/"):
+            if part.startswith(PREFIX):
+                return TaskGroup(FOUND.hierarchy.base / part)
+    return None
+
 
 HYBRID = """\
 9:name=systemd:/
@@ -137,9 +150,10 @@ def python_policy(max_tasks: int | None) -> Policy:
 async def test_a_fork_bomb_stops_at_max_tasks_and_all_of_it_is_killed() -> None:
     proc = await spawn([sys.executable, "-I", "-S", "-c", FORKER, "500"], python_policy(12))
     assert proc.stdout is not None
-    group = _spawn._GROUPS[proc]
     line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
     assert line.startswith("failed errno=11 after=11"), line  # EAGAIN: 12 tasks in all
+    group = group_of(proc.pid)
+    assert group is not None
     pids = group.pids()
     assert len(pids) == 12 and proc.pid in pids
     assert await kill_group(proc) == -9
@@ -161,7 +175,8 @@ async def test_a_process_that_left_the_group_is_still_killed() -> None:
     proc = await spawn([sys.executable, "-I", "-S", "-c", leaver], python_policy(8))
     assert proc.stdout is not None
     assert (await asyncio.wait_for(proc.stdout.readline(), 30)) == b"ok\n"
-    group = _spawn._GROUPS[proc]
+    group = group_of(proc.pid)
+    assert group is not None
     pids = group.pids()
     assert len(pids) == 2
     await kill_group(proc)
@@ -177,7 +192,8 @@ async def test_a_cgroup_made_beneath_the_childs_is_killed_and_removed_with_it() 
     proc = await spawn([sys.executable, "-I", "-S", "-c", FORKER, "1"], python_policy(8))
     assert proc.stdout is not None
     assert (await asyncio.wait_for(proc.stdout.readline(), 30)) == b"forked 1\n"
-    group = _spawn._GROUPS[proc]
+    group = group_of(proc.pid)
+    assert group is not None
     [grandchild] = [pid for pid in group.pids() if pid != proc.pid]
     (group.path / "inner").mkdir()
     (group.path / "inner" / "cgroup.procs").write_text(str(grandchild))
@@ -250,16 +266,15 @@ async def test_a_fork_bomb_in_an_isolated_handler_is_bounded_and_its_worker_repl
         assert pool.status()["tasks_limited"] == 1
         assert h.isolation.status()["confinement"]["pids_cgroup"].startswith(
             f"cgroup v{FOUND.hierarchy.version} pids at ")  # type: ignore[union-attr]
-        groups = [_spawn._GROUPS[w.proc] for w in pool.workers]  # one serves, a spare
-        for worker, group in zip(pool.workers, groups, strict=True):
-            assert group.path.name in Path(f"/proc/{worker.pid}/cgroup").read_text()
+        groups = [group_of(w.pid) for w in pool.workers]  # one serves, a spare
+        assert None not in groups and len({g.path for g in groups if g}) == 2
         kind, text = await ask(h, "fork-bomb", "2000")
         assert kind == "outcome"
         forked, errno = (int(part.split("=")[1]) for part in text.split())
         assert errno == 11  # EAGAIN
         assert forked < 16  # the worker's own threads count too
         await settled(h, 1)  # the children it left: the worker is replaced
-        assert sorted(g.path.exists() for g in groups) == [False, True]
+        assert sorted(g.path.exists() for g in groups if g) == [False, True]
         assert await ask(h, "echo", "still here") == ("outcome", "still here")
 
 
@@ -274,8 +289,7 @@ async def test_a_worker_cannot_move_itself_out_of_its_cgroup(tmp_path: Path) -> 
         kind, text = await ask(h, "leave-cgroup", str(hierarchy.base / "cgroup.procs"))
         assert (kind, text) == ("outcome", "refused errno=13")
         for worker in h.isolation.pools["prober"].workers:
-            assert _spawn._GROUPS[worker.proc].path.name in Path(
-                f"/proc/{worker.pid}/cgroup").read_text()
+            assert group_of(worker.pid) is not None
 
 
 async def test_without_a_pids_cgroup_children_run_unbounded_with_a_warning(
@@ -286,8 +300,12 @@ async def test_without_a_pids_cgroup_children_run_unbounded_with_a_warning(
     monkeypatch.setattr(_spawn, "_warned_tasks", False)
     caplog.set_level(logging.WARNING, "agentd.confine")
     for _ in range(2):
-        proc = await spawn([sys.executable, "-I", "-S", "-c", "print(1)"], python_policy(4))
-        assert proc not in _spawn._GROUPS
+        proc = await spawn([sys.executable, "-I", "-S", "-c",
+                            "import time; print(1, flush=True); time.sleep(60)"],
+                           python_policy(4))
+        assert proc.stdout is not None
+        assert (await asyncio.wait_for(proc.stdout.readline(), 30)) == b"1\n"
+        assert group_of(proc.pid) is None  # running, in no cgroup of its own
         assert await kill_group(proc) in (0, -9)
     warnings = [r.message for r in caplog.records if "no pids cgroup" in r.message]
     assert warnings == ["confine: no pids cgroup (no pids controller (test)); the processes "
@@ -325,12 +343,12 @@ async def test_a_daemon_exiting_without_killing_its_children_kills_their_cgroups
         "import asyncio, sys\n"
         f"sys.path.insert(0, {str(Path(__file__).parent.parent)!r})\n"
         "from agentd.confine import _spawn\n"
-        "from tests.test_cgroup import FORKER, python_policy\n"
+        "from tests.test_cgroup import FORKER, group_of, python_policy\n"
         "async def main():\n"
         "    proc = await _spawn.spawn([sys.executable, '-I', '-S', '-c', FORKER, '2'],\n"
         "                              python_policy(8))\n"
         "    await proc.stdout.readline()\n"
-        "    group = _spawn._GROUPS[proc]\n"
+        "    group = group_of(proc.pid)\n"
         "    print(group.path, *group.pids(), flush=True)\n"
         "asyncio.run(main())\n")
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
