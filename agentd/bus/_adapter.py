@@ -4,10 +4,11 @@
 websockets' sans-I/O `ServerProtocol` for the opening handshake and the framing
 (public API only: `receive_data`, `events_received`, `send_text`, `data_to_send`),
 hands text frames and timer expiries to its `BusSession`, and carries out the
-actions the session returns (authenticate, load the outbox, submit to the pump,
-close, pause or resume reading). Frames queued for one connection within a loop
-turn leave in a single `transport.write`: the TLS transport makes every write a
-record and a send() of its own, so one write per batch instead of one per frame.
+actions the session returns (authenticate, close, pause or resume reading; its
+`SessionFeed` submits to the pump and loads and acknowledges the outbox). Frames
+queued for one connection within a loop turn leave in a single `transport.write`:
+the TLS transport makes every write a record and a send() of its own, so one write
+per batch instead of one per frame.
 
 Invariants:
 - Every byte websockets wants written is written, in order, the empty chunk (its
@@ -20,13 +21,12 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Sequence
 from http import HTTPStatus
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 from websockets.extensions.permessage_deflate import enable_server_permessage_deflate
@@ -38,6 +38,7 @@ from websockets.server import ServerProtocol
 from agentd import _metrics as metrics
 from agentd._streams import StreamHub
 from agentd.bus._auth import ClientAuth, parse_auth_frame
+from agentd.bus._feed import OrganismSide, SessionFeed
 from agentd.bus._limits import TokenBucket
 from agentd.bus._session import (
     CLOSE_POLICY,
@@ -63,34 +64,13 @@ BUS_PATH = "/bus"
 CLOSE_TIMEOUT_S = 5.0  # how long a close handshake may take before the socket is cut
 WRITE_HIGH_WATER = 32 * 1024  # the transport's buffer above which sends queue up
 
-SubmitFn = Callable[[str, bytes], Awaitable[object]]
-# `Pump.submit_nowait`: admit now, or None when the pump has no room (then `submit`).
-SubmitNowFn = Callable[[str, bytes], "object | None"]
-
-
-class OutboxSource(Protocol):
-    """The kernel's durable outbox, as the bus sees it."""
-
-    async def pending(self, client: str) -> list[tuple[int, str, bytes]]:
-        """(outbox_id, thread, data) not yet delivered to `client`, in order."""
-        ...
-
-    def delivered(self, client: str, outbox_id: int) -> None:
-        """The frame reached the client: written to its socket, or acknowledged by a
-        client that acknowledges delivery."""
-        ...
-
-
-class ConnectionHost(Protocol):
+class ConnectionHost(OrganismSide, Protocol):
     """The server as one of its connections sees it (`BusServer`): the settings,
-    the pump and the outbox, and where a connection reports what happened to it."""
+    the pump and the outbox (`OrganismSide`), and where a connection reports what
+    happened to it."""
 
     cfg: BusConfig
-    loop: asyncio.AbstractEventLoop
     auth: ClientAuth
-    outbox: OutboxSource | None
-    submit: SubmitFn
-    submit_nowait: SubmitNowFn | None
     ping_interval_s: float | None
     streams: StreamHub | None  # previews of models' text, and who asked for them
 
@@ -111,21 +91,19 @@ class ConnectionHost(Protocol):
 
     def connection_lost(self, conn: BusConnection) -> None: ...
 
-    def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]: ...
-
 
 class BusConnection(asyncio.Protocol):
     """One TLS connection: websockets' framing + a `BusSession` + the loop."""
 
     __slots__ = (
         "_close_armed",
+        "_feed",
         "_flush_at",
         "_fragments",
         "_inbox",
         "_ping",
         "_processing",
         "_protocol",
-        "_submits",
         "_timer",
         "server",
         "session",
@@ -143,6 +121,7 @@ class BusConnection(asyncio.Protocol):
         )
         self.transport: asyncio.Transport | None = None
         self.session: BusSession | None = None  # once the opening handshake succeeded
+        self._feed: SessionFeed | None = None  # with the session: its pump and outbox
         self.writes = 0  # transport writes of frames (one per batch)
         self._inbox: deque[bytes] | None = None  # frames received while reading is paused
         self._fragments: list[bytes] | None = None
@@ -151,7 +130,6 @@ class BusConnection(asyncio.Protocol):
         self._flush_at: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None  # handshake/auth timeout, TTL
         self._ping: asyncio.TimerHandle | None = None
-        self._submits: dict[str, asyncio.Task[None]] | None = None  # thread -> its latest
 
     # ---- asyncio.Protocol ---------------------------------------------------------------
 
@@ -217,7 +195,8 @@ class BusConnection(asyncio.Protocol):
         self._write_protocol()
         if protocol.state is not State.OPEN:
             return
-        self.session = server.session_opened(self)
+        self.session = session = server.session_opened(self)
+        self._feed = SessionFeed(session, server, self._run)
         if self._timer is not None:
             self._timer.cancel()
         loop = server.loop
@@ -319,11 +298,13 @@ class BusConnection(asyncio.Protocol):
     # ---- actions ---------------------------------------------------------------------------
 
     def _run(self, actions: Sequence[Action]) -> None:
+        feed = self._feed
         for action in actions:
             if type(action) is Submit:
+                assert feed is not None
                 if action.stream and self.server.streams is not None and self.session:
                     self.server.streams.thread_opted_in(self.session.client, action.thread)
-                self._submit(action.thread, action.data)
+                feed.submit(action.thread, action.data)
             elif type(action) is PauseReading:
                 if self.transport is not None and not self.transport.is_closing():
                     self.transport.pause_reading()
@@ -337,9 +318,11 @@ class BusConnection(asyncio.Protocol):
             elif type(action) is Authenticate:
                 self._authenticate(action.frame)
             elif type(action) is LoadOutbox:
-                self.server.spawn(self._replay())
+                assert feed is not None
+                feed.load_outbox()
             elif type(action) is Acknowledge:
-                self._acknowledge(action.ids)
+                assert feed is not None
+                feed.acknowledge(action.ids)
             elif type(action) is ResumeStream:
                 if self.server.streams is not None and self.session is not None:
                     self.server.streams.resume(self.session.client, action.stream,
@@ -393,67 +376,6 @@ class BusConnection(asyncio.Protocol):
         streams = request is not None and request.stream
         self._run(session.auth_result(who, server.bucket(who[0]), delivered, streams))
         server.authenticated(self)
-
-    def _acknowledge(self, ids: Sequence[int]) -> None:
-        session, outbox = self.session, self.server.outbox
-        if session is None or outbox is None:
-            return
-        for outbox_id in ids:
-            outbox.delivered(session.client, outbox_id)
-
-    async def _replay(self) -> None:
-        session, outbox = self.session, self.server.outbox
-        assert session is not None
-        pending = await outbox.pending(session.client) if outbox is not None else []
-        if pending and session.state is ConnState.REPLAYING:
-            log.info("outbox replay client=%s frames=%d", session.client, len(pending))
-        self._run(session.outbox_loaded(pending))
-
-    def _submit(self, thread: str, data: bytes) -> None:
-        session, server = self.session, self.server
-        assert session is not None
-        submits = self._submits
-        previous = submits.get(thread) if submits else None
-        nowait = server.submit_nowait
-        if nowait is not None and (previous is None or previous.done()):
-            # The common case, with no task: the pump has room and no earlier
-            # envelope of this thread is still waiting for it.
-            try:
-                result = nowait(session.client, data)
-            except Exception:
-                log.exception("submit failed client=%s", session.client)
-                self._run(session.submit_failed(thread))
-                return
-            if result is not None:
-                self._run(session.submitted(thread, result, server.loop.time(), len(data)))
-                return
-        if submits is None:
-            submits = self._submits = {}
-        submits[thread] = server.spawn(self._submit_waiting(thread, data, previous))
-
-    async def _submit_waiting(
-        self, thread: str, data: bytes, previous: asyncio.Task[None] | None
-    ) -> None:
-        """One envelope into the pump, waiting for room. Envelopes on different
-        threads wait concurrently (the pump journals them in the order they start,
-        and a journal commit is shared by a batch); one thread's envelopes wait for
-        each other, so their order is kept even while the pump waits for room."""
-        session, server = self.session, self.server
-        assert session is not None
-        if previous is not None and not previous.done():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(previous)
-        try:
-            result = await server.submit(session.client, data)
-        except Exception:
-            log.exception("submit failed client=%s", session.client)
-            self._run(session.submit_failed(thread))
-            return
-        finally:
-            submits = self._submits
-            if submits is not None and submits.get(thread) is asyncio.current_task():
-                del submits[thread]
-        self._run(session.submitted(thread, result, server.loop.time(), len(data)))
 
     def _set_ttl_timer(self, at: float) -> None:
         if self._close_armed:

@@ -35,8 +35,9 @@ from typing import Any
 from agentd import _metrics as metrics
 from agentd._envelope import NIL_THREAD
 from agentd._streams import StreamHub
-from agentd.bus._adapter import BUS_PATH, BusConnection, OutboxSource, SubmitFn, SubmitNowFn
+from agentd.bus._adapter import BUS_PATH, BusConnection
 from agentd.bus._auth import ClientAuth
+from agentd.bus._feed import OutboxSource, SubmitFn, SubmitNowFn
 from agentd.bus._limits import TokenBucket, UnauthenticatedSlots
 from agentd.bus._session import BusSession, SessionLimits, choose_session
 from agentd.bus._tls import reload_pair, server_context
