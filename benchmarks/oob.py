@@ -192,8 +192,10 @@ async def _reload_under_load(tmp: Path, key: Ed25519PrivateKey, quick: bool) -> 
 
     daemon._deliver = deliver  # type: ignore[method-assign]
     await daemon.start()
-    assert daemon.pump is not None and daemon.oob is not None
-    daemon.pump.clients["alice"] = "admin"
+    assert daemon.pump is not None and daemon.oob is not None and daemon.routing is not None
+    # No bus here: the client's profile comes in as a reload's would (a later
+    # reload without a clients file keeps it).
+    daemon.pump.reload(daemon.routing, daemon.config.meta, {"alice": "admin"})
     targets = [i for i in range(50)] + [i for i in range(100, 150)]  # kept and changed
     specs = {i: spec_of(getattr(mod, f"P{i}")) for i in targets}
     stop = False

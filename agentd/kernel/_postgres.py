@@ -252,13 +252,6 @@ def table_names(conn: PgConnection) -> set[str]:
         "WHERE table_schema = current_schema()")}
 
 
-def database_bytes(dsn: str) -> int:
-    """The database's size on the server."""
-    with psycopg.connect(dsn, connect_timeout=10) as conn:
-        row = conn.execute("SELECT pg_database_size(current_database())").fetchone()
-        return int(row[0]) if row else 0
-
-
 class PgReader:
     """The kernel's read side on PostgreSQL (aiosqlite's `execute_fetchall` shape),
     one async connection in autocommit; reconnects once if the server went away."""
