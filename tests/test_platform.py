@@ -553,7 +553,7 @@ def test_validate_no_override_finds_tampering(tamper: Any, finding: str) -> None
 async def test_a_violation_stops_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """A faulty (or subverted) assembler that lets text into the system slot: the
     byte-for-byte check against the registry stops the call before it goes out."""
-    import agentd.platform._platform as module
+    import agentd.platform._assembly as module
 
     real = module.assemble
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
         make_agent_handlers,
         render_result,
     )
+    from agentd.platform._assembly import ContextOverflow, OverrideViolation
     from agentd.platform._audit import kernel_audit
     from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
     from agentd.platform._context import (
@@ -48,12 +49,7 @@ if TYPE_CHECKING:
         Turn,
     )
     from agentd.platform._metered import AuditFn, Completion
-    from agentd.platform._platform import (
-        AgentSession,
-        ContextOverflow,
-        OverrideViolation,
-        Platform,
-    )
+    from agentd.platform._platform import AgentSession, Platform
     from agentd.platform._prompts import AgentPrompt, PromptRegistry, Tool, ToolCatalogue
     from agentd.platform._reply import ParsedReply, parse_reply
     from agentd.platform._scope import IsolationError, ThreadScope, registry_resolver
@@ -67,6 +63,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "make_agent_handlers",
         "render_result",
     ),
+    "agentd.platform._assembly": ("ContextOverflow", "OverrideViolation"),
     "agentd.platform._audit": ("kernel_audit",),
     "agentd.platform._budget": ("BudgetExceeded", "BudgetLedger", "Scope"),
     "agentd.platform._context": (
@@ -88,12 +85,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
         "Turn",
     ),
     "agentd.platform._metered": ("AuditFn", "Completion"),
-    "agentd.platform._platform": (
-        "AgentSession",
-        "ContextOverflow",
-        "OverrideViolation",
-        "Platform",
-    ),
+    "agentd.platform._platform": ("AgentSession", "Platform"),
     "agentd.platform._prompts": ("AgentPrompt", "PromptRegistry", "Tool", "ToolCatalogue"),
     "agentd.platform._reply": ("ParsedReply", "parse_reply"),
     "agentd.platform._scope": ("IsolationError", "ThreadScope", "registry_resolver"),

@@ -24,20 +24,15 @@ Invariants:
 from __future__ import annotations
 
 import logging
-import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from agentd import _metrics as metrics
 from agentd._threads import log_ids
 from agentd.config import AgentConfig, OrganismConfig
 from agentd.context import (
     HashedTerms,
-    LibrarianRules,
     LongTermMemory,
     MemoryRecord,
     NoSegmentLog,
@@ -46,7 +41,6 @@ from agentd.context import (
     SegmentLog,
     TextVectors,
     TokenCalibration,
-    replan,
     text_vectors,
 )
 from agentd.llm import (
@@ -56,16 +50,14 @@ from agentd.llm import (
     ToolSpec,
 )
 from agentd.llm.tools import AUTO
+from agentd.platform._assembly import Assembly
 from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
 from agentd.platform._context import (
     AssembledContext,
     Fragment,
     Layer,
     SecurityEvent,
-    assemble,
     prepare,
-    prepare_keyed,
-    validate_no_override,
 )
 from agentd.platform._history import (
     ASSISTANT,
@@ -80,7 +72,7 @@ from agentd.platform._history import (
 from agentd.platform._metered import AuditFn, Completion, Meter, MeteredCalls, request_bytes
 from agentd.platform._own_calls import fill_form, summarise
 from agentd.platform._previews import PreviewOpener, Previews, PreviewWriter
-from agentd.platform._prompts import AgentPrompt, PromptRegistry, ToolCatalogue, fact_key
+from agentd.platform._prompts import AgentPrompt, PromptRegistry, ToolCatalogue
 from agentd.platform._scope import ThreadResolver, registry_resolver
 from agentd.platform._tasks import Task, TaskEndHook, TaskTable
 from agentd.platform._working import TaskContext
@@ -91,16 +83,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("agentd.platform")
 
 SECURITY = "security"  # the audit kind of security events
-
-
-class ContextOverflow(BudgetExceeded):
-    """Even with every segment evicted, the request would exceed budget_tokens."""
-
-
-class OverrideViolation(Exception):
-    """`validate_no_override` found a way for a lower layer to pose as a higher one."""
-
-
 
 
 def _null_audit(kind: str, thread: str, fields: Mapping[str, Any]) -> None:
@@ -140,18 +122,10 @@ class Platform:
         )
         self._tasks = TaskTable()
         facts = dict(shared_facts) if shared_facts is not None else {"organism": config.name}
-        # Layer 3 per agent: shared facts minus those that would redefine layers 1-2.
-        self._shared: dict[str, tuple[tuple[Fragment, ...], dict[str, str]]] = {}
-        for agent in self._agents:
-            prompt = registry.get(agent)
-            kept, events = prepare_keyed(
-                facts.items(), layer=Layer.SHARED, source="shared", protected=prompt.facts
-            )
-            for event in events:
-                self._report(agent, "", event, set())
-            text = "\n".join(f"{k}: {v}" for k, v in kept if k is not None)
-            fragments = (Fragment(Layer.SHARED, text, "shared"),) if text else ()
-            self._shared[agent] = (fragments, {fact_key(k): v for k, v in kept if k})
+        # The layers of each request: shared facts, memories, assembly, the librarian.
+        self._assembly = Assembly(self._agents, registry, self.memory, self.tokens,
+                                  self.segments, facts, self._report, self._audit,
+                                  self._summarise)
 
     @classmethod
     def from_config(
@@ -266,7 +240,7 @@ class Platform:
     def _start(self, agent: str, thread: str, task_xml: str) -> Task:
         self._tasks.claim(agent, thread)
         prompt = self._registry.get(agent)
-        shared_facts = self._shared[agent][1]
+        shared_facts = self._assembly.shared_facts(agent)
         protected = {**shared_facts, **prompt.facts}
         prepared = prepare(
             task_xml, layer=Layer.DELEGATED, source="task", protected=protected, xml=True
@@ -383,104 +357,26 @@ class Platform:
             return Scope(f"conversation:{thread}", None)
         return Scope(f"conversation:{scope.conversation}", scope.token_budget)
 
-    async def _recall(self, agent: str, thread: str, task: Task) -> list[Fragment]:
-        """Layer 6: the memories most similar to the task, minus any keyed one that
-        would redefine a fact of a higher layer (dropped and reported)."""
-        await self.memory.ready()
-        k = self._agents[agent].context.recall_k
-        memories = await self.memory.recall(agent, task.query, k)
-        kept, events = prepare_keyed(
-            ((m.key, m.text) for m in memories),
-            layer=Layer.LONG_TERM, source="memory", protected=task.protected,
-        )
-        for event in events:
-            self._report(agent, thread, event, task.reported)
-        return [Fragment(Layer.LONG_TERM, text, "memory") for _, text in kept]
-
     async def assemble(self, agent: str, thread: str) -> tuple[AssembledContext, AgentPrompt]:
         """The six layers for the thread's next call with the segments at their
         current tiers, validated (`complete` runs the librarian first: `arrange`)."""
         task = self._tasks.own(agent, thread)
-        return self._assemble(agent, thread, task, await self._recall(agent, thread, task))
-
-    def _assemble(self, agent: str, thread: str, task: Task, memories: list[Fragment]
-                  ) -> tuple[AssembledContext, AgentPrompt]:
-        prompt = self._registry.get(agent)
-
-        def summary(text: str, source: str) -> str:
-            prepared = prepare(text, layer=Layer.WORKING, source=source,
-                               protected=task.protected)
-            for event in prepared.events:
-                self._report(agent, thread, event, task.reported)
-            return prepared.content
-
-        ctx = assemble(
-            prompt,
-            nonce=secrets.token_hex(8),
-            task=task.task,
-            shared=self._shared[agent][0],
-            working=task.context.shown(summary),
-            memories=memories,
-        )
-        problems = validate_no_override(ctx, self._registry, task.protected)
-        if problems:
-            for problem in problems:
-                self._report(agent, thread, SecurityEvent(
-                    "override-violation", Layer.CORE, "assembly", problem), set())
-            raise OverrideViolation("; ".join(problems))
-        return ctx, prompt
+        assembly = self._assembly
+        return assembly.assemble(agent, thread, task, await assembly.recall(agent, thread, task))
 
     # ---- the librarian's pass -----------------------------------------------------------
 
     async def arrange(self, agent: str, thread: str) -> tuple[AssembledContext, AgentPrompt]:
-        """Run the librarian for the thread's next call (relevance, fold, evict,
-        unfold; summaries for newly folded segments), then assemble. The assembled
-        request is measured; when the estimate of a summary was short, the plan is
-        made again with less room, so the request never exceeds `budget_tokens`."""
+        """The thread's next request, after the librarian's pass (`Assembly.arrange`);
+        the segments results grew since the last call are written first."""
         task = self._tasks.own(agent, thread)
-        cfg = self._agents[agent]
         self._save(task, thread)
-        memories = await self._recall(agent, thread, task)
-        context = task.context
-        if not context.segments:
-            ctx, prompt = self._assemble(agent, thread, task, memories)
-            self._check_budget(agent, thread, ctx)
-            return ctx, prompt
-        factor = self.tokens.factor(cfg.model)
-
-        def tokens(nbytes: Any) -> Any:
-            return np.ceil(nbytes / 4 * factor).astype(np.int64)
-
-        empty = assemble(self._registry.get(agent), nonce="0" * 16, task=task.task,
-                         shared=self._shared[agent][0], working=(), memories=memories)
-        fixed = self._request_tokens(empty, cfg.model)
-        query = f"{task.query}\n{context.segments[-1].text}"
-        rules = LibrarianRules(cfg.context.budget_tokens, cfg.context.fold_below,
-                               cfg.context.keep_recent)
-        caller = _Arranged(self, agent, thread, task, memories)
-        (ctx, prompt), used = await replan(context, query, rules, tokens, fixed, caller)
-        if used > cfg.context.budget_tokens:
-            self._check_budget(agent, thread, ctx)
-        return ctx, prompt
-
-    def _request_tokens(self, ctx: AssembledContext, backend: str) -> int:
-        tools = self.offered_tools(ctx.agent)
-        return self.tokens.estimate(request_bytes(ctx.system, ctx.messages, tools), backend)
+        return await self._assembly.arrange(agent, thread, task)
 
     def offered_tools(self, agent: str) -> tuple[ToolSpec, ...]:
         """The provider tools sent with `agent`'s requests (native tool calling; none
         with `tool_calling: xml`)."""
         return self._registry.get(agent).provider_tools
-
-    def _check_budget(self, agent: str, thread: str, ctx: AssembledContext) -> None:
-        cfg = self._agents[agent]
-        used = self._request_tokens(ctx, cfg.model)
-        if used > cfg.context.budget_tokens:
-            self._audit("budget-exceeded", thread, {
-                "agent": agent, "scope": "context", "limit": cfg.context.budget_tokens,
-                "spent": used,
-            })
-            raise ContextOverflow("context", cfg.context.budget_tokens, used, 0)
 
     async def _summarise(self, agent: str, thread: str, seg: Segment) -> str:
         meter = Meter(agent, thread, self._scopes(agent, thread), audit="summary",
@@ -569,29 +465,6 @@ class Platform:
             "event": event.kind, "agent": agent, "layer": int(event.layer),
             "source": event.source, "detail": event.detail,
         })
-
-
-@dataclass(frozen=True, slots=True)
-class _Arranged:
-    """The platform's side of the librarian's pass (`agentd.context.replan`) for one
-    task's next call."""
-
-    platform: Platform
-    agent: str
-    thread: str
-    task: Task
-    memories: list[Fragment]
-
-    async def summary(self, seg: Segment) -> str:
-        return await self.platform._summarise(self.agent, self.thread, seg)
-
-    def moved(self, seg: Segment) -> None:
-        self.platform.segments.move(self.thread, seg)
-
-    def assemble(self) -> tuple[tuple[AssembledContext, AgentPrompt], int]:
-        p = self.platform
-        ctx, prompt = p._assemble(self.agent, self.thread, self.task, self.memories)
-        return (ctx, prompt), p._request_tokens(ctx, p._agents[self.agent].model)
 
 
 class AgentSession:
