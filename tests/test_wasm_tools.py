@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 import textwrap
 import time
 import uuid
@@ -45,7 +46,7 @@ def organism(tmp_path: Path) -> Path:
     mods = {name: W.compile_to(tmp_path / f"{name}.wasm", wat) for name, wat in {
         "echo": W.ECHO, "spin": W.SPIN, "grow": W.GROW, "exit3": W.exit_with(3),
         "clock": W.CLOCK, "cpu": W.PROCESS_CLOCK_MS, "cpu.thread": W.THREAD_CLOCK_MS,
-        "flood": W.FLOOD, "read_inside": W.file_reader("note.txt"),
+        "flood": W.FLOOD, "noisy": W.NOISY, "read_inside": W.file_reader("note.txt"),
         "read_up": W.file_reader("../secret.txt"), "read_abs": W.file_reader("/etc/passwd"),
         "read_link": W.file_reader("escape"),
     }.items()}
@@ -61,6 +62,7 @@ def organism(tmp_path: Path) -> Path:
         wasm_listener("cpu", mods["cpu"]),
         wasm_listener("cpu.thread", mods["cpu.thread"]),
         wasm_listener("flood", mods["flood"]),
+        wasm_listener("noisy", mods["noisy"], response="WasmIn"),
         *(wasm_listener(n, mods[n], **preopen)
           for n in ("read_inside", "read_up", "read_abs", "read_link")),
     ])
@@ -127,6 +129,14 @@ async def test_flooding_stdout_is_cut_and_the_answer_refused(h: Harness) -> None
     frames = await call(h, "flood")
     assert outcome(frames)[0] == "huh"
     assert max(len(f) for f in frames) < 4096  # nothing of the flood reached the client
+
+
+async def test_stderr_is_logged_capped_and_a_flood_of_it_does_not_stop_the_answer(
+        h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, "agentd.tools.wasm")
+    assert outcome(await call(h, "noisy", "still answered")) == ("wasmin", "still answered")
+    logged = [r.getMessage() for r in caplog.records if "wasm stderr" in r.getMessage()]
+    assert logged == [f"wasm stderr module=noisy.wasm: {b'e' * 4096!r}"]
 
 
 async def test_module_reads_a_file_inside_its_preopen(h: Harness) -> None:

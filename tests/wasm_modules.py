@@ -43,6 +43,27 @@ ECHO = f"""(module {_IMPORTS}
         (then (call $write (i32.const 1) (i32.const 1024) (local.get $n)) (br $more))))))
 """
 
+# Writes 64 KiB of "e" to stderr 32 times (2 MiB, past its cap: the writes past it
+# fail, and it goes on), then copies stdin to stdout.
+NOISY = f"""(module {_IMPORTS}
+  (memory (export "memory") 2)
+  {_WRITE}
+  (func (export "_start")
+    (local $n i32)
+    (memory.fill (i32.const 65536) (i32.const 101) (i32.const 65536))
+    (loop $noise
+      (call $write (i32.const 2) (i32.const 65536) (i32.const 65536))
+      (local.set $n (i32.add (local.get $n) (i32.const 1)))
+      (br_if $noise (i32.lt_u (local.get $n) (i32.const 32))))
+    (loop $more
+      (i32.store (i32.const 0) (i32.const 1024))
+      (i32.store (i32.const 4) (i32.const 64512))
+      (drop (call $fd_read (i32.const 0) (i32.const 0) (i32.const 1) (i32.const 16)))
+      (local.set $n (i32.load (i32.const 16)))
+      (if (i32.gt_u (local.get $n) (i32.const 0))
+        (then (call $write (i32.const 1) (i32.const 1024) (local.get $n)) (br $more))))))
+"""
+
 SPIN = """(module
   (memory (export "memory") 1)
   (func (export "_start") (loop $forever (br $forever))))

@@ -18,7 +18,8 @@ that wait or leave anything behind are not linked as wasmtime has them:
 `poll_oneoff` answers `notsup` instead of sleeping, `path_symlink` `perm`):
 one ticker thread per process advances the engine's epoch every `TICK_S` while calls
 run, and each store's deadline is its `timeout_ms` in ticks (-> `huh timeout`). A
-non-zero exit or any other trap -> `huh internal`; stderr goes to the log, capped.
+non-zero exit or any other trap -> `huh internal`; stderr is a memory file like
+stdout (a write past its 1 MiB fails in the guest), its first 4 KiB logged.
 
 Modules are compiled once per content (keyed by SHA-256) when the configuration is
 loaded, and instantiated per call from a pre-linked `InstancePre`. A call runs on a
@@ -56,7 +57,8 @@ log = logging.getLogger("agentd.tools.wasm")
 
 TICK_S = 0.005  # the epoch period: wall-time limits are enforced to within one tick
 MAX_STDOUT_BYTES = 1024 * 1024  # more is cut off; the pump then refuses the payload
-MAX_STDERR_LOG_BYTES = 4096
+MAX_STDERR_BYTES = 1024 * 1024  # a write past it fails in the guest
+MAX_STDERR_LOG_BYTES = 4096  # of which the log gets this much
 WASM_PAGE = 65536
 _WASI = "wasi_snapshot_preview1"
 _NS_PER_MS = 1_000_000
@@ -224,39 +226,21 @@ class RunOutcome:
     reason: str = ""
 
 
-class _Capped:
-    """A stdout/stderr sink that keeps at most `limit` bytes."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.parts: list[bytes] = []
-        self.size = 0
-        self.cut = False
-
-    def __call__(self, chunk: bytes) -> int:
-        # Always report the whole chunk written: a short write would make the guest
-        # retry until its fuel or time ran out.
-        room = self.limit - self.size
-        if len(chunk) > room:
-            self.cut = True
-        kept = chunk[:room]
-        self.parts.append(kept)
-        self.size += len(kept)
-        return len(chunk)
-
-    def value(self) -> bytes:
-        return b"".join(self.parts)
-
-
-def _stdout_file(wasi: wasmtime.WasiConfig) -> int:
-    """A memory file as the module's stdout, capped at MAX_STDOUT_BYTES + 1: wasmtime
-    opens (and truncates) it first, then it is sized and sealed against growing, so
-    a write past the cap fails in the guest and memory stays bounded. Unwritten
-    bytes read as zeros."""
-    fd = os.memfd_create("agentd-wasm-stdout", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+def _output_file(wasi: wasmtime.WasiConfig, stream: str, cap: int) -> int:
+    """A memory file as the module's `stream` ("stdout" or "stderr"), sized `cap` + 1:
+    wasmtime opens (and truncates) it first, then it is sized and sealed against
+    growing, so a write past the cap fails in the guest and memory stays bounded.
+    Unwritten bytes read as zeros. A file, not a Python callback: wasmtime runs each
+    callback stream on a task of its runtime, and creating and dropping one costs
+    thread hand-overs (~200 us of CPU a call, whether the module writes or not)."""
+    fd = os.memfd_create(f"agentd-wasm-{stream}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        wasi.stdout_file = f"/proc/self/fd/{fd}"
-        os.ftruncate(fd, MAX_STDOUT_BYTES + 1)
+        path = f"/proc/self/fd/{fd}"
+        if stream == "stdout":
+            wasi.stdout_file = path
+        else:
+            wasi.stderr_file = path
+        os.ftruncate(fd, cap + 1)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                     fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
     except BaseException:
@@ -265,13 +249,18 @@ def _stdout_file(wasi: wasmtime.WasiConfig) -> int:
     return fd
 
 
-def _written(fd: int) -> bytes:
-    """What the module wrote to its stdout file, at most MAX_STDOUT_BYTES: stdout is a
-    stream, so it is a prefix of the file, up to the first hole (page-grained) and
-    less its trailing zero bytes (a response payload is XML text, in which a NUL
-    character has no place)."""
-    end = min(os.lseek(fd, 0, os.SEEK_HOLE), MAX_STDOUT_BYTES)
-    return os.pread(fd, end, 0).rstrip(b"\0")
+def _written(fd: int, limit: int) -> bytes:
+    """What the module wrote to an output file, at most `limit` bytes: a stream, so a
+    prefix of the file, up to the first hole (page-grained) and less its trailing
+    zero bytes (a response payload is XML text, in which a NUL character has no
+    place)."""
+    data = os.pread(fd, min(os.lseek(fd, 0, os.SEEK_HOLE), limit), 0)
+    cut = data.find(0)  # memchr; `rstrip` tests the up to 4 KiB of zeros one by one
+    if cut < 0:
+        return data
+    if data.count(0, cut) == len(data) - cut:
+        return data[:cut]
+    return data.rstrip(b"\0")  # a NUL written before the end: kept, and refused later
 
 
 class WasmModule:
@@ -295,26 +284,29 @@ class WasmModule:
         store.set_fuel(config.fuel)
         wasi = wasmtime.WasiConfig()
         wasi.argv = ["module"]
-        stderr = _Capped(MAX_STDERR_LOG_BYTES)
-        wasi.stderr_custom = stderr
         for guest, host in config.preopens.items():
             wasi.preopen_dir(str(host), guest)
-        # stdin from memory; stdout into an anonymous memory file that nothing else
-        # can open (a Python callback per write, or a file for stdin, costs wasmtime
-        # a hand-over to a thread of its own: ~100 us each).
+        # stdin from memory; stdout and stderr into anonymous memory files that
+        # nothing else can open (a Python callback, or a file for stdin, costs
+        # wasmtime a hand-over to a thread of its own: ~100 us each).
         _ffi.wasi_config_set_stdin_bytes(wasi.ptr(), byref(_ffi.bytes_to_capi(stdin)))
-        out = _stdout_file(wasi)
+        out = _output_file(wasi, "stdout", MAX_STDOUT_BYTES)
         try:
-            store.set_wasi(wasi)
-            with self.rt.ticker:
-                store.set_epoch_deadline(self.deadline_ticks)
-                _call.cpu0 = time.thread_time_ns()
-                outcome = self._start(store)
-            stdout = _written(out) if outcome is None else b""
+            err = _output_file(wasi, "stderr", MAX_STDERR_BYTES)
+            try:
+                store.set_wasi(wasi)
+                with self.rt.ticker:
+                    store.set_epoch_deadline(self.deadline_ticks)
+                    _call.cpu0 = time.thread_time_ns()
+                    outcome = self._start(store)
+                stdout = _written(out, MAX_STDOUT_BYTES) if outcome is None else b""
+                stderr = _written(err, MAX_STDERR_LOG_BYTES)
+            finally:
+                os.close(err)
         finally:
             os.close(out)
-        if stderr.size:
-            log.info("wasm stderr module=%s: %r", config.module.name, stderr.value())
+        if stderr:
+            log.info("wasm stderr module=%s: %r", config.module.name, stderr)
         if outcome is None:
             return RunOutcome(stdout=stdout)
         return outcome
