@@ -316,12 +316,14 @@ def children_of(pid: int) -> list[str]:
         return []
 
 
-@pytest.mark.parametrize("action", ["grandchild", "orphan", "thread-child"])
+@pytest.mark.parametrize("action", ["grandchild", "orphan", "thread-child",
+                                    "ended-thread-child"])
 async def test_processes_a_handler_leaves_behind_end_with_its_call(
         h: Harness, action: str, caplog: pytest.LogCaptureFixture) -> None:
     """A child left running (one trying setsid, an orphan whose parent exited, one
-    forked by a thread that lives on) is found once the worker has finished its call:
-    the worker is replaced with its whole group, after its answer was delivered."""
+    forked by a thread that lives on, one forked by a thread that ended: the worker
+    has one thread again) is found once the worker has finished its call: the worker
+    is replaced with its whole group, after its answer was delivered."""
     before = _metrics.REGISTRY.get_sample_value(
         "agentd_worker_restarts_total", {"listener": "prober", "reason": "leftover"}) or 0
     kind, text = await ask(h, action)

@@ -105,6 +105,16 @@ def _thread_child() -> str:
     return str(forked[0])
 
 
+def _ended_thread_child() -> str:
+    """A child forked by a thread that then ends: the child is re-parented to the
+    main thread, and the worker has one thread again."""
+    forked: list[int] = []
+    thread = threading.Thread(target=lambda: forked.append(_sleeper()))
+    thread.start()
+    thread.join()
+    return str(forked[0])
+
+
 def _late_fork(delay: float) -> str:
     """A thread left behind that starts a process `delay` s after the answer."""
     def later() -> None:
@@ -273,6 +283,8 @@ async def probe(payload: Probe, meta: HandlerMetadata) -> HandlerResponse:
         text = _orphan()
     elif action == "thread-child":
         text = _thread_child()
+    elif action == "ended-thread-child":
+        text = _ended_thread_child()
     elif action == "late-fork":
         text = _late_fork(float(arg))
     elif action == "threads":
