@@ -231,6 +231,7 @@ class Daemon:
         kernel = self.kernel
         metrics.kernel_healthy.set_function(lambda: 1 if kernel.healthy else 0)
         metrics.kernel_writer_restarts.set_function(lambda: kernel.writer_restarts)
+        metrics.kernel_in_flight.set_function(lambda: kernel.in_flight)
         tune_gc()
         self._notify(f"READY=1\nSTATUS={self.role}")
         self._start_watchdog()

@@ -121,6 +121,11 @@ kernel_writer_restarts = Gauge(
     "Kernel writer processes started again after one died, since the daemon started",
     registry=REGISTRY,
 )
+kernel_in_flight = Gauge(
+    "agentd_kernel_in_flight",
+    "Transactions handed to the kernel writer whose outcome is not known yet",
+    registry=REGISTRY,
+)
 worker_restarts = Counter(
     "agentd_worker_restarts",
     "Isolated handler workers killed and replaced (crash, limit, timeout, recycle)",

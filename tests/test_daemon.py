@@ -51,6 +51,7 @@ async def test_daemon_answers_over_the_tls_bus_and_serves_metrics(home: Path) ->
         assert "agentd_journal_commit_seconds_bucket" in body
         assert "agentd_kernel_healthy 1.0" in body  # read at scrape time, from the start
         assert "agentd_kernel_writer_restarts 0.0" in body
+        assert "agentd_kernel_in_flight 0.0" in body  # all committed
         assert await asyncio.to_thread(_get, d.metrics_url + "/healthz")
         assert await asyncio.to_thread(_get, d.metrics_url + "/readyz")
     finally:

@@ -132,7 +132,7 @@ async def test_an_answer_in_flight_when_the_writer_dies_reaches_its_client(
         os.kill(kernel.writer.pid, signal.SIGSTOP)  # takes the answer, never writes it
         gate.set()
         async with asyncio.timeout(10):
-            while not kernel._writing:  # loop turns until the answer is with the writer
+            while not kernel.in_flight:  # loop turns until the answer is with the writer
                 await asyncio.sleep(0)
         await kernel.writer.kill()
         async with asyncio.timeout(10):

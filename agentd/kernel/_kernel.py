@@ -316,6 +316,12 @@ class Kernel(KernelReads, KernelBatching, KernelSweeps, KernelRestarts):
         await self._recovered.wait()
 
     @property
+    def in_flight(self) -> int:
+        """Transactions handed to the writer whose outcome is not known yet: it grows
+        while a writer is stuck (a stalled disk, a stopped process) though none failed."""
+        return sum(len(batch) for batch in self._writing)
+
+    @property
     def writer_pid(self) -> int:
         """The pid of the writer process (see _writer.py)."""
         return self._writer_proc.pid
