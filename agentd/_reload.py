@@ -324,13 +324,16 @@ async def _reload(daemon: ReloadedDaemon, dry_run: bool) -> dict[str, Any]:
         isolated = await daemon.isolation.apply(new.config, daemon.routing.version,
                                                 agents=agents)
         rebuild = [cfg.name for cfg in new.config.listeners if cfg.agent] if handlers else []
-        # A listener whose pool changed (or that moved in or out of a worker) gets a
-        # new runtime object; threads on older tables keep theirs.
+        # A listener whose pool changed (or that moved in or out of a worker), or whose
+        # imported handler function is another one, gets a new runtime object; threads
+        # on older tables keep theirs. (Every tool gets a new one: `Routing.build`.)
         for cfg in new.config.listeners:
             old = daemon.routing.listeners.get(cfg.name)
+            if old is None or cfg.loaded_tool is not None or cfg.name in rebuild:
+                continue
             now = isolated.get(cfg.name) or (
                 cfg.handler if cfg.agent is None else agents.get(cfg.name))
-            if old is not None and old.handler != now and cfg.name not in rebuild:
+            if old.handler != now:
                 rebuild.append(cfg.name)
         new_routing = Routing.build(
             new.config,

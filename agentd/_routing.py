@@ -192,17 +192,24 @@ class Routing:
         rebuild: Collection[str] = (),
         isolated_handlers: Mapping[str, Callable[..., Any]] | None = None,
     ) -> Routing:
-        """Build from `config`. With `previous` (a reload), listeners whose declaration
-        did not change keep their runtime objects, so threads pinned to older tables
-        and the new tables share them; those named in `rebuild` get new ones anyway
-        (an agent moving to a new LLM platform)."""
+        """Build from `config`: the runtime listeners, each bound to its handler (a
+        `handler:` listener's imported function, an agent's from `agent_handlers`, an
+        isolated listener's pool's from `isolated_handlers`, a tool's built here from
+        its description by `agentd.tools.tool_handlers`). With `previous` (a reload),
+        listeners whose declaration did not change keep their runtime objects, so
+        threads pinned to older tables and the new tables share them; those named in
+        `rebuild` get new ones anyway (an agent moving to a new LLM platform), and so
+        does every tool: its handler is built on what this load found (an MCP
+        server's pins), the listeners of one `tool:` block together."""
         issues: list[str] = []
         listeners: dict[str, Listener] = {}
         specs: dict[Key, XmlSpec] = {}
+        tools = _tool_handlers(config)
         for cfg in config.listeners:
             old = previous.listeners.get(cfg.name) if previous is not None else None
             if (
                 old is not None
+                and cfg.loaded_tool is None
                 and cfg.name not in rebuild
                 and listener_signature(old.config) == listener_signature(cfg)
             ):
@@ -225,6 +232,8 @@ class Routing:
                 lst.bind(handler)
             elif isolated_handlers is not None and lst.name in isolated_handlers:
                 lst.bind(isolated_handlers[lst.name])
+            elif lst.name in tools:
+                lst.bind(tools[lst.name])
             for spec in lst.payload_specs:
                 other = specs.setdefault(spec.clark, spec)
                 if other is not spec and other.cls is not spec.cls:
@@ -257,6 +266,16 @@ class Routing:
             MappingProxyType(profiles),
             MappingProxyType(specs),
         )
+
+
+def _tool_handlers(config: OrganismConfig) -> Mapping[str, Callable[..., Any]]:
+    """The handlers of the configuration's tools, built from their descriptions."""
+    described = [cfg.loaded_tool for cfg in config.listeners if cfg.loaded_tool is not None]
+    if not described:
+        return {}
+    from agentd.tools import tool_handlers  # late: an organism without tools imports none
+
+    return tool_handlers(described)
 
 
 def listener_signature(cfg: ListenerConfig | None) -> tuple[Any, ...]:

@@ -32,6 +32,7 @@ import wasmtime  # noqa: E402
 from agentd import HandlerMetadata, HandlerResponse, xmlify  # noqa: E402
 from agentd._xmlify import to_xml  # noqa: E402
 from agentd.config import load_config_text  # noqa: E402
+from agentd.tools import tool_handlers  # noqa: E402
 
 ECHO_WAT = (ROOT / "benchmarks" / "data" / "echo.wat").read_text()
 SPIN_WAT = '(module (memory (export "memory") 1) (func (export "_start") (loop $l (br $l))))'
@@ -57,7 +58,9 @@ def handler(directory: Path, name: str, wat: str, **keys: object) -> object:
              "response_class": "_tools_wasm:Blob", **keys}
     text = (f"organism: {{name: bench}}\npython_path: [{json.dumps(str(ROOT / 'benchmarks'))}]\n"
             f"listeners:\n  - name: {name}\n    tool: {json.dumps(block)}\n")
-    return load_config_text(text, base_dir=directory).listener(name).handler
+    loaded = load_config_text(text, base_dir=directory).listener(name).loaded_tool
+    assert loaded is not None
+    return tool_handlers([loaded])[name]
 
 
 async def p50_us(call: object, payload: Blob, n: int) -> float:

@@ -42,10 +42,11 @@ from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd.config.tools import ExecTool, FileReadTool
 from agentd.confine import landlock_status
 from agentd.confine._launcher import python_shim
+from agentd.tools import exec as exec_tool
+from agentd.tools import files
 from agentd.tools.beneath import OPENAT2
 from agentd.tools.exec import Run
-from agentd.tools.exec import build as build_exec
-from agentd.tools.files import Encoding, FileContent, ReadFile, build_file_read
+from agentd.tools.files import Encoding, FileContent, ReadFile
 
 META = HandlerMetadata(thread_id="bench", from_id="bench", own_name="bench")
 ROUNDS = 5
@@ -66,7 +67,8 @@ async def file_read(quick: bool) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as folder:
         root = Path(folder)
         (root / "4k.txt").write_text("x" * 4096)
-        (tool,) = build_file_read(FileReadTool(kind="file-read", root=root), "bench")
+        (tool,) = files.handlers(files.describe(FileReadTool(kind="file-read", root=root),
+                                                "bench"))
         request = ReadFile(path="4k.txt")
 
         async def plain(payload: ReadFile, meta: HandlerMetadata) -> HandlerResponse:
@@ -78,7 +80,7 @@ async def file_read(quick: bool) -> dict[str, float]:
         base_s: list[float] = []
         for _ in range(ROUNDS):
             base_s += await timed(lambda: plain(request, META), n // ROUNDS)
-            tool_s += await timed(lambda: tool.handler(request, META), n // ROUNDS)
+            tool_s += await timed(lambda: tool(request, META), n // ROUNDS)
     tool_us = statistics.fmean(tool_s) * 1e6
     base_us = statistics.fmean(base_s) * 1e6
     print(f"file-read 4 KiB ({'openat2' if OPENAT2 else 'O_NOFOLLOW walk'}): "
@@ -89,7 +91,8 @@ async def file_read(quick: bool) -> dict[str, float]:
 
 async def exec_spawn(quick: bool) -> dict[str, float]:
     n = 40 if quick else 300
-    (tool,) = build_exec(ExecTool(kind="exec", argv=("/bin/true",)), "bench")
+    (tool,) = exec_tool.handlers(exec_tool.describe(ExecTool(kind="exec", argv=("/bin/true",)),
+                                                    "bench"))
 
     async def plain() -> None:
         proc = await asyncio.create_subprocess_exec("/bin/true")
@@ -101,7 +104,7 @@ async def exec_spawn(quick: bool) -> dict[str, float]:
         await proc.wait()
 
     async def confined() -> None:
-        response = await tool.handler(Run(arg=[]), META)
+        response = await tool(Run(arg=[]), META)
         assert response is not None and response.payload.exit_code == 0
 
     async def through_python_shim() -> None:

@@ -19,7 +19,7 @@ from agentd.confine import landlock_status
 from agentd.confine._launcher import launcher_fd
 from agentd.testing import Harness
 from agentd.tools import Denied, ToolUnavailable
-from agentd.tools.exec import Arg, ExecRunner, Run, RunResult, build, exited
+from agentd.tools.exec import Arg, ExecRunner, Run, RunResult, describe, exited, handlers
 
 PYTHON = "/usr/bin/python3"
 needs_python = pytest.mark.skipif(not os.access(PYTHON, os.X_OK),
@@ -31,9 +31,9 @@ needs_landlock = pytest.mark.skipif(not landlock_status().filesystem,
 
 def runner(**kw: Any) -> ExecRunner:
     config = ExecTool(**{"kind": "exec", **kw})
-    (tool,) = build(config, "t")
-    assert isinstance(tool.handler, ExecRunner)
-    return tool.handler
+    (handler,) = handlers(describe(config, "t"))
+    assert isinstance(handler, ExecRunner)
+    return handler
 
 
 async def run(tool: ExecRunner, **args: str) -> RunResult:

@@ -13,7 +13,7 @@ import wasmtime
 from agentd._errors import HuhCode
 from agentd.config.tools import WasmTool
 from agentd.tools.kinds import ToolUnavailable
-from agentd.tools.wasm import build
+from agentd.tools.wasm import describe, handlers
 
 EXIT = '(import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))'
 
@@ -25,8 +25,8 @@ def module(tmp_path: Path, wat: str, **keys: object) -> object:
     config = WasmTool(kind="wasm", module=path,
                       payload_class="tests.organisms.wasm_payloads:WasmIn",
                       response_class="tests.organisms.wasm_payloads:WasmOut", **keys)
-    (tool,) = build(config, "m")
-    return tool.handler.module  # type: ignore[attr-defined]
+    (handler,) = handlers(describe(config, "m"))
+    return handler.module  # type: ignore[attr-defined]
 
 
 def test_a_module_with_a_second_memory_is_refused_at_load(tmp_path: Path) -> None:

@@ -194,7 +194,8 @@ def test_a_module_pinned_by_its_hash_loads(tmp_path: Path) -> None:
     digest = hashlib.sha256(W.compile_to(tmp_path / "echo.wasm", W.ECHO).read_bytes())
     config = load_config_text(config_text(tmp_path, sha256=digest.hexdigest()),
                               base_dir=tmp_path)
-    assert config.listener("echo").handler is not None
+    loaded = config.listener("echo").loaded_tool
+    assert loaded is not None and loaded.runs.digest == digest.hexdigest()
 
 
 def test_a_file_that_is_not_a_module_is_a_configuration_error(tmp_path: Path) -> None:
@@ -209,6 +210,8 @@ def test_modules_are_compiled_once_per_content(tmp_path: Path) -> None:
     from agentd.tools import wasm
 
     tool = load_config_text(config_text(tmp_path), base_dir=tmp_path).listener("echo").tool
-    (first,), (second,) = wasm.build(tool, "echo"), wasm.build(tool, "echo")
-    assert first.handler is not second.handler
-    assert first.handler.module.pre is second.handler.module.pre  # type: ignore[attr-defined]
+    (first,), (second,) = wasm.describe(tool, "echo"), wasm.describe(tool, "echo")
+    assert first == second and first.runs.pre is second.runs.pre
+    (one,), (two,) = wasm.handlers([first]), wasm.handlers([second])
+    assert one is not two
+    assert one.module.pre is two.module.pre  # type: ignore[attr-defined]

@@ -4,8 +4,11 @@ and make the `OrganismConfig` the daemon runs from.
 Every problem of a file is reported at once, each as `file:line:col: key.path:
 message`, in one `ConfigError`; nothing downstream sees a raw dict or a
 half-checked value. A value that loads is a value that works (imports resolved,
-prompt files read, references checked), so `reload` can validate a file fully
-before touching anything. Relative paths are resolved against the file's folder.
+prompt files read, references checked, a `tool:` block described by its kind), so
+`reload` can validate a file fully before touching anything. Loading yields values
+only: nothing it returns runs, or holds a session, a descriptor or a thread; the
+daemon's wiring (`Routing.build`) builds the handlers from them. Relative paths are
+resolved against the file's folder.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import yaml
 from pydantic import TypeAdapter, ValidationError
@@ -29,6 +32,9 @@ from agentd.config.embeddings import EmbeddingsConfig
 from agentd.config.reader import Document, Issues, nulls_as_empty, read_document
 from agentd.config.routing import RoutingConfig
 from agentd.config.tools import ToolConfig
+
+if TYPE_CHECKING:
+    from agentd.tools import LoadedTool
 
 MAX_CONFIG_BYTES = 4 * 1024 * 1024  # a configuration, not a data file
 K = TypeVar("K")
@@ -62,12 +68,13 @@ class FrozenMapping(Mapping[K, V]):
 
 @dataclass(frozen=True)
 class ListenerConfig:
-    """A listener ready to run: its classes and handler imported."""
+    """A declared listener as values: its classes and handler function imported, a
+    tool's description; the daemon's wiring makes the running listener from it."""
 
     name: str
     payload_classes: tuple[type, ...]
     response_classes: tuple[type, ...] = ()
-    handler: Callable[..., Any] | None = None
+    handler: Callable[..., Any] | None = None  # a `handler:` listener's, as imported
     agent: sections.AgentConfig | None = None
     description: str = ""
     semantic_description: str = ""  # extra text semantic routing matches (not shown to LLMs)
@@ -80,6 +87,7 @@ class ListenerConfig:
     payload_refs: tuple[str, ...] = ()
     response_refs: tuple[str, ...] = ()
     tool: ToolConfig | None = None  # the `tool:` block as written, for reload diffs
+    loaded_tool: LoadedTool | None = None  # the tool as loaded: what its handler is built from
     approval: sections.ApprovalConfig | None = None  # a gate: decided before it runs
     answers_text: bool = False  # a peer's agent (GATEWAY:LISTENER): its answer is text
     stream: bool = False  # an agent whose model calls stream previews to the client
@@ -382,21 +390,20 @@ def _tool_listeners(
     section: sections.ListenerSection, issues: Issues, tool_node: yaml.Node | None,
     location: str, key_path: str,
 ) -> tuple[ListenerConfig, ...]:
-    from agentd.tools import ToolUnavailable, build_tool  # late: tools import the schema layer
+    from agentd.tools import ToolUnavailable, describe_tool  # late: tools import the schema layer
 
     tool = section.tool
     assert tool is not None
     try:
-        built = build_tool(tool, section.name)
+        described = describe_tool(tool, section.name)
     except ToolUnavailable as exc:
         issues.add(tool_node, key_path, str(exc))
         return ()
     return tuple(
         ListenerConfig(
-            name=f"{section.name}.{one.suffix}" if one.suffix else section.name,
+            name=one.name,
             payload_classes=one.payload_classes,
             response_classes=one.response_classes,
-            handler=one.handler,
             description=spotlit(section.description or one.description, one.third_party),
             peers=section.peers,
             max_concurrency=section.max_concurrency,
@@ -404,7 +411,8 @@ def _tool_listeners(
             location=location,
             handler_ref=one.ref or f"tool:{tool.kind}",
             tool=tool,
+            loaded_tool=one,
             approval=section.approval,
         )
-        for one in built
+        for one in described
     )

@@ -5,9 +5,9 @@ A listener with a `tool:` block has no `handler` or `agent`: the tool's payload 
 response classes are built in (except for `wasm`, whose module speaks the classes
 given under `tool:`). These classes only declare the keys and their limits; what a
 kind does with them, and the checks that need the host (is Landlock there, does the
-module's hash match), live with the tool in `agentd.tools`, which builds a runnable
-tool from one of these at load and reports a configuration error at this block's
-location when it cannot.
+module's hash match), live with the tool in `agentd.tools`, which describes the tool
+from one of these at load (a value; a configuration error at this block's location
+when it cannot run here) and builds its handler when the daemon puts it in service.
 """
 
 from __future__ import annotations

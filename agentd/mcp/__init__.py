@@ -1,11 +1,12 @@
 """MCP: tools from Model Context Protocol servers, and organisms as MCP servers.
 
-Client side: `build` turns a `tool: {kind: mcp}` block into one tool per
+Client side: `describe` turns a `tool: {kind: mcp}` block into one tool per
 allowlisted MCP tool (listener `NAME.TOOL`). At load it starts the server once,
 lists its tools, pins each allowlisted one (SHA-256 over name, description and
 input schema) and generates its payload class from the input schema; a tool the
-allowlist does not name is never seen again. At run time the calls go through an
-`McpServer` (one session, restarted with backoff, pins checked on every start).
+allowlist does not name is never seen again. `handlers` (the daemon's wiring) makes
+the block's one `McpServer`, through which the calls go at run time (one session,
+restarted with backoff, pins checked on every start).
 Server side: `agentd.mcp.serve` (`agentd mcp-serve`).
 """
 
@@ -16,6 +17,7 @@ import base64
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from mcp import types
@@ -37,7 +39,7 @@ from agentd.mcp.client import (
     stdio_policy,
 )
 from agentd.mcp.schema import Unmappable, arguments_of, payload_class, result_class
-from agentd.tools.kinds import Tool, ToolUnavailable
+from agentd.tools.kinds import Handler, LoadedTool, ToolUnavailable
 
 log = logging.getLogger("agentd.mcp")
 
@@ -45,10 +47,12 @@ __all__ = [
     "SERVERS",
     "McpServer",
     "McpToolCall",
+    "McpUse",
     "ServerFailed",
     "ServerState",
-    "build",
     "close_servers",
+    "describe",
+    "handlers",
     "pin_of",
     "servers_status",
 ]
@@ -65,7 +69,21 @@ def servers_status() -> list[dict[str, Any]]:
     return [server.status() for _, server in sorted(SERVERS.items())]
 
 
-def build(config: Any, listener: str) -> Sequence[Tool]:
+@dataclass(frozen=True)
+class McpUse:
+    """One allowlisted tool of an MCP server, as loaded: the server's settings, the
+    pins of every tool the block allows, the tool's name and its result class."""
+
+    server: str  # the `tool:` block's listener name
+    config: Any
+    pins: tuple[tuple[str, str], ...]  # (tool, pin) for each allowlisted tool
+    tool: str
+    result_class: type
+
+
+def describe(config: Any, listener: str) -> Sequence[LoadedTool]:
+    """Start the server once, list its tools, pin the allowlisted ones and generate
+    their payload classes (the server is ended again: its session is the handlers')."""
     if (config.command is None) == (config.url is None):
         raise ToolUnavailable("an mcp tool needs exactly one of `command` (stdio) or `url`")
     if config.command is not None:
@@ -80,10 +98,9 @@ def build(config: Any, listener: str) -> Sequence[Tool]:
         names = ", ".join(sorted(by_name)) or "none"
         raise ToolUnavailable(f"mcp server {listener} does not offer {', '.join(missing)} "
                               f"(it offers {names})")
-    pins = {name: pin_of(by_name[name]) for name in config.tools}
-    server = McpServer(listener, config, pins, connection_for(config))
-    tools = []
-    for name in config.tools:
+    pins = tuple((name, pin_of(by_name[name])) for name in config.tools)
+    specs = []
+    for name, pin in pins:
         offer = by_name[name]
         try:
             payload = payload_class(listener, name, offer.inputSchema)
@@ -91,13 +108,26 @@ def build(config: Any, listener: str) -> Sequence[Tool]:
             raise ToolUnavailable(f"mcp tool {name!r}: input schema at {exc.pointer}: "
                                   f"{exc.why}") from None
         result = result_class(listener, name, config.max_result_bytes)
-        tools.append(Tool(
-            payload_classes=(payload,), response_classes=(result,),
-            handler=_handler(server, f"{listener}.{name}", name, result),
-            description=f"MCP tool {name} of server {listener}.",
-            suffix=name, third_party=" ".join((offer.description or "").split()),
-            ref=f"tool:mcp:{pins[name]}"))
-    return tools
+        specs.append(LoadedTool(
+            "mcp", f"{listener}.{name}", payload_classes=(payload,),
+            response_classes=(result,), description=f"MCP tool {name} of server {listener}.",
+            runs=McpUse(listener, config, pins, name, result),
+            third_party=" ".join((offer.description or "").split()), ref=f"tool:mcp:{pin}"))
+    return specs
+
+
+def handlers(specs: Sequence[LoadedTool]) -> list[Handler]:
+    """One `McpServer` per server (its tools' listeners share its session)."""
+    servers: dict[str, McpServer] = {}
+    built: list[Handler] = []
+    for spec in specs:
+        use: McpUse = spec.runs
+        server = servers.get(use.server)
+        if server is None:
+            server = servers[use.server] = McpServer(use.server, use.config, dict(use.pins),
+                                                     connection_for(use.config))
+        built.append(McpToolCall(server, spec.name, use.tool, use.result_class))
+    return built
 
 
 def _probe(config: Any, listener: str) -> list[types.Tool]:
@@ -131,10 +161,6 @@ def _probe(config: Any, listener: str) -> list[types.Tool]:
             why += f"; its stderr ends with: {ending.stderr.splitlines()[-1]}"
         raise ToolUnavailable(f"mcp server {listener} could not be listed: {why}") from None
     return list(box[0])
-
-
-def _handler(server: McpServer, listener: str, tool: str, result_cls: type) -> McpToolCall:
-    return McpToolCall(server, listener, tool, result_cls)
 
 
 class McpToolCall:

@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -45,7 +46,7 @@ from agentd.confine import (
 from agentd.tools.beneath import relative_parts
 from agentd.tools.command import CommandTemplate, TemplateError
 from agentd.tools.content import xml_safe
-from agentd.tools.kinds import Tool, ToolUnavailable
+from agentd.tools.kinds import Handler, LoadedTool, ToolUnavailable
 
 log = logging.getLogger("agentd.tools")
 
@@ -202,7 +203,19 @@ def policy_for(config: Any, program: str) -> Policy:
     )
 
 
-def build(config: Any, listener: str) -> list[Tool]:
+@dataclass(frozen=True)
+class ExecRun:
+    """What an `exec` listener's handler runs, as checked at load: the command line
+    with its program resolved, the confinement, and the limits of a call."""
+
+    template: CommandTemplate
+    policy: Policy
+    timeout_s: float
+    max_output_bytes: int
+
+
+def describe(config: Any, listener: str) -> list[LoadedTool]:
+    """Resolve the program and check the command line and its confinement."""
     try:
         template = CommandTemplate.parse(config.argv, config.allow_args)
         program = resolve_executable(config.argv[0], dict(config.env))
@@ -222,5 +235,10 @@ def build(config: Any, listener: str) -> list[Tool]:
     log.info("exec tool %s: program=%s landlock_abi=%d filesystem=%s network=%s",
              listener, program, status.abi, "confined" if status.filesystem else "NOT CONFINED",
              "allowed" if config.network else "denied")
-    runner = ExecRunner(template, policy, config.timeout_s, config.max_output_bytes)
-    return [Tool((Run,), (RunResult,), runner, Run.__doc__ or "")]
+    runs = ExecRun(template, policy, config.timeout_s, config.max_output_bytes)
+    return [LoadedTool("exec", listener, (Run,), (RunResult,), Run.__doc__ or "", runs)]
+
+
+def handlers(specs: Sequence[LoadedTool]) -> list[Handler]:
+    return [ExecRunner(r.template, r.policy, r.timeout_s, r.max_output_bytes)
+            for r in (spec.runs for spec in specs)]

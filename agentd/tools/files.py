@@ -24,6 +24,7 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Annotated, Any
@@ -33,7 +34,7 @@ from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._xmlify import ILLEGAL_XML_CHAR, MaxLen, xmlify
 from agentd.tools.beneath import PATH_MAX, Root, relative_parts, shown
 from agentd.tools.content import Encoding, as_xml_text
-from agentd.tools.kinds import Tool
+from agentd.tools.kinds import Handler, LoadedTool
 
 NS = "https://xml-pipeline.org/ns/tools"
 # Schema bounds only; the configured `max_bytes` is what a call may use.
@@ -370,19 +371,30 @@ def _entry(item: os.DirEntry[str]) -> Entry | None:
     return Entry(name=name, kind=EntryKind.OTHER, size=0)
 
 
-# --- builders ----------------------------------------------------------------------
+# --- describe (load) and handlers (wiring) ------------------------------------------
+
+_KINDS: dict[str, tuple[type, type]] = {
+    "file-read": (ReadFile, FileContent),
+    "file-write": (WriteFile, FileWritten),
+    "file-list": (ListDir, DirListing),
+}
 
 
-def build_file_read(config: Any, listener: str) -> list[Tool]:
-    reader = FileReader(Root(config.root), config.max_bytes)
-    return [Tool((ReadFile,), (FileContent,), reader, ReadFile.__doc__ or "")]
+def describe(config: Any, listener: str) -> list[LoadedTool]:
+    """The tool as loaded: its `tool:` block is all its handler needs."""
+    payload, response = _KINDS[config.kind]
+    return [LoadedTool(config.kind, listener, (payload,), (response,), payload.__doc__ or "",
+                     config)]
 
 
-def build_file_write(config: Any, listener: str) -> list[Tool]:
-    writer = FileWriter(Root(config.root), config.max_bytes)
-    return [Tool((WriteFile,), (FileWritten,), writer, WriteFile.__doc__ or "")]
+def handlers(specs: Sequence[LoadedTool]) -> list[Handler]:
+    return [_handler(spec.runs) for spec in specs]
 
 
-def build_file_list(config: Any, listener: str) -> list[Tool]:
-    lister = DirLister(Root(config.root), config.max_entries)
-    return [Tool((ListDir,), (DirListing,), lister, ListDir.__doc__ or "")]
+def _handler(config: Any) -> Handler:
+    root = Root(config.root)
+    if config.kind == "file-read":
+        return FileReader(root, config.max_bytes)
+    if config.kind == "file-write":
+        return FileWriter(root, config.max_bytes)
+    return DirLister(root, config.max_entries)

@@ -34,7 +34,7 @@ from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._xmlify import MaxLen, XmlName, xmlify
 from agentd.tools.beneath import shown
 from agentd.tools.content import Encoding, as_base64, as_xml_text, xml_safe
-from agentd.tools.kinds import Tool
+from agentd.tools.kinds import Handler, LoadedTool
 
 NS = "https://xml-pipeline.org/ns/tools/http-fetch/v1"
 _URL_CHARS = 8192
@@ -324,5 +324,11 @@ def _default_port(url: httpx.URL) -> int:
     return 443 if url.scheme == "https" else 80
 
 
-def build(config: Any, listener: str) -> list[Tool]:
-    return [Tool((Fetch,), (Fetched,), HttpFetcher(config), Fetch.__doc__ or "")]
+def describe(config: Any, listener: str) -> list[LoadedTool]:
+    """The tool as loaded: its `tool:` block is all its handler needs."""
+    return [LoadedTool("http-fetch", listener, (Fetch,), (Fetched,), Fetch.__doc__ or "",
+                     config)]
+
+
+def handlers(specs: Sequence[LoadedTool]) -> list[Handler]:
+    return [HttpFetcher(spec.runs) for spec in specs]

@@ -17,10 +17,20 @@ from agentd._errors import Denied
 from agentd._handler import HandlerMetadata
 from agentd.config.tools import TimerTool
 from agentd.durable.timers import TimerRequest, Wait, Woke
-from agentd.tools.kinds import Tool
+from agentd.tools.kinds import Handler, LoadedTool
 
 
-def build(config: TimerTool, listener: str) -> Sequence[Tool]:
+def describe(config: TimerTool, listener: str) -> Sequence[LoadedTool]:
+    """The tool as loaded: its `tool:` block is all its handler needs."""
+    return (LoadedTool("timer", listener, (Wait,), (Woke,),
+                     "Waits the given number of seconds, then answers with woke.", config),)
+
+
+def handlers(specs: Sequence[LoadedTool]) -> list[Handler]:
+    return [_waiter(spec.runs) for spec in specs]
+
+
+def _waiter(config: TimerTool) -> Handler:
     max_delay = float(config.max_delay_s)
     max_pending = int(config.max_pending_per_thread)
 
@@ -33,5 +43,4 @@ def build(config: TimerTool, listener: str) -> Sequence[Tool]:
                          max_delay_s=str(max_delay))
         return TimerRequest(float(seconds), payload.note or "", max_pending)
 
-    return (Tool((Wait,), (Woke,), wait,
-                 "Waits the given number of seconds, then answers with woke."),)
+    return wait

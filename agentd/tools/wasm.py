@@ -41,7 +41,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from ctypes import byref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import wasmtime
@@ -51,7 +51,7 @@ from agentd._errors import HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse
 from agentd._xmlify import spec_of, to_xml
 from agentd.config.tools import WasmTool
-from agentd.tools.kinds import Tool, ToolUnavailable
+from agentd.tools.kinds import Handler, LoadedTool, ToolUnavailable
 
 log = logging.getLogger("agentd.tools.wasm")
 
@@ -369,7 +369,18 @@ class WasmHandler:
         return HandlerResponse.respond(outcome.stdout)
 
 
-def build(config: WasmTool, listener: str) -> Sequence[Tool]:
+@dataclass(frozen=True)
+class WasmCode:
+    """A `wasm` listener's module as checked at load: its settings, the SHA-256 of its
+    content, and its code compiled and linked (immutable; kept while a listener's
+    description holds it, and compared by content)."""
+
+    config: WasmTool
+    digest: str
+    pre: wasmtime.InstancePre = field(compare=False, repr=False)
+
+
+def describe(config: WasmTool, listener: str) -> Sequence[LoadedTool]:
     """Read, check and compile the module (once per content) for one listener."""
     try:
         with open(config.module, "rb") as f:
@@ -380,13 +391,18 @@ def build(config: WasmTool, listener: str) -> Sequence[Tool]:
     if config.sha256 is not None and digest != config.sha256:
         raise ToolUnavailable(f"module {config.module} has SHA-256 {digest}, "
                               f"not the configured {config.sha256}")
-    rt = runtime()
     try:
-        pre = rt.prepare(data, digest)
+        pre = runtime().prepare(data, digest)
     except (wasmtime.WasmtimeError, ValueError) as exc:
         first = str(exc).splitlines()[0] if str(exc) else "invalid module"
         raise ToolUnavailable(f"module {config.module} cannot be loaded: {first}") from None
     payloads = tuple(ref.value for ref in config.payload_class)
     responses = tuple(ref.value for ref in config.response_class)
-    handler = WasmHandler(WasmModule(config, pre, rt), listener)
-    return (Tool(payloads, responses, handler, spec_of(payloads[0]).description),)
+    return (LoadedTool("wasm", listener, payloads, responses, spec_of(payloads[0]).description,
+                     WasmCode(config, digest, pre)),)
+
+
+def handlers(specs: Sequence[LoadedTool]) -> list[Handler]:
+    rt = runtime()
+    return [WasmHandler(WasmModule(spec.runs.config, spec.runs.pre, rt), spec.name)
+            for spec in specs]
