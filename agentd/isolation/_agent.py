@@ -20,7 +20,14 @@ is the point of running it apart). What its requests can do:
   the worker's bookkeeping says; budgets and the override checks are the
   platform's, as in process;
 - its task state (phase and counters) goes out with each call and comes back with
-  the answer, checked for type and bound; a lie harms only its own task.
+  the answer, checked for type and bound; a lie harms only its own task;
+- native tool calls are the daemon's: it decides the model's calls (payload or
+  error result, recorded under its call id), keeps which are in flight, and gives
+  the call it is running the ids that may go out now. The worker names those ids in
+  its answer and the daemon sends its own payloads: an id not given to this call,
+  or named twice, breaks the protocol, so each call id is sent at most once. A
+  result is recorded under the call id the daemon matches it to; while calls are
+  open the worker may send nothing else, so no payload of its own can pose as one.
 Anything else (an unknown request, a wrong type, a second `begin`) breaks the
 protocol: the worker is killed and replaced, the call gets `huh internal`.
 
@@ -31,18 +38,20 @@ federation peers, cannot be imported by a worker) crosses in INIT as XSD text.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from lxml import etree
 
-from agentd._handler import HandlerMetadata, HandlerResponse
+from agentd._core import Huh
+from agentd._handler import HandlerMetadata, HandlerResponse, ResponseKind
 from agentd._xmlify import XmlSpec
-from agentd.isolation._protocol import ProtocolError, opt_bool
-from agentd.llm import LlmError
+from agentd.isolation._protocol import MAX_TARGETS, ProtocolError, decode_answer, opt_bool
+from agentd.llm import LlmError, ToolCall, ToolResult
 from agentd.platform import (
     ASSISTANT,
     AgentLoop,
@@ -56,6 +65,8 @@ from agentd.platform import (
     Turn,
     render_result,
 )
+from agentd.platform._calls import AddressedCall, PeerTool, decide, peer_tools
+from agentd.platform._history import RESULT
 
 if TYPE_CHECKING:
     from agentd.platform import AgentSession
@@ -78,9 +89,49 @@ class CallContext:
     payload: Any  # the validated payload object
     begun: bool = False
     recorded: bool = False
+    # Native calls this call may send (call id -> the daemon's payload), each once.
+    ready: dict[str, AddressedCall] = dataclasses.field(default_factory=dict)
 
 
 # ---- the daemon's side -------------------------------------------------------------
+
+
+@dataclass
+class OpenCalls:
+    """The native calls of a task's last reply that have no result yet, as the daemon
+    keeps them for an isolated agent: one call in flight per listener (a result is
+    matched to the call by the listener it answers for), the others queued behind
+    it. `restored`: the task's history, when it was rebuilt after a restart."""
+
+    pending: int
+    in_flight: dict[str, str] = dataclasses.field(default_factory=dict)  # listener -> id
+    queued: list[AddressedCall] = dataclasses.field(default_factory=list)
+    restored: tuple[Turn, ...] = ()
+
+    def sending(self, calls: Sequence[AddressedCall]) -> list[AddressedCall]:
+        """The calls that go now: the first per listener; the rest queue."""
+        out: list[AddressedCall] = []
+        for call in calls:
+            if call.to in self.in_flight:
+                self.queued.append(call)
+            else:
+                self.in_flight[call.to] = call.call_id
+                out.append(call)
+        return out
+
+    def answered(self, listener: str) -> tuple[str, list[AddressedCall]]:
+        """The call in flight to `listener` ("": the oldest) has its result: its id,
+        and the queued call to that listener that goes now ("" when none is open)."""
+        if listener not in self.in_flight and (listener or not self.in_flight):
+            return "", []
+        listener = listener or next(iter(self.in_flight))
+        call_id = self.in_flight.pop(listener)
+        self.pending -= 1
+        nxt = next((c for c in self.queued if c.to == listener), None)
+        if nxt is None:
+            return call_id, []
+        self.queued.remove(nxt)
+        return call_id, self.sending([nxt])
 
 
 def catalogue_wire(catalogue: ToolCatalogue) -> dict[str, Any]:
@@ -112,21 +163,30 @@ class AgentBridge:
     """Answers one isolated agent's requests with its real session."""
 
     def __init__(self, session: AgentSession, platform: Any, max_iterations: int,
-                 own_keys: Collection[str]) -> None:
+                 own_keys: Collection[str], max_fanout: int = 64) -> None:
         self.session = session
         self.platform = platform  # whose session this is (a reload may bring another)
         self.max_iterations = max_iterations
+        self.max_fanout = max_fanout
         self.own_keys = frozenset(own_keys)
         self.iterations: dict[str, int] = {}  # model calls per live task
         self.states: dict[str, dict[str, Any]] = {}  # the worker's state per live task
+        self.calls: dict[str, OpenCalls] = {}  # native calls of a task's last reply
         session.on_task_end(self._forget)
 
     def _forget(self, thread: str) -> None:
         self.iterations.pop(thread, None)
         self.states.pop(thread, None)
+        self.calls.pop(thread, None)
 
     def open_tasks(self) -> int:
-        return len(self.iterations.keys() | self.states.keys())
+        return len(self.iterations.keys() | self.states.keys() | self.calls.keys())
+
+    @functools.cached_property
+    def tools(self) -> dict[str, PeerTool]:
+        """Tool name -> peer, for the model's native calls (as in process)."""
+        return peer_tools((t.peer, t.spec) for t in self.session.catalogue.tools
+                          if not t.is_self)
 
     @staticmethod
     def context(meta: HandlerMetadata, key: str | None, body: bytes, payload: Any
@@ -144,6 +204,30 @@ class AgentBridge:
             self.states.pop(thread, None)
         elif thread in self.iterations:  # a live task (not one the worker invents)
             self.states[thread] = state
+
+    def answer(self, ctx: CallContext, header: dict[str, Any], body: bytes
+               ) -> HandlerResponse | None:
+        """The worker's ANSWER as the pump gets it: native calls named by id become the
+        daemon's own payloads, addressed to their listeners."""
+        self.answered(ctx, header)
+        ids = header.get("calls")
+        if ids is None:
+            result = decode_answer(header, body)
+            open_calls = self.calls.get(ctx.meta.thread_id)
+            if (open_calls is not None and open_calls.in_flight and result is not None
+                    and result.kind is not ResponseKind.ERROR):
+                raise ProtocolError("output of its own while native calls are open")
+            return result
+        if (not isinstance(ids, list) or not 0 < len(ids) <= MAX_TARGETS or body
+                or header.get("kind") != ResponseKind.SEND.value
+                or header.get("to") is not None or header.get("targets")):
+            raise ProtocolError("calls: not a list of call ids alone")
+        if (not all(isinstance(i, str) and i in ctx.ready for i in ids)
+                or len(set(ids)) != len(ids)):
+            raise ProtocolError("calls: an id this call was not given, or named twice")
+        sent = [ctx.ready.pop(i) for i in ids]
+        return HandlerResponse.addressed(b"".join(c.payload for c in sent),
+                                         [c.to for c in sent])
 
     async def ask(self, ctx: CallContext, header: dict[str, Any], body: bytes
                   ) -> tuple[dict[str, Any], bytes]:
@@ -185,10 +269,7 @@ class AgentBridge:
             if ctx.recorded or ctx.key in self.own_keys:
                 raise ProtocolError("a result recorded that this call does not carry")
             ctx.recorded = True
-            source, content, xml = render_result(ctx.payload, ctx.meta.from_id)
-            if not session.record(thread, content, source=source, xml=xml,
-                                  seq=ctx.meta._seq):
-                return {"duplicate": True}, b""  # in the restored history already
+            return self._record(ctx, thread), b""
         elif op == "complete":
             done = self.iterations.get(thread)
             if done is None:
@@ -196,7 +277,11 @@ class AgentBridge:
             if done >= self.max_iterations:
                 return {"error": "budget"}, b""
             self.iterations[thread] = done + 1
-            return {}, (await session.complete(thread)).text.encode()
+            completion = await session.complete(thread)
+            if not completion.calls:
+                return {}, completion.text.encode()
+            return {"native": self._native(ctx, thread, completion.calls)}, \
+                completion.text.encode()
         elif op == "unfold":
             segments = header.get("segments")
             if (not isinstance(segments, list) or len(segments) > MAX_SEGMENTS
@@ -208,13 +293,105 @@ class AgentBridge:
             if turns is None:
                 return {"found": False}, b""
             self.iterations[thread] = sum(t.kind == ASSISTANT for t in turns)
-            return {"found": True}, json.dumps([[t.kind, t.content] for t in turns]).encode()
+            found: dict[str, Any] = {"found": True}
+            calls = self._restored_calls(turns)
+            if calls is not None:
+                self.calls[thread] = calls
+                found["open"] = calls.pending
+            return found, json.dumps([[t.kind, t.content] for t in turns]).encode()
         elif op == "end":
             self._forget(thread)
             session.end(thread)
         else:
             raise ProtocolError("unknown request")
         return {}, b""
+
+    # ---- native calls: decided, matched and resent here, never by the worker --------
+
+    def _native(self, ctx: CallContext, thread: str, calls: Sequence[ToolCall]
+                ) -> dict[str, Any]:
+        """The model's native calls, as `AgentLoop` handles them in process: each
+        decided, the error results recorded under their ids, the first call per
+        listener ready for this call to send (the rest wait for its result)."""
+        decided: list[AddressedCall | ToolResult] = [decide(c, self.tools) for c in calls]
+        if len(calls) > self.max_fanout:
+            decided = [ToolResult(c.id, f"error: {len(calls)} calls in one reply; at most "
+                       f"{self.max_fanout} are allowed. Nothing was sent.", True) for c in calls]
+        errors = [d for d in decided if isinstance(d, ToolResult)]
+        addressed = [d for d in decided if isinstance(d, AddressedCall)]
+        for e in errors:
+            self.session.record(thread, e.content, source="platform", call_id=e.call_id,
+                                is_error=True)
+        open_calls = OpenCalls(len(addressed))
+        ready = open_calls.sending(addressed)
+        if addressed:
+            self.calls[thread] = open_calls
+        else:  # only errors: the model reads them in its next turn
+            self.calls.pop(thread, None)
+        ctx.ready.update((c.call_id, c) for c in ready)
+        return {"calls": len(addressed), "errors": len(errors),
+                "send": [c.call_id for c in ready]}
+
+    def _record(self, ctx: CallContext, thread: str) -> dict[str, Any]:
+        """Record the call's result under the call id it answers (the daemon's match:
+        the listener it comes from, or a core message's listener), and ready the call
+        that waited for it."""
+        meta, calls = ctx.meta, self.calls.get(thread)
+        source, content, xml = render_result(ctx.payload, meta.from_id)
+        if (calls is not None and calls.restored and meta._seq
+                and any(t.seq == meta._seq for t in calls.restored)):
+            # Redelivered after a crash: its result is in the history; what its handling
+            # sent never committed, so the same calls go again, under their ids.
+            again = self._resent(calls, meta._seq)
+            ctx.ready.update((c.call_id, c) for c in again)
+            return {"duplicate": True, "send": [c.call_id for c in again]}
+        call_id, follow = "", list[AddressedCall]()
+        if calls is not None:  # a core message naming no listener: the oldest call's
+            call_id, follow = calls.answered(
+                "" if meta.from_id == "core" and not meta._about
+                else meta._about or meta.from_id)
+        if not self.session.record(thread, content, source=source, xml=xml, seq=meta._seq,
+                                   call_id=call_id,
+                                   is_error=call_id != "" and isinstance(ctx.payload, Huh)):
+            return {"duplicate": True}  # in the restored history already
+        if calls is not None and calls.pending <= 0:
+            del self.calls[thread]
+        ctx.ready.update((c.call_id, c) for c in follow)
+        return {"send": [c.call_id for c in follow]} if follow else {}
+
+    def _decided(self, calls: Sequence[ToolCall]) -> list[AddressedCall]:
+        return [d for d in (decide(c, self.tools) for c in calls)
+                if isinstance(d, AddressedCall)]
+
+    def _open(self, turns: Sequence[Turn], last: int) -> list[AddressedCall]:
+        """The native calls of reply `last` that have no result in `turns`."""
+        done = {t.call_id for t in turns[last + 1:] if t.kind == RESULT and t.call_id}
+        return [c for c in self._decided(turns[last].calls) if c.call_id not in done]
+
+    def _restored_calls(self, turns: Sequence[Turn]) -> OpenCalls | None:
+        """The native calls in flight of a restored task (None: its last reply made
+        none), as a restarted in-process agent finds them."""
+        last = max((i for i, t in enumerate(turns) if t.kind == ASSISTANT), default=-1)
+        if last < 0 or not turns[last].calls:
+            return None
+        open_calls = self._open(turns, last)
+        calls = OpenCalls(len(open_calls), restored=tuple(turns))
+        calls.sending(open_calls)
+        return calls
+
+    def _resent(self, calls: OpenCalls, seq: int) -> list[AddressedCall]:
+        """What handling message `seq` sent, to send again: the calls of the reply
+        made after it that are in flight, or the call that waited for its result."""
+        turns = calls.restored
+        at = next(i for i, t in enumerate(turns) if t.seq == seq)
+        last = max(i for i, t in enumerate(turns) if t.kind == ASSISTANT)
+        if last > at:
+            return [c for c in self._open(turns, last)
+                    if calls.in_flight.get(c.to) == c.call_id]
+        listener = next((c.to for c in self._decided(turns[last].calls)
+                         if c.call_id == turns[at].call_id), None)
+        waiting = calls.in_flight.get(listener or "")
+        return [c for c in self._open(turns, last) if c.call_id == waiting]
 
 
 # ---- the worker's side -------------------------------------------------------------
@@ -240,9 +417,25 @@ def catalogue_of(wire: Mapping[str, Any]) -> ToolCatalogue:
 
 
 @dataclass(frozen=True)
+class NativeReply:
+    """The daemon's account of a reply with native calls (it decided them): how many
+    passed and wait for a result, how many were answered with their error, and
+    whether some go out with this call."""
+
+    calls: int
+    errors: int
+    send: bool
+
+
+@dataclass(frozen=True)
 class _Completion:
     text: str
-    calls: tuple[Any, ...] = ()  # an isolated agent calls with XML: never native calls
+    calls: tuple[NativeReply, ...] = ()  # one, when the model made native calls
+
+
+# What a worker returns to send the native calls it was given: the ids cross in the
+# answer's header, the payloads are the daemon's.
+SEND_CALLS = HandlerResponse.addressed(b"", ())
 
 
 class WorkerSession:
@@ -252,6 +445,8 @@ class WorkerSession:
     def __init__(self, ask: Ask, catalogue: ToolCatalogue) -> None:
         self._ask = ask
         self.catalogue = catalogue
+        self.ready: list[str] = []  # native call ids the daemon gave the running call
+        self.restored_open: int | None = None  # native calls open in a restored task
 
     def _request(self, op: str, fields: dict[str, Any] | None = None, body: bytes = b""
                  ) -> tuple[dict[str, Any], bytes]:
@@ -265,6 +460,7 @@ class WorkerSession:
             raise exc
         if error is not None:
             raise IsolationError(str(error))
+        self.ready.extend(header.get("send") or ())
         return header, reply
 
     def on_task_end(self, hook: Callable[[str], None]) -> None:
@@ -279,9 +475,10 @@ class WorkerSession:
     def record(self, thread: str, content: str, *, source: str, xml: bool = False,
                notice: bool = False, seq: int = 0, call_id: str = "",
                is_error: bool = False) -> bool:
-        """The daemon records the call's own result (neither `content` nor `seq` is
-        sent: it has both): False when its restored history holds it already. An
-        isolated agent calls with XML: its results never carry a call id."""
+        """The daemon records the call's own result (neither `content`, `seq` nor
+        `call_id` is sent: it has the first two and matches the call itself): False
+        when its restored history holds it already. A native call that may go now
+        (it waited for this result) is in `ready`."""
         header, _ = self._request("record", {"notice": notice},
                                   content.encode() if notice else b"")
         return header.get("duplicate") is not True
@@ -290,10 +487,17 @@ class WorkerSession:
         header, body = self._request("restore")
         if not header.get("found"):
             return None
+        self.restored_open = header.get("open")
         return tuple(Turn(kind, content) for kind, content in json.loads(body))
 
     async def complete(self, thread: str) -> _Completion:
-        return _Completion(self._request("complete")[1].decode())
+        header, body = self._request("complete")
+        native = header.get("native")
+        if native is None:
+            return _Completion(body.decode())
+        self.ready.extend(native["send"])
+        return _Completion(body.decode(), (NativeReply(native["calls"], native["errors"],
+                                                       bool(native["send"])),))
 
     async def unfold(self, thread: str, segment_ids: Any) -> list[str]:
         return list(json.loads(self._request("unfold", {"segments": list(segment_ids)})[1]))
@@ -302,29 +506,63 @@ class WorkerSession:
         self._request("end")
 
 
+class WorkerLoop(AgentLoop):
+    """`AgentLoop` in a worker: the daemon decides, matches and resends native calls;
+    the loop here keeps only the task's phase and counters."""
+
+    def _native(self, thread: str, state: TaskState, calls: Sequence[Any]
+                ) -> HandlerResponse | None:
+        (reply,) = calls
+        state.thought(reply.calls, reply.errors)
+        return SEND_CALLS if reply.send else None
+
+    async def _restore(self, thread: str) -> TaskState | None:
+        session = cast(WorkerSession, self.session)
+        session.restored_open = None
+        state = await super()._restore(thread)
+        open_calls = session.restored_open
+        if state is not None and open_calls is not None:  # its last reply was native
+            state.phase = Phase.WAITING if open_calls else Phase.THINKING
+            state.pending = open_calls
+        return state
+
+
 class WorkerAgent:
-    """The handler a worker runs for an isolated agent: `AgentLoop` on a
+    """The handler a worker runs for an isolated agent: `WorkerLoop` on a
     `WorkerSession`, its task state taken from the call and handed back."""
 
     def __init__(self, init: Mapping[str, Any], own_classes: tuple[type, ...], ask: Ask) -> None:
-        session = WorkerSession(ask, catalogue_of(init["catalogue"]))
-        self.loop = AgentLoop(init["name"], cast("AgentSession", session),
-                              max_iterations=init["max_iterations"],
-                              own_classes=own_classes, max_fanout=init["max_fanout"])
+        self.session = WorkerSession(ask, catalogue_of(init["catalogue"]))
+        self.loop = WorkerLoop(init["name"], cast("AgentSession", self.session),
+                               max_iterations=init["max_iterations"],
+                               own_classes=own_classes, max_fanout=init["max_fanout"])
+        self.sending: list[str] = []  # the native calls this answer sends
 
     def enter(self, thread: str, state: Mapping[str, Any] | None) -> None:
         self.loop.tasks.clear()
+        self.session.ready.clear()
+        self.sending = []
         if state is not None:
             self.loop.tasks[thread] = TaskState(_PHASES[state["phase"]], state["iterations"],
                                                 state["pending"])
 
-    def leave(self, thread: str) -> dict[str, Any] | None:
+    def leave(self, thread: str) -> dict[str, Any]:
+        """What the answer's header carries besides the response: the task state (None
+        once it finished) and the native calls it sends."""
         state = self.loop.tasks.pop(thread, None)
         self.loop.tasks.clear()
-        if state is None or state.phase is Phase.FINISHED:
-            return None
-        return {"phase": state.phase.value, "iterations": state.iterations,
-                "pending": state.pending}
+        out: dict[str, Any] = {"state": None if state is None or state.phase is Phase.FINISHED
+                               else {"phase": state.phase.value,
+                                     "iterations": state.iterations,
+                                     "pending": state.pending}}
+        if self.sending:
+            out["calls"] = self.sending
+        return out
 
     async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse | None:
-        return await self.loop(payload, meta)
+        result = await self.loop(payload, meta)
+        ready, self.session.ready = self.session.ready, []
+        if ready and (result is None or result is SEND_CALLS):
+            self.sending = ready
+            return SEND_CALLS
+        return None if result is SEND_CALLS else result

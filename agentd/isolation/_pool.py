@@ -272,9 +272,8 @@ class WorkerPool:
     ) -> HandlerResponse | None:
         try:
             if kind == p.ANSWER:
-                if self.bridge is not None:
-                    self.bridge.answered(context, header)
-                result = p.decode_answer(header, rest)
+                result = (p.decode_answer(header, rest) if self.bridge is None
+                          else self.bridge.answer(context, header, rest))
                 writes = p.decode_state_writes(header)
                 if writes:  # committed with the output, as an in-process handler's
                     meta.state.overlay.update(writes)

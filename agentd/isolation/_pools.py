@@ -122,7 +122,8 @@ class IsolationPools:
         from agentd.isolation._agent import AgentBridge  # the platform: agents only
 
         return AgentBridge(platform.session(name), platform, lst.agent.max_iterations,
-                           {spec_of(c).clark for c in lst.payload_classes})
+                           {spec_of(c).clark for c in lst.payload_classes},
+                           config.pump.max_fanout)
 
     async def close_unused(self, live_versions: Callable[[], Collection[int]]) -> int:
         """Stop the retired pools that no live table reaches; `live_versions` is

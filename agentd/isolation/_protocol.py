@@ -11,7 +11,7 @@ rest is opaque bytes (a payload's XML).
                        REPLY   {"error"?, ...} + bytes   (to an ASK)
     worker -> daemon   READY   {"pid"}
                        ANSWER  {"kind", "to", "targets", "code", "message", "retry",
-                                "state"?, "meta_state"?} + payload XML
+                                "state"?, "calls"?, "meta_state"?} + payload XML
                        FAILED  {"error"}  (the handler raised; the error's class name only)
                        ASK     {"op", ...} + bytes  (an agent's request to the platform,
                                for the call it is running; see `_agent.py`)
@@ -27,7 +27,8 @@ Handler state (`meta.state`): a CALL carries the listener's slice of the convers
 (`meta_state`, only when it has one), the ANSWER the handler's writes (`meta_state`:
 key -> value, or null for a delete). The daemon applies the writes as it does an
 in-process handler's, checked against `pump.max_state_bytes_per_thread` in the
-transaction of the handler's output. (`state` is an isolated agent's task state.)
+transaction of the handler's output. (`state` is an isolated agent's task state,
+`calls` the ids of the native calls its answer sends, with no payload.)
 """
 
 from __future__ import annotations

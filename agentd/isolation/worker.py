@@ -165,7 +165,7 @@ def serve(fd_in: int, fd_out: int) -> None:
             if result is not None and not isinstance(result, HandlerResponse):
                 raise TypeError(f"handler returned {type(result).__name__}")
             if agent is not None:
-                extra = {"state": agent.leave(meta.thread_id)}
+                extra = agent.leave(meta.thread_id)
             view = meta._view
             if view is not None and view.overlay:
                 extra = {**(extra or {}), "meta_state": view.overlay}

@@ -178,8 +178,7 @@ class AgentPrompt:
     blocks: tuple[str, ...]  # block names, in order (manifesto first)
     catalogue: ToolCatalogue
     # The peers as provider tools (native tool calling), one per peer, in peer order;
-    # empty with `tool_calling: xml` and for an isolated agent (its worker reads XML
-    # calls only).
+    # empty with `tool_calling: xml`.
     provider_tools: tuple[ToolSpec, ...] = ()
     tool_calling: str = XML  # as in force: native, auto or xml
 
@@ -237,9 +236,8 @@ class PromptRegistry:
         for lst in config.listeners:
             if lst.agent is None:
                 continue
-            # An isolated agent's worker reads XML calls only: it calls with XML.
-            mode = XML if config.isolation_of(lst) is not None else lst.agent.tool_calling
-            entry = _assemble(config, lst, lst.agent, blocks, by_name, issues, mode)
+            entry = _assemble(config, lst, lst.agent, blocks, by_name, issues,
+                              lst.agent.tool_calling)
             if entry is not None:
                 prompts[lst.name] = entry
         if issues:
