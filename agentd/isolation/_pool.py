@@ -29,7 +29,8 @@ Invariants:
   `CHECK_S` plus the calls already queued.
 - Callers wait for a worker in turn: one arriving while others wait queues behind
   them.
-- Everything a worker sends is decoded by `_protocol.decode_answer`; its stderr is
+- Everything a worker sends is decoded by `_protocol.decode_answer` (an agent's
+  answer by its bridge, which checks the native call ids it names); its stderr is
   logged (capped per line), never parsed.
 """
 
