@@ -12,8 +12,10 @@ import pytest
 from agentd._core import Ack, Huh
 from agentd._envelope import NIL_THREAD, build_envelope, parse_envelope
 from agentd._errors import GENERIC_MESSAGES, HuhCode
+from agentd._handler import ChainStopped, HandlerResponse
 from agentd._xmlify import spec_of, to_xml
 from agentd.client import frame_kind
+from agentd.config import OrganismConfig, load_config_text
 from agentd.pump import dispatch as dispatch_module
 from agentd.testing import Harness
 from agentd.tools.calculator import Add
@@ -391,21 +393,27 @@ async def test_a_stopped_chain_is_told_durably_and_a_carried_hop_count_counts(
     assert result.code is HuhCode.BUDGET_EXCEEDED
 
 
+def organism_with(handlers: dict[str, str]) -> OrganismConfig:
+    """basic.yaml with some listeners' handlers swapped, as an operator edits it."""
+    text = ORGANISM.read_text()
+    for old, new in handlers.items():
+        assert text.count(f"handler: {old}\n") == 1, old
+        text = text.replace(f"handler: {old}\n", f"handler: {new}\n")
+    return load_config_text(text, base_dir=ORGANISM.parent)
+
+
+async def stopped_add(payload: Add, meta: object) -> ChainStopped:
+    return ChainStopped(HuhCode.BUDGET_EXCEEDED)
+
+
 async def test_a_chain_a_peer_organism_stopped_is_stopped_here_and_the_client_told(
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A gateway's call refused at the peer's hop limit (a federation listener answers
     `ChainStopped`): the client is told `budget-exceeded` durably, as for a chain
     stopped at home, and the calling listener (the relay) is not answered. Before,
     the relay got a `huh` and the client heard nothing."""
-    from agentd._handler import ChainStopped
-    from agentd.tools import calculator
-
-    async def stopped(payload: Add, meta: object) -> ChainStopped:
-        return ChainStopped(HuhCode.BUDGET_EXCEEDED)
-
-    monkeypatch.setattr(calculator, "add", stopped)
-    async with Harness.from_config(ORGANISM, clients=CLIENTS) as h:
+    organism = organism_with({"agentd.tools.calculator:add": "tests.test_pump:stopped_add"})
+    async with Harness(organism, CLIENTS) as h:
         frames = await h.send("alice", Relay(a=1, b=2))
         assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
         assert field(frames[-1], "code") == "budget-exceeded"
@@ -420,27 +428,24 @@ async def test_a_chain_a_peer_organism_stopped_is_stopped_here_and_the_client_to
         assert len(handled) == 1  # the relay ran once and never took an answer
 
 
-async def test_a_holder_failing_on_a_core_reply_tells_its_caller(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def refusing_add(payload: Add, meta: object) -> HandlerResponse:
+    return HandlerResponse.error(HuhCode.DENIED)
+
+
+async def fragile_relay(payload: object, meta: object) -> HandlerResponse:
+    if isinstance(payload, Relay):
+        return HandlerResponse(Add(a=payload.a, b=payload.b), to="calculator.add")
+    raise RuntimeError("the relay did not expect a huh")
+
+
+async def test_a_holder_failing_on_a_core_reply_tells_its_caller() -> None:
     """The relay's call is refused (a core `huh` comes back to it) and the relay
     raises while taking it: its caller, the client, gets a `huh` and the relay's
     frame ends. For a core reply the failure used to tell nobody, and the client
     waited until idle collection (a day by default)."""
-    from agentd._handler import HandlerResponse
-    from agentd.tools import calculator, relay
-
-    async def refusing(payload: Add, meta: object) -> HandlerResponse:
-        return HandlerResponse.error(HuhCode.DENIED)
-
-    async def fragile(payload: object, meta: object) -> HandlerResponse:
-        if isinstance(payload, Relay):
-            return HandlerResponse(Add(a=payload.a, b=payload.b), to="calculator.add")
-        raise RuntimeError("the relay did not expect a huh")
-
-    monkeypatch.setattr(calculator, "add", refusing)
-    monkeypatch.setattr(relay, "relay", fragile)
-    async with Harness.from_config(ORGANISM, clients=CLIENTS) as h:
+    organism = organism_with({"agentd.tools.calculator:add": "tests.test_pump:refusing_add",
+                              "agentd.tools.relay:relay": "tests.test_pump:fragile_relay"})
+    async with Harness(organism, CLIENTS) as h:
         frames = await h.send("alice", Relay(a=1, b=2))
         assert kinds(frames) == [("core", "accepted"), ("core", "huh")]
         assert field(frames[-1], "code") == "internal"
