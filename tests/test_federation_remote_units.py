@@ -418,7 +418,9 @@ def test_a_peer_flooding_stray_replies_is_held_to_a_bound() -> None:
         clock.now += 0.001
         calls.reply(i, f"t{i}", "<stray/>")
     assert link.frames == [{"t": "ack", "id": i} for i in range(3)]
-    assert len(calls._held) == MAX_HELD
+    clock.now += 0.001
+    calls.reply(MAX_HELD + 3, "t", "<stray/>")  # the oldest still held goes next
+    assert link.frames[3:] == [{"t": "ack", "id": 3}]
 
 
 def test_offers_are_weighed_against_the_pins() -> None:
