@@ -74,7 +74,9 @@ class ListenerConfig:
     name: str
     payload_classes: tuple[type, ...]
     response_classes: tuple[type, ...] = ()
-    handler: Callable[..., Any] | None = None  # a `handler:` listener's, as imported
+    # A `handler:` listener's function as imported (a gateway's imported listener: the
+    # `RemoteCall` the preflight adds); None for agents and tools.
+    handler: Callable[..., Any] | None = None
     agent: sections.AgentConfig | None = None
     description: str = ""
     semantic_description: str = ""  # extra text semantic routing matches (not shown to LLMs)
