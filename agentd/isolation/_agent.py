@@ -54,19 +54,22 @@ from agentd.isolation._protocol import MAX_TARGETS, ProtocolError, decode_answer
 from agentd.llm import LlmError, ToolCall, ToolResult
 from agentd.platform import (
     ASSISTANT,
+    RESULT,
+    AddressedCall,
     AgentLoop,
     BudgetExceeded,
     HistoryFull,
     IsolationError,
+    PeerTool,
     Phase,
     TaskState,
     Tool,
     ToolCatalogue,
     Turn,
+    decide,
+    peer_tools,
     render_result,
 )
-from agentd.platform._calls import AddressedCall, PeerTool, decide, peer_tools
-from agentd.platform._history import RESULT
 
 if TYPE_CHECKING:
     from agentd.platform import AgentSession

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from agentd.platform._assembly import ContextOverflow, OverrideViolation
     from agentd.platform._audit import kernel_audit
     from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
+    from agentd.platform._calls import AddressedCall, PeerTool, decide, peer_tools
     from agentd.platform._context import (
         AssembledContext,
         Fragment,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     )
     from agentd.platform._history import (
         ASSISTANT,
+        RESULT,
         HistoryFull,
         HistoryStore,
         InMemoryHistoryStore,
@@ -66,6 +68,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "agentd.platform._assembly": ("ContextOverflow", "OverrideViolation"),
     "agentd.platform._audit": ("kernel_audit",),
     "agentd.platform._budget": ("BudgetExceeded", "BudgetLedger", "Scope"),
+    "agentd.platform._calls": ("AddressedCall", "PeerTool", "decide", "peer_tools"),
     "agentd.platform._context": (
         "AssembledContext",
         "Fragment",
@@ -78,6 +81,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     ),
     "agentd.platform._history": (
         "ASSISTANT",
+        "RESULT",
         "HistoryFull",
         "HistoryStore",
         "InMemoryHistoryStore",
@@ -93,6 +97,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
 
 __all__ = [
     "ASSISTANT",
+    "RESULT",
+    "AddressedCall",
     "AgentHandlers",
     "AgentLoop",
     "AgentPrompt",
@@ -112,6 +118,7 @@ __all__ = [
     "Layer",
     "OverrideViolation",
     "ParsedReply",
+    "PeerTool",
     "Phase",
     "Platform",
     "PromptRegistry",
@@ -123,10 +130,12 @@ __all__ = [
     "ToolCatalogue",
     "Turn",
     "assemble",
+    "decide",
     "kernel_audit",
     "make_agent_handlers",
     "neutralise",
     "parse_reply",
+    "peer_tools",
     "prepare",
     "registry_resolver",
     "render_result",
