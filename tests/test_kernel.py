@@ -755,6 +755,34 @@ async def test_older_schema_is_migrated(state_dir: Path, monkeypatch: pytest.Mon
         await Kernel.open(state_dir)
 
 
+def test_threads_of_a_version_6_database_keep_their_rows_and_check(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state_dir.mkdir(mode=0o700)
+    rebuild = _schema.MIGRATIONS[7]
+    monkeypatch.delitem(_schema.MIGRATIONS, 7)
+    Store.open(state_dir / DB_NAME).close()  # a database as version 6 left it
+    with db_conn(state_dir) as conn:
+        conn.execute("INSERT INTO threads VALUES ('t1', '[\"c\"]', NULL, 'c', 'public', 1, "
+                     "'completed', 1.0, 2.0, 3)")
+    monkeypatch.setitem(_schema.MIGRATIONS, 7, rebuild)
+    store = Store.open(state_dir / DB_NAME)
+    assert store.migrated_from == 6
+    store.close()
+    insert = ("INSERT OR REPLACE INTO threads (uuid, path, parent, owner, profile, "
+              "table_version, state, created, updated, hops) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    with db_conn(state_dir) as conn:
+        assert conn.execute("SELECT * FROM threads").fetchall() == [
+            ("t1", '["c"]', None, "c", "public", 1, "completed", 1.0, 2.0, 3)]
+        assert conn.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'threads' "
+                            "AND type = 'index' AND sql IS NOT NULL").fetchall() == [
+            ("threads_state",)]
+        with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
+            conn.execute(insert, ("t2", "[]", None, "c", "public", 1, "asleep", 1.0, 1.0, 0))
+        # Each row written checks its state without building a temporary table.
+        program = [row[1] for row in conn.execute("EXPLAIN " + insert, (None,) * 10)]
+        assert "OpenEphemeral" not in program
+
+
 # -- failing storage -------------------------------------------------------------------
 
 

@@ -62,6 +62,21 @@ _sha256 = hashlib.sha256
 _BUSY_TIMEOUT_MS = 2000
 
 
+def _null(value: None) -> None:
+    return value
+
+
+# sqlite3 binds int, float, str and bytearray directly but sends every other value
+# (bytes, None: payloads, hashes, an absent expiry) through its adaptation protocol,
+# whose failed `__adapt__` lookup formats an AttributeError message each time: about
+# ten per request/answer pair, a tenth of the writer's instructions. An identity
+# adapter registered for them is found in the registry first. Bytes still bind as
+# blobs and None as NULL; nothing else is registered (registering int, float, str or
+# bytearray would send every value through the protocol).
+sqlite3.register_adapter(bytes, bytes.__bytes__)
+sqlite3.register_adapter(type(None), _null)
+
+
 def is_storage_error(exc: BaseException) -> bool:
     if isinstance(exc, sqlite3.Error):
         code = getattr(exc, "sqlite_errorcode", None)

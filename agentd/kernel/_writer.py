@@ -58,6 +58,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from agentd._runtime import tune_gc
 from agentd._spin import LoopSpin, wait_readable
 from agentd.kernel._errors import WriterExited
 from agentd.kernel._store import Store, is_storage_error
@@ -465,6 +466,7 @@ def _answer(sock: socket.socket, replies: list[tuple]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    tune_gc()  # the rows of a batch die young: the daemon's collector settings
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
