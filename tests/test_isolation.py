@@ -228,17 +228,15 @@ async def test_stderr_without_newlines_is_read_no_faster_either(
 
 
 async def test_a_worker_that_dies_as_it_starts_is_restarted_ever_more_slowly(
-        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+        h: Harness) -> None:
     """A worker that exits right after it is ready used to be restarted in a tight
     loop (84 restarts, 1.35 cores in 10 s); each quick death doubles the pause.
     "Quick" is 1 s after ready; the worker first asked was ready when the harness
     started, which in a loaded full run can be longer ago than that (it failed a
     fresh-clone CI run so), so the window is widened here: what is tested is the
     doubling, not the constant."""
-    from agentd.isolation import _pool
-
-    monkeypatch.setattr(_pool, "_QUICK_DEATH_S", 600.0)
     pool = h.isolation.pools["prober"]
+    pool.quick_death_s = 600.0
     await settled(h, 0)
     assert pool.restart_pause_s == 0.0
     assert await ask(h, "exit-soon") == ("outcome", "exiting")

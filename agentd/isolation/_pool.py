@@ -127,6 +127,7 @@ class WorkerPool:
         self._background: set[asyncio.Task[Any]] = set()
         self._stopping = False
         self._backoff = 0.0
+        self.quick_death_s = _QUICK_DEATH_S  # a worker dead this soon after ready
         self._spare: Worker | None = None  # started and ready, serving nothing yet
         self._spin = LoopSpin()  # the loop polls while a lone call's answer is due
         self._cores = len(os.sched_getaffinity(0))  # the cores the daemon may run on
@@ -534,7 +535,7 @@ class WorkerPool:
             self._idle.append(spare)  # serves at once; a new spare starts behind it
             self._line.wake()
         lived = asyncio.get_running_loop().time() - worker.ready_at
-        if reason not in _NOT_SELF_INFLICTED and worker.ready_at and lived < _QUICK_DEATH_S:
+        if reason not in _NOT_SELF_INFLICTED and worker.ready_at and lived < self.quick_death_s:
             self._slower()  # it dies as soon as it starts: no tight restart loop
         elif worker.ready_at:
             self._backoff = 0.0
