@@ -63,11 +63,10 @@ from agentd.pump.batch import (
     thread_row,
 )
 from agentd.pump.gate import Deny, Park, Pass, gate
-from agentd.pump.intents import Busy, IntentDesk
+from agentd.pump.intents import IntentDesk
 from agentd.pump.invoker import CallFailed, Invoker, outcome_of
 from agentd.pump.message import (
     CORE,
-    NO_CAPABILITY,
     IntentResolver,
     Message,
     MsgKind,
@@ -111,7 +110,7 @@ class Dispatch:
         self.max_envelope_bytes = options.max_envelope_bytes
         self.shape = options.shape
         self.gateways = options.gateways
-        self.intents = IntentDesk(intents, settings)
+        self.intents = IntentDesk(intents, settings, self.max_envelope_bytes, self.shape)
         # Core `step` frames for a conversation's owner who asked; None: none.
         self.steps = steps
         self.scheduler = Scheduler(self.handle, settings.max_concurrency, settings.max_queue)
@@ -362,57 +361,30 @@ class Dispatch:
         self.close(batch, None)
 
     async def _resolve_intent(self, msg: Message) -> None:
-        """Core `intent`: the resolver ranks what the sender may reach and fills a
-        payload, which then enters as the sender's own output (the same checks as
-        any handler output: schema, dispatch table, peers; one more hop). Nothing
-        fits: `huh unroutable` with the one text that never says why."""
-        frame, sender, hops = msg.frame, msg.sender, msg.hops + 1
-        # A listener never holds a root frame: on one, the sender is the client.
-        listener = None if frame.is_root else frame.profile.table.listeners.get(sender)
-        outcome = await self.intents.resolve(msg, listener)
-        if isinstance(outcome, Busy):
-            batch = self.open()
-            self._huh_to(frame, HuhCode.RATE_LIMITED, hops, batch)
-            self.close(batch, msg)
-            return
+        """Core `intent`: resolved and planned by the `IntentDesk`, applied here: the
+        filled payload enters as the sender's own output (the same checks as any
+        handler output: schema, dispatch table, peers; one more hop); a client's is
+        gated as its own envelope would be. Nothing fits: `huh unroutable` with the
+        one text that never says why."""
+        frame, hops = msg.frame, msg.hops + 1
+        plan = await self.intents.plan(msg)
         batch = self.open()
-        if outcome is not None and batch is not None:
-            batch.tx.journal(
-                thread=frame.uuid, direction="audit", kind="intent-route",
-                handler=outcome.listener or "", sender=sender, tag=msg.payload.tag,
-                payload=outcome.record, profile=frame.profile.name,
-            )  # fmt: skip
-        if outcome is None or outcome.payload is None or outcome.listener is None:
-            huh = Huh.of(HuhCode.UNROUTABLE, NO_CAPABILITY)
-            metrics.envelopes_rejected.labels(HuhCode.UNROUTABLE.value).inc()
-            self._reenter_core(frame, huh.to_bytes(), hops, batch)
-        else:
-            data = build_envelope(sender, frame.uuid, outcome.payload, to=outcome.listener)
-            if listener is not None:
-                self._reenter(data, listener, frame, frame, False, hops, batch)
+        if plan.journal is not None and batch is not None:
+            batch.tx.journal(**plan.journal)
+        filled = plan.filled
+        if plan.rejected is not None:
+            metrics.envelopes_rejected.labels(plan.rejected.value).inc()
+            self._reenter_core(frame, plan.notice, hops, batch)
+        elif plan.listener is not None:
+            self._reenter(plan.envelope, plan.listener, frame, frame, False, hops, batch)
+        elif filled is not None:
+            filled.hops = hops
+            gated = gate(filled, frame.profile.table.gates, self.waits.counts)
+            if isinstance(gated, Pass):
+                self.enqueue(filled, batch)
             else:
-                self._admit_filled(data, sender, frame, hops, batch)
+                self.hold(filled, gated, frame, hops, batch)
         self.close(batch, msg)
-
-    def _admit_filled(
-        self, data: bytes, client: str, frame: Frame, hops: int, batch: Batch | None
-    ) -> None:
-        """A client's filled intent: routed like the client's own envelope."""
-        try:
-            env = parse_envelope(data, max_bytes=self.max_envelope_bytes, shape=self.shape)
-            filled = admission.route_request(env, env.key, data, client, None, frame)
-        except Rejection as rej:
-            log.info("filled intent rejected client=%s code=%s %s detail=%s",
-                     client, rej.code.value, frame.log_ids, rej.detail)
-            self._huh_to(frame, rej.code, hops, batch)
-            return
-        filled.hops = hops
-        # Gated as the client's own envelope would be.
-        gated = gate(filled, frame.profile.table.gates, self.waits.counts)
-        if isinstance(gated, Pass):
-            self.enqueue(filled, batch)
-        else:
-            self.hold(filled, gated, frame, hops, batch)
 
     def _state_fits(self, view: StateView, listener: Listener, batch: Batch | None) -> bool:
         """Commit the handler's `meta.state` writes with its output; False (nothing
