@@ -37,9 +37,10 @@ class HandlerMetadata:
     _after_commit: Any = field(default=None, repr=False, compare=False)
     # The hops of the message's causal chain so far (a federation call carries them).
     _hops: int = field(default=0, repr=False, compare=False)
-    # A core message (ack, huh) answering one of the handler's calls: the listener
-    # that call went to ("" when unknown). Platform handlers only (an agent's calls).
-    _about: str = field(default="", repr=False, compare=False)
+    # A reply about one of the handler's calls (its answer, an ack or huh for it): the
+    # ref the handler gave that call (`HandlerResponse.addressed(..., refs=)`), set by
+    # the pump from the call's frame, never from the reply ("": none).
+    _ref: str = field(default="", repr=False, compare=False)
     # When the conversation's owner asked to see steps: report(progress, total,
     # message) turns a tool's progress into `step progress` frames (MCP tools).
     _progress: Any = field(default=None, repr=False, compare=False)
@@ -88,6 +89,8 @@ class HandlerResponse:
     # BROADCAST: every payload goes to each of them; SEND: payload i goes to
     # targets[i] ("": routed by its key alone), see `addressed`.
     targets: tuple[str, ...] = field(default=())
+    # SEND with `targets`: the handler's reference of each call (see `addressed`).
+    refs: tuple[str, ...] = field(default=())
     error_code: HuhCode | None = None
     error_message: str = ""
     retry_allowed: bool | None = None  # None: what the code implies
@@ -98,11 +101,15 @@ class HandlerResponse:
         return cls(payload, kind=ResponseKind.RESPOND)
 
     @classmethod
-    def addressed(cls, payload: Any, to: Sequence[str]) -> HandlerResponse:
+    def addressed(cls, payload: Any, to: Sequence[str], refs: Sequence[str] = ()
+                  ) -> HandlerResponse:
         """Send the payloads of `payload` (several elements, or a list) each to the
         listener named at its position in `to` ("": routed by its key alone), so a
-        payload class that several peers take reaches only the one meant."""
-        return cls(payload, kind=ResponseKind.SEND, targets=tuple(to))
+        payload class that several peers take reaches only the one meant. `refs`
+        (platform handlers): a name for each call, up to 64 of `A-Za-z0-9._:-`; whatever
+        comes back about a call (its answer, an ack or huh) carries it, so calls to
+        one listener are told apart however their replies are ordered."""
+        return cls(payload, kind=ResponseKind.SEND, targets=tuple(to), refs=tuple(refs))
 
     @classmethod
     def broadcast(cls, payload: Any, to: Sequence[str]) -> HandlerResponse:

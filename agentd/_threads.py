@@ -84,6 +84,7 @@ class Frame:
         "path",
         "persisted",
         "profile",
+        "ref",
         "root",
         "state",
         "touched",
@@ -106,6 +107,9 @@ class Frame:
         # The id the owning client's `step` frames give the call this frame runs
         # ("": none was shown, e.g. the client's own envelope, or after a restart).
         self.call = ""
+        # The caller's reference of the call this frame runs ("": none), which every
+        # message back to the caller about it carries (pump/message.py).
+        self.ref = ""
 
     @property
     def is_root(self) -> bool:

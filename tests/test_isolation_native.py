@@ -134,15 +134,16 @@ async def test_an_isolated_agents_call_id_is_sent_once_across_a_crash(tmp_path: 
             first, second = await daemon(
                 kernel, (MathQuestion(text="(2 + 3) * 7?"),
                          HandlerMetadata(thread, "alice", "tutor", _seq=41)),
-                (Sum(value=5), HandlerMetadata(thread, "calculator.add", "tutor", _seq=42)))
+                (Sum(value=5), HandlerMetadata(thread, "calculator.add", "tutor", _seq=42,
+                                               _ref="1.0")))
             assert first.targets == ("calculator.add",)
             assert second.targets == ("calculator.multiply",)
             # kill -9: message 42 comes back to a new daemon, its workers new too
             again, done = await daemon(
                 kernel, (Sum(value=5), HandlerMetadata(thread, "calculator.add", "tutor",
-                                                       redelivered=True, _seq=42)),
+                                                       redelivered=True, _seq=42, _ref="1.0")),
                 (Sum(value=35), HandlerMetadata(thread, "calculator.multiply", "tutor",
-                                                _seq=43)))
+                                                _seq=43, _ref="2.0")))
     assert again.kind is ResponseKind.SEND and again.targets == ("calculator.multiply",)
     assert again.payload == second.payload
     assert done.kind is ResponseKind.RESPOND and b"It is 35." in done.payload
@@ -173,6 +174,10 @@ def hostile_organism(backend: str) -> str:
 
 TWO_TALLIES = [Reply(calls=[call("t1", "tally", tag="one"), call("t2", "tally", tag="two")]),
                Reply("counted")]
+# Two replies of one call each: the second reply's call is given to another call of
+# the worker, which names the first one's id again (replay).
+TALLY_TWICE = [Reply(calls=[call("t1", "tally", tag="one")]),
+               Reply(calls=[call("t2", "tally", tag="two")]), Reply("counted")]
 
 
 @pytest.mark.both_loops
@@ -180,18 +185,20 @@ TWO_TALLIES = [Reply(calls=[call("t1", "tally", tag="one"), call("t2", "tally", 
     ("duplicate", []), ("forge", []), ("own-output", []), ("replay", ["one"])])
 async def test_a_hostile_worker_cannot_send_a_call_id_twice_or_one_it_was_not_given(
         attack: str, ran: list[str]) -> None:
-    """Two calls to `tally` (the second waits for the first's result). Whatever the
+    """Two calls to `tally` (in one reply; for `replay`, one reply each). Whatever the
     worker names, a call id goes out at most once, and only to the call the daemon
     gave it to; the worker that tries otherwise is replaced, its call gets `huh`."""
+    script = TALLY_TWICE if attack == "replay" else TWO_TALLIES
     hostile_agent.TALLIED.clear()
-    async with FakeLLM("openai", TWO_TALLIES) as server, \
+    async with FakeLLM("openai", script) as server, \
             organism(hostile_organism(openai_backend(server))) as (h, hs):
         pool = h.isolation.pools["tutor"]
         frames = await h.send("alice", HostileTask(attack=attack))
         assert kinds(frames)[-1] == ("core", "huh") and child(frames[-1], "code") == "internal"
         await until(lambda: pool.restarts == 1)
         assert ran == hostile_agent.TALLIED
-        assert len(server.requests) == 1  # the model never saw a result
+        # the model never saw a result of the calls the attack was on
+        assert len(server.requests) == (2 if attack == "replay" else 1)
         await until(lambda: clean(h, hs))
 
 
@@ -240,9 +247,9 @@ def task_call() -> CallContext:
                        to_xml(task), task)
 
 
-def result_call(payload: Any, sender: str = "calculator.add", about: str = "") -> CallContext:
+def result_call(payload: Any, sender: str = "calculator.add", ref: str = "") -> CallContext:
     key = None if isinstance(payload, Huh) else "{https://xml-pipeline.org/ns/calculator/sum/v1}sum"
-    return CallContext(HandlerMetadata("t-1", sender, "tutor", _about=about), key,
+    return CallContext(HandlerMetadata("t-1", sender, "tutor", _ref=ref), key,
                        payload.to_bytes() if isinstance(payload, Huh) else to_xml(payload),
                        payload)
 
@@ -257,37 +264,37 @@ async def test_the_daemon_decides_the_calls_and_sends_only_the_ids_it_gave(
     first = task_call()
     await b.ask(first, {"op": "begin"}, b"")
     header, _ = await b.ask(first, {"op": "complete"}, b"")
-    # arguments that are not an object, an unknown tool: error results, not sent; the
-    # second call to calculator.add waits for the first's result
-    assert header["native"] == {"calls": 2, "errors": 2, "send": ["a1"]}
+    # arguments that are not an object, an unknown tool: error results, not sent; both
+    # calls to calculator.add go at once, each under its ref
+    assert header["native"] == {"calls": 2, "errors": 2, "send": ["a1", "a2"]}
     turns = await platform.read_history("tutor", "t-1")
     errors = {t.call_id: t.content for t in turns if t.is_error}
     assert "must be a JSON object" in errors["j1"] and "no tool named 'shell'" in errors["u1"]
-    for forged in (["a2"], ["nope"], ["a1", "a1"], [7], [["a1"]], [], "a1"):
+    for forged in (["nope"], ["a1", "a1"], [7], [["a1"]], [], "a1"):
         with pytest.raises(ProtocolError):
             b.answer(first, send(forged), b"")
     with pytest.raises(ProtocolError):  # a payload of its own with the ids
         b.answer(first, send(["a1"]), b"<add/>")
-    out = b.answer(first, send(["a1"]), b"")
-    assert out is not None and out.kind is ResponseKind.SEND and out.targets == ("calculator.add",)
-    assert b"<a>1</a><b>2</b>" in out.payload
+    out = b.answer(first, send(["a1", "a2"]), b"")
+    assert out is not None and out.kind is ResponseKind.SEND
+    assert out.targets == ("calculator.add", "calculator.add") and out.refs == ("1.0", "1.3")
+    assert b"<a>1</a><b>2</b>" in out.payload and b"<a>3</a><b>4</b>" in out.payload
     with pytest.raises(ProtocolError):  # once only
         b.answer(first, send(["a1"]), b"")
-    # a1's result: recorded under a1 whatever the worker claims; a2 may go now, and
-    # only with this call
-    second = result_call(Sum(value=3))
+    # a1's result (ref 1.0): recorded under a1 whatever the worker claims; nothing
+    # else may go now
+    second = result_call(Sum(value=3), ref="1.0")
     header, _ = await b.ask(second, {"op": "record", "call_id": "a2", "is_error": True}, b"")
-    assert header == {"send": ["a2"]}
-    with pytest.raises(ProtocolError):
-        b.answer(first, send(["a2"]), b"")
+    assert header == {}
     with pytest.raises(ProtocolError):  # its own payload while a2 is open
         b.answer(second, {"kind": "send", "to": "calculator.add", "targets": []},
                  b'<add xmlns="' + ADD_NS.encode() + b'"><a>9</a><b>9</b></add>')
-    out = b.answer(second, send(["a2"]), b"")
-    assert out is not None and b"<a>3</a><b>4</b>" in out.payload
-    # a2's refusal (a core huh about calculator.add) is a2's error result
+    # a second answer under a1's ref answers nothing
+    again = result_call(Sum(value=666), ref="1.0")
+    assert await b.ask(again, {"op": "record"}, b"") == ({"duplicate": True}, b"")
+    # a2's refusal (a core huh under a2's ref) is a2's error result
     third = result_call(Huh(code=HuhCode.UNROUTABLE, message="no", retry_allowed=False),
-                        sender="core", about="calculator.add")
+                        sender="core", ref="1.3")
     assert await b.ask(third, {"op": "record"}, b"") == ({}, b"")
     turns = await platform.read_history("tutor", "t-1")
     by_id = {t.call_id: t for t in turns if t.call_id}

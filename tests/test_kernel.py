@@ -758,13 +758,15 @@ async def test_older_schema_is_migrated(state_dir: Path, monkeypatch: pytest.Mon
 def test_threads_of_a_version_6_database_keep_their_rows_and_check(
         state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state_dir.mkdir(mode=0o700)
-    rebuild = _schema.MIGRATIONS[7]
+    rebuild, refs = _schema.MIGRATIONS[7], _schema.MIGRATIONS[8]
+    monkeypatch.delitem(_schema.MIGRATIONS, 8)
     monkeypatch.delitem(_schema.MIGRATIONS, 7)
     Store.open(state_dir / DB_NAME).close()  # a database as version 6 left it
     with db_conn(state_dir) as conn:
         conn.execute("INSERT INTO threads VALUES ('t1', '[\"c\"]', NULL, 'c', 'public', 1, "
                      "'completed', 1.0, 2.0, 3)")
     monkeypatch.setitem(_schema.MIGRATIONS, 7, rebuild)
+    monkeypatch.setitem(_schema.MIGRATIONS, 8, refs)
     store = Store.open(state_dir / DB_NAME)
     assert store.migrated_from == 6
     store.close()
@@ -772,7 +774,7 @@ def test_threads_of_a_version_6_database_keep_their_rows_and_check(
               "table_version, state, created, updated, hops) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
     with db_conn(state_dir) as conn:
         assert conn.execute("SELECT * FROM threads").fetchall() == [
-            ("t1", '["c"]', None, "c", "public", 1, "completed", 1.0, 2.0, 3)]
+            ("t1", '["c"]', None, "c", "public", 1, "completed", 1.0, 2.0, 3, "")]
         assert conn.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'threads' "
                             "AND type = 'index' AND sql IS NOT NULL").fetchall() == [
             ("threads_state",)]

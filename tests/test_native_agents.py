@@ -323,7 +323,7 @@ async def test_a_call_id_is_sent_once_across_a_crash_between_reply_and_dispatch(
                                        HandlerMetadata(thread, "alice", "tutor", _seq=41))
             assert out is not None and out.targets == ("calculator.add",)
             out = await first["tutor"](Sum(value=5), HandlerMetadata(
-                thread, "calculator.add", "tutor", _seq=42))
+                thread, "calculator.add", "tutor", _seq=42, _ref=out.refs[0]))
             assert out is not None and out.targets == ("calculator.multiply",)
             lost = out.payload
             await kernel.flush()
@@ -331,12 +331,13 @@ async def test_a_call_id_is_sent_once_across_a_crash_between_reply_and_dispatch(
             # kill -9: nothing of that process runs again; message 42 comes back
             second = make_agent_handlers(config, kernel=kernel)
             again = await second["tutor"](Sum(value=5), HandlerMetadata(
-                thread, "calculator.add", "tutor", redelivered=True, _seq=42))
+                thread, "calculator.add", "tutor", redelivered=True, _seq=42, _ref="1.0"))
             assert again is not None and again.kind is ResponseKind.SEND
             assert again.targets == ("calculator.multiply",) and again.payload == lost
+            assert again.refs == out.refs == ("2.0",)
             assert len(server.requests) == 2  # not asked again
             done = await second["tutor"](Sum(value=35), HandlerMetadata(
-                thread, "calculator.multiply", "tutor", _seq=43))
+                thread, "calculator.multiply", "tutor", _seq=43, _ref="2.0"))
             await second.platform.aclose()
     assert done is not None and done.kind is ResponseKind.RESPOND
     last = server.requests[-1]
@@ -479,3 +480,112 @@ async def test_several_calls_in_one_reply_run_in_parallel(protocol: str) -> None
     got = results(server.requests[1])
     assert "<met>true</met>" in got["l1"][0] and "<met>true</met>" in got["r1"][0]
     assert "<side>l</side>" in got["l1"][0] and "<side>r</side>" in got["r1"][0]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_two_calls_to_one_listener_in_one_reply_run_at_once_each_under_its_id(
+        protocol: str) -> None:
+    """Two calls of one reply to the same listener: each waits for the other to have
+    started (so both answer `met` only if they ran at the same time), and the first
+    answers only after the second has: each result still goes back under its own
+    call's id, with its own content."""
+    from tests.organisms import meet
+
+    meet.ARRIVED.clear()
+    meet.BOTH, meet.RETURNED = asyncio.Event(), asyncio.Event()  # on this test's loop
+    extra = """\
+  - name: meeting
+    payload_class: tests.organisms.meet:Meet
+    response_class: tests.organisms.meet:Met
+    handler: tests.organisms.meet:meet_last_first
+    description: Meets another call.
+"""
+    script = [Reply(calls=[call("x1", "meeting", side="one"),
+                           call("x2", "meeting", side="two")]),
+              Reply("met")]
+    async with FakeLLM(protocol, script) as server:
+        text = organism_yaml(openai_backend(server), peers="[meeting]",
+                             extra_listeners=extra).replace(
+            "listeners: [tutor, calculator.add, calculator.multiply, echo]",
+            "listeners: [tutor, meeting]")
+        async with organism(text) as (h, _):
+            frames = await h.send("alice", MathQuestion(text="meet yourself"))
+    assert answered(frames) == "met"
+    assert meet.ARRIVED == ["one", "two"]
+    second = server.requests[1]
+    got = results(second)
+    assert set(got) == {"x1", "x2"} and second.orphans() == []
+    assert "<met>true</met>" in got["x1"][0] and "<met>true</met>" in got["x2"][0]
+    assert "<side>one</side>" in got["x1"][0] and "<side>two</side>" in got["x2"][0]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+async def test_a_tool_cannot_answer_for_another_call(protocol: str) -> None:
+    """A hostile tool answers each of its calls twice, the second time with a forged
+    amount: as if for another call in flight (the reply's call to a gated tool still
+    parked, and its own second call). Each result is matched to its call by the ref
+    the pump carries on the call's frame, so each call gets its own answer and the
+    forged ones answer nothing."""
+    from tests.test_approvals import child, decision, tag
+
+    liar = """\
+  - name: liar
+    payload_class: tests.organisms.durable:PayOp
+    response_class: tests.organisms.durable:Paid
+    handler: tests.organisms.durable:liar
+    description: Pays an amount (says it did).
+"""
+    script = [Reply(calls=[call("p1", "pay", amount=7), call("h1", "liar", amount=8),
+                           call("h2", "liar", amount=9)]),
+              Reply("paid")]
+    async with FakeLLM(protocol, script) as server:
+        text = gated_organism(openai_backend(server)).replace(
+            "peers: [pay, pay.op]", "peers: [pay, liar]").replace(
+            "listeners: [tutor, pay, pay.op]", "listeners: [tutor, pay, liar]") + liar
+        async with organism(text) as (h, _):
+            frames = await h.send("alice", MathQuestion(text="pay three times"))
+            (required,) = [f for f in frames if tag(f) == "approval-required"]
+            assert len(server.requests) == 1  # the forged answers answered nothing
+            done = await h.send("alice", decision(
+                "alice", child(frames[0], "thread"), child(required, "approval"),
+                child(required, "payload-sha256")))
+    assert answered(done) == "paid"
+    second = server.requests[1]
+    got = results(second)
+    assert set(got) == {"p1", "h1", "h2"} and second.orphans() == []
+    assert "<amount>7</amount>" in got["p1"][0]
+    assert "<amount>8</amount>" in got["h1"][0] and "<amount>9</amount>" in got["h2"][0]
+    assert "666" not in json.dumps(second.json)
+
+
+async def test_a_reply_names_its_call_by_ref_and_a_refusal_of_the_whole_output_answers_each(
+        ) -> None:
+    """Called directly, as the pump calls it: the reply's calls go out under their refs;
+    an answer under a ref no call in flight has is no result; a core `huh` naming no
+    call (the reply's output refused whole: none of it went out) is the error result
+    of each call."""
+    from agentd._core import Huh
+    from agentd._errors import HuhCode
+
+    thread = "0b7c4f6e-1d2a-4c3b-8e5f-6a7b8c9d0e1f"
+    script = [Reply(calls=[call("a1", "calculator__add", a=1, b=2),
+                           call("a2", "calculator__add", a=3, b=4)]),
+              Reply("gave up")]
+    async with FakeLLM("openai", script) as server:
+        handlers = make_agent_handlers(load(organism_yaml(openai_backend(server))))
+        tutor = handlers["tutor"]
+        out = await tutor(MathQuestion(text="1 + 2, 3 + 4?"),
+                          HandlerMetadata(thread, "alice", "tutor"))
+        assert out is not None and out.refs == ("1.0", "1.1")
+        assert out.targets == ("calculator.add", "calculator.add")
+        for ref in ("", "1.7", "0.0"):
+            assert await tutor(Sum(value=666), HandlerMetadata(
+                thread, "calculator.add", "tutor", _ref=ref)) is None
+        assert len(server.requests) == 1
+        done = await tutor(Huh.of(HuhCode.TOO_LARGE), HandlerMetadata(thread, "core", "tutor"))
+        await handlers.platform.aclose()
+    assert done is not None and done.kind is ResponseKind.RESPOND
+    got = results(server.requests[1])
+    assert set(got) == {"a1", "a2"}
+    assert all(error and "huh too-large" in text for text, error in got.values())
+    assert "666" not in json.dumps(server.requests[1].json)

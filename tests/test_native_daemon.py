@@ -1,16 +1,17 @@
 """Native tool calls in a real `agentd run` process killed with SIGKILL between the
 model's reply and the dispatch of its calls: its model a loopback server speaking
 the OpenAI protocol, the called tool gated by an operator's approval, which holds
-the first call parked (and the second not yet sent) when the process dies. After
-the restart on the same home each call id becomes one message and runs once (the
-tool's ledger), its result goes back under the same id, the model is not asked
-again for that reply, and the task finishes. And killed while the tool runs: the
+both calls parked when the process dies. After the restart on the same home each
+call id becomes one message and runs once (the tool's ledger), its result goes back
+under its own id whatever order they are approved in, the model is not asked again
+for that reply, and the task finishes. And killed while the tool runs: the
 call's message is delivered again after the restart, like any other, and the model
 sees the call once."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import sqlite3
 from pathlib import Path
@@ -68,6 +69,10 @@ def tutor_on(home: Path, server: FakeLLM, peers: list[str]) -> None:
 
 async def test_a_call_id_is_dispatched_once_when_the_daemon_is_killed_before_dispatch(
         tmp_path: Path) -> None:
+    """Two calls of one reply to one gated tool: both parked at once (they run in
+    parallel) when the process dies. After the restart each call's approval, the
+    second one's first, releases its call: each result goes back under its own id,
+    matched by the ref kept with the approval and the journaled messages."""
     home = tmp_path / "home"
     make_home(home, [PAY])
     ledger = tmp_path / "ledger"
@@ -82,11 +87,15 @@ async def test_a_call_id_is_dispatched_once_when_the_daemon_is_killed_before_dis
         try:
             async with BusClient(d.url, "alice", secret=d.secret, cafile=d.cafile) as bus:
                 thread = await bus.send(MathQuestion(text="Pay 7, then 8."))
-                required = await next_on(bus, thread, "approval-required")
+                parked = [unescaped(await next_on(bus, thread, "approval-required"))
+                          for _ in range(2)]
                 session = bus.session
-            assert "<amount>7</amount>" in unescaped(required)
-            # The model's reply (p1, p2) is in the task's history; p1 is parked, p2
-            # waits for p1's result: neither has run when the process dies.
+            # The model's reply (p1, p2) is in the task's history; both calls are
+            # parked: neither has run when the process dies.
+            approval = {re.search(r"<amount>(\d+)</amount>", f)[1]:  # type: ignore[index]
+                        re.search(r"<approval>(\w+)</approval>", f)[1]  # type: ignore[index]
+                        for f in parked}
+            assert set(approval) == {"7", "8"}
             assert len(server.requests) == 1
         finally:
             await d.stop(signal.SIGKILL)
@@ -95,23 +104,16 @@ async def test_a_call_id_is_dispatched_once_when_the_daemon_is_killed_before_dis
         d = await DaemonProcess(home, env=env).start()
         try:
             async with BusClient(d.url, "alice", session=session, cafile=d.cafile) as bus:
-                (first,) = (await ctl(d, "approvals"))["approvals"]
-                assert first["listener"] == "pay" and first["thread"] == thread
-                assert (await ctl(d, "approve", first["id"]))["approve"]["outcome"] == (
-                    "approved")
-                # p1's result comes back: the restored task sends p2, parked in turn
-                second = await next_on(bus, thread, "approval-required")
-                while first["id"].encode() in second:  # the first, sent again at login
-                    second = await next_on(bus, thread, "approval-required")
-                assert "<amount>8</amount>" in unescaped(second)
-                (pending,) = (await ctl(d, "approvals"))["approvals"]
-                assert pending["id"] != first["id"]
-                await ctl(d, "approve", pending["id"])
+                pending = (await ctl(d, "approvals"))["approvals"]
+                assert sorted(p["id"] for p in pending) == sorted(approval.values())
+                for amount in ("8", "7"):  # the second call's first
+                    decided = await ctl(d, "approve", approval[amount])
+                    assert decided["approve"]["outcome"] == "approved"
                 answer = await next_on(bus, thread, "answer")
         finally:
             assert await d.stop() == 0
     assert b"Paid 7 and 8." in answer
-    assert ledger.read_text().split() == ["7", "8"]  # each call ran once
+    assert ledger.read_text().split() == ["8", "7"]  # each call ran once
     assert pay_messages(home) == 2  # each call id one message
     assert len(server.requests) == 2  # the model was not asked again for its reply
     last = server.requests[-1]
@@ -120,7 +122,6 @@ async def test_a_call_id_is_dispatched_once_when_the_daemon_is_killed_before_dis
     assert set(got) == {"p1", "p2"}
     assert "<amount>7</amount>" in got["p1"] and "<amount>8</amount>" in got["p2"]
     assert verify_journal_main(home / "state") == 0
-
 
 
 async def test_a_call_killed_while_its_tool_runs_is_processed_again_and_seen_once(

@@ -163,6 +163,60 @@ async def test_thread_chain_and_profile_survive_a_restart(tmp_path: Path) -> Non
         assert b"<code>unroutable</code>" in refused[0]
 
 
+FAN_ORGANISM = """
+organism: {name: refs}
+pump: {max_concurrency: 8, handler_timeout_s: 30, max_hops: 10}
+profiles:
+  public: {listeners: [fan, forward, hold]}
+listeners:
+  - name: fan
+    payload_class: tests.organisms.listeners:Fan
+    response_class: tests.organisms.listeners:Done
+    handler: tests.organisms.listeners:fan
+    description: Calls twice.
+    peers: [forward, hold]
+  - name: forward
+    payload_class: tests.organisms.listeners:Ask
+    response_class: tests.organisms.listeners:Done
+    handler: tests.organisms.listeners:forward
+    description: Asks hold.
+    peers: [hold]
+  - name: hold
+    payload_class: tests.organisms.listeners:Hold
+    response_class: tests.organisms.listeners:Done
+    handler: tests.organisms.listeners:hold
+    description: Waits at a gate the tests control.
+"""
+
+
+async def test_a_calls_ref_comes_back_with_its_answer_after_a_restart(tmp_path: Path) -> None:
+    """`fan` names its two calls; both are open when the organism stops: one's
+    request is pending in the journal, the other's callee (`forward`) waits for a
+    call of its own, its frame in the thread table. After the restart each answer
+    comes back under the ref of the call it answers."""
+    config = tmp_path / "organism.yaml"
+    config.write_text(FAN_ORGANISM)
+    thread = new_uuid()
+    L.SEEN.clear()
+    L.GATE["event"] = None  # the first run's holds never return
+    async with Harness.from_config(config, {"alice": "public"}, state_dir=tmp_path) as h:
+        data = build_envelope("alice", thread, spec_of(L.Fan).to_bytes(L.Fan(n=0)))
+        assert (await h.pump.submit("alice", data)).accepted
+        async with asyncio.timeout(10):
+            while len(L.SEEN.get("hold", ())) < 2:
+                await asyncio.sleep(0.01)
+        assert h.kernel is not None
+        await h.kernel.flush()
+        rows = await h.kernel.threads()
+        assert sorted(r.call_ref for r in rows) == ["", "", "first"]  # root, fan, forward
+    gate = L.GATE["event"] = asyncio.Event()
+    gate.set()
+    async with Harness.from_config(config, {"alice": "public"}, state_dir=tmp_path) as h:
+        await h.run_until_idle()
+        assert sorted(L.SEEN["fan"]) == [("first", 1, "forward"), ("second", 2, "hold")]
+        assert any(b"<by>fan</by>" in f for f in h.frames("alice", thread))
+
+
 async def test_a_second_organism_on_the_same_state_dir_is_refused(tmp_path: Path) -> None:
     from agentd.kernel import StateLocked
 

@@ -153,6 +153,23 @@ def test_addressees_that_do_not_match_the_payloads_are_refused(call: Call) -> No
     assert plan.envelopes == () and plan.rejected is HuhCode.INVALID_PAYLOAD
 
 
+def test_addressed_calls_keep_their_refs(call: Call) -> None:
+    plan = plan_response(call.request, call.listener, call.add, HandlerResponse.addressed(
+        [Work(seq=1), Work(seq=2)], ["worker.a", "worker.a"], ["2.0", "2.1"]), FANOUT)
+    assert len(plan.envelopes) == 2 and plan.refs == ("2.0", "2.1")
+
+
+@pytest.mark.parametrize("refs", [["2.0"], ["2.0", "x" * 65], ["2.0", "a/b"],
+                                  ["2.0", "a b"], ["2.0", "\u00e9"], ["2.0", 7]])
+def test_refs_that_do_not_match_the_payloads_or_are_not_names_are_refused(
+        call: Call, refs: list[object]) -> None:
+    """A ref is journaled with every message about its call: one per payload, a short
+    name, or the whole output is refused."""
+    plan = plan_response(call.request, call.listener, call.add, HandlerResponse.addressed(
+        [Work(seq=1), Work(seq=2)], ["worker.a", "worker.a"], refs), FANOUT)  # type: ignore[arg-type]
+    assert plan.envelopes == () and plan.rejected is HuhCode.INVALID_PAYLOAD
+
+
 def test_broadcast_is_one_envelope_per_target_and_payload(call: Call) -> None:
     plan = plan_response(call.request, call.listener, call.add,
                          HandlerResponse.broadcast([Work(seq=1), Work(seq=2)],

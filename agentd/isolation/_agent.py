@@ -24,10 +24,11 @@ is the point of running it apart). What its requests can do:
 - native tool calls are the daemon's: it decides the model's calls (payload or
   error result, recorded under its call id), keeps which are in flight, and gives
   the call it is running the ids that may go out now. The worker names those ids in
-  its answer and the daemon sends its own payloads: an id not given to this call,
-  or named twice, breaks the protocol, so each call id is sent at most once. A
-  result is recorded under the call id the daemon matches it to; while calls are
-  open the worker may send nothing else, so no payload of its own can pose as one.
+  its answer and the daemon sends its own payloads, each under its ref: an id not
+  given to this call, or named twice, breaks the protocol, so each call id is sent
+  at most once. A result is recorded under the call id its ref (the pump's) names;
+  while calls are open the worker may send nothing else, so no payload of its own
+  can pose as one.
 Anything else (an unknown request, a wrong type, a second `begin`) breaks the
 protocol: the worker is killed and replaced, the call gets `huh internal`.
 
@@ -66,6 +67,7 @@ from agentd.platform import (
     Tool,
     ToolCatalogue,
     Turn,
+    call_ref,
     decide,
     peer_tools,
     render_result,
@@ -102,39 +104,21 @@ class CallContext:
 @dataclass
 class OpenCalls:
     """The native calls of a task's last reply that have no result yet, as the daemon
-    keeps them for an isolated agent: one call in flight per listener (a result is
-    matched to the call by the listener it answers for), the others queued behind
-    it. `restored`: the task's history, when it was rebuilt after a restart."""
+    keeps them for an isolated agent: all in flight at once, each under its ref, by
+    which a result is matched to its call (`TaskState.answered`, as in process).
+    `restored`: the task's history, when it was rebuilt after a restart."""
 
-    pending: int
-    in_flight: dict[str, str] = dataclasses.field(default_factory=dict)  # listener -> id
-    queued: list[AddressedCall] = dataclasses.field(default_factory=list)
+    state: TaskState  # only its `in_flight` (ref -> call id) is used
     restored: tuple[Turn, ...] = ()
 
-    def sending(self, calls: Sequence[AddressedCall]) -> list[AddressedCall]:
-        """The calls that go now: the first per listener; the rest queue."""
-        out: list[AddressedCall] = []
-        for call in calls:
-            if call.to in self.in_flight:
-                self.queued.append(call)
-            else:
-                self.in_flight[call.to] = call.call_id
-                out.append(call)
-        return out
+    @classmethod
+    def of(cls, calls: Sequence[AddressedCall], restored: tuple[Turn, ...] = ()
+           ) -> OpenCalls:
+        return cls(TaskState(in_flight={c.ref: c.call_id for c in calls}), restored)
 
-    def answered(self, listener: str) -> tuple[str, list[AddressedCall]]:
-        """The call in flight to `listener` ("": the oldest) has its result: its id,
-        and the queued call to that listener that goes now ("" when none is open)."""
-        if listener not in self.in_flight and (listener or not self.in_flight):
-            return "", []
-        listener = listener or next(iter(self.in_flight))
-        call_id = self.in_flight.pop(listener)
-        self.pending -= 1
-        nxt = next((c for c in self.queued if c.to == listener), None)
-        if nxt is None:
-            return call_id, []
-        self.queued.remove(nxt)
-        return call_id, self.sending([nxt])
+    @property
+    def pending(self) -> int:
+        return len(self.state.in_flight)
 
 
 def catalogue_wire(catalogue: ToolCatalogue) -> dict[str, Any]:
@@ -217,7 +201,7 @@ class AgentBridge:
         if ids is None:
             result = decode_answer(header, body)
             open_calls = self.calls.get(ctx.meta.thread_id)
-            if (open_calls is not None and open_calls.in_flight and result is not None
+            if (open_calls is not None and open_calls.pending and result is not None
                     and result.kind is not ResponseKind.ERROR):
                 raise ProtocolError("output of its own while native calls are open")
             return result
@@ -230,7 +214,7 @@ class AgentBridge:
             raise ProtocolError("calls: an id this call was not given, or named twice")
         sent = [ctx.ready.pop(i) for i in ids]
         return HandlerResponse.addressed(b"".join(c.payload for c in sent),
-                                         [c.to for c in sent])
+                                         [c.to for c in sent], [c.ref for c in sent])
 
     async def ask(self, ctx: CallContext, header: dict[str, Any], body: bytes
                   ) -> tuple[dict[str, Any], bytes]:
@@ -314,9 +298,11 @@ class AgentBridge:
     def _native(self, ctx: CallContext, thread: str, calls: Sequence[ToolCall]
                 ) -> dict[str, Any]:
         """The model's native calls, as `AgentLoop` handles them in process: each
-        decided, the error results recorded under their ids, the first call per
-        listener ready for this call to send (the rest wait for its result)."""
-        decided: list[AddressedCall | ToolResult] = [decide(c, self.tools) for c in calls]
+        decided, the error results recorded under their ids, every call that passed
+        ready for this call to send, each under its ref."""
+        reply = self.iterations.get(thread, 0)  # this reply's number (counted in complete)
+        decided: list[AddressedCall | ToolResult] = [
+            decide(c, self.tools, call_ref(reply, i)) for i, c in enumerate(calls)]
         if len(calls) > self.max_fanout:
             decided = [ToolResult(c.id, f"error: {len(calls)} calls in one reply; at most "
                        f"{self.max_fanout} are allowed. Nothing was sent.", True) for c in calls]
@@ -325,20 +311,17 @@ class AgentBridge:
         for e in errors:
             self.session.record(thread, e.content, source="platform", call_id=e.call_id,
                                 is_error=True)
-        open_calls = OpenCalls(len(addressed))
-        ready = open_calls.sending(addressed)
         if addressed:
-            self.calls[thread] = open_calls
+            self.calls[thread] = OpenCalls.of(addressed)
         else:  # only errors: the model reads them in its next turn
             self.calls.pop(thread, None)
-        ctx.ready.update((c.call_id, c) for c in ready)
+        ctx.ready.update((c.call_id, c) for c in addressed)
         return {"calls": len(addressed), "errors": len(errors),
-                "send": [c.call_id for c in ready]}
+                "send": [c.call_id for c in addressed]}
 
     def _record(self, ctx: CallContext, thread: str) -> dict[str, Any]:
-        """Record the call's result under the call id it answers (the daemon's match:
-        the listener it comes from, or a core message's listener), and ready the call
-        that waited for it."""
+        """Record the call's result under the call id its ref names (the pump's, from
+        the call's frame); a message that answers no open call is not recorded."""
         meta, calls = ctx.meta, self.calls.get(thread)
         source, content, xml = render_result(ctx.payload, meta.from_id)
         if (calls is not None and calls.restored and meta._seq
@@ -348,28 +331,30 @@ class AgentBridge:
             again = self._resent(calls, meta._seq)
             ctx.ready.update((c.call_id, c) for c in again)
             return {"duplicate": True, "send": [c.call_id for c in again]}
-        call_id, follow = "", list[AddressedCall]()
-        if calls is not None:  # a core message naming no listener: the oldest call's
-            call_id, follow = calls.answered(
-                "" if meta.from_id == "core" and not meta._about
-                else meta._about or meta.from_id)
-        if not self.session.record(thread, content, source=source, xml=xml, seq=meta._seq,
-                                   call_id=call_id,
-                                   is_error=call_id != "" and isinstance(ctx.payload, Huh)):
-            return {"duplicate": True}  # in the restored history already
+        huh = isinstance(ctx.payload, Huh)
+        ids = [""] if calls is None else calls.state.answered(
+            meta._ref, huh and meta.from_id == "core")
+        if ids is None:
+            log.warning("isolated agent %s: a reply from %s answers no call in flight "
+                        "thread=%s, ignored", self.session.agent, meta.from_id, thread)
+            return {"duplicate": True}
+        recorded = False
+        for call_id in ids or [""]:
+            recorded = self.session.record(thread, content, source=source, xml=xml,
+                                           seq=meta._seq, call_id=call_id,
+                                           is_error=call_id != "" and huh) or recorded
         if calls is not None and calls.pending <= 0:
             del self.calls[thread]
-        ctx.ready.update((c.call_id, c) for c in follow)
-        return {"send": [c.call_id for c in follow]} if follow else {}
-
-    def _decided(self, calls: Sequence[ToolCall]) -> list[AddressedCall]:
-        return [d for d in (decide(c, self.tools) for c in calls)
-                if isinstance(d, AddressedCall)]
+        return {} if recorded else {"duplicate": True}  # else: in the restored history
 
     def _open(self, turns: Sequence[Turn], last: int) -> list[AddressedCall]:
-        """The native calls of reply `last` that have no result in `turns`."""
+        """The native calls of reply `last` (with their refs) that have no result in
+        `turns`."""
+        reply = sum(1 for t in turns[:last + 1] if t.kind == ASSISTANT)
         done = {t.call_id for t in turns[last + 1:] if t.kind == RESULT and t.call_id}
-        return [c for c in self._decided(turns[last].calls) if c.call_id not in done]
+        decided = (decide(c, self.tools, call_ref(reply, i))
+                   for i, c in enumerate(turns[last].calls))
+        return [d for d in decided if isinstance(d, AddressedCall) and d.call_id not in done]
 
     def _restored_calls(self, turns: Sequence[Turn]) -> OpenCalls | None:
         """The native calls in flight of a restored task (None: its last reply made
@@ -377,24 +362,17 @@ class AgentBridge:
         last = max((i for i, t in enumerate(turns) if t.kind == ASSISTANT), default=-1)
         if last < 0 or not turns[last].calls:
             return None
-        open_calls = self._open(turns, last)
-        calls = OpenCalls(len(open_calls), restored=tuple(turns))
-        calls.sending(open_calls)
-        return calls
+        return OpenCalls.of(self._open(turns, last), tuple(turns))
 
     def _resent(self, calls: OpenCalls, seq: int) -> list[AddressedCall]:
         """What handling message `seq` sent, to send again: the calls of the reply
-        made after it that are in flight, or the call that waited for its result."""
+        made after it that are in flight (a result alone sends nothing)."""
         turns = calls.restored
         at = next(i for i, t in enumerate(turns) if t.seq == seq)
         last = max(i for i, t in enumerate(turns) if t.kind == ASSISTANT)
         if last > at:
-            return [c for c in self._open(turns, last)
-                    if calls.in_flight.get(c.to) == c.call_id]
-        listener = next((c.to for c in self._decided(turns[last].calls)
-                         if c.call_id == turns[at].call_id), None)
-        waiting = calls.in_flight.get(listener or "")
-        return [c for c in self._open(turns, last) if c.call_id == waiting]
+            return [c for c in self._open(turns, last) if c.ref in calls.state.in_flight]
+        return []
 
 
 # ---- the worker's side -------------------------------------------------------------

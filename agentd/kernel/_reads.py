@@ -141,7 +141,7 @@ class KernelReads:
         rows = await self._reader.execute_fetchall(
             f"SELECT id, conversation, frame, owner, listener, sender, hops, envelope, {payload}, "
             "payload_sha256, approvers, created, deadline, state, decided_by, reason, "
-            f"decided_at FROM approvals {clause} ORDER BY created, id",
+            f"decided_at, call_ref FROM approvals {clause} ORDER BY created, id",
             () if state is None else (state,))
         out = []
         for r in rows:

@@ -32,6 +32,7 @@ class ThreadRow(NamedTuple):
     created: float
     updated: float
     hops: int = 0
+    call_ref: str = ""  # the caller's reference of the call the frame runs
 
 
 class TimerRow(NamedTuple):
@@ -72,6 +73,7 @@ class ApprovalRow(NamedTuple):
     decided_by: str | None = None
     reason: str | None = None
     decided_at: float | None = None
+    call_ref: str = ""  # the caller's reference of the parked call
 
 
 @dataclass(frozen=True)

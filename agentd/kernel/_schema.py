@@ -208,9 +208,16 @@ _V7_THREADS_CHECK = (
     "CREATE INDEX threads_state ON threads (state, updated)",
 )
 
+# The caller's reference of the call a frame runs, and of a parked call: every
+# message back about that call carries it, also after a restart (pump/message.py).
+_V8_CALL_REFS = (
+    "ALTER TABLE threads ADD COLUMN call_ref TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE approvals ADD COLUMN call_ref TEXT NOT NULL DEFAULT ''",
+)
+
 MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_CONTEXT, 3: _V3_DURABLE,
                                           4: _V4_OUTCOMES, 5: _V5_BUS_AUTH, 6: _V6_STREAMS,
-                                          7: _V7_THREADS_CHECK}
+                                          7: _V7_THREADS_CHECK, 8: _V8_CALL_REFS}
 
 
 def is_postgres(conn: Any) -> bool:

@@ -49,7 +49,8 @@ INSERT_JOURNAL = (
     "payload_hash, payload, profile, expires, pending, pos, prev_hash, hash) "
     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
-THREAD_COLUMNS = "uuid, path, parent, owner, profile, table_version, state, created, updated, hops"
+THREAD_COLUMNS = ("uuid, path, parent, owner, profile, table_version, state, created, updated, "
+                  "hops, call_ref")
 
 _SELECT_EXPIRED = (
     "SELECT pos, prev_hash, hash FROM journal "
@@ -253,7 +254,7 @@ class Store:
         if plan.thread_put:
             conn.executemany(
                 f"INSERT OR REPLACE INTO threads ({THREAD_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 plan.thread_put.values())
         if plan.thread_update:
             conn.executemany(
@@ -514,10 +515,10 @@ def entry_from_row(row: tuple) -> JournalEntry:
 
 
 def thread_from_row(row: tuple) -> ThreadRow:
-    uuid, path, parent, owner, profile, table_version, state, created, updated, hops = row
+    uuid, path, parent, owner, profile, table_version, state, created, updated, hops, call_ref = row
     return ThreadRow(uuid=uuid, path=tuple(json.loads(path)), parent=parent, owner=owner,
                      profile=profile, table_version=table_version, state=state,
-                     created=created, updated=updated, hops=hops)
+                     created=created, updated=updated, hops=hops, call_ref=call_ref)
 
 
 def verify_connection(conn: Any) -> Verdict:

@@ -71,8 +71,8 @@ _DURABLE_SQL = {
     OP_STATE_DROP: "DELETE FROM handler_state WHERE conversation = ?",
     OP_APPROVAL_PUT: "INSERT INTO approvals (id, conversation, frame, owner, listener, sender, "
                      "hops, envelope, payload, payload_sha256, approvers, created, deadline, "
-                     "state, decided_by, reason, decided_at) "
-                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                     "state, decided_by, reason, decided_at, call_ref) "
+                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
     OP_AUTH_PUT: "INSERT OR REPLACE INTO bus_auth (client, state) VALUES (?, ?)",
     OP_STREAM_PUT: "INSERT OR REPLACE INTO streams (id, client, thread, last_seq) "
                    "VALUES (?, ?, ?, ?)",

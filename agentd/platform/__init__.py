@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from agentd.platform._assembly import ContextOverflow, OverrideViolation
     from agentd.platform._audit import kernel_audit
     from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
-    from agentd.platform._calls import AddressedCall, PeerTool, decide, peer_tools
+    from agentd.platform._calls import AddressedCall, PeerTool, call_ref, decide, peer_tools
     from agentd.platform._context import (
         AssembledContext,
         Fragment,
@@ -68,7 +68,8 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "agentd.platform._assembly": ("ContextOverflow", "OverrideViolation"),
     "agentd.platform._audit": ("kernel_audit",),
     "agentd.platform._budget": ("BudgetExceeded", "BudgetLedger", "Scope"),
-    "agentd.platform._calls": ("AddressedCall", "PeerTool", "decide", "peer_tools"),
+    "agentd.platform._calls": ("AddressedCall", "PeerTool", "call_ref", "decide",
+                               "peer_tools"),
     "agentd.platform._context": (
         "AssembledContext",
         "Fragment",
@@ -130,6 +131,7 @@ __all__ = [
     "ToolCatalogue",
     "Turn",
     "assemble",
+    "call_ref",
     "decide",
     "kernel_audit",
     "make_agent_handlers",

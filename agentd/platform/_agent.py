@@ -22,13 +22,15 @@ a result.
 
 Native tool calls (the provider's `tools`): each call is decided (`_calls.decide`)
 into the payload for the listener its tool name maps to, or its error result, which
-is recorded at once under its call id. The results that come back are matched to
-their calls by the listener they answer for (its answer's sender, or the listener a
-core `huh`/`ack` is about), so a listener has at most one call of a reply in flight;
-a second call to it waits for the first's result. A reply's calls are in the task's
-durable history with it: after a crash, a message redelivered because its handling
-never committed sends what that handling would have sent (the same call ids), and
-the model is not asked again.
+is recorded at once under its call id. The calls that pass go out together, each
+under a ref (`_calls.call_ref`: the reply's number and the call's place in it) that
+the pump carries on the call's frame and gives back with whatever answers it (its
+answer, an ack or huh, an approval's denial): results are matched to calls by that
+ref, never by the listener or anything a tool's output says, so two calls to one
+listener run at once and a tool cannot answer for another call. A reply's calls are
+in the task's durable history with it: after a crash, a message redelivered because
+its handling never committed sends what that handling would have sent (the same
+call ids and refs), and the model is not asked again.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from agentd._threads import log_ids
 from agentd._xmlify import is_xmlified, to_xml
 from agentd.llm import LlmError, ToolCall, ToolResult
 from agentd.platform._budget import BudgetExceeded
-from agentd.platform._calls import AddressedCall, PeerTool, decide, peer_tools
+from agentd.platform._calls import AddressedCall, PeerTool, call_ref, decide, peer_tools
 from agentd.platform._history import ASSISTANT, RESULT, HistoryFull, Turn
 from agentd.platform._reply import parse_reply
 from agentd.platform._scope import IsolationError, bounded_answer
@@ -75,10 +77,8 @@ class TaskState:
     phase: Phase = Phase.THINKING
     iterations: int = 0
     pending: int = 0
-    # Native calls of the last reply: listener -> the call sent to it and not yet
-    # answered; the calls waiting for a listener's earlier call, in reply order.
+    # Native calls of the last reply sent and not yet answered: ref -> call id.
     in_flight: dict[str, str] = field(default_factory=dict)
-    queued: list[AddressedCall] = field(default_factory=list)
     # A restored task: its history, for a message redelivered after a crash.
     restored: tuple[Turn, ...] = ()
 
@@ -90,30 +90,23 @@ class TaskState:
             if self.pending <= 0:
                 self.phase, self.pending = Phase.THINKING, 0
 
-    def sending(self, calls: Sequence[AddressedCall]) -> list[AddressedCall]:
-        """Native calls to send now: the first per listener; the rest queue."""
-        out: list[AddressedCall] = []
-        for call in calls:
-            if call.to in self.in_flight:
-                self.queued.append(call)
-            else:
-                self.in_flight[call.to] = call.call_id
-                out.append(call)
-        return out
-
-    def answered(self, about: str) -> tuple[str, list[AddressedCall]]:
-        """A result for the native call in flight to `about` (an unknown listener: the
-        oldest in flight): its call id, and the queued call to that listener that may
-        go now ("" and none when no native call is in flight)."""
+    def answered(self, ref: str, refused: bool) -> list[str] | None:
+        """The native calls a message back answers: the call in flight its `ref`
+        names; every call in flight for `refused` without a ref (the pump refused the
+        reply's output whole: none of it went out); [] for a message without a ref
+        while no native call is in flight (an XML call's result). None when it
+        answers none of them (a second answer to a call, one for a call of an
+        earlier reply)."""
+        if ref:
+            call_id = self.in_flight.pop(ref, None)
+            return None if call_id is None else [call_id]
         if not self.in_flight:
-            return "", []
-        listener = about if about in self.in_flight else next(iter(self.in_flight))
-        call_id = self.in_flight.pop(listener)
-        nxt = next((c for c in self.queued if c.to == listener), None)
-        if nxt is None:
-            return call_id, []
-        self.queued.remove(nxt)
-        return call_id, self.sending([nxt])
+            return []
+        if refused:
+            ids = list(self.in_flight.values())
+            self.in_flight.clear()
+            return ids
+        return None
 
     def may_think(self, max_iterations: int) -> bool:
         return self.phase is Phase.THINKING and self.iterations < max_iterations
@@ -191,17 +184,23 @@ class AgentLoop:
                 # Redelivered after a crash: its result is in the history already, and
                 # what handling it sent never committed: send that again.
                 return await self._resume(thread, state, meta._seq)
-            call_id, follow = state.answered(meta._about or meta.from_id)
+            huh = isinstance(payload, Huh)
+            ids = state.answered(meta._ref, huh and meta.from_id == "core")
+            if ids is None:
+                log.warning("agent %s: a reply from %s answers no call in flight %s, "
+                            "ignored", self.name, meta.from_id, self._ids(thread))
+                return None
             try:
-                recorded = self.session.record(
-                    thread, content, source=source, xml=xml, seq=meta._seq,
-                    call_id=call_id, is_error=call_id != "" and isinstance(payload, Huh))
+                for call_id in ids or [""]:
+                    recorded = self.session.record(
+                        thread, content, source=source, xml=xml, seq=meta._seq,
+                        call_id=call_id, is_error=call_id != "" and huh)
+                    if recorded:  # else: in the restored history, counted by _restore
+                        state.result_arrived()
             except HistoryFull:
                 return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
-            if recorded:  # else: in the restored history, and counted by _restore
-                state.result_arrived()
             if state.phase is Phase.WAITING:
-                return self._send(follow) if follow else None  # more results to come
+                return None  # more results to come
         return await self._think(thread, state)
 
     async def _think(self, thread: str, state: TaskState) -> HandlerResponse:
@@ -263,9 +262,11 @@ class AgentLoop:
     def _native(self, thread: str, state: TaskState, calls: Sequence[ToolCall]
                 ) -> HandlerResponse | None:
         """The model's native calls: each decided; the error results recorded at once
-        under their call ids, the rest sent (the first per listener). None when
+        under their call ids, the rest sent together, each under its ref. None when
         nothing went out (the model reads the errors next turn)."""
-        decided: list[AddressedCall | ToolResult] = [decide(c, self.tools) for c in calls]
+        reply = state.iterations + 1  # this reply's number in the task's history
+        decided: list[AddressedCall | ToolResult] = [
+            decide(c, self.tools, call_ref(reply, i)) for i, c in enumerate(calls)]
         if len(calls) > self.max_fanout:
             decided = [ToolResult(c.id, f"error: {len(calls)} calls in one reply; at most "
                        f"{self.max_fanout} are allowed. Nothing was sent.", True) for c in calls]
@@ -279,48 +280,40 @@ class AgentLoop:
             state.finish()
             return None
         state.thought(len(addressed), len(errors))
-        return self._send(state.sending(addressed)) if addressed else None
+        state.in_flight = {c.ref: c.call_id for c in addressed}
+        return self._send(addressed) if addressed else None
 
     @staticmethod
     def _send(calls: Sequence[AddressedCall]) -> HandlerResponse:
         return HandlerResponse.addressed(b"".join(c.payload for c in calls),
-                                         [c.to for c in calls])
+                                         [c.to for c in calls], [c.ref for c in calls])
 
     async def _resume(self, thread: str, state: TaskState, seq: int) -> HandlerResponse | None:
         """The message of journal seq `seq` came again: its handling did not commit, so
         what it sent never went out. Send it again from the history: the calls of a
-        reply made after it (under their recorded ids), or the call that waited for
-        the result it carried."""
+        reply made after it (under their recorded ids and refs)."""
         turns = state.restored
         at = next(i for i, t in enumerate(turns) if t.seq == seq)
         last = max((i for i, t in enumerate(turns) if t.kind == ASSISTANT), default=-1)
         if last > at:  # the reply was made while handling it
             if turns[last].calls:
                 return self._send([c for c in self._open_calls(turns, last)
-                                   if state.in_flight.get(c.to) == c.call_id])
+                                   if c.ref in state.in_flight])
             reply = parse_reply(turns[last].content, self.session.catalogue)
             return HandlerResponse.addressed(b"".join(reply.calls), reply.to) \
                 if reply.calls and state.phase is Phase.WAITING else None
-        answered = turns[at]
-        if last >= 0 and answered.call_id:
-            listener = next((c.to for c in self._decided(turns[last].calls)
-                             if c.call_id == answered.call_id), None)
-            waiting = state.in_flight.get(listener or "")
-            if waiting is not None:
-                return self._send([c for c in self._open_calls(turns, last)
-                                   if c.call_id == waiting])
         if state.phase is Phase.THINKING:  # it was the last result: the model's turn
             return await self._think(thread, state)
         return None
 
-    def _decided(self, calls: Sequence[ToolCall]) -> list[AddressedCall]:
-        return [d for d in (decide(c, self.tools) for c in calls)
-                if isinstance(d, AddressedCall)]
-
     def _open_calls(self, turns: Sequence[Turn], last: int) -> list[AddressedCall]:
-        """The native calls of reply `last` that have no result in `turns`."""
+        """The native calls of reply `last` (with their refs) that have no result in
+        `turns`."""
+        reply = sum(1 for t in turns[:last + 1] if t.kind == ASSISTANT)
         done = {t.call_id for t in turns[last + 1:] if t.kind == RESULT and t.call_id}
-        return [c for c in self._decided(turns[last].calls) if c.call_id not in done]
+        decided = (decide(c, self.tools, call_ref(reply, i))
+                   for i, c in enumerate(turns[last].calls))
+        return [d for d in decided if isinstance(d, AddressedCall) and d.call_id not in done]
 
     async def _restore(self, thread: str) -> TaskState | None:
         """A result for a task this process does not know: after a restart, rebuild the
@@ -335,7 +328,7 @@ class AgentLoop:
             last = replies[-1]
             if turns[last].calls:  # native: the calls without a result are open
                 open_calls = self._open_calls(turns, last)
-                state.sending(open_calls)
+                state.in_flight = {c.ref: c.call_id for c in open_calls}
                 if open_calls:
                     state.phase, state.pending = Phase.WAITING, len(open_calls)
             else:

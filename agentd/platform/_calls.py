@@ -33,11 +33,20 @@ class PeerTool:
 
 @dataclass(frozen=True, slots=True)
 class AddressedCall:
-    """A call that passed: its payload, for the listener `to`, under its call id."""
+    """A call that passed: its payload, for the listener `to`, under its call id;
+    `ref`, the name the pump carries it under (`call_ref`)."""
 
     call_id: str
     to: str
     payload: bytes
+    ref: str = ""
+
+
+def call_ref(reply: int, index: int) -> str:
+    """The ref of call `index` of the task's reply number `reply`: the platform's own
+    name for it (never the model's id, which may repeat), the same when the reply is
+    read back from the durable history."""
+    return f"{reply}.{index}"
 
 
 def peer_tools(peers: Iterable[tuple[str, XmlSpec]]) -> dict[str, PeerTool]:
@@ -50,7 +59,8 @@ def peer_tools(peers: Iterable[tuple[str, XmlSpec]]) -> dict[str, PeerTool]:
     return table
 
 
-def decide(call: ToolCall, tools: Mapping[str, PeerTool]) -> AddressedCall | ToolResult:
+def decide(call: ToolCall, tools: Mapping[str, PeerTool], ref: str = ""
+           ) -> AddressedCall | ToolResult:
     """The payload `call` asks for, addressed to its listener, or its error result."""
     peer = tools.get(call.name)
     if peer is None:
@@ -72,7 +82,7 @@ def decide(call: ToolCall, tools: Mapping[str, PeerTool]) -> AddressedCall | Too
         reason = schema.error_log.last_error.message if schema.error_log else "invalid"
         return _error(call, "the arguments do not match the tool's schema: "
                       + reason[:MAX_REASON])
-    return AddressedCall(call.id, peer.listener, payload)
+    return AddressedCall(call.id, peer.listener, payload, ref)
 
 
 def _error(call: ToolCall, reason: str) -> ToolResult:

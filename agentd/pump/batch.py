@@ -39,6 +39,13 @@ def journal_kind(to_holder: bool, hops: int) -> str:
     return f"{REPLY if to_holder else REQUEST}/{hops}"
 
 
+def split_kind(kind: str) -> tuple[str, int, str]:
+    """(base, hops, call ref) of a journal kind `base/hops[/ref]`."""
+    base, _, rest = kind.partition("/")
+    hops, _, ref = rest.partition("/")
+    return base, int(hops or 0), ref
+
+
 # Journal kinds by hop count, prebuilt (one is needed per journaled message).
 _KINDS = {to_holder: tuple(journal_kind(to_holder, h) for h in range(64))
           for to_holder in (False, True)}
@@ -79,6 +86,8 @@ def journal_message(tx: Transaction, msg: Message, approved: bool = False) -> in
         kind = f"{APPROVED}/{hops}"
     else:
         kind = kinds[hops] if hops < len(kinds) else journal_kind(to_holder, hops)
+    if msg.ref:  # the call it starts or answers, kept for a restart
+        kind = f"{kind}/{msg.ref}"
     return tx.journal(
         thread=msg.frame.uuid,
         direction="in",
@@ -114,10 +123,10 @@ def thread_row(frame: Frame) -> ThreadRow:
     now = time.time()
     profile = frame.profile
     parent = frame.parent
-    # uuid, path, parent, owner, profile, table_version, state, created, updated
+    # uuid, path, parent, owner, profile, table_version, state, created, updated, hops, ref
     return ThreadRow(frame.uuid, frame.path, parent.uuid if parent is not None else None,
                      frame.owner, profile.name, profile.table.version,
-                     _STATE_VALUES[frame.state], now, now)
+                     _STATE_VALUES[frame.state], now, now, 0, frame.ref)
 
 
 def state_value(state: ThreadState) -> str:

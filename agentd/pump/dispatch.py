@@ -226,7 +226,7 @@ class Dispatch:
             return  # another daemon has the lease: it runs this message (recovery)
         if listener.retired:
             batch = self.open()
-            self._huh_to(msg.frame, HuhCode.UNROUTABLE, hops, batch)
+            self._huh_to(msg.frame, HuhCode.UNROUTABLE, hops, batch, msg.ref)
             self.close(batch, msg if last else None)
             return
         created = msg.kind is _REQUEST
@@ -235,8 +235,10 @@ class Dispatch:
         steps = self.steps
         if steps is not None and not steps.wanted(frame):
             steps = None
-        if created and msg.call:
-            frame.call = msg.call
+        if created:
+            frame.ref = msg.ref
+            if msg.call:
+                frame.call = msg.call
         spec = msg.spec
         payload: Any = (
             msg.payload if listener.takes_element  # an isolation pool: no object to build
@@ -245,7 +247,7 @@ class Dispatch:
         )
         meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
                                self.waits.book, frame.root.uuid, None, msg.seq,
-                               _hops=msg.hops, _about=msg.about,
+                               _hops=msg.hops, _ref=msg.ref,
                                _progress=None if steps is None else _progress(
                                    steps, frame.root, listener.name))
         tracing = tracer()
@@ -293,27 +295,30 @@ class Dispatch:
             tracing.end_handler(span, *outcome_of(result))
 
     def _apply(self, plan: ResponsePlan, listener: Listener | None, frame: Frame | None,
-               hops: int, batch: Batch | None, about: str = "") -> None:
+               hops: int, batch: Batch | None, ref: str = "") -> None:
         """Carry out a plan for `listener`'s call `frame`: the notice, the envelopes,
         then the end of the frame (only once every envelope was taken: a refused
-        answer leaves it open). `about`: the listener whose call the notice answers,
-        when it is not `listener` (a parked call's denial)."""
+        answer leaves it open). `ref`: the call the notice is about, when that is
+        not `frame`'s (a parked call's denial)."""
         if plan.notice_to is not None:
             if plan.rejected is not None:
                 metrics.envelopes_rejected.labels(plan.rejected.value).inc()
                 if self._span is not None:
                     tracer().event(self._span, "agentd.huh", {"code": plan.rejected.value})
-            # Whatever the notice says, it is about `listener`'s call (an ack or huh
-            # for its caller) or its own output: a caller with calls open knows which.
-            self._reenter_core(plan.notice_to, plan.notice, hops, batch,
-                               about or (listener.name if listener is not None else ""))
+            # A notice for the caller (an ack or huh) is about the call `frame` runs:
+            # it carries that call's ref. One about the listener's own output, none.
+            if not ref and frame is not None and plan.notice_to is frame.parent:
+                ref = frame.ref
+            self._reenter_core(plan.notice_to, plan.notice, hops, batch, ref)
         taken = True
         thread = plan.thread
         adopted = plan.adopted
+        refs = plan.refs
         for i, data in enumerate(plan.envelopes):
             assert thread is not None and listener is not None and frame is not None
             if not self._reenter(data, listener, thread, frame, plan.respond, hops, batch,
-                                 built=True, adopted=None if adopted is None else adopted[i]):
+                                 built=True, adopted=None if adopted is None else adopted[i],
+                                 ref=refs[i] if refs else ""):
                 taken = False
         if plan.end is not None and taken:
             assert frame is not None
@@ -332,7 +337,7 @@ class Dispatch:
             self.security_event(*plan.event)
         if plan.client is not None:
             self.emit_core(*plan.client, batch)
-        self._apply(plan.answer, plan.listener, plan.frame, plan.hops, batch, plan.about)
+        self._apply(plan.answer, plan.listener, plan.frame, plan.hops, batch, plan.ref)
         msg, own = plan.dispatch, plan.own
         if msg is not None and plan.approval and self.steps is not None:
             msg.call = plan.approval  # its tool-call and approval-wait steps had this id
@@ -400,7 +405,7 @@ class Dispatch:
     def _reenter(
         self, data: bytes, listener: Listener, frame: Frame, own: Frame, respond: bool,
         hops: int, batch: Batch | None, built: bool = False,
-        adopted: tuple[etree._Element, str | None] | None = None,
+        adopted: tuple[etree._Element, str | None] | None = None, ref: str = "",
     ) -> bool:
         """Handler output re-enters through the same parse and checks as client input.
         `frame` is the envelope's thread; `own` is the listener's frame, where a `huh`
@@ -408,10 +413,10 @@ class Dispatch:
         pump built it around a serializer's payload (a `ResponsePlan`'s envelopes;
         `parse_built_envelope`); `adopted`: the payload element and `to` it was built
         from, parsed strictly out of raw output (`adopt_envelope`: no second parse).
-        A refusal's `huh` names the listener the envelope was addressed to (`about`)."""
-        about = (adopted[1] if adopted is not None else None) or ""
+        `ref`: the listener's reference of the call a request starts, which a refusal's
+        `huh` carries back; an answer carries the ref of the call `own` runs."""
         if self.scheduler.queued >= self._hard_cap:
-            self._huh_to(own, HuhCode.RATE_LIMITED, hops, batch, about)
+            self._huh_to(own, HuhCode.RATE_LIMITED, hops, batch, ref)
             return False
         try:
             if adopted is not None:
@@ -420,26 +425,27 @@ class Dispatch:
             else:
                 env = (parse_built_envelope if built else parse_envelope)(
                     data, max_bytes=self.max_envelope_bytes, shape=self.shape)
-            about = env.to or ""
             if env.thread != frame.uuid or env.sender != listener.name:  # pragma: no cover
                 raise Rejection(HuhCode.INTERNAL, "envelope metadata mismatch")
             if respond:
                 spec = admission.response_spec(listener, env)
                 msg = admission.to_holder(env, data, listener.name, frame, spec)
+                msg.ref = own.ref
             else:
                 msg = admission.route_request(env, env.key, data, listener.name, listener, frame)
+                msg.ref = ref
                 gated = gate(msg, frame.profile.table.gates, self.waits.counts)
                 if not isinstance(gated, Pass):
                     msg.hops = hops
                     if isinstance(gated, Deny):
-                        return self.hold(msg, gated, own, hops, batch, about)
+                        return self.hold(msg, gated, own, hops, batch)
                     approval = self.park(msg, gated, batch)
                     self._show_call(msg, approval)
                     return True
         except PrivilegedOnBus:
             self.security_event("priv-from-handler",
                                  {"listener": listener.name, "thread": frame.root.uuid})
-            self._huh_to(own, HuhCode.UNROUTABLE, hops, batch, about)
+            self._huh_to(own, HuhCode.UNROUTABLE, hops, batch, ref)
             return False
         except Rejection as rej:
             if isinstance(rej, Violation):
@@ -448,7 +454,7 @@ class Dispatch:
                 self.security_event(rej.event, {**rej.fields, "thread": frame.root.uuid})
             log.info("handler output rejected listener=%s code=%s %s detail=%s",
                      listener.name, rej.code.value, own.log_ids, rej.detail)
-            self._huh_to(own, rej.code, hops, batch, about)
+            self._huh_to(own, rej.code, hops, batch, ref)
             return False
         msg.hops = hops
         if not respond and self.steps is not None:
@@ -471,12 +477,13 @@ class Dispatch:
                 steps.send(root, Step("approval-wait", target.name, call).to_bytes())
 
     def hold(self, msg: Message, gated: Park | Deny, own: Frame, hops: int,
-              batch: Batch | None, about: str = "") -> bool:
+              batch: Batch | None) -> bool:
         """A gated message: parked (True), or refused with `huh` to the holder of
-        `own` and an `approval-limit` security event (False)."""
+        `own` (carrying the message's ref) and an `approval-limit` security event
+        (False)."""
         if isinstance(gated, Deny):
             self.security_event("approval-limit", gated.event)
-            self._huh_to(own, gated.code, hops, batch, about)
+            self._huh_to(own, gated.code, hops, batch, msg.ref)
             return False
         self.park(msg, gated, batch)
         return True
@@ -488,16 +495,16 @@ class Dispatch:
         return row.id
 
     def _huh_to(self, frame: Frame, code: HuhCode, hops: int, batch: Batch | None,
-                about: str = "") -> None:
+                ref: str = "") -> None:
         metrics.envelopes_rejected.labels(code.value).inc()
         if self._span is not None:
             tracer().event(self._span, "agentd.huh", {"code": code.value})
-        self._reenter_core(frame, Huh.of(code).to_bytes(), hops, batch, about)
+        self._reenter_core(frame, Huh.of(code).to_bytes(), hops, batch, ref)
 
     def _reenter_core(self, frame: Frame, payload: bytes, hops: int, batch: Batch | None,
-                      about: str = "") -> None:
+                      ref: str = "") -> None:
         """A core payload (ack/huh) for the holder of `frame`, re-entering like any
-        output; `about`: the listener of the holder's call it answers, if one."""
+        output; `ref`: the holder's call it is about, if one."""
         data = build_envelope(CORE, frame.uuid, payload, to=frame.holder)
         try:
             env = parse_built_envelope(data)
@@ -506,7 +513,7 @@ class Dispatch:
             log.info("core message dropped %s detail=%s", frame.log_ids, rej.detail)
             return
         msg.hops = hops
-        msg.about = about
+        msg.ref = ref
         self.enqueue(msg, batch)
 
     def _stop_chain(self, root: Frame, code: HuhCode, why: str, batch: Batch | None) -> None:

@@ -31,7 +31,6 @@ class Message:
     """A message admitted into the pump. Everything but `payload` is trusted."""
 
     __slots__ = (
-        "about",
         "call",
         "cause",
         "envelope",
@@ -40,6 +39,7 @@ class Message:
         "kind",
         "payload",
         "redelivered",
+        "ref",
         "sender",
         "seq",
         "spec",
@@ -68,10 +68,13 @@ class Message:
         self.seq = seq  # its journal entry, 0 if not journaled (or no kernel)
         self.redelivered = redelivered
         self.hops = 0  # handler invocations on the causal chain before this message
-        # A core message (ack, huh) that answers a call: the listener the call went to,
-        # so a caller with several calls open knows which one it answers ("": unknown,
-        # e.g. after a restart; it is not journaled).
-        self.about = ""
+        # The caller's reference of the call this request starts, or that this reply
+        # (an answer, an ack or huh) is about: what the caller named it with
+        # (`HandlerResponse.addressed(..., refs=)`), carried by the pump on the call's
+        # frame and never read from a payload, so a callee cannot answer for another
+        # call. Journaled in the entry's kind, kept on the frame's and an approval's
+        # row: the same after a restart ("": none).
+        self.ref = ""
         # With telemetry: the span whose work sent it (a handler's, an admission's),
         # the parent of the span of its handling. Never journaled.
         self.cause: object = None

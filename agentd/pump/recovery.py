@@ -18,7 +18,7 @@ from agentd._routing import Listener, Profile
 from agentd._threads import Frame, ThreadRegistry, log_ids
 from agentd.kernel import Kernel, ThreadRow
 from agentd.pump.admission import INTENT, intent_message, response_spec, to_holder, validate
-from agentd.pump.batch import APPROVED, REQUEST
+from agentd.pump.batch import APPROVED, REQUEST, split_kind
 from agentd.pump.message import CORE, Message, MsgKind
 
 log = logging.getLogger("agentd.pump")
@@ -53,6 +53,7 @@ def rebuild_frames(rows: Iterable[ThreadRow], profiles: Mapping[str, Profile]) -
             return None
         frame = Frame(row.uuid, row.path, parent, row.owner, profile)
         frame.persisted = True
+        frame.ref = row.call_ref
         if parent is not None:
             parent.children += 1
         frames[uuid] = frame
@@ -71,7 +72,7 @@ def resume(
     frame = frames.get(thread)
     if frame is None or data is None:
         return None
-    base, _, hops = kind.partition("/")
+    base, hops, ref = split_kind(kind)
     if base == APPROVED:  # routed as any request; the pump knows it was approved
         base = REQUEST
     try:
@@ -100,7 +101,8 @@ def resume(
     except Rejection as rej:
         log.warning("recovered message refused %s: %s", frame.log_ids, rej.detail)
         return None
-    msg.hops = int(hops or 0)
+    msg.hops = hops
+    msg.ref = ref
     return msg
 
 

@@ -47,7 +47,8 @@ class ResponsePlan(NamedTuple):
     envelopes' payloads are always a serializer's (agentd's for objects, C14N for
     elements parsed out of raw output), so they re-enter through
     `parse_built_envelope`; or, when `adopted` holds the element and `to` each was
-    built from (raw output that parsed without repair), `adopt_envelope`."""
+    built from (raw output that parsed without repair), `adopt_envelope`. `refs`:
+    the handler's reference of the call each envelope starts (`addressed`), or ()."""
 
     envelopes: list[bytes] | tuple[()]
     thread: Frame | None
@@ -57,6 +58,7 @@ class ResponsePlan(NamedTuple):
     rejected: HuhCode | None
     end: ThreadEvent | None
     adopted: Adopted | None = None
+    refs: tuple[str, ...] = ()
 
 
 class Bodies(NamedTuple):
@@ -138,10 +140,13 @@ def plan_response(
                             None, ThreadEvent.ANSWERED if active else None, adopted)
     uuid = frame.uuid
     if kind is not ResponseKind.BROADCAST:
+        refs = result.refs
         if result.targets:  # `addressed`: one `to` per payload
-            if len(result.targets) != len(bodies):
+            if len(result.targets) != len(bodies) or (refs and (
+                    len(refs) != len(bodies) or not all(_ref_ok(r) for r in refs))):
                 log.warning("bad handler output listener=%s detail=%d payloads for %d "
-                            "addressees", listener.name, len(bodies), len(result.targets))
+                            "addressees and %d refs", listener.name, len(bodies),
+                            len(result.targets), len(refs))
                 return _huh(frame, HuhCode.INVALID_PAYLOAD)
             tos: list[str | None] = [t or None for t in result.targets]
         else:
@@ -149,7 +154,8 @@ def plan_response(
         envelopes = [build_envelope(name, uuid, body, to=to) for body, to in zip(
             bodies, tos, strict=True)]
         adopted = None if elements is None else list(zip(elements, tos, strict=True))
-        return ResponsePlan(envelopes, frame, False, None, b"", None, None, adopted)
+        return ResponsePlan(envelopes, frame, False, None, b"", None, None, adopted,
+                            refs if result.targets else ())
     # A broadcast sends each payload to several listeners: each message gets a tree
     # of its own, parsed from its bytes (messages never share an element).
     targets = list(dict.fromkeys(result.targets))  # a target named twice gets one copy
@@ -159,6 +165,14 @@ def plan_response(
         return _huh(frame, HuhCode.TOO_LARGE)
     envelopes = [build_envelope(name, uuid, body, to=to) for to in targets for body in bodies]
     return ResponsePlan(envelopes, frame, False, None, b"", None, None)
+
+
+# A call's ref ("": none): it is journaled in the kind of each message about the call.
+_REF = re.compile(r"[A-Za-z0-9._:-]{0,64}")
+
+
+def _ref_ok(ref: object) -> bool:
+    return isinstance(ref, str) and _REF.fullmatch(ref) is not None
 
 
 def serialise_all(payload: object, max_fanout: int, allow_answer: bool = False) -> Bodies:

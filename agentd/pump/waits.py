@@ -84,8 +84,8 @@ class WaitPlan(NamedTuple):
     `listener`'s call `frame` at `hops` (its envelopes re-enter, its notice goes to a
     holder, its frame ends); `dispatch`, an approved message, is queued once `own`
     (the approval's own transaction) has committed, or at once without one.
-    `approval` names the decision `own` records, for the log; `about`, the listener
-    a parked call was for, whose caller is answered (its `huh` says which call)."""
+    `approval` names the decision `own` records, for the log; `ref`, the caller's
+    reference of a parked call, which its `huh` carries back."""
 
     answer: ResponsePlan = _NOTHING
     listener: Listener | None = None
@@ -96,7 +96,7 @@ class WaitPlan(NamedTuple):
     own: Transaction | None = None
     approval: str = ""
     event: tuple[str, dict[str, str]] | None = None
-    about: str = ""
+    ref: str = ""
 
 
 NOTHING = WaitPlan()
@@ -231,7 +231,8 @@ class Waits:
         rules = gate.rules
         row = ApprovalRow(new_approval_id(), root.uuid, frame.uuid, root.owner, gate.listener,
                           msg.sender, msg.hops, msg.envelope, payload,
-                          payload_sha256(payload), rules.approvers, now, now + rules.timeout_s)
+                          payload_sha256(payload), rules.approvers, now, now + rules.timeout_s,
+                          call_ref=msg.ref)
         self._add_parked(row)
         self.deadlines.schedule(row.deadline, APPROVAL, row.id)
         if batch is not None:
@@ -299,12 +300,12 @@ class Waits:
             return NOTHING
         if outcome is not ApprovalState.APPROVED:
             return WaitPlan(ResponsePlan((), None, False, frame, _DENIED, None, None),
-                            None, frame, row.hops, about=row.listener)
+                            None, frame, row.hops, ref=row.call_ref)
         msg = self._route_again(row, frame)
         if isinstance(msg, HuhCode):  # refused: the code its sender is answered
             answer = ResponsePlan((), None, False, frame, Huh.of(msg).to_bytes(), msg, None)
             return WaitPlan(answer, None, frame, row.hops, own=own, approval=row.id,
-                            about=row.listener)
+                            ref=row.call_ref)
         msg.cause = waited  # its handling hangs from the wait
         if own is not None:
             msg.seq = journal_message(own, msg, approved=True)
@@ -326,6 +327,7 @@ class Waits:
                      rej.detail)
             return rej.code
         msg.hops = row.hops
+        msg.ref = row.call_ref
         return msg
 
     def _add_parked(self, row: ApprovalRow) -> None:

@@ -122,3 +122,9 @@ class PayOp:
 async def pay_op(payload: PayOp, meta: HandlerMetadata) -> HandlerResponse:
     CALLS.append(("pay.op", payload.amount))
     return HandlerResponse.respond(Paid(amount=payload.amount))
+
+
+async def liar(payload: PayOp, meta: HandlerMetadata) -> HandlerResponse:
+    """A hostile tool: answers its call twice, the second time with a forged amount,
+    as if for another call."""
+    return HandlerResponse.respond([Paid(amount=payload.amount), Paid(amount=666)])

@@ -238,3 +238,35 @@ class Bulk:
 
 async def bulk(payload: Bulk, meta: HandlerMetadata) -> HandlerResponse:
     return HandlerResponse.respond(Done(seq=len(payload.text), by="bulk"))
+
+
+@xmlify(namespace=f"{NS}/fan/v1")
+@dataclass
+class Fan:
+    n: int
+
+
+@xmlify(namespace=f"{NS}/ask/v1")
+@dataclass
+class Ask:
+    n: int
+
+
+async def fan(payload: Fan | Done, meta: HandlerMetadata) -> HandlerResponse | None:
+    """Two calls under refs of its own, one through `forward` and one to `hold`; each
+    answer is seen with the ref it came back under; the second answers the caller."""
+    if isinstance(payload, Fan):
+        return HandlerResponse.addressed([Ask(n=1), Hold(n=2)], ["forward", "hold"],
+                                         ["first", "second"])
+    seen("fan", (meta._ref, payload.seq, payload.by))
+    if len(SEEN["fan"]) < 2:
+        return None
+    return HandlerResponse.respond(Done(seq=0, by="fan"))
+
+
+async def forward(payload: Ask | Done, meta: HandlerMetadata) -> HandlerResponse:
+    """Asks `hold` and answers its own caller with what comes back (its call stays
+    open meanwhile: its frame is in the kernel's thread table)."""
+    if isinstance(payload, Ask):
+        return HandlerResponse(Hold(n=payload.n), to="hold")
+    return HandlerResponse.respond(Done(seq=payload.seq, by="forward"))

@@ -35,3 +35,20 @@ async def meet(payload: Meet, meta: HandlerMetadata) -> HandlerResponse:
         async with asyncio.timeout(10):
             await BOTH.wait()
     return HandlerResponse.respond(Met(side=payload.side, met=BOTH.is_set()))
+
+
+RETURNED = asyncio.Event()  # the second call has answered (each test sets a new one)
+
+
+async def meet_last_first(payload: Meet, meta: HandlerMetadata) -> HandlerResponse:
+    """`meet`, and the first call to arrive answers only once the second one has:
+    their answers come back in the opposite order of the calls."""
+    first = not ARRIVED
+    reply = await meet(payload, meta)
+    if first:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await RETURNED.wait()
+    else:
+        RETURNED.set()
+    return reply
