@@ -119,9 +119,8 @@ class Dispatch:
         # Timers, handler state and parked messages (pump/waits.py), with the
         # daemon's one deadline scheduler; `clock` is the wall clock they run on.
         self.waits = Waits(registry, settings, self.due, clock)
-        # With telemetry: the span of the handler call whose outcome is being applied
-        # (set between its return and its commit, with no await in between): what it
-        # sends hangs from it, its huh codes and security events are its events.
+        # With telemetry: the span of the handler call being applied (set between its return
+        # and its commit, no await between): what it sends, its huh codes and events hang on it.
         self._span: Any = None
 
     def emit_core(
@@ -133,7 +132,6 @@ class Dispatch:
             self.deliver(client, thread, frame, None)
         else:
             batch.post.append((client, thread, frame, None))
-
 
     # ---- batches ---------------------------------------------------------------
 
