@@ -1,8 +1,10 @@
 """The LLM layer: provider wire protocols, backends, the router (strategies,
 retries, failover, rate limits, response cache) and cassettes.
 
-Only the platform (`agentd.platform`) uses it: handlers and agents never reach a
-router or a backend directly.
+Only the platform (`agentd.platform`) makes LLM calls through it: handlers and agents
+never reach a router or a backend directly. Other rooms use its plain parts: the
+provider tool names and schemas (config, mcp), the error and call types (isolation,
+semantic), the HTTP pool (embeddings) and cassettes (preflight).
 """
 
 from typing import TYPE_CHECKING
