@@ -75,8 +75,11 @@ def issues_of(text: str, base_dir: Path) -> list[str]:
 
 
 def at(text: str, needle: str, path: str, message: str, nth: int = 1) -> str:
-    """The issue expected where the nth line holding `needle` has it."""
-    hits = [i for i, line in enumerate(text.splitlines(), 1) if needle in line]
+    """The issue expected where the nth line holding `needle` has it (a line naming
+    this checkout's tests folder, whose path may hold the needle, is never counted)."""
+    here = json.dumps(str(TESTS_DIR))
+    hits = [i for i, line in enumerate(text.splitlines(), 1)
+            if needle in line and here not in line]
     line = hits[nth - 1]
     col = text.splitlines()[line - 1].index(needle) + 1
     return f"{SOURCE}:{line}:{col}: {path}: {message}"
