@@ -153,6 +153,39 @@ async def test_an_isolated_agents_call_id_is_sent_once_across_a_crash(tmp_path: 
     assert last.orphans() == [] and "<value>35</value>" in results(last)["m1"][0]
 
 
+async def test_an_isolated_agents_output_refused_whole_answers_each_call(
+        tmp_path: Path) -> None:
+    """The pump refuses the worker's output whole (a core huh with no ref: none of its
+    calls went out): the daemon records it as the error result of each of the two
+    open calls, and the worker, told so, counts both, so the model's turn comes
+    (the task does not wait for results that never come)."""
+    thread = "5e2d7c1a-9b3f-4d6e-8a2c-1f0e9d8c7b6a"
+    script = [Reply(calls=[call("a1", "calculator__add", a=1, b=2),
+                           call("a2", "calculator__add", a=3, b=4)]),
+              Reply("gave up")]
+    async with FakeLLM("openai", script) as server:
+        config = load(f"state_dir: {tmp_path}\n" + organism_yaml(
+            openai_backend(server), agent=NATIVE, tutor_extra=ISOLATED))
+        agents = make_agent_handlers(config)
+        pools = IsolationPools()
+        try:
+            tutor = (await pools.apply(config, agents=agents))["tutor"]
+            out = await tutor(MathQuestion(text="1 + 2, 3 + 4?"),
+                              HandlerMetadata(thread, "alice", "tutor"))
+            assert out is not None and out.refs == ("1.0", "1.1")
+            done = await tutor(Huh.of(HuhCode.TOO_LARGE),
+                               HandlerMetadata(thread, "core", "tutor"))
+            assert pools.pools["tutor"].restarts == 0
+        finally:
+            await pools.stop()
+            await agents.platform.aclose()
+    assert done is not None and done.kind is ResponseKind.RESPOND
+    assert b"gave up" in done.payload
+    got = results(server.requests[1])
+    assert set(got) == {"a1", "a2"}
+    assert all(error and "huh too-large" in text for text, error in got.values())
+
+
 # ---- a hostile worker (a real process) -------------------------------------------------
 
 

@@ -345,6 +345,48 @@ async def test_a_call_id_is_sent_once_across_a_crash_between_reply_and_dispatch(
     assert last.orphans() == [] and "<value>35</value>" in results(last)["m1"][0]
 
 
+async def test_an_answer_without_a_ref_is_matched_by_its_listener_after_an_upgrade(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A version before refs sent the calls of this reply and stopped; the one now
+    running restores the task from its history, and the pump delivers answers with
+    no ref (their frames have none). An answer from a listener with exactly one call
+    in flight is that call's result; from one with two, it is logged and ignored
+    (which of the two it answers is unknown)."""
+    thread = "2f6a1c3e-7b8d-4e9f-a0b1-c2d3e4f5a6b7"
+    script = [Reply(calls=[call("a1", "calculator__add", a=1, b=2),
+                           call("a2", "calculator__add", a=3, b=4),
+                           call("m1", "calculator__multiply", a=5, b=7)]),
+              Reply("3, 7 and 35")]
+    async with FakeLLM("openai", script) as server:
+        config = load(organism_yaml(openai_backend(server)))
+        async with await Kernel.open(tmp_path) as kernel:
+            old = make_agent_handlers(config, kernel=kernel)
+            out = await old["tutor"](MathQuestion(text="1 + 2, 3 + 4, 5 * 7?"),
+                                     HandlerMetadata(thread, "alice", "tutor", _seq=41))
+            assert out is not None and len(out.targets) == 3
+            await kernel.flush()
+            await old.platform.aclose()
+            new = make_agent_handlers(config, kernel=kernel)
+
+            async def back(value: int, sender: str, seq: int, ref: str = "") -> Any:
+                return await new["tutor"](Sum(value=value), HandlerMetadata(
+                    thread, sender, "tutor", _seq=seq, _ref=ref))
+
+            with caplog.at_level(logging.WARNING, "agentd.platform.agent"):
+                assert await back(666, "calculator.add", 42) is None
+            assert "answers no call in flight" in caplog.text
+            assert await back(35, "calculator.multiply", 43) is None
+            assert await back(3, "calculator.add", 44, "1.0") is None
+            done = await back(7, "calculator.add", 45, "1.1")
+            await new.platform.aclose()
+    assert done is not None and done.kind is ResponseKind.RESPOND
+    assert len(server.requests) == 2
+    got = results(server.requests[-1])
+    assert set(got) == {"a1", "a2", "m1"} and not any(e for _, e in got.values())
+    assert "<value>35</value>" in got["m1"][0] and "<value>7</value>" in got["a2"][0]
+    assert "666" not in json.dumps(server.requests[-1].json)
+
+
 async def test_agentd_demo_works_with_either_mode(tmp_path: Path) -> None:
     """The demo organism with `tool_calling: xml` answers from the same cassette (its
     XML exchanges), as the default mode does from its native ones."""

@@ -26,9 +26,10 @@ is the point of running it apart). What its requests can do:
   the call it is running the ids that may go out now. The worker names those ids in
   its answer and the daemon sends its own payloads, each under its ref: an id not
   given to this call, or named twice, breaks the protocol, so each call id is sent
-  at most once. A result is recorded under the call id its ref (the pump's) names;
-  while calls are open the worker may send nothing else, so no payload of its own
-  can pose as one.
+  at most once. A result is recorded under the call id its ref (the pump's) names
+  (a refusal of the whole output: under each open call's, and the worker is told
+  how many, so its count of results to come agrees); while calls are open the
+  worker may send nothing else, so no payload of its own can pose as one.
 Anything else (an unknown request, a wrong type, a second `begin`) breaks the
 protocol: the worker is killed and replaced, the call gets `huh internal`.
 
@@ -108,13 +109,15 @@ class OpenCalls:
     which a result is matched to its call (`TaskState.answered`, as in process).
     `restored`: the task's history, when it was rebuilt after a restart."""
 
-    state: TaskState  # only its `in_flight` (ref -> call id) is used
+    state: TaskState  # only its calls in flight are used
     restored: tuple[Turn, ...] = ()
 
     @classmethod
     def of(cls, calls: Sequence[AddressedCall], restored: tuple[Turn, ...] = ()
            ) -> OpenCalls:
-        return cls(TaskState(in_flight={c.ref: c.call_id for c in calls}), restored)
+        state = TaskState()
+        state.sent(calls)
+        return cls(state, restored)
 
     @property
     def pending(self) -> int:
@@ -333,19 +336,23 @@ class AgentBridge:
             return {"duplicate": True, "send": [c.call_id for c in again]}
         huh = isinstance(ctx.payload, Huh)
         ids = [""] if calls is None else calls.state.answered(
-            meta._ref, huh and meta.from_id == "core")
+            meta._ref, huh and meta.from_id == "core", meta.from_id)
         if ids is None:
             log.warning("isolated agent %s: a reply from %s answers no call in flight "
                         "thread=%s, ignored", self.session.agent, meta.from_id, thread)
             return {"duplicate": True}
-        recorded = False
+        recorded = 0
         for call_id in ids or [""]:
-            recorded = self.session.record(thread, content, source=source, xml=xml,
-                                           seq=meta._seq, call_id=call_id,
-                                           is_error=call_id != "" and huh) or recorded
+            recorded += self.session.record(thread, content, source=source, xml=xml,
+                                            seq=meta._seq, call_id=call_id,
+                                            is_error=call_id != "" and huh)
         if calls is not None and calls.pending <= 0:
             del self.calls[thread]
-        return {} if recorded else {"duplicate": True}  # else: in the restored history
+        if not recorded:
+            return {"duplicate": True}  # in the restored history
+        # Several: a refusal of the whole output, each open call's result; the worker
+        # counts them all, or its task would wait for results that never come.
+        return {} if recorded == 1 else {"results": recorded}
 
     def _open(self, turns: Sequence[Turn], last: int) -> list[AddressedCall]:
         """The native calls of reply `last` (with their refs) that have no result in
@@ -428,6 +435,7 @@ class WorkerSession:
         self.catalogue = catalogue
         self.ready: list[str] = []  # native call ids the daemon gave the running call
         self.restored_open: int | None = None  # native calls open in a restored task
+        self.results = 1  # results the daemon recorded for the last `record`
 
     def _request(self, op: str, fields: dict[str, Any] | None = None, body: bytes = b""
                  ) -> tuple[dict[str, Any], bytes]:
@@ -462,6 +470,8 @@ class WorkerSession:
         (it waited for this result) is in `ready`."""
         header, _ = self._request("record", {"notice": notice},
                                   content.encode() if notice else b"")
+        results = header.get("results", 1)
+        self.results = results if type(results) is int and 1 <= results <= MAX_PENDING else 1
         return header.get("duplicate") is not True
 
     async def restore(self, thread: str) -> tuple[Turn, ...] | None:
@@ -490,6 +500,9 @@ class WorkerSession:
 class WorkerLoop(AgentLoop):
     """`AgentLoop` in a worker: the daemon decides, matches and resends native calls;
     the loop here keeps only the task's phase and counters."""
+
+    def _arrived(self, state: TaskState) -> None:
+        state.result_arrived(cast(WorkerSession, self.session).results)
 
     def _native(self, thread: str, state: TaskState, calls: Sequence[Any]
                 ) -> HandlerResponse | None:

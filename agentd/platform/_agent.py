@@ -77,36 +77,49 @@ class TaskState:
     phase: Phase = Phase.THINKING
     iterations: int = 0
     pending: int = 0
-    # Native calls of the last reply sent and not yet answered: ref -> call id.
+    # Native calls of the last reply sent and not yet answered: ref -> call id, and
+    # ref -> the listener it went to.
     in_flight: dict[str, str] = field(default_factory=dict)
+    callee: dict[str, str] = field(default_factory=dict)
     # A restored task: its history, for a message redelivered after a crash.
     restored: tuple[Turn, ...] = ()
 
     # transitions (pure: no I/O)
 
-    def result_arrived(self) -> None:
+    def sent(self, calls: Sequence[AddressedCall]) -> None:
+        """`calls` are the native calls in flight now (each under its ref)."""
+        self.in_flight = {c.ref: c.call_id for c in calls}
+        self.callee = {c.ref: c.to for c in calls}
+
+    def result_arrived(self, results: int = 1) -> None:
         if self.phase is Phase.WAITING:
-            self.pending -= 1
+            self.pending -= results
             if self.pending <= 0:
                 self.phase, self.pending = Phase.THINKING, 0
 
-    def answered(self, ref: str, refused: bool) -> list[str] | None:
+    def answered(self, ref: str, refused: bool, sender: str = "") -> list[str] | None:
         """The native calls a message back answers: the call in flight its `ref`
         names; every call in flight for `refused` without a ref (the pump refused the
         reply's output whole: none of it went out); [] for a message without a ref
-        while no native call is in flight (an XML call's result). None when it
-        answers none of them (a second answer to a call, one for a call of an
-        earlier reply)."""
-        if ref:
-            call_id = self.in_flight.pop(ref, None)
-            return None if call_id is None else [call_id]
-        if not self.in_flight:
+        while no native call is in flight (an XML call's result). Without a ref from
+        `sender` (a call a version before refs sent): the one call in flight to that
+        listener, if exactly one is. None when it answers none of them (a second
+        answer to a call, one for a call of an earlier reply)."""
+        if not ref and not self.in_flight:
             return []
-        if refused:
+        if not ref and refused:
             ids = list(self.in_flight.values())
             self.in_flight.clear()
+            self.callee.clear()
             return ids
-        return None
+        if not ref:
+            to_sender = [r for r, to in self.callee.items() if to == sender]
+            if len(to_sender) != 1:
+                return None
+            ref = to_sender[0]
+        call_id = self.in_flight.pop(ref, None)
+        self.callee.pop(ref, None)
+        return None if call_id is None else [call_id]
 
     def may_think(self, max_iterations: int) -> bool:
         return self.phase is Phase.THINKING and self.iterations < max_iterations
@@ -185,10 +198,11 @@ class AgentLoop:
                 # what handling it sent never committed: send that again.
                 return await self._resume(thread, state, meta._seq)
             huh = isinstance(payload, Huh)
-            ids = state.answered(meta._ref, huh and meta.from_id == "core")
+            ids = state.answered(meta._ref, huh and meta.from_id == "core", meta.from_id)
             if ids is None:
-                log.warning("agent %s: a reply from %s answers no call in flight %s, "
-                            "ignored", self.name, meta.from_id, self._ids(thread))
+                log.warning("agent %s: a reply from %s (ref %r) answers no call in flight "
+                            "%s, ignored", self.name, meta.from_id, meta._ref,
+                            self._ids(thread))
                 return None
             try:
                 for call_id in ids or [""]:
@@ -196,7 +210,7 @@ class AgentLoop:
                         thread, content, source=source, xml=xml, seq=meta._seq,
                         call_id=call_id, is_error=call_id != "" and huh)
                     if recorded:  # else: in the restored history, counted by _restore
-                        state.result_arrived()
+                        self._arrived(state)
             except HistoryFull:
                 return self._fail(thread, HuhCode.BUDGET_EXCEEDED)
             if state.phase is Phase.WAITING:
@@ -253,6 +267,10 @@ class AgentLoop:
             if state.phase is Phase.FINISHED:
                 return self._answer(thread, reply.text)
 
+    def _arrived(self, state: TaskState) -> None:
+        """A result was recorded (in a worker: as many as the daemon recorded)."""
+        state.result_arrived()
+
     @cached_property
     def tools(self) -> dict[str, PeerTool]:
         """Tool name -> peer, for the native calls of this agent's model."""
@@ -280,7 +298,7 @@ class AgentLoop:
             state.finish()
             return None
         state.thought(len(addressed), len(errors))
-        state.in_flight = {c.ref: c.call_id for c in addressed}
+        state.sent(addressed)
         return self._send(addressed) if addressed else None
 
     @staticmethod
@@ -328,7 +346,7 @@ class AgentLoop:
             last = replies[-1]
             if turns[last].calls:  # native: the calls without a result are open
                 open_calls = self._open_calls(turns, last)
-                state.in_flight = {c.ref: c.call_id for c in open_calls}
+                state.sent(open_calls)
                 if open_calls:
                     state.phase, state.pending = Phase.WAITING, len(open_calls)
             else:
