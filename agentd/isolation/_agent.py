@@ -56,7 +56,6 @@ from agentd.isolation._protocol import MAX_TARGETS, ProtocolError, decode_answer
 from agentd.llm import LlmError, ToolCall, ToolResult
 from agentd.platform import (
     ASSISTANT,
-    RESULT,
     AddressedCall,
     AgentLoop,
     BudgetExceeded,
@@ -70,6 +69,7 @@ from agentd.platform import (
     Turn,
     call_ref,
     decide,
+    open_calls,
     peer_tools,
     render_result,
 )
@@ -354,22 +354,13 @@ class AgentBridge:
         # counts them all, or its task would wait for results that never come.
         return {} if recorded == 1 else {"results": recorded}
 
-    def _open(self, turns: Sequence[Turn], last: int) -> list[AddressedCall]:
-        """The native calls of reply `last` (with their refs) that have no result in
-        `turns`."""
-        reply = sum(1 for t in turns[:last + 1] if t.kind == ASSISTANT)
-        done = {t.call_id for t in turns[last + 1:] if t.kind == RESULT and t.call_id}
-        decided = (decide(c, self.tools, call_ref(reply, i))
-                   for i, c in enumerate(turns[last].calls))
-        return [d for d in decided if isinstance(d, AddressedCall) and d.call_id not in done]
-
     def _restored_calls(self, turns: Sequence[Turn]) -> OpenCalls | None:
         """The native calls in flight of a restored task (None: its last reply made
         none), as a restarted in-process agent finds them."""
         last = max((i for i, t in enumerate(turns) if t.kind == ASSISTANT), default=-1)
         if last < 0 or not turns[last].calls:
             return None
-        return OpenCalls.of(self._open(turns, last), tuple(turns))
+        return OpenCalls.of(open_calls(turns, last, self.tools), tuple(turns))
 
     def _resent(self, calls: OpenCalls, seq: int) -> list[AddressedCall]:
         """What handling message `seq` sent, to send again: the calls of the reply
@@ -378,7 +369,8 @@ class AgentBridge:
         at = next(i for i, t in enumerate(turns) if t.seq == seq)
         last = max(i for i, t in enumerate(turns) if t.kind == ASSISTANT)
         if last > at:
-            return [c for c in self._open(turns, last) if c.ref in calls.state.in_flight]
+            return [c for c in open_calls(turns, last, self.tools)
+                    if c.ref in calls.state.in_flight]
         return []
 
 

@@ -30,7 +30,14 @@ if TYPE_CHECKING:
     from agentd.platform._assembly import ContextOverflow, OverrideViolation
     from agentd.platform._audit import kernel_audit
     from agentd.platform._budget import BudgetExceeded, BudgetLedger, Scope
-    from agentd.platform._calls import AddressedCall, PeerTool, call_ref, decide, peer_tools
+    from agentd.platform._calls import (
+        AddressedCall,
+        PeerTool,
+        call_ref,
+        decide,
+        open_calls,
+        peer_tools,
+    )
     from agentd.platform._context import (
         AssembledContext,
         Fragment,
@@ -68,7 +75,7 @@ __getattr__, __dir__ = lazy_exports(__name__, {
     "agentd.platform._assembly": ("ContextOverflow", "OverrideViolation"),
     "agentd.platform._audit": ("kernel_audit",),
     "agentd.platform._budget": ("BudgetExceeded", "BudgetLedger", "Scope"),
-    "agentd.platform._calls": ("AddressedCall", "PeerTool", "call_ref", "decide",
+    "agentd.platform._calls": ("AddressedCall", "PeerTool", "call_ref", "decide", "open_calls",
                                "peer_tools"),
     "agentd.platform._context": (
         "AssembledContext",
@@ -136,6 +143,7 @@ __all__ = [
     "kernel_audit",
     "make_agent_handlers",
     "neutralise",
+    "open_calls",
     "parse_reply",
     "peer_tools",
     "prepare",

@@ -51,7 +51,14 @@ from agentd._threads import log_ids
 from agentd._xmlify import is_xmlified, to_xml
 from agentd.llm import LlmError, ToolCall, ToolResult
 from agentd.platform._budget import BudgetExceeded
-from agentd.platform._calls import AddressedCall, PeerTool, call_ref, decide, peer_tools
+from agentd.platform._calls import (
+    AddressedCall,
+    PeerTool,
+    call_ref,
+    decide,
+    open_calls,
+    peer_tools,
+)
 from agentd.platform._history import ASSISTANT, RESULT, HistoryFull, Turn
 from agentd.platform._reply import parse_reply
 from agentd.platform._scope import IsolationError, bounded_answer
@@ -315,7 +322,7 @@ class AgentLoop:
         last = max((i for i, t in enumerate(turns) if t.kind == ASSISTANT), default=-1)
         if last > at:  # the reply was made while handling it
             if turns[last].calls:
-                return self._send([c for c in self._open_calls(turns, last)
+                return self._send([c for c in open_calls(turns, last, self.tools)
                                    if c.ref in state.in_flight])
             reply = parse_reply(turns[last].content, self.session.catalogue)
             return HandlerResponse.addressed(b"".join(reply.calls), reply.to) \
@@ -323,15 +330,6 @@ class AgentLoop:
         if state.phase is Phase.THINKING:  # it was the last result: the model's turn
             return await self._think(thread, state)
         return None
-
-    def _open_calls(self, turns: Sequence[Turn], last: int) -> list[AddressedCall]:
-        """The native calls of reply `last` (with their refs) that have no result in
-        `turns`."""
-        reply = sum(1 for t in turns[:last + 1] if t.kind == ASSISTANT)
-        done = {t.call_id for t in turns[last + 1:] if t.kind == RESULT and t.call_id}
-        decided = (decide(c, self.tools, call_ref(reply, i))
-                   for i, c in enumerate(turns[last].calls))
-        return [d for d in decided if isinstance(d, AddressedCall) and d.call_id not in done]
 
     async def _restore(self, thread: str) -> TaskState | None:
         """A result for a task this process does not know: after a restart, rebuild the
@@ -345,10 +343,10 @@ class AgentLoop:
         if replies:
             last = replies[-1]
             if turns[last].calls:  # native: the calls without a result are open
-                open_calls = self._open_calls(turns, last)
-                state.sent(open_calls)
-                if open_calls:
-                    state.phase, state.pending = Phase.WAITING, len(open_calls)
+                still_open = open_calls(turns, last, self.tools)
+                state.sent(still_open)
+                if still_open:
+                    state.phase, state.pending = Phase.WAITING, len(still_open)
             else:
                 calls = len(parse_reply(turns[last].content, self.session.catalogue).calls)
                 done = sum(1 for t in turns[last + 1:] if t.kind == RESULT)

@@ -11,7 +11,7 @@ pump as the agent's untrusted output, validated and routed again like any call.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from lxml import etree
@@ -19,6 +19,7 @@ from lxml import etree
 from agentd._xmlify import XmlSpec
 from agentd.llm import ToolCall, ToolResult
 from agentd.llm.tools import Shape, payload_xml, shape_of_xsd, tool_name
+from agentd.platform._history import ASSISTANT, RESULT, Turn
 
 _PARSER = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False)
 MAX_REASON = 300  # characters of a schema's reason given back to the model
@@ -87,3 +88,14 @@ def decide(call: ToolCall, tools: Mapping[str, PeerTool], ref: str = ""
 
 def _error(call: ToolCall, reason: str) -> ToolResult:
     return ToolResult(call.id, f"error: {reason}", is_error=True)
+
+
+def open_calls(turns: Sequence[Turn], last: int, tools: Mapping[str, PeerTool]
+               ) -> list[AddressedCall]:
+    """The native calls of reply `last` in a task's history (with their refs) that have
+    no result in `turns`: what an agent, in process or isolated, finds open after a
+    restart."""
+    reply = sum(1 for t in turns[:last + 1] if t.kind == ASSISTANT)
+    done = {t.call_id for t in turns[last + 1:] if t.kind == RESULT and t.call_id}
+    decided = (decide(c, tools, call_ref(reply, i)) for i, c in enumerate(turns[last].calls))
+    return [d for d in decided if isinstance(d, AddressedCall) and d.call_id not in done]
