@@ -37,13 +37,9 @@ ADD_NS = "https://xml-pipeline.org/ns/calculator/add/v1"
 
 
 def meet_organism(backend: str, agent: str = NATIVE) -> str:
-    extra = "".join(f"""\
-  - name: {name}
-    payload_class: tests.organisms.meet:Meet
-    response_class: tests.organisms.meet:Met
-    handler: tests.organisms.meet:meet
-    description: Meets another call.
-""" for name in ("left", "right"))
+    from tests.organisms import meet
+
+    extra = meet.listeners("left", "right")
     return organism_yaml(backend, agent=agent, tutor_extra=ISOLATED,
                          peers="[left, right, calculator.add]", extra_listeners=extra
                          ).replace("listeners: [tutor, calculator.add, calculator.multiply, echo]",

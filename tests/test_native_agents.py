@@ -502,13 +502,7 @@ async def test_several_calls_in_one_reply_run_in_parallel(protocol: str) -> None
 
     meet.ARRIVED.clear()
     meet.BOTH = asyncio.Event()  # on this test's loop
-    extra = "".join(f"""\
-  - name: {name}
-    payload_class: tests.organisms.meet:Meet
-    response_class: tests.organisms.meet:Met
-    handler: tests.organisms.meet:meet
-    description: Meets another call.
-""" for name in ("left", "right"))
+    extra = meet.listeners("left", "right")
     script = [Reply(calls=[call("l1", "left", side="l"), call("r1", "right", side="r")]),
               Reply("met")]
     async with FakeLLM(protocol, script) as server:
@@ -535,13 +529,7 @@ async def test_two_calls_to_one_listener_in_one_reply_run_at_once_each_under_its
 
     meet.ARRIVED.clear()
     meet.BOTH, meet.RETURNED = asyncio.Event(), asyncio.Event()  # on this test's loop
-    extra = """\
-  - name: meeting
-    payload_class: tests.organisms.meet:Meet
-    response_class: tests.organisms.meet:Met
-    handler: tests.organisms.meet:meet_last_first
-    description: Meets another call.
-"""
+    extra = meet.listeners("meeting", handler="meet_last_first")
     script = [Reply(calls=[call("x1", "meeting", side="one"),
                            call("x2", "meeting", side="two")]),
               Reply("met")]

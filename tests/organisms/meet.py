@@ -52,3 +52,15 @@ async def meet_last_first(payload: Meet, meta: HandlerMetadata) -> HandlerRespon
     else:
         RETURNED.set()
     return reply
+
+
+def listeners(*names: str, handler: str = "meet") -> str:
+    """The `listeners:` entries (organism YAML) of meeting listeners `names`, each
+    served by this module's `handler`."""
+    return "".join(f"""\
+  - name: {name}
+    payload_class: tests.organisms.meet:Meet
+    response_class: tests.organisms.meet:Met
+    handler: tests.organisms.meet:{handler}
+    description: Meets another call.
+""" for name in names)
