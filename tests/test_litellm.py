@@ -2,7 +2,8 @@
 front of scripted upstreams (tests/llm_servers.py), with no telemetry, no database
 and no network, and stopped at the end. An agent's native tool calls round-trip
 through it on the OpenAI protocol and the Anthropic protocol (`/v1/messages`), two
-parallel calls and an error result among them; a streamed answer reaches an
+parallel calls and an error result among them, from an agent in the daemon and from
+one isolated in a worker process; a streamed answer reaches an
 `agentd.client` stream as partials, in order, before its final, and its usage is
 counted from the stream's usage chunk. A stream the upstream cuts ends interrupted
 and is asked again; an upstream's 400 to tools lets `auto` fall back to XML.
@@ -36,6 +37,8 @@ from agentd.platform.demo import MathQuestion
 from tests.daemon_process import DaemonProcess, edit_config, make_home
 from tests.llm_servers import FakeLLM, Reply, Seen, add_call, values
 from tests.test_agents import answered, organism
+from tests.test_isolation_agents import ISOLATED, clean
+from tests.test_isolation_agents import organism as isolated_organism
 from tests.test_llm import backend, router
 from tests.test_llm_stream import Sink, complete
 from tests.test_llm_tools_wire import refuses_tools, with_tools
@@ -154,18 +157,27 @@ def results(seen: Seen) -> dict[str, tuple[str, bool]]:
     return out
 
 
+@pytest.mark.parametrize("isolated", [False, True], ids=["in-process", "isolated"])
 @pytest.mark.parametrize("model, protocol, upstream", ROUTES)
 async def test_native_calls_round_trip_through_the_proxy(
-        model: str, protocol: str, upstream: str, proxy: Proxy, tmp_path: Path) -> None:
+        model: str, protocol: str, upstream: str, isolated: bool, proxy: Proxy,
+        tmp_path: Path) -> None:
     """Two parallel calls in one reply, one to a file that does not exist (the tool's
     `huh`, an error result) and one that reads: each result reaches the upstream
-    through the proxy under its own call id, the error flagged as the protocol says."""
+    through the proxy under its own call id, the error flagged as the protocol says.
+    Isolated, the agent's loop runs in a worker process and the daemon's bridge
+    decides and sends its calls: the same results, and no worker replaced."""
     script = [Reply("Reading both.", calls=[call("call_n1", "notes", path="missing.txt"),
                                              call("call_p1", "pages", path="a.txt")]),
               Reply("one of two")]
+    text = files_organism(proxy.backend_yaml(model, protocol), tmp_path,
+                          tutor_extra=ISOLATED if isolated else "")
+    start = isolated_organism if isolated else organism
     async with proxy.upstream_server(model, upstream, script) as server, \
-            organism(files_organism(proxy.backend_yaml(model, protocol), tmp_path)) as (h, _):
+            start(text) as (h, hs):
         frames = await h.send("alice", MathQuestion(text="read two files"))
+        if isolated:
+            assert clean(h, hs) and h.isolation.pools["tutor"].restarts == 0
     assert answered(frames) == "one of two", proxy.log.read_text()[-3000:]
     first, second = server.requests
     names = [t["function"]["name"] if upstream == "openai" else t["name"]

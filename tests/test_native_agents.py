@@ -167,7 +167,7 @@ async def test_a_call_the_pump_refuses_is_that_calls_error_result(protocol: str)
 # ---- two tools of one payload class (file-read twice) -----------------------------------
 
 
-def files_organism(backend: str, tmp_path: Path, agent: str = "") -> str:
+def files_organism(backend: str, tmp_path: Path, agent: str = "", tutor_extra: str = "") -> str:
     for folder, content in (("n", "from notes"), ("p", "from pages")):
         (tmp_path / folder).mkdir(exist_ok=True)
         (tmp_path / folder / "a.txt").write_text(content)
@@ -175,7 +175,8 @@ def files_organism(backend: str, tmp_path: Path, agent: str = "") -> str:
   - name: {name}
     tool: {{kind: file-read, root: {json.dumps(str(tmp_path / name[0]))}}}
 """ for name in ("notes", "pages"))
-    text = organism_yaml(backend, peers="[notes, pages]", extra_listeners=extra, agent=agent)
+    text = organism_yaml(backend, peers="[notes, pages]", extra_listeners=extra, agent=agent,
+                         tutor_extra=tutor_extra)
     return text.replace("listeners: [tutor, calculator.add, calculator.multiply, echo]",
                         "listeners: [tutor, notes, pages]")
 
