@@ -843,11 +843,13 @@ async def test_a_killed_writer_process_is_replaced_and_nothing_acknowledged_is_l
         assert k.writer_pid != first and k.writer_restarts == 1
 
 
-async def test_delivery_marks_lost_with_a_killed_writer_are_kept_and_written_later(
+async def test_delivery_marks_in_flight_with_a_killed_writer_are_written_by_the_next(
         state_dir: Path, backend: dict) -> None:
     """Frames the bus wrote are marked delivered in a coalesced transaction. If the
     writer dies under it, the marks used to be dropped: the rows stayed, and the
-    client got every one of those answers a second time at its next connection."""
+    client got every one of those answers a second time at its next connection. The
+    next writer sends the dead one's batch again; where the marks' transaction
+    fails instead, the outbox keeps them (the next test)."""
     from agentd._daemon import KernelOutbox
 
     async with await Kernel.open(state_dir, **backend) as k:
@@ -875,6 +877,63 @@ async def test_delivery_marks_lost_with_a_killed_writer_are_kept_and_written_lat
         async with asyncio.timeout(10):  # kept, not dropped: the retry timer writes them
             while await k.outbox("alice"):
                 await asyncio.sleep(0.05)
+
+
+def refuse_outbox_deletes(state_dir: Path, backend: dict, refuse: bool) -> None:
+    """A real database failure on demand: while `refuse`, deleting an outbox row fails
+    (a trigger, switched by a row of a table of its own)."""
+    if backend:
+        with psycopg.connect(backend["dsn"], autocommit=True) as pg:
+            if refuse:
+                pg.execute("CREATE TABLE IF NOT EXISTS refuse_marks (x int)")
+                pg.execute("INSERT INTO refuse_marks VALUES (1)")
+                pg.execute("CREATE OR REPLACE FUNCTION refuse_marks() RETURNS trigger "
+                           "LANGUAGE plpgsql AS $$ BEGIN IF EXISTS (SELECT 1 FROM refuse_marks) "
+                           "THEN RAISE EXCEPTION 'marks refused'; END IF; RETURN OLD; END $$")
+                pg.execute("CREATE OR REPLACE TRIGGER refuse_marks BEFORE DELETE ON outbox "
+                           "FOR EACH ROW EXECUTE FUNCTION refuse_marks()")
+            else:
+                pg.execute("DELETE FROM refuse_marks")
+        return
+    with db_conn(state_dir) as conn:
+        if refuse:
+            conn.execute("CREATE TABLE IF NOT EXISTS refuse_marks (x)")
+            conn.execute("INSERT INTO refuse_marks VALUES (1)")
+            conn.execute("CREATE TRIGGER IF NOT EXISTS refuse_marks BEFORE DELETE ON outbox "
+                         "WHEN EXISTS (SELECT 1 FROM refuse_marks) "
+                         "BEGIN SELECT RAISE(ABORT, 'marks refused'); END")
+        else:
+            conn.execute("DELETE FROM refuse_marks")
+
+
+async def test_delivery_marks_the_database_refused_are_kept_and_written_later(
+        state_dir: Path, backend: dict, caplog: pytest.LogCaptureFixture) -> None:
+    """The marks' transaction fails (here the database refuses the deletes; a full
+    disk or a failing device alike): the marks are kept and tried again until they
+    are written, not dropped (dropped, every frame would reach the client a second
+    time at its next connection). A writer killed under the marks does not reach
+    this path: the next writer sends the killed one's batch again."""
+    from agentd._daemon import KernelOutbox
+
+    async with await Kernel.open(state_dir, **backend) as k:
+        tx = k.transaction()
+        ids = [tx.outbox_put("alice", "t", b"<answer/>") for _ in range(3)]
+        await k.commit(tx)
+        refuse_outbox_deletes(state_dir, backend, refuse=True)
+        outbox = KernelOutbox(k)
+        with caplog.at_level("WARNING", logger="agentd"):
+            for oid in ids:
+                outbox.delivered("alice", oid)
+            async with asyncio.timeout(10):  # the first try fails
+                while not any("trying again" in r.getMessage() for r in caplog.records):
+                    await asyncio.sleep(0.01)
+        assert len(await k.outbox("alice")) == 3
+        refuse_outbox_deletes(state_dir, backend, refuse=False)
+        async with asyncio.timeout(10):  # kept, not dropped: the retry timer writes them
+            while await k.outbox("alice"):
+                await asyncio.sleep(0.05)
+        ok, _, message = await k.verify()
+        assert ok, message
 
 
 async def until_sent(k: Kernel) -> None:
