@@ -119,7 +119,7 @@ def test_each_listener_runs_its_modules_on_threads_of_its_own() -> None:
     rt = runtime()
     spin, echo = rt.executor("spin"), rt.executor("echo")
     assert spin is not echo and rt.executor("spin") is spin
-    assert spin._max_workers == echo._max_workers == rt.threads
+    assert spin.count == echo.count == rt.threads
 
 
 def test_compiled_code_goes_with_the_last_listener_using_it(tmp_path: Path) -> None:

@@ -46,7 +46,8 @@ def organism(tmp_path: Path) -> Path:
     mods = {name: W.compile_to(tmp_path / f"{name}.wasm", wat) for name, wat in {
         "echo": W.ECHO, "spin": W.SPIN, "grow": W.GROW, "exit3": W.exit_with(3),
         "clock": W.CLOCK, "cpu": W.PROCESS_CLOCK_MS, "cpu.thread": W.THREAD_CLOCK_MS,
-        "flood": W.FLOOD, "noisy": W.NOISY, "read_inside": W.file_reader("note.txt"),
+        "flood": W.FLOOD, "noisy": W.NOISY, "leftover": W.LEFTOVER,
+        "read_inside": W.file_reader("note.txt"),
         "read_up": W.file_reader("../secret.txt"), "read_abs": W.file_reader("/etc/passwd"),
         "read_link": W.file_reader("escape"),
     }.items()}
@@ -63,6 +64,7 @@ def organism(tmp_path: Path) -> Path:
         wasm_listener("cpu.thread", mods["cpu.thread"]),
         wasm_listener("flood", mods["flood"]),
         wasm_listener("noisy", mods["noisy"], response="WasmIn"),
+        wasm_listener("leftover", mods["leftover"]),
         *(wasm_listener(n, mods[n], **preopen)
           for n in ("read_inside", "read_up", "read_abs", "read_link")),
     ])
@@ -103,12 +105,14 @@ def outcome(frames: list[bytes]) -> tuple[str, str]:
     return name, first.text or ""
 
 
+@pytest.mark.both_loops
 async def test_echo_module_answers_with_the_request_payload(h: Harness) -> None:
     frames = await call(h, "echo", "hello wasm")
     assert [frame_kind(f)[:2] for f in frames] == [("core", "accepted"), ("echo", "wasmin")]
     assert outcome(frames) == ("wasmin", "hello wasm")
 
 
+@pytest.mark.both_loops
 async def test_infinite_loop_is_stopped_at_its_wall_time_as_timeout(h: Harness) -> None:
     assert outcome(await call(h, "spin")) == ("huh", "timeout")
 
@@ -167,12 +171,32 @@ async def test_a_modules_cpu_clocks_count_its_own_call_only(h: Harness, listener
         assert name == "wasmout" and int(text) < 50
 
 
+@pytest.mark.both_loops
 async def test_a_running_module_does_not_block_the_event_loop(h: Harness) -> None:
     slow = asyncio.create_task(call(h, "spin.slow"))
     frames = await h.send("alice", Add(a=2, b=3))
     assert frame_kind(frames[-1])[:2] == ("calculator.add", "sum")
     assert not slow.done()  # the module still runs on its thread
     assert outcome(await slow) == ("huh", "timeout")
+
+
+@pytest.mark.both_loops
+async def test_calls_beyond_the_listeners_threads_wait_and_each_is_answered(h: Harness) -> None:
+    """A listener runs its calls on two threads: the others wait their turn."""
+    texts = [f"call {i}" for i in range(8)]
+    answers = await asyncio.gather(*(call(h, "echo", text) for text in texts))
+    assert [outcome(frames) for frames in answers] == [("wasmin", t) for t in texts]
+
+
+@pytest.mark.both_loops
+async def test_a_call_sees_nothing_an_earlier_call_left(h: Harness) -> None:
+    """Each call has a store and instance of its own: memory written, a global set
+    and pages grown by one call are not there for the next, on the same thread or
+    the other, one after another or side by side."""
+    for _ in range(3):
+        assert outcome(await call(h, "leftover")) == ("wasmout", "001")
+    side_by_side = await asyncio.gather(*(call(h, "leftover") for _ in range(6)))
+    assert [outcome(frames) for frames in side_by_side] == [("wasmout", "001")] * 6
 
 
 def config_text(tmp_path: Path, **keys: object) -> str:

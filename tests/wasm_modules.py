@@ -176,6 +176,29 @@ def clock_reader(clock: int, millis: bool) -> str:
 """
 
 
+# Answers with what an earlier call could have left behind, as three digits: a byte
+# of its memory (0 when fresh), its mutable global (0), its memory's size in pages
+# (1); then leaves 7 in that byte, 1 in the global, and grows its memory a page.
+LEFTOVER = f"""(module {_IMPORTS}
+  (memory (export "memory") 1)
+  (global $calls (mut i32) (i32.const 0))
+  (data (i32.const 512) "{_data(_HEAD)}")
+  (data (i32.const 768) "{_data(_TAIL)}")
+  {_WRITE}
+  (func (export "_start")
+    (i32.store8 (i32.const 1024) (i32.add (i32.const 48) (i32.load8_u (i32.const 40000))))
+    (i32.store8 (i32.const 1025) (i32.add (i32.const 48) (global.get $calls)))
+    (i32.store8 (i32.const 1026) (i32.add (i32.const 48) (memory.size)))
+    (i32.store8 (i32.const 40000) (i32.const 7))
+    (global.set $calls (i32.add (global.get $calls) (i32.const 1)))
+    (drop (memory.grow (i32.const 1)))
+    (i32.store8 (i32.const 70000) (i32.const 9))
+    (call $write (i32.const 1) (i32.const 512) (i32.const {len(_HEAD)}))
+    (call $write (i32.const 1) (i32.const 1024) (i32.const 3))
+    (call $write (i32.const 1) (i32.const 768) (i32.const {len(_TAIL)}))))
+"""
+
+
 CLOCK = clock_reader(0, millis=False)
 PROCESS_CLOCK_MS = clock_reader(2, millis=True)
 THREAD_CLOCK_MS = clock_reader(3, millis=True)

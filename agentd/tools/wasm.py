@@ -22,14 +22,15 @@ non-zero exit or any other trap -> `huh internal`; stderr is a memory file like
 stdout (a write past its 1 MiB fails in the guest), its first 4 KiB logged.
 
 Modules are compiled once per content (keyed by SHA-256) when the configuration is
-loaded, and instantiated per call from a pre-linked `InstancePre`. A call runs on a
-thread of a small pool, never on the event loop; wasmtime releases the GIL while
+loaded, and instantiated per call from a pre-linked `InstancePre`. A call runs on one
+of its listener's threads, never on the event loop; wasmtime releases the GIL while
 guest code runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import hashlib
 import logging
@@ -38,10 +39,11 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Sequence
 from ctypes import byref
 from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import Any
 
 import wasmtime
@@ -110,6 +112,71 @@ class _EpochTicker:
             self._engine.increment_epoch()
 
 
+_Job = tuple[Callable[[bytes], "RunOutcome"], bytes, asyncio.AbstractEventLoop,
+             "asyncio.Future[RunOutcome]"]
+
+
+class CallThreads:
+    """The threads one listener's calls run on, started as calls need them. A call is
+    handed to one idle thread (each waits on a queue of its own) and its outcome set on
+    the caller's future from that thread: a `ThreadPoolExecutor` woke every idle thread
+    of its shared queue for each call, and its result came back through a second
+    future, which cost the call thread hand-overs of the GIL."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.name = name
+        self.count = count
+        self._lock = threading.Lock()
+        self._idle: list[SimpleQueue[_Job]] = []
+        self._backlog: deque[_Job] = deque()  # calls waiting while every thread is busy
+        self._started = 0
+
+    def submit(self, run: Callable[[bytes], RunOutcome],
+               stdin: bytes) -> asyncio.Future[RunOutcome]:
+        """Start `run(stdin)` on a thread; its outcome is the returned future's."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[RunOutcome] = loop.create_future()
+        job: _Job = (run, stdin, loop, future)
+        with self._lock:
+            if self._idle:
+                self._idle.pop().put(job)
+                return future
+            self._backlog.append(job)
+            if self._started == self.count:
+                return future
+            self._started += 1
+        threading.Thread(target=self._work, name=self.name, daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        inbox: SimpleQueue[_Job] = SimpleQueue()
+        while True:
+            with self._lock:
+                job = self._backlog.popleft() if self._backlog else None
+                if job is None:
+                    self._idle.append(inbox)
+            if job is None:
+                job = inbox.get()
+            run, stdin, loop, future = job
+            if future.cancelled():  # the caller gave up before its turn came
+                continue
+            try:
+                outcome: RunOutcome | BaseException = run(stdin)
+            except Exception as exc:
+                outcome = exc
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits for it
+                loop.call_soon_threadsafe(_settle, future, outcome)
+
+
+def _settle(future: asyncio.Future[RunOutcome], outcome: RunOutcome | BaseException) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)
+
+
 class WasmRuntime:
     """The process's one engine, its compiled modules, the epoch ticker and the
     threads calls run on: each listener has threads of its own, so a listener whose
@@ -123,19 +190,19 @@ class WasmRuntime:
         self.engine = wasmtime.Engine(config)
         self.ticker = _EpochTicker(self.engine)
         self.threads = threads
-        self._executors: dict[str, ThreadPoolExecutor] = {}  # by listener, kept by reloads
+        self._executors: dict[str, CallThreads] = {}  # by listener, kept by reloads
         # Kept while a listener's module uses it (a reload that drops or changes a
         # module lets its compiled code go; a dry run keeps nothing).
         self._compiled: weakref.WeakValueDictionary[str, wasmtime.InstancePre] = (
             weakref.WeakValueDictionary())
         self._lock = threading.Lock()
 
-    def executor(self, listener: str) -> ThreadPoolExecutor:
+    def executor(self, listener: str) -> CallThreads:
         """The threads `listener`'s calls run on."""
         found = self._executors.get(listener)
         if found is None:
-            found = self._executors[listener] = ThreadPoolExecutor(
-                max_workers=self.threads, thread_name_prefix=f"wasm-{listener}"[:15])
+            found = self._executors[listener] = CallThreads(f"wasm-{listener}"[:15],
+                                                            self.threads)
         return found
 
     def prepare(self, data: bytes, digest: str) -> wasmtime.InstancePre:
@@ -359,9 +426,8 @@ class WasmHandler:
         self.listener = listener
 
     async def __call__(self, payload: Any, meta: HandlerMetadata) -> HandlerResponse:
-        loop = asyncio.get_running_loop()
-        outcome = await loop.run_in_executor(self.module.rt.executor(self.listener),
-                                             self.module.run, to_xml(payload))
+        outcome = await self.module.rt.executor(self.listener).submit(self.module.run,
+                                                                      to_xml(payload))
         if outcome.failure is not None:
             log.warning("wasm call failed listener=%s thread=%s reason=%s", self.listener,
                         meta.thread_id, outcome.reason)
