@@ -1,5 +1,6 @@
 """What the benchmarks measure of a process, and how they run their loop: the CPU
-seconds of a process and its descendants (the daemon's writer, its workers) and a
+seconds of a process and its descendants (the daemon's writer, its workers), the same
+in nanoseconds with the process's own threads apart from its descendants, and a
 process's resident memory, from /proc; `run` on uvloop, as the daemon runs, when it
 is installed."""
 
@@ -36,6 +37,31 @@ def cpu_s(pid: int) -> float:
             continue
         total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / TICKS
+
+
+def _task_ns(pid: int) -> tuple[int, list[int]]:
+    """CPU nanoseconds run by `pid`'s threads (the scheduler's count: finer than
+    /proc/PID/stat's ticks), and its child processes' ids."""
+    ns, children = 0, []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            ns += int((task / "schedstat").read_text().split()[0])
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return ns, children
+
+
+def tree_cpu_ns(pid: int) -> tuple[int, int]:
+    """CPU nanoseconds of a process (all its threads) and of all its descendants (a
+    daemon's writer)."""
+    main, todo = _task_ns(pid)
+    rest = 0
+    while todo:
+        ns, more = _task_ns(todo.pop())
+        rest += ns
+        todo += more
+    return main, rest
 
 
 def rss_kb(pid: int | str = "self") -> int:

@@ -52,7 +52,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from _process import rss_kb, run  # noqa: E402
+from _process import rss_kb, run, tree_cpu_ns  # noqa: E402
 
 from agentd._envelope import build_envelope  # noqa: E402
 from agentd._runtime import tune_gc  # noqa: E402
@@ -62,30 +62,6 @@ from agentd.tools.calculator import Add  # noqa: E402
 CLIENTS = 8
 ROUNDS = 7  # alternating echo/agentd rounds for pairs/s and round trips
 WINDOW = 64  # requests outstanding per pipelined client
-
-
-def _task_ns(pid: int) -> tuple[int, list[int]]:
-    """CPU nanoseconds run by `pid`'s threads (the scheduler's count: finer than
-    /proc/PID/stat's ticks), and its child processes' ids."""
-    ns, children = 0, []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            ns += int((task / "schedstat").read_text().split()[0])
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return ns, children
-
-
-def tree_cpu_ns(pid: int) -> tuple[int, int]:
-    """CPU nanoseconds of a server process and of all its descendants (its writer)."""
-    main, todo = _task_ns(pid)
-    rest = 0
-    while todo:
-        ns, more = _task_ns(todo.pop())
-        rest += ns
-        todo += more
-    return main, rest
 
 
 def _raise_nofile() -> None:
