@@ -69,6 +69,34 @@ def link(prev_hash: bytes, encoded: bytes) -> bytes:
     return _sha256(prev_hash + encoded).digest()
 
 
+def chain_rows(journal: Iterable[tuple], pos: int, prev: bytes
+               ) -> tuple[list[tuple], int, bytes]:
+    """The writer's rows for `journal` (base rows: seq, ts, thread, direction, kind,
+    handler, sender, tag, payload, profile, expires, pending), chained on from
+    position `pos` and hash `prev`: each row with its payload_hash, pos, prev_hash
+    and hash added (the column order of `_store.INSERT_JOURNAL`), and the new
+    position and hash. The bytes hashed are `encode`'s, built in one f-string here:
+    the call, the tuple and the join of `encode` were a tenth of the writer's time
+    per entry (test_kernel_properties checks the two agree)."""
+    rows: list[tuple] = []
+    append = rows.append
+    for (seq, ts, thread, direction, kind, handler, sender, tag, payload, profile,
+         expires, pending) in journal:
+        pos += 1
+        payload_hash = _sha256(payload).hexdigest()
+        text = (f"{seq}\x1f{round(ts * 1_000_000)}\x1f{thread}\x1f{direction}\x1f{kind}"
+                f"\x1f{handler}\x1f{sender}\x1f{tag}\x1f{payload_hash}\x1f{profile}\x1f"
+                f"{'' if expires is None else round(expires * 1_000_000)}\x1f"
+                f"{'1' if pending else '0'}")
+        if text.count(SEP) != N_SEPARATORS:
+            raise ValueError("journal fields must not contain U+001F")
+        h = _sha256(prev + text.encode()).digest()
+        append((seq, ts, thread, direction, kind, handler, sender, tag, payload_hash,
+                payload, profile, expires, pending, pos, prev, h))
+        prev = h
+    return rows, pos, prev
+
+
 @dataclass(frozen=True)
 class Gap:
     """Positions `start..end` (inclusive) were deleted by retention."""

@@ -10,18 +10,17 @@ ever inserted or (by retention) deleted with a gap record; never updated.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote
 
-from agentd.kernel._chain import Gap, Verdict, encode, verify_chain
+from agentd.kernel._chain import Gap, Verdict, chain_rows, verify_chain
 from agentd.kernel._errors import KernelUnavailable
 from agentd.kernel._records import JournalEntry, ThreadRow
 from agentd.kernel._schema import is_postgres, migrate
@@ -59,12 +58,7 @@ _SELECT_EXPIRED = (
     "ORDER BY expires LIMIT ?"
 )
 
-_sha256 = hashlib.sha256
 _BUSY_TIMEOUT_MS = 2000
-
-
-def _null(value: None) -> None:
-    return value
 
 
 # sqlite3 binds int, float, str and bytearray directly but sends every other value
@@ -73,9 +67,11 @@ def _null(value: None) -> None:
 # ten per request/answer pair, a tenth of the writer's instructions. An identity
 # adapter registered for them is found in the registry first. Bytes still bind as
 # blobs and None as NULL; nothing else is registered (registering int, float, str or
-# bytearray would send every value through the protocol).
+# bytearray would send every value through the protocol). Both adapters are C
+# callables (None's: an empty dict's `get`, which returns None for any key): a Python
+# function costs a frame for each of the three None a pair binds.
 sqlite3.register_adapter(bytes, bytes.__bytes__)
-sqlite3.register_adapter(type(None), _null)
+sqlite3.register_adapter(type(None), cast(Callable[[None], None], {}.get))
 
 
 def is_storage_error(exc: BaseException) -> bool:
@@ -222,18 +218,7 @@ class Store:
         """The statements of one batch, inside the open transaction; its chain goes on
         from the batches applied before it in that transaction."""
         head = self._open_head
-        pos, prev = head.pos, head.hash
-        rows: list[tuple[Any, ...]] = []
-        append = rows.append
-        for (seq, ts, thread, direction, kind, handler, sender, tag, payload, profile,
-             expires, pending) in plan.journal:
-            pos += 1
-            payload_hash = _sha256(payload).hexdigest()
-            h = _sha256(prev + encode(seq, ts, thread, direction, kind, handler, sender, tag,
-                                      payload_hash, profile, expires, pending)).digest()
-            append((seq, ts, thread, direction, kind, handler, sender, tag, payload_hash,
-                    payload, profile, expires, pending, pos, prev, h))
-            prev = h
+        rows, pos, prev = chain_rows(plan.journal, head.pos, head.hash)
         conn = self.conn
         if plan.inflight_delete:
             conn.executemany("DELETE FROM inflight WHERE seq = ?", plan.inflight_delete)
@@ -281,7 +266,7 @@ class Store:
         disk (see `outcomes`)."""
         new_head = self._open_head
         if txn is not None and txn > new_head.txn:
-            new_head = replace(new_head, txn=txn)
+            new_head = Head(new_head.pos, new_head.hash, new_head.seq, new_head.outbox_id, txn)
         if new_head != self.head:
             self.conn.execute("UPDATE head SET pos = ?, hash = ?, seq = ?, outbox_id = ?, "
                               "txn = ? WHERE id = 0",

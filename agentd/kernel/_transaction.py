@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agentd.kernel._chain import SEP
@@ -447,7 +447,7 @@ class BatchPlan:
     journal: list[JournalRow] = field(default_factory=list)
     pending: dict[int, int] = field(default_factory=dict)  # seq -> index in journal
     inflight_delete: list[tuple[int]] = field(default_factory=list)
-    thread_put: dict[str, list] = field(default_factory=dict)
+    thread_put: dict[str, Sequence] = field(default_factory=dict)  # uuid -> row
     thread_update: dict[str, list] = field(default_factory=dict)  # uuid -> [state, hops, upd]
     outbox_delete: list[tuple[str, int]] = field(default_factory=list)
     outbox_sent: list[tuple[int, str]] = field(default_factory=list)  # (id, client)
@@ -470,10 +470,16 @@ class BatchPlan:
 
 
 def plan_batch(txs: Iterable[tuple]) -> BatchPlan:
-    """Fold transactions, each as `Transaction.wire()` gives it, into one plan."""
+    """Fold transactions, each as `Transaction.wire()` gives it, into one plan.
+
+    The operations of every request/answer pair (a thread put, an outbox row, a
+    delivery) are folded here, not in `_apply_op`: a call per operation was a tenth
+    of the writer's time under load."""
     plan = BatchPlan()
     journal, pending = plan.journal, plan.pending
-    ops = 0
+    thread_put, thread_update = plan.thread_put, plan.thread_update
+    outbox_insert, inflight_delete = plan.outbox_insert, plan.inflight_delete
+    ops = max_seq = max_outbox_id = 0
     for rows, tx_ops, tx_pending, full_sync in txs:
         if full_sync:
             plan.full_sync = True
@@ -484,30 +490,43 @@ def plan_batch(txs: Iterable[tuple]) -> BatchPlan:
                 for offset in tx_pending:
                     pending[rows[offset][0]] = base + offset
             journal.extend(rows)
-            if rows[-1][0] > plan.max_seq:  # seqs ascend within a transaction
-                plan.max_seq = rows[-1][0]
+            if rows[-1][0] > max_seq:  # seqs ascend within a transaction
+                max_seq = rows[-1][0]
         if tx_ops:
             ops += len(tx_ops)
             for op in tx_ops:
-                _apply_op(plan, op)
+                code = op[0]
+                if code == OP_THREAD_PUT:
+                    if thread_update:
+                        thread_update.pop(op[1], None)
+                    thread_put[op[1]] = op[2]  # a tuple until a state op changes it
+                elif code == OP_OUTBOX_PUT:
+                    oid = op[1]
+                    outbox_insert[oid] = op[1:]
+                    if oid > max_outbox_id:
+                        max_outbox_id = oid
+                elif code == OP_DELIVERED:
+                    if pending.pop(op[1], None) is None:
+                        inflight_delete.append(op[1:])
+                else:
+                    _apply_op(plan, op)
     plan.ops = ops
-    if journal or plan.outbox_insert or plan.context_insert:
+    plan.max_seq = max_seq
+    plan.max_outbox_id = max_outbox_id
+    if journal or outbox_insert or plan.context_insert:
         plan.once = True
     return plan
 
 
 def _apply_op(plan: BatchPlan, op: tuple) -> None:
+    """The operations `plan_batch` does not fold itself."""
     code = op[0]
-    if code == OP_DELIVERED:
-        if plan.pending.pop(op[1], None) is None:
-            plan.inflight_delete.append((op[1],))
-    elif code == OP_THREAD_PUT:
-        plan.thread_update.pop(op[1], None)
-        plan.thread_put[op[1]] = list(op[2])
-    elif code == OP_THREAD_STATE:
+    if code == OP_THREAD_STATE:
         _, uuid, state, hops, updated = op
         row = plan.thread_put.get(uuid)
         if row is not None:
+            if type(row) is not list:
+                row = plan.thread_put[uuid] = list(row)
             row[6] = state
             row[8] = updated
             if hops is not None:
@@ -517,11 +536,6 @@ def _apply_op(plan: BatchPlan, op: tuple) -> None:
             if cur is not None and hops is None:
                 hops = cur[1]
             plan.thread_update[uuid] = [state, hops, updated]
-    elif code == OP_OUTBOX_PUT:
-        _, oid, client, thread, data = op
-        plan.outbox_insert[oid] = (oid, client, thread, data)
-        if oid > plan.max_outbox_id:
-            plan.max_outbox_id = oid
     elif code == OP_OUTBOX_DELIVERED:
         _, client, up_to = op
         gone = [k for k, v in plan.outbox_insert.items() if v[1] == client and k <= up_to]
