@@ -41,13 +41,14 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from ctypes import byref
+from ctypes import CFUNCTYPE, POINTER, byref, c_char, c_void_p, cast, create_string_buffer
 from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Any
 
 import wasmtime
-from wasmtime import _ffi  # the C API's stdin-from-bytes (not in WasiConfig in 50.x)
+from wasmtime import _ffi  # the C API, called as wasmtime-py calls it (pinned: 50.x)
+from wasmtime._func import maybe_raise_last_exn as _maybe_raise_last_exn
 
 from agentd._errors import HuhCode
 from agentd._handler import HandlerMetadata, HandlerResponse
@@ -293,7 +294,8 @@ class RunOutcome:
     reason: str = ""
 
 
-def _output_file(wasi: wasmtime.WasiConfig, stream: str, cap: int) -> int:
+def _output_file(wasi: Any, set_file: Callable[[Any, bytes], bool], stream: str,
+                 cap: int) -> int:
     """A memory file as the module's `stream` ("stdout" or "stderr"), sized `cap` + 1:
     wasmtime opens (and truncates) it first, then it is sized and sealed against
     growing, so a write past the cap fails in the guest and memory stays bounded.
@@ -302,11 +304,8 @@ def _output_file(wasi: wasmtime.WasiConfig, stream: str, cap: int) -> int:
     thread hand-overs (~200 us of CPU a call, whether the module writes or not)."""
     fd = os.memfd_create(f"agentd-wasm-{stream}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        path = f"/proc/self/fd/{fd}"
-        if stream == "stdout":
-            wasi.stdout_file = path
-        else:
-            wasi.stderr_file = path
+        if not set_file(wasi, f"/proc/self/fd/{fd}".encode()):
+            raise wasmtime.WasmtimeError(f"cannot open the {stream} file")
         os.ftruncate(fd, cap + 1)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS,
                     fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL)
@@ -343,79 +342,147 @@ class WasmModule:
         self.deadline_ticks = max(1, math.ceil(config.timeout_ms / 1000 / TICK_S))
 
     def run(self, stdin: bytes) -> RunOutcome:
-        """One call, on the calling thread (a pool thread, never the event loop)."""
+        """One call, on the calling thread (its listener's, never the event loop).
+
+        Straight on wasmtime's C API, as wasmtime-py calls it: its Python classes
+        (a `Store`, a `WasiConfig`, an object for each of the instance's exports,
+        the function's type checked on each call) cost more CPU than wasmtime's own
+        work for a short call."""
         config = self.config
-        store = wasmtime.Store(self.rt.engine)
-        store.set_limits(memory_size=self.memory_bytes, table_elements=self.table_elements,
-                         instances=1, tables=MAX_TABLES, memories=1)
-        store.set_fuel(config.fuel)
-        wasi = wasmtime.WasiConfig()
-        wasi.argv = ["module"]
-        for guest, host in config.preopens.items():
-            wasi.preopen_dir(str(host), guest)
-        # stdin from memory; stdout and stderr into anonymous memory files that
-        # nothing else can open (a Python callback, or a file for stdin, costs
-        # wasmtime a hand-over to a thread of its own: ~100 us each).
-        _ffi.wasi_config_set_stdin_bytes(wasi.ptr(), byref(_ffi.bytes_to_capi(stdin)))
-        out = _output_file(wasi, "stdout", MAX_STDOUT_BYTES)
+        store = _ffi.wasmtime_store_new(self.rt.engine.ptr(), None, _NO_FINALIZER)
         try:
-            err = _output_file(wasi, "stderr", MAX_STDERR_BYTES)
+            ctx = _ffi.wasmtime_store_context(store)
+            _ffi.wasmtime_store_limiter(store, self.memory_bytes, self.table_elements, 1,
+                                        MAX_TABLES, 1)
+            _check(_ffi.wasmtime_context_set_fuel(ctx, config.fuel))
+            out, err = self._set_wasi(ctx, stdin)
             try:
-                store.set_wasi(wasi)
                 with self.rt.ticker:
-                    store.set_epoch_deadline(self.deadline_ticks)
+                    _ffi.wasmtime_context_set_epoch_deadline(ctx, self.deadline_ticks)
                     _call.cpu0 = time.thread_time_ns()
-                    outcome = self._start(store)
+                    outcome = self._start(ctx)
                 stdout = _written(out, MAX_STDOUT_BYTES) if outcome is None else b""
                 stderr = _written(err, MAX_STDERR_LOG_BYTES)
             finally:
                 os.close(err)
+                os.close(out)
         finally:
-            os.close(out)
+            _ffi.wasmtime_store_delete(store)
         if stderr:
             log.info("wasm stderr module=%s: %r", config.module.name, stderr)
         if outcome is None:
             return RunOutcome(stdout=stdout)
         return outcome
 
-    def _start(self, store: wasmtime.Store) -> RunOutcome | None:
-        instance = None
+    def _set_wasi(self, ctx: Any, stdin: bytes) -> tuple[int, int]:
+        """The call's WASI context: `argv` its name, the preopens, stdin from memory;
+        stdout and stderr into anonymous memory files that nothing else can open (a
+        Python callback, or a file for stdin, costs wasmtime a hand-over to a thread
+        of its own: ~100 us each). Returns the two files."""
+        wasi = _ffi.wasi_config_new()
+        fds: list[int] = []
         try:
-            instance = self.pre.instantiate(store)
-            start = instance.exports(store)["_start"]  # a function: checked at load
-            if not isinstance(start, wasmtime.Func):
-                return RunOutcome(failure=HuhCode.INTERNAL, reason="_start is no function")
-            start(store)
-        except wasmtime.ExitTrap as exc:
+            _ffi.wasi_config_set_argv(wasi, 1, _ARGV)
+            for guest, host in self.config.preopens.items():
+                if not _ffi.wasi_config_preopen_dir(wasi, os.fsencode(host), guest.encode(),
+                                                    True):
+                    raise wasmtime.WasmtimeError(f"cannot preopen {host}")
+            _ffi.wasi_config_set_stdin_bytes(wasi, byref(_ffi.bytes_to_capi(stdin)))
+            fds.append(_output_file(wasi, _ffi.wasi_config_set_stdout_file, "stdout",
+                                    MAX_STDOUT_BYTES))
+            fds.append(_output_file(wasi, _ffi.wasi_config_set_stderr_file, "stderr",
+                                    MAX_STDERR_BYTES))
+        except BaseException:
+            _ffi.wasi_config_delete(wasi)
+            for fd in fds:
+                os.close(fd)
+            raise
+        try:
+            _check(_ffi.wasmtime_context_set_wasi(ctx, wasi))  # takes the config
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return fds[0], fds[1]
+
+    def _start(self, ctx: Any) -> RunOutcome | None:
+        instance = _ffi.wasmtime_instance_t()
+        trap = POINTER(_ffi.wasm_trap_t)()
+        try:
+            _enter(_ffi.wasmtime_instance_pre_instantiate(self.pre.ptr(), ctx, byref(instance),
+                                                          byref(trap)), trap)
+        except _RAN as exc:
+            return self._failed(ctx, None, exc)
+        start = _export(ctx, instance, b"_start", _EXTERN_FUNC)  # checked at load
+        if start is None:
+            return RunOutcome(failure=HuhCode.INTERNAL, reason="_start is no function")
+        try:
+            _enter(_ffi.wasmtime_func_call(ctx, byref(start.of.func), None, 0, None, 0,
+                                           byref(trap)), trap)
+        except _RAN as exc:
+            return self._failed(ctx, instance, exc)
+        return None
+
+    def _failed(self, ctx: Any, instance: Any, exc: Exception) -> RunOutcome | None:
+        """What a run that raised came to. One that failed with its memory at the cap
+        failed for want of memory."""
+        if isinstance(exc, wasmtime.ExitTrap):
             if exc.code == 0:
                 return None
-            return self._failed(store, instance, HuhCode.INTERNAL, f"exit code {exc.code}")
-        except wasmtime.Trap as exc:
+            code, reason = HuhCode.INTERNAL, f"exit code {exc.code}"
+        elif isinstance(exc, wasmtime.Trap):
             if exc.trap_code is wasmtime.TrapCode.OUT_OF_FUEL:
                 return RunOutcome(failure=HuhCode.BUDGET_EXCEEDED, reason="fuel exhausted")
             if exc.trap_code is wasmtime.TrapCode.INTERRUPT:
                 return RunOutcome(failure=HuhCode.TIMEOUT, reason="wall time exceeded")
-            return self._failed(store, instance, HuhCode.INTERNAL, f"trap: {exc.message}")
-        except wasmtime.WasmtimeError as exc:
-            return self._failed(store, instance, HuhCode.INTERNAL, f"error: {exc}")
-        return None
-
-    def _failed(
-        self, store: wasmtime.Store, instance: wasmtime.Instance | None, code: HuhCode,
-        reason: str,
-    ) -> RunOutcome:
-        """A failed run whose memory reached the cap failed for want of memory."""
+            code, reason = HuhCode.INTERNAL, f"trap: {exc.message}"
+        else:
+            code, reason = HuhCode.INTERNAL, f"error: {exc}"
         if instance is None:  # not instantiated: over the caps, or its start section failed
             if "exceeds memory limits" in reason or "exceeds table limits" in reason:
                 return RunOutcome(failure=HuhCode.BUDGET_EXCEEDED, reason=f"{reason} (memory)")
             return RunOutcome(failure=code, reason=reason)
-        memory = instance.exports(store).get("memory")
-        at_cap = (isinstance(memory, wasmtime.Memory)
-                  and memory.data_len(store) + WASM_PAGE > self.memory_bytes)
+        memory = _export(ctx, instance, b"memory", _EXTERN_MEMORY)
+        at_cap = (memory is not None and _ffi.wasmtime_memory_data_size(
+            ctx, byref(memory.of.memory)) + WASM_PAGE > self.memory_bytes)
         if at_cap:
             return RunOutcome(failure=HuhCode.BUDGET_EXCEEDED,
                               reason=f"{reason} (memory cap reached)")
         return RunOutcome(failure=code, reason=reason)
+
+
+_NO_FINALIZER = cast(0, CFUNCTYPE(None, c_void_p))
+_NAME = create_string_buffer(b"module")
+_ARGV = (POINTER(c_char) * 1)(cast(_NAME, POINTER(c_char)))
+_RAN = (wasmtime.WasmtimeError, wasmtime.Trap)  # what a call into wasm raises
+_EXTERN_FUNC, _EXTERN_MEMORY = _ffi.WASMTIME_EXTERN_FUNC.value, _ffi.WASMTIME_EXTERN_MEMORY.value
+
+
+def _check(error: Any) -> None:
+    if error:
+        raise wasmtime.WasmtimeError._from_ptr(error)
+
+
+def _enter(error: Any, trap: Any) -> None:
+    """Raise what a call into wasm came to, as wasmtime-py's own calls do: its trap,
+    its error (`ExitTrap` for `proc_exit`), or first an exception a host function
+    raised."""
+    if trap:
+        found: Exception = wasmtime.Trap._from_ptr(trap)
+    elif error:
+        found = wasmtime.WasmtimeError._from_ptr(error)
+    else:
+        return
+    _maybe_raise_last_exn()
+    raise found
+
+
+def _export(ctx: Any, instance: Any, name: bytes, kind: int) -> Any:
+    """The instance's export `name` if it is of `kind`, else None."""
+    item = _ffi.wasmtime_extern_t()
+    found = _ffi.wasmtime_instance_export_get(ctx, byref(instance), name, len(name),
+                                              byref(item))
+    return item if found and item.kind == kind else None
 
 
 class WasmHandler:
