@@ -758,15 +758,15 @@ async def test_older_schema_is_migrated(state_dir: Path, monkeypatch: pytest.Mon
 def test_threads_of_a_version_6_database_keep_their_rows_and_check(
         state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     state_dir.mkdir(mode=0o700)
-    rebuild, refs = _schema.MIGRATIONS[7], _schema.MIGRATIONS[8]
-    monkeypatch.delitem(_schema.MIGRATIONS, 8)
-    monkeypatch.delitem(_schema.MIGRATIONS, 7)
+    later = {v: _schema.MIGRATIONS[v] for v in (7, 8, 9)}
+    for version in later:
+        monkeypatch.delitem(_schema.MIGRATIONS, version)
     Store.open(state_dir / DB_NAME).close()  # a database as version 6 left it
     with db_conn(state_dir) as conn:
         conn.execute("INSERT INTO threads VALUES ('t1', '[\"c\"]', NULL, 'c', 'public', 1, "
                      "'completed', 1.0, 2.0, 3)")
-    monkeypatch.setitem(_schema.MIGRATIONS, 7, rebuild)
-    monkeypatch.setitem(_schema.MIGRATIONS, 8, refs)
+    for version, statements in later.items():
+        monkeypatch.setitem(_schema.MIGRATIONS, version, statements)
     store = Store.open(state_dir / DB_NAME)
     assert store.migrated_from == 6
     store.close()
@@ -777,12 +777,44 @@ def test_threads_of_a_version_6_database_keep_their_rows_and_check(
             ("t1", '["c"]', None, "c", "public", 1, "completed", 1.0, 2.0, 3, "")]
         assert conn.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'threads' "
                             "AND type = 'index' AND sql IS NOT NULL").fetchall() == [
-            ("threads_state",)]
+            ("threads_finished",)]
         with pytest.raises(sqlite3.IntegrityError, match="CHECK"):
             conn.execute(insert, ("t2", "[]", None, "c", "public", 1, "asleep", 1.0, 1.0, 0))
         # Each row written checks its state without building a temporary table.
         program = [row[1] for row in conn.execute("EXPLAIN " + insert, (None,) * 10)]
         assert "OpenEphemeral" not in program
+
+
+def test_a_version_8_database_indexes_only_its_finished_threads(
+        state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Schema 9: the threads index holds finished threads only (a thread that starts
+    adds no entry to it), and the thread GC finds them through it."""
+    state_dir.mkdir(mode=0o700)
+    finished = _schema.MIGRATIONS[9]
+    monkeypatch.delitem(_schema.MIGRATIONS, 9)
+    Store.open(state_dir / DB_NAME).close()  # a database as version 8 left it
+    with db_conn(state_dir) as conn:
+        conn.executemany("INSERT INTO threads VALUES (?, '[\"c\"]', NULL, 'c', 'public', 1, "
+                         "?, 1.0, ?, 0, '')", [("old", "completed", 2.0),
+                                               ("late", "failed", 50.0),
+                                               ("live", "active", 2.0)])
+    monkeypatch.setitem(_schema.MIGRATIONS, 9, finished)
+    store = Store.open(state_dir / DB_NAME)
+    assert store.migrated_from == 8
+    assert store.gc(10.0, []) == (1, 0)  # finished before the cutoff: "old" alone
+    store.close()
+    with db_conn(state_dir) as conn:
+        assert sorted(r[0] for r in conn.execute("SELECT uuid FROM threads")) == [
+            "late", "live"]
+        assert conn.execute("SELECT name FROM sqlite_master WHERE tbl_name = 'threads' "
+                            "AND type = 'index' AND sql IS NOT NULL").fetchall() == [
+            ("threads_finished",)]
+        plan = conn.execute("EXPLAIN QUERY PLAN DELETE FROM threads "
+                            "WHERE state != 'active' AND updated < 1").fetchall()
+        assert "USING INDEX threads_finished" in str(plan)
+        # Its entries: the finished threads (read through the index alone).
+        assert conn.execute("SELECT count(*) FROM threads INDEXED BY threads_finished "
+                            "WHERE state != 'active'").fetchone() == (1,)
 
 
 # -- failing storage -------------------------------------------------------------------

@@ -215,9 +215,21 @@ _V8_CALL_REFS = (
     "ALTER TABLE approvals ADD COLUMN call_ref TEXT NOT NULL DEFAULT ''",
 )
 
+# The threads index serves the thread GC alone (finished threads last updated before
+# a cutoff): as an index of finished threads only, the row of a thread that starts
+# (active) adds no entry to it, and a batch of new conversations touches one b-tree
+# less. The GC asks `state != 'active'`, the index's own condition, so both SQLite
+# and PostgreSQL use it; the CHECK leaves 'completed' and 'failed' as the others.
+_V9_FINISHED_THREADS = (
+    "DROP INDEX IF EXISTS threads_state",
+    "CREATE INDEX IF NOT EXISTS threads_finished ON threads (updated) "
+    "WHERE state != 'active'",
+)
+
 MIGRATIONS: dict[int, tuple[str, ...]] = {1: _V1, 2: _V2_CONTEXT, 3: _V3_DURABLE,
                                           4: _V4_OUTCOMES, 5: _V5_BUS_AUTH, 6: _V6_STREAMS,
-                                          7: _V7_THREADS_CHECK, 8: _V8_CALL_REFS}
+                                          7: _V7_THREADS_CHECK, 8: _V8_CALL_REFS,
+                                          9: _V9_FINISHED_THREADS}
 
 
 def is_postgres(conn: Any) -> bool:

@@ -347,9 +347,9 @@ class Store:
             # A task's segments live as long as its frame's thread row.
             conn.execute(
                 "DELETE FROM segments WHERE thread IN (SELECT uuid FROM threads WHERE "
-                "state IN ('completed', 'failed') AND updated < ?)", (thread_cutoff,))
-            threads = conn.execute(
-                "DELETE FROM threads WHERE state IN ('completed', 'failed') AND updated < ?",
+                "state != 'active' AND updated < ?)", (thread_cutoff,))
+            threads = conn.execute(  # finished threads: the index threads_finished
+                "DELETE FROM threads WHERE state != 'active' AND updated < ?",
                 (thread_cutoff,)).rowcount
             # Decided approvals go with the threads of their time (the journal keeps
             # their audit entries); pending ones stay until decided or expired.
