@@ -39,7 +39,7 @@ from typing import Any
 from agentd.kernel._errors import KernelUnavailable, TransactionRejected, WriterExited
 from agentd.kernel._lifecycle import Phase
 from agentd.kernel._store import is_storage_error
-from agentd.kernel._transaction import Transaction, TxContext
+from agentd.kernel._transaction import Transaction, TxContext, wires_of
 from agentd.kernel._writer import WriterProcess
 
 log = logging.getLogger("agentd.kernel")
@@ -93,7 +93,7 @@ class KernelBatching:
             raise RuntimeError("transaction already committed")
         if tx.touches_context:
             self._ctx.reserve(tx.ops, self._clock())
-        tx.seal()
+        tx.committed = True  # sealed: Transaction.seal without a call per transaction
         queue = self._queue
         if not queue:
             self._head_time = self._loop.time()
@@ -233,7 +233,7 @@ class KernelBatching:
         """Hand `batch` to the writer, its transactions numbered from `_next_txn`: what
         was sent, or None if it could not be (then it failed). `more`: part of a fold
         (see `_send_folded`); True: another part follows."""
-        wires = [tx.wire() for tx, _ in batch]
+        wires = wires_of(batch)
         first = self._next_txn
         args = (wires, first) if more is None else (wires, first, more)
         try:  # the loop polls for the reply, except to a fold's first part (see call)

@@ -444,7 +444,9 @@ class Kernel(KernelReads, KernelBatching, KernelSweeps, KernelRestarts):
     def _committed(self, batch: list[tuple[Transaction, asyncio.Future[None]]],
                    seconds: float, ops: int) -> None:
         for _, fut in batch:
-            if not fut.done():
+            if type(fut) is _Then:  # commit_then's: called here, no two calls through
+                fut.call(None)
+            elif not fut.done():
                 fut.set_result(None)
         if not ops:  # nothing was written: no evidence about the storage either way
             return
@@ -505,15 +507,15 @@ class _Then:
         return self._done
 
     def set_result(self, _result: None) -> None:
-        self._call(None)
+        self.call(None)
 
     def set_exception(self, exc: BaseException) -> None:
-        self._call(exc)
+        self.call(exc)
 
     def exception(self) -> None:
         return None
 
-    def _call(self, exc: BaseException | None) -> None:
+    def call(self, exc: BaseException | None) -> None:
         if self._done:
             return
         self._done = True

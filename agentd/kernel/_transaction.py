@@ -439,6 +439,12 @@ class Transaction:
         self.committed = True
 
 
+def wires_of(batch: Iterable[tuple[Transaction, object]]) -> list[tuple]:
+    """`Transaction.wire()` of each (transaction, future) of a batch, in one
+    comprehension: the kernel sends every transaction, and a call each adds up."""
+    return [(tx.rows, tx.ops, tx._pending, tx.full_sync) for tx, _ in batch]
+
+
 @dataclass
 class BatchPlan:
     """The statements for one batch, per table, in the order the writer runs them:
