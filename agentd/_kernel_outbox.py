@@ -39,8 +39,15 @@ class KernelOutbox:
         return await self.kernel.outbox(client)
 
     def delivered(self, client: str, outbox_id: int) -> None:
-        self._marks.setdefault(client, []).append(outbox_id)
-        self._schedule(0.0)
+        # Once a frame (every answer a bus client gets): no list made to be dropped
+        # by setdefault, no call once a flush is due.
+        ids = self._marks.get(client)
+        if ids is None:
+            self._marks[client] = [outbox_id]
+        else:
+            ids.append(outbox_id)
+        if not self._flush_due:
+            self._schedule(0.0)
 
     def _schedule(self, delay: float) -> None:
         if not self._flush_due:

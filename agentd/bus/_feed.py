@@ -79,7 +79,9 @@ class SessionFeed:
                 self._run(session.submit_failed(thread))
                 return
             if result is not None:
-                self._run(session.submitted(thread, result, host.loop.time(), len(data)))
+                actions = session.submitted(thread, result, host.loop.time(), len(data))
+                if actions:  # usually none: the adapter's own run flushes what is queued
+                    self._run(actions)
                 return
         if waiting is None:
             waiting = self._waiting = {}

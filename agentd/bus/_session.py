@@ -43,6 +43,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from agentd import _metrics as metrics
 from agentd._core import Huh
@@ -79,6 +80,8 @@ BATCH_BYTES = 256 * 1024
 
 _CORE_HEAD = f'<message xmlns="{NS_ENV}"><meta><from>core</from>'.encode()
 _STREAM_URI = NS_STREAM.encode()
+_ACCEPTED = b"</meta><accepted "
+_ACCEPTED_WITHIN = len(_CORE_HEAD) + 400  # the bytes it must lie within (searched in place)
 _RATE_LIMITED = Huh.of(HuhCode.RATE_LIMITED).to_bytes()
 # A frame refused for what it is costs its sender one more token per KiB: the work
 # of refusing it (parsing it to the error) grows with its size, and it is the
@@ -93,7 +96,7 @@ _BAD_INPUT = frozenset({
 def is_accepted_frame(data: bytes) -> bool:
     """True for the pump's `accepted` envelopes (the only frames that do not answer
     an envelope). `from` = core is reserved, so a listener cannot fake this."""
-    return data.startswith(_CORE_HEAD) and b"</meta><accepted " in data[: len(_CORE_HEAD) + 400]
+    return data.startswith(_CORE_HEAD) and data.find(_ACCEPTED, 0, _ACCEPTED_WITHIN) >= 0
 
 
 # ---- the state machine ---------------------------------------------------------------
@@ -174,9 +177,10 @@ class LoadOutbox:
     """Fetch the client's undelivered outbox; answer with `outbox_loaded`."""
 
 
-@dataclass(frozen=True, slots=True)
-class Submit:
-    """Hand one envelope to the pump; answer with `submitted` or `submit_failed`."""
+class Submit(NamedTuple):
+    """Hand one envelope to the pump; answer with `submitted` or `submit_failed`.
+    A named tuple, not a frozen dataclass as the other actions: one is made for
+    every envelope, and a tuple is made with no `object.__setattr__` per field."""
 
     thread: str
     data: bytes
