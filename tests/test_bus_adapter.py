@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from websockets.client import ClientProtocol
+from websockets.extensions.permessage_deflate import ClientPerMessageDeflateFactory
 from websockets.frames import Close, Frame, Opcode
 from websockets.http11 import Response
 from websockets.uri import parse_uri
@@ -21,6 +22,7 @@ from websockets.uri import parse_uri
 from agentd._envelope import build_envelope
 from agentd._xmlify import spec_of
 from agentd.bus import BusConnection, auth_frame, parse_auth_ok
+from agentd.bus._adapter import text_frames
 from agentd.tools.calculator import Add
 from agentd.tools.echo import Echo
 from tests.test_bus_support import Rig, start_rig, stop_rig
@@ -72,8 +74,9 @@ OPEN_WIRES: list[Wire] = []
 class Wire:
     """One client (websockets' sans-I/O ClientProtocol) wired to one BusConnection."""
 
-    def __init__(self, rig: Rig, path: str = "/bus") -> None:
-        self.client = ClientProtocol(parse_uri(f"wss://127.0.0.1:{rig.bus.port}{path}"))
+    def __init__(self, rig: Rig, path: str = "/bus", extensions: Any = None) -> None:
+        self.client = ClientProtocol(parse_uri(f"wss://127.0.0.1:{rig.bus.port}{path}"),
+                                     extensions=extensions)
         self.transport = RecordingTransport()
         self.conn: BusConnection = rig.bus.new_connection()
         self.transport.protocol = self.conn
@@ -130,8 +133,8 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     await stop(r)
 
 
-async def logged_in(rig: Rig) -> Wire:
-    wire = Wire(rig)
+async def logged_in(rig: Rig, extensions: Any = None) -> Wire:
+    wire = Wire(rig, extensions=extensions)
     [response] = wire.pull()
     assert isinstance(response, Response) and response.status_code == 101
     wire.send(auth_frame("alice", totp=rig.code("alice")))
@@ -236,6 +239,53 @@ async def test_frames_delivered_in_one_loop_turn_leave_in_one_write(rig: Rig) ->
     await next_turn()
     assert len(wire.transport.writes) == 1
     assert [f.data for f in wire.pull()] == burst
+
+
+def test_text_frames_are_the_bytes_websockets_writes() -> None:
+    """The adapter frames what it sends itself (no extension negotiated): the same
+    bytes as websockets' own text frame, for each length encoding, after what
+    websockets had queued."""
+    for n in (0, 1, 125, 126, 127, 65535, 65536, 70000):
+        data = bytes(range(256)) * (n // 256) + b"x" * (n % 256)
+        ours = b"".join(text_frames([], [(data, None)]))
+        assert ours == Frame(Opcode.TEXT, data).serialize(mask=False)
+    assert text_frames([b"pong"], [(b"a", 1), (b"bc", None)]) == [
+        b"pong", b"\x81\x01", b"a", b"\x81\x02", b"bc"]
+
+
+async def test_frames_of_each_length_encoding_reach_a_client_whole(rig: Rig) -> None:
+    wire = await logged_in(rig)
+    thread = str(uuid.uuid4())
+    burst = [build_envelope("echo", thread, b'<big xmlns="urn:t">' + b"y" * k + b"</big>",
+                            to="alice") for k in (1, 70_000, 300)]
+    assert len(burst[1]) >= 65536 and 126 <= len(burst[2]) < 65536
+    for frame in burst:
+        rig.bus.deliver("alice", thread, frame)
+    await next_turn()
+    assert len(wire.transport.writes) == 1
+    got = wire.pull()
+    assert [(f.opcode, f.fin) for f in got] == [(Opcode.TEXT, True)] * 3
+    assert [f.data for f in got] == burst
+
+
+async def test_with_compression_on_frames_go_out_compressed(tmp_path: Path) -> None:
+    """With permessage-deflate negotiated, websockets frames (and compresses) what
+    the adapter sends: the frames arrive whole and marked compressed (RSV1)."""
+    r = await start_rig(tmp_path, bus={"compression": True})
+    try:
+        wire = await logged_in(r, extensions=[ClientPerMessageDeflateFactory()])
+        assert wire.client.extensions  # negotiated
+        thread = str(uuid.uuid4())
+        burst = [build_envelope("echo", thread, spec_of(Echo).to_bytes(Echo(text="z" * k)),
+                                to="alice") for k in (10, 4000)]
+        for frame in burst:
+            r.bus.deliver("alice", thread, frame)
+        await next_turn()
+        written = b"".join(wire.transport.writes)
+        assert written[0] & 0x40 and len(written) < len(burst[1])  # RSV1: compressed
+        assert [f.data for f in wire.pull()] == burst
+    finally:
+        await stop(r)
 
 
 async def test_reading_pauses_while_the_window_is_full(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 `BusConnection` is an `asyncio.Protocol` the loop feeds with bytes. It runs
 websockets' sans-I/O `ServerProtocol` for the opening handshake and the framing
-(public API only: `receive_data`, `events_received`, `send_text`, `data_to_send`),
+(public API only: `receive_data`, `events_received`, `send_text`, `data_to_send`;
+the text frames it sends on a connection with no extension are framed here, the
+same bytes without a `Frame` object each: `text_frames`),
 hands text frames and timer expiries to its `BusSession`, and carries out the
 actions the session returns (authenticate, close, pause or resume reading; its
 `SessionFeed` submits to the pump and loads and acknowledges the outbox). Frames
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import struct
 from collections import deque
 from collections.abc import Awaitable, Sequence
 from http import HTTPStatus
@@ -58,6 +61,31 @@ from agentd.bus._session import (
 from agentd.config import BusConfig
 
 log = logging.getLogger("agentd.bus")
+
+# A server's unfragmented text frame: FIN and the text opcode, no mask, the length in
+# 7 bits, or 126 and 16 bits, or 127 and 64 bits (RFC 6455 5.2), as websockets writes
+# it; heads of the short lengths made once.
+_TEXT = 0x81
+_SHORT_HEADS = [bytes((_TEXT, n)) for n in range(126)]
+_HEAD_16 = struct.Struct("!BBH")
+_HEAD_64 = struct.Struct("!BBQ")
+
+
+def text_frames(chunks: list[bytes], batch: Sequence[tuple[bytes, object]]) -> list[bytes]:
+    """`chunks` (what websockets has queued, a pong say: it goes first) followed by
+    each frame of `batch` as an unfragmented text frame, header and payload: the
+    bytes `ServerProtocol.send_text` writes on a connection with no extension,
+    without its per-frame `Frame` object and two copies of the payload."""
+    for data, _ in batch:
+        n = len(data)
+        if n < 126:
+            chunks.append(_SHORT_HEADS[n])
+        elif n < 65536:
+            chunks.append(_HEAD_16.pack(_TEXT, 126, n))
+        else:
+            chunks.append(_HEAD_64.pack(_TEXT, 127, n))
+        chunks.append(data)
+    return chunks
 ws_log = logging.getLogger("agentd.bus.websockets")
 
 BUS_PATH = "/bus"
@@ -424,9 +452,12 @@ class BusConnection(asyncio.Protocol):
             if protocol.state is not State.OPEN or transport.is_closing():
                 return  # the peer is going: queued durable frames stay in the outbox
             batch = session.frames_to_send()
-            for data, _ in batch:
-                protocol.send_text(data)
-            self._write_protocol()
+            if protocol.extensions:  # permessage-deflate: websockets compresses them
+                for data, _ in batch:
+                    protocol.send_text(data)
+                self._write_protocol()
+            else:
+                self._write_chunks(text_frames(protocol.data_to_send(), batch))
             self.writes += 1
             if outbox is not None:
                 for _, outbox_id in batch:
@@ -437,7 +468,9 @@ class BusConnection(asyncio.Protocol):
     def _write_protocol(self) -> None:
         """Hand what websockets has buffered to the transport in one write; its empty
         chunk (end of stream) closes the transport (TLS cannot half-close)."""
-        chunks = self._protocol.data_to_send()
+        self._write_chunks(self._protocol.data_to_send())
+
+    def _write_chunks(self, chunks: list[bytes]) -> None:
         transport = self.transport
         if not chunks or transport is None:
             return
