@@ -217,11 +217,20 @@ def _first_error() -> str:
     return str(log.last_error) if log.last_error else "invalid envelope"
 
 
+# The bytes of an envelope up to its thread, by (from, to): the same for every
+# message between two parties. Cleared when full (names are few; clients bounded).
+_HEADS: dict[tuple[str, str | None], bytes] = {}
+_MAX_HEADS = 4096
+
+
 def build_envelope(sender: str, thread: str, payload_c14n: bytes, to: str | None = None) -> bytes:
     """Envelope bytes in exclusive C14N form (payload must already be C14N)."""
-    to_part = f"<to>{escape_text(to)}</to>" if to else ""
-    head = (
-        f'<message xmlns="{NS_ENV}"><meta><from>{escape_text(sender)}</from>{to_part}'
-        f"<thread>{thread}</thread></meta>"
-    ).encode()
-    return head + payload_c14n + b"</message>"
+    head = _HEADS.get((sender, to))
+    if head is None:
+        to_part = f"<to>{escape_text(to)}</to>" if to else ""
+        head = (f'<message xmlns="{NS_ENV}"><meta><from>{escape_text(sender)}</from>'
+                f"{to_part}<thread>").encode()
+        if len(_HEADS) >= _MAX_HEADS:
+            _HEADS.clear()
+        _HEADS[sender, to] = head
+    return b"".join((head, thread.encode(), b"</thread></meta>", payload_c14n, b"</message>"))
