@@ -8,6 +8,9 @@ checks every requested destination against the listener's declared peers.
 
 from __future__ import annotations
 
+import dis
+import inspect
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -69,6 +72,22 @@ def takes_element(handler: F) -> F:
     C14N to its worker). The element stays the pump's: such a handler only reads it."""
     handler.takes_element = True  # type: ignore[attr-defined]
     return handler
+
+
+# What a coroutine's code holds where it can suspend: `await`, `async for`, `async
+# with` all compile to a YIELD_VALUE (the others are named for clarity).
+_SUSPENDS = frozenset(("YIELD_VALUE", "GET_AWAITABLE", "SEND", "BEFORE_ASYNC_WITH",
+                       "GET_AITER", "GET_ANEXT", "END_ASYNC_FOR"))
+
+
+def never_suspends(handler: object) -> bool:
+    """True for a handler that is a plain `async def` function with no `await`,
+    `async for` or `async with` in its body: its coroutine runs to its end on the
+    first step, so the pump may run it on the caller's stack, without a task (a
+    callable object, a partial or a wrapper is never taken for one)."""
+    if type(handler) is not types.FunctionType or not inspect.iscoroutinefunction(handler):
+        return False
+    return not any(ins.opname in _SUSPENDS for ins in dis.get_instructions(handler))
 
 
 class ResponseKind(Enum):

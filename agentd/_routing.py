@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentd import _metrics as metrics
 from agentd._errors import ConfigError
+from agentd._handler import never_suspends
 from agentd._waiters import WaiterQueue
 from agentd._xmlify import XmlSpec, spec_of
 from agentd.durable.approvals import ApprovalRules
@@ -47,6 +48,7 @@ class Listener:
     config: Any = None
     answers_text: bool = False  # may answer with core `answer` (agents, a peer's agent)
     takes_element: bool = False  # the handler takes the validated element (`takes_element`)
+    immediate: bool = False  # the handler never suspends (`never_suspends`)
     retired: bool = False
     active: int = 0  # handler calls running now (bounded by max_concurrency)
     _slot_waiters: WaiterQueue = field(default_factory=WaiterQueue, repr=False)
@@ -59,6 +61,7 @@ class Listener:
         """Make `handler` this listener's (and note whether it takes the element)."""
         self.handler = handler
         self.takes_element = getattr(handler, "takes_element", False) is True
+        self.immediate = never_suspends(handler)
 
     def count(self, outcome: str) -> None:
         """agentd_dispatch_total{listener, outcome} += 1."""

@@ -569,6 +569,65 @@ async def test_queue_applies_backpressure_to_clients() -> None:
     assert sum(b"<sum" in d for d in delivered) == 6
 
 
+async def test_a_handler_that_never_suspends_runs_before_submit_returns(
+        tmp_path: Path) -> None:
+    from agentd._routing import Routing
+    from agentd.config import load_config
+    from agentd.kernel import Kernel
+    from agentd.pump import Pump
+
+    delivered: list[bytes] = []
+    kernel = await Kernel.open(tmp_path)
+    pump = Pump(Routing.build(load_config(ORGANISM)), CLIENTS,
+                lambda c, t, d, o: delivered.append(d), kernel=kernel)
+    await pump.start()
+    try:
+        result = pump.submit_nowait("alice", envelope("alice", ADD))
+        # No await since: the calculator ran on this stack, no worker took it; its
+        # answer waits for the commits, after `accepted`.
+        assert result is not None and result.accepted
+        assert pump.handled == 1 and pump.queue_depth == 0 and pump.running == 0
+        assert delivered == []
+        await kernel.flush()
+        assert [frame_kind(d)[:2] for d in delivered] == [("core", "accepted"),
+                                                         ("calculator.add", "sum")]
+    finally:
+        await pump.stop()
+        await kernel.close()
+
+
+async def test_a_handler_that_never_suspends_waits_for_a_free_worker(tmp_path: Path) -> None:
+    from agentd._routing import Routing
+    from agentd.config import PumpConfig, load_config
+    from agentd.kernel import Kernel
+    from agentd.pump import Pump, PumpOptions
+
+    delivered: list[bytes] = []
+    gate = L.GATE["event"] = asyncio.Event()
+    kernel = await Kernel.open(tmp_path)
+    pump = Pump(Routing.build(load_config(ORGANISM)), CLIENTS,
+                lambda c, t, d, o: delivered.append(d),
+                PumpOptions(PumpConfig(max_concurrency=1)), kernel)
+    await pump.start()
+    try:
+        hold = spec_of(L.Hold).to_bytes(L.Hold(n=1))
+        await pump.submit("alice", envelope("alice", hold))
+        while pump.running == 0:  # the one worker is inside `hold`
+            await asyncio.sleep(0)
+        await pump.submit("bob", envelope("bob", ADD))
+        # The calculator is not run beside the busy worker: it is queued.
+        assert pump.handled == 1 and pump.queue_depth == 1
+        gate.set()
+        await pump.join()
+        await kernel.flush()
+        answers = [frame_kind(d)[1] for d in delivered if frame_kind(d)[0] != "core"]
+        assert answers == ["done", "sum"]
+    finally:
+        L.GATE["event"] = None
+        await pump.stop()
+        await kernel.close()
+
+
 async def test_profile_of_a_thread_never_changes_and_children_inherit_it(h: Harness) -> None:
     frames = await h.send("nina", Add(a=1, b=2))
     thread = parse_envelope(frames[0]).thread

@@ -6,7 +6,9 @@ into, and `_apply` carries the plan out: envelopes re-enter through the same
 admission checks as client input (`_reenter`), notices go to a frame's holder,
 frames end. The steps that are not a handler's (a wait's round, a decision, the end
 of a conversation, an admission) apply their plans through the same methods. Each
-step writes into one `Batch` and commits it (`open`, `close`).
+step writes into one `Batch` and commits it (`open`, `close`). A client's request
+for a handler that never suspends (the calculator) runs on the caller's stack
+(`start`) when a free worker would take it at once: the same steps, no task.
 
 Invariants:
 - Nothing a handler returns is trusted for identity, thread or route: the
@@ -216,42 +218,49 @@ class Dispatch:
         else:
             await self._call(msg, msg.targets[0], True)
 
+    def start(self, msg: Message) -> None:
+        """Hand a client's admitted message to its handler: called at once on this
+        stack when a free worker would take it now and run it to its end without a
+        pause (a request for one listener whose handler never suspends and has a free
+        slot, nothing else queued, nothing queued or running on its thread, within
+        the hop limit, the lease held), else queued. Its admission was committed or
+        queued for commit first, as for a worker."""
+        scheduler = self.scheduler
+        if not _runs_now(msg, scheduler, self.settings.max_hops, self.kernel):
+            self.enqueue(msg, None)
+            return
+        scheduler.running += 1
+        try:
+            listener = msg.targets[0]
+            frame, meta, steps, token, payload = _begin(self.registry, self.steps,
+                                                        self.waits.book, msg, listener)
+            result = self.invoker.call_now(listener, payload, meta, frame.root.uuid)
+            self._finish(msg, listener, frame, meta, steps, token, result, True)
+        except Exception:  # a pump bug must not reach the client's transport
+            log.exception("pump error while handling a message")
+        finally:
+            scheduler.running -= 1
+
     async def _call(self, msg: Message, listener: Listener, last: bool) -> None:
         """Run one handler on one message. `last`: this call completes the message."""
-        hops = msg.hops + 1
         kernel = self.kernel
         if kernel is not None and kernel.lease_expired and not await kernel.lease_current():
             return  # another daemon has the lease: it runs this message (recovery)
         if listener.retired:
             batch = self.open()
-            self._huh_to(msg.frame, HuhCode.UNROUTABLE, hops, batch, msg.ref)
+            self._huh_to(msg.frame, HuhCode.UNROUTABLE, msg.hops + 1, batch, msg.ref)
             self.close(batch, msg if last else None)
             return
-        created = msg.kind is _REQUEST
-        frame = self.registry.extend(msg.frame, listener.name) if created else msg.frame
-        frame.touched = time.monotonic()
-        steps = self.steps
-        if steps is not None and not steps.wanted(frame):
-            steps = None
-        if created:
-            frame.ref = msg.ref
-            if msg.call:
-                frame.call = msg.call
-        spec = msg.spec
-        payload: Any = (
-            msg.payload if listener.takes_element  # an isolation pool: no object to build
-            else core_from_element(msg.payload) if spec is None
-            else spec.from_element(msg.payload)
-        )
-        meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "",
-                               self.waits.book, frame.root.uuid, None, msg.seq,
-                               _hops=msg.hops, _ref=msg.ref,
-                               _progress=None if steps is None else _progress(
-                                   steps, frame.root, listener.name))
-        tracing = tracer()
-        token = tracing.handler(listener.name, listener.is_agent, frame.root.uuid, msg.seq,
-                                msg.redelivered, msg.cause)
+        frame, meta, steps, token, payload = _begin(self.registry, self.steps,
+                                                    self.waits.book, msg, listener)
         result = await self.invoker.call(listener, payload, meta, frame.root.uuid)
+        self._finish(msg, listener, frame, meta, steps, token, result, last)
+
+    def _finish(self, msg: Message, listener: Listener, frame: Frame, meta: HandlerMetadata,
+                steps: StepSink | None, token: Any, result: object, last: bool) -> None:
+        """Plan and apply what the call's `result` turns into, and commit it."""
+        hops = msg.hops + 1
+        tracing = tracer()
         span = self._span = None if token is None else tracing.detach(token)
         batch = self.open()
         if meta._after_commit is not None:  # a platform handler acts once its output is durable
@@ -281,7 +290,7 @@ class Dispatch:
         else:
             plan = plan_response(msg, listener, frame, result, self.settings.max_fanout)
         self._apply(plan, listener, frame, hops, batch)
-        if created and batch is not None and frame.state is _ACTIVE:
+        if msg.kind is _REQUEST and batch is not None and frame.state is _ACTIVE:
             # Only a frame that outlives this transaction (a call still open: the
             # listener sent requests and awaits answers) needs a durable row; a call
             # answered at once ends inside the transaction that would create it.
@@ -438,7 +447,7 @@ class Dispatch:
                     if isinstance(gated, Deny):
                         return self.hold(msg, gated, own, hops, batch)
                     approval = self.park(msg, gated, batch)
-                    self._show_call(msg, approval)
+                    _show_call(self.steps, msg, approval)
                     return True
         except PrivilegedOnBus:
             self.security_event("priv-from-handler",
@@ -456,23 +465,9 @@ class Dispatch:
             return False
         msg.hops = hops
         if not respond and self.steps is not None:
-            self._show_call(msg)
+            _show_call(self.steps, msg)
         self.enqueue(msg, batch)
         return True
-
-    def _show_call(self, msg: Message, approval: str = "") -> None:
-        """`step tool-call` (and `approval-wait` for a parked one) for the owner of
-        `msg`'s conversation, if it asked. A parked call's id is its approval's, so
-        its steps still share it when it is approved after a restart."""
-        steps, root = self.steps, msg.frame.root
-        if steps is None or not steps.wanted(msg.frame):
-            return
-        msg.call = call = approval or _call_id()
-        payload = c14n(msg.payload)
-        for target in msg.targets:
-            steps.send(root, Step("tool-call", target.name, call, payload).to_bytes())
-            if approval:
-                steps.send(root, Step("approval-wait", target.name, call).to_bytes())
 
     def hold(self, msg: Message, gated: Park | Deny, own: Frame, hops: int,
               batch: Batch | None) -> bool:
@@ -536,6 +531,65 @@ class Dispatch:
         else:
             detail = " ".join(f"{k}={v}" for k, v in fields.items())
             log.warning("security event kind=%s %s", kind, detail)
+
+
+def _begin(registry: ThreadRegistry, steps: StepSink | None, book: Any, msg: Message,
+           listener: Listener) -> tuple[Frame, HandlerMetadata, StepSink | None, Any, Any]:
+    """The start of `listener`'s call on `msg`: the frame it runs in (a new one for
+    a request), its metadata (`book`: the waits' state book), the step sink if its
+    owner asked, its telemetry token and what the handler takes."""
+    created = msg.kind is _REQUEST
+    frame = registry.extend(msg.frame, listener.name) if created else msg.frame
+    frame.touched = time.monotonic()
+    if steps is not None and not steps.wanted(frame):
+        steps = None
+    if created:
+        frame.ref = msg.ref
+        if msg.call:
+            frame.call = msg.call
+    spec = msg.spec
+    payload: Any = (
+        msg.payload if listener.takes_element  # an isolation pool: no object to build
+        else core_from_element(msg.payload) if spec is None
+        else spec.from_element(msg.payload)
+    )
+    meta = HandlerMetadata(frame.uuid, msg.sender, listener.name, msg.redelivered, "", book,
+                           frame.root.uuid, None, msg.seq, _hops=msg.hops, _ref=msg.ref,
+                           _progress=None if steps is None else _progress(
+                               steps, frame.root, listener.name))
+    token = tracer().handler(listener.name, listener.is_agent, frame.root.uuid, msg.seq,
+                             msg.redelivered, msg.cause)
+    return frame, meta, steps, token, payload
+
+
+def _runs_now(msg: Message, scheduler: Scheduler, max_hops: int, kernel: Kernel | None
+              ) -> bool:
+    """Whether `msg`, a client's, may run on the caller's stack (`Dispatch.start`).
+    Only with a kernel: its frames then reach clients from commit callbacks, never
+    from inside the transport's own submit (without one they would, at once)."""
+    targets = msg.targets
+    if (kernel is None or msg.kind is not _REQUEST or len(targets) != 1
+            or not targets[0].immediate):
+        return False
+    listener = targets[0]
+    return (listener.active < listener.max_concurrency and not listener.retired
+            and msg.frame.root.state is _ACTIVE and msg.hops < max_hops
+            and scheduler.free(msg.frame.uuid) and not kernel.lease_expired)
+
+
+def _show_call(steps: StepSink | None, msg: Message, approval: str = "") -> None:
+    """`step tool-call` (and `approval-wait` for a parked one) for the owner of
+    `msg`'s conversation, if it asked. A parked call's id is its approval's, so
+    its steps still share it when it is approved after a restart."""
+    root = msg.frame.root
+    if steps is None or not steps.wanted(msg.frame):
+        return
+    msg.call = call = approval or _call_id()
+    payload = c14n(msg.payload)
+    for target in msg.targets:
+        steps.send(root, Step("tool-call", target.name, call, payload).to_bytes())
+        if approval:
+            steps.send(root, Step("approval-wait", target.name, call).to_bytes())
 
 
 def _progress(steps: StepSink, root: Frame, listener: str) -> Any:

@@ -110,16 +110,39 @@ class Invoker:
                 log.warning("handler timed out listener=%s %s", listener.name,
                             log_ids(conversation or meta.thread_id, meta.thread_id))
                 result = TIMED_OUT
-        if result is RAISED:
-            listener.count("error")
-        elif result.__class__ is CallFailed:
-            listener.count("denied")
-        elif result is TIMED_OUT:
-            listener.count("timeout")
-        else:
-            listener.observe(time.perf_counter() - started)
-            listener.count("ok")
-        return result
+        return _counted(listener, result, started)
+
+    def call_now(
+        self, listener: Listener, payload: Any, meta: HandlerMetadata, conversation: str = ""
+    ) -> object:
+        """`call` for a handler that never suspends (`Listener.immediate`), on the
+        caller's stack: its coroutine is stepped once and has returned. No deadline:
+        nothing could cancel it before it returns, on a task or not. The caller has
+        checked that the listener has a free slot."""
+        handler = listener.handler
+        assert handler is not None
+        self.calls += 1
+        listener.active += 1
+        started = time.perf_counter()
+        result: object = RAISED
+        try:
+            coroutine = handler(payload, meta)
+            try:
+                coroutine.send(None)
+            except StopIteration as returned:
+                result = returned.value
+            else:  # pragma: no cover - `never_suspends` said it has no await
+                coroutine.close()
+                raise RuntimeError(f"handler of {listener.name} suspended")
+        except Denied as denied:
+            result = CallFailed(denied.code, {**denied.fields, "cause": denied.cause,
+                                                 "listener": listener.name})
+        except Exception:
+            log.exception("handler raised listener=%s %s", listener.name,
+                          log_ids(conversation or meta.thread_id, meta.thread_id))
+        finally:
+            listener.release_slot()
+        return _counted(listener, result, started)
 
     async def _watch(self) -> None:
         loop = asyncio.get_running_loop()
@@ -130,6 +153,20 @@ class Invoker:
                 if now >= deadline:
                     self._expired.add(task)
                     task.cancel()
+
+
+def _counted(listener: Listener, result: object, started: float) -> object:
+    """Count `result` for `listener` (and observe its time if it returned)."""
+    if result is RAISED:
+        listener.count("error")
+    elif result.__class__ is CallFailed:
+        listener.count("denied")
+    elif result is TIMED_OUT:
+        listener.count("timeout")
+    else:
+        listener.observe(time.perf_counter() - started)
+        listener.count("ok")
+    return result
 
 
 def outcome_of(result: object) -> tuple[str, str]:

@@ -259,7 +259,7 @@ class Pump:
             msg.seq = 0 if meta_answer else self._seq
             self._dispatch.emit_core(client, frame.uuid, Accepted(frame.uuid, self._seq).to_bytes())
             if parked is None:
-                self._dispatch.enqueue(msg, None)
+                self._dispatch.start(msg)
             else:
                 self._dispatch.park(msg, parked, None)
             return SubmitResult(frame.uuid, seq=self._seq)
@@ -339,7 +339,7 @@ class Pump:
             admitted(exc)
         else:
             if optimistic:
-                self._dispatch.enqueue(msg, None)
+                self._dispatch.start(msg)
         if outcome is not None:
             return outcome
         return refused or SubmitResult(frame.uuid, seq=seq)

@@ -91,6 +91,13 @@ class Scheduler:
         """True while messages for the frame `uuid` are queued or being handled."""
         return uuid in self._inboxes
 
+    def free(self, uuid: str) -> bool:
+        """True when a worker would take a message for the frame `uuid` at once:
+        the workers run, one is free, nothing else is queued and nothing for the
+        frame is queued or running."""
+        return (not self.queued and self.running < self._pool_size and bool(self._workers)
+                and uuid not in self._inboxes)
+
     def waiting(self, uuid: str) -> bool:
         """True while messages for the frame `uuid` are queued and not yet taken."""
         inbox = self._inboxes.get(uuid)
