@@ -5,6 +5,7 @@ is told apart and called without a task."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 from types import MappingProxyType
 from typing import Any
@@ -107,6 +108,23 @@ def test_a_handler_that_never_suspends_is_called_on_the_callers_stack() -> None:
     lst = listener(plain)
     assert invoker.call_now(lst, 41, META) == 42
     assert invoker.calls == 1 and lst.active == 0
+
+
+SEEN: contextvars.ContextVar[str] = contextvars.ContextVar("seen", default="unset")
+
+
+def test_what_an_immediate_handler_sets_in_its_context_stays_its_own() -> None:
+    """On a task a handler runs in a copy of the context; on the caller's stack it
+    must too, or it would change the caller's (the bus session's) variables."""
+    async def sets(payload: int, meta: HandlerMetadata) -> str:
+        before = SEEN.get()
+        SEEN.set("handler")
+        return before
+
+    SEEN.set("caller")
+    assert never_suspends(sets)
+    assert Invoker(lambda: 1.0).call_now(listener(sets), 1, META) == "caller"
+    assert SEEN.get() == "caller"
 
 
 def test_an_immediate_handlers_failures_are_outcomes_too() -> None:

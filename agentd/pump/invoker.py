@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -117,8 +118,9 @@ class Invoker:
     ) -> object:
         """`call` for a handler that never suspends (`Listener.immediate`), on the
         caller's stack: its coroutine is stepped once and has returned. No deadline:
-        nothing could cancel it before it returns, on a task or not. The caller has
-        checked that the listener has a free slot."""
+        nothing could cancel it before it returns, on a task or not. It runs in a copy
+        of the caller's context, as on a task of its own: what it sets in a context
+        variable stays its own. The caller has checked the listener has a free slot."""
         handler = listener.handler
         assert handler is not None
         self.calls += 1
@@ -128,7 +130,7 @@ class Invoker:
         try:
             coroutine = handler(payload, meta)
             try:
-                coroutine.send(None)
+                contextvars.copy_context().run(coroutine.send, None)
             except StopIteration as returned:
                 result = returned.value
             else:  # pragma: no cover - `never_suspends` said it has no await
