@@ -96,12 +96,8 @@ class Invoker:
         except asyncio.CancelledError:
             if task not in self._expired:
                 raise  # the pump is stopping
-        except Denied as denied:
-            result = CallFailed(denied.code, {**denied.fields, "cause": denied.cause,
-                                                 "listener": listener.name})
-        except Exception:
-            log.exception("handler raised listener=%s %s", listener.name,
-                          log_ids(conversation or meta.thread_id, meta.thread_id))
+        except Exception as exc:
+            result = _failed(exc, listener, meta, conversation)
         finally:
             listener.release_slot()
             del self._deadlines[task]
@@ -136,12 +132,8 @@ class Invoker:
             else:  # pragma: no cover - `never_suspends` said it has no await
                 coroutine.close()
                 raise RuntimeError(f"handler of {listener.name} suspended")
-        except Denied as denied:
-            result = CallFailed(denied.code, {**denied.fields, "cause": denied.cause,
-                                                 "listener": listener.name})
-        except Exception:
-            log.exception("handler raised listener=%s %s", listener.name,
-                          log_ids(conversation or meta.thread_id, meta.thread_id))
+        except Exception as exc:
+            result = _failed(exc, listener, meta, conversation)
         finally:
             listener.release_slot()
         return _counted(listener, result, started)
@@ -155,6 +147,18 @@ class Invoker:
                 if now >= deadline:
                     self._expired.add(task)
                     task.cancel()
+
+
+def _failed(exc: Exception, listener: Listener, meta: HandlerMetadata,
+            conversation: str) -> object:
+    """What a handler's exception comes to: a refusal (`Denied`) its `CallFailed`,
+    anything else logged with its traceback and `RAISED`."""
+    if isinstance(exc, Denied):
+        return CallFailed(exc.code, {**exc.fields, "cause": exc.cause,
+                                     "listener": listener.name})
+    log.exception("handler raised listener=%s %s", listener.name,
+                  log_ids(conversation or meta.thread_id, meta.thread_id))
+    return RAISED
 
 
 def _counted(listener: Listener, result: object, started: float) -> object:
