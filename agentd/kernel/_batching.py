@@ -93,7 +93,7 @@ class KernelBatching:
             raise RuntimeError("transaction already committed")
         if tx.touches_context:
             self._ctx.reserve(tx.ops, self._clock())
-        tx.committed = True  # sealed: Transaction.seal without a call per transaction
+        tx.committed = True  # sealed: no more changes (Transaction._check_open)
         queue = self._queue
         if not queue:
             self._head_time = self._loop.time()

@@ -205,9 +205,9 @@ class Transaction:
     batches it; either all of it is committed or none of it."""
 
     # Plain attributes, not properties: the kernel reads them for every transaction.
-    # `rows` and `ops` are read-only outside this module; `committed` changes only
-    # through `seal`; `touches_context` says whether the kernel must reserve context
-    # counters for it at commit.
+    # `rows` and `ops` are read-only outside this module; `committed` is set only
+    # by the kernel when it queues the transaction; `touches_context` says whether
+    # the kernel must reserve context counters for it at commit.
     __slots__ = ("_ctx", "_ctx_overlay", "_pending", "committed", "full_sync", "ops",
                  "rows", "touches_context")
 
@@ -426,22 +426,17 @@ class Transaction:
     def wire(self) -> tuple:
         """What the writer process needs of this transaction, as plain data:
         (rows, ops, pending offsets, full_sync). See `plan_batch`."""
-        return (self.rows, self.ops, self._pending, self.full_sync)
+        return wires_of(((self, None),))[0]
 
     def _check_open(self) -> None:
         if self.committed:
             raise RuntimeError("transaction already committed")
 
-    def seal(self) -> None:
-        """No more changes: called by `Kernel.commit`; raises if already sealed."""
-        if self.committed:
-            raise RuntimeError("transaction already committed")
-        self.committed = True
-
 
 def wires_of(batch: Iterable[tuple[Transaction, object]]) -> list[tuple]:
     """`Transaction.wire()` of each (transaction, future) of a batch, in one
-    comprehension: the kernel sends every transaction, and a call each adds up."""
+    comprehension: the kernel sends every transaction, and a call each adds up.
+    The one place the wire tuple is made."""
     return [(tx.rows, tx.ops, tx._pending, tx.full_sync) for tx, _ in batch]
 
 
